@@ -1,0 +1,64 @@
+"""The one entry point: ``modelcarve {models, hardware, plan, estimate, run, verify}``.
+
+Each command lives in its own module under ``modelcarve.commands`` and registers its
+sub-parser through ``register(subparsers)``; the module is imported only when its command
+runs, so ``modelcarve models`` never imports torch. Every ModelcarveError (bad model, bad
+layout, bad cluster, malformed file) is printed as one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from modelcarve.spec.errors import ModelcarveError
+
+# command name -> module under modelcarve.commands that implements it
+COMMANDS = {
+    "models": "catalog",
+    "hardware": "catalog",
+    "plan": "plan",
+    "estimate": "plan",
+    "run": "run",
+    "verify": "run",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit code 2 (its own convention)."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        sys.stderr.write(f"modelcarve: error: {message} (see modelcarve {self.prog.split()[-1]} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="modelcarve", description="Plan, run and verify how a transformer is split across devices.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    modules = dict.fromkeys(COMMANDS.values()) if only is None else [COMMANDS[only]]
+    for module in modules:
+        importlib.import_module(f"modelcarve.commands.{module}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(command if command in COMMANDS else None)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except ModelcarveError as err:
+        sys.stderr.write(f"modelcarve: error: {' '.join(str(err).split())}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("modelcarve: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Placeholder registration until the run commands land (see the open issues)."""
+
+from modelcarve.spec.errors import ModelcarveError
+
+
+def _pending(args):
+    raise ModelcarveError(f"'modelcarve {args.command}' is not implemented yet")
+
+
+def register(sub) -> None:
+    for name in ("run", "verify"):
+        p = sub.add_parser(name, help="(not implemented yet)")
+        p.set_defaults(func=_pending)

@@ -1,0 +1,227 @@
+"""Devices, links and clusters, and the catalogue they are looked up in.
+
+A cluster is ``nodes x devices_per_node`` identical devices; devices inside a node talk over
+``intra_link`` (bytes/s per direction per device), nodes over ``inter_link`` with
+``nics_per_node`` NICs shared by the node's devices. Built from a shorthand string
+(``2x8xH200``: nodes x devices x device, with that device's usual links), or from a YAML or
+JSON file for anything else::
+
+    nodes: 4
+    devices_per_node: 8
+    device: H100            # a catalogue name, or a mapping with DeviceSpec's fields
+    intra_link: nvlink4     # a catalogue name, or {bytes_per_s: ..., latency_s: ...}
+    inter_link: eth-100g
+    nics_per_node: 2
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from modelcarve.spec.errors import SpecError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """One kind of link, as one device sees it."""
+
+    name: str
+    bytes_per_s: float
+    """Bandwidth per direction per device (one port / one GPU's share of the switch)."""
+    latency_s: float
+    """Per-message latency (the alpha of an alpha-beta model), seconds."""
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: dict[str, float] = field(compare=False)
+    """Dense peak FLOP/s per dtype (fp32, tf32, bf16, fp16, fp8, int8); absent = unsupported."""
+    hbm_bytes_per_s: float
+    intra_link: str = ""
+    """Catalogue name of the link this device usually has inside a node."""
+    inter_link: str = ""
+    """Catalogue name of the NIC this device's nodes usually have."""
+    nics_per_node: int = 8
+    devices_per_node: int = 8
+    source: str = ""
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype``; int4 runs at the int8 rate, fp32 GEMMs use TF32."""
+        key = {"int4": "int8", "fp32": "tf32", "float32": "tf32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        if key not in self.peak_flops:
+            key = "bf16" if dtype in ("fp8", "int8", "int4") else key
+        if key not in self.peak_flops:
+            raise SpecError(f"device {self.name} has no {dtype} peak; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """``nodes`` identical nodes of ``devices_per_node`` devices."""
+
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_link: LinkSpec
+    inter_link: LinkSpec
+    nics_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node", "nics_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(f"cluster: {name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def inter_bytes_per_s_per_device(self) -> float:
+        """A device's share of its node's NICs when all devices talk across nodes at once."""
+        return self.inter_link.bytes_per_s * self.nics_per_node / self.devices_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x{self.devices_per_node}x{self.device.name}"
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_devices} devices, {self.device.memory_bytes / 2**30:.0f} GiB each; "
+            f"{self.intra_link.name} inside a node, {self.nics_per_node}x {self.inter_link.name} per node"
+        )
+
+
+@functools.cache
+def _catalog() -> dict:
+    text = resources.files("modelcarve.spec.catalog").joinpath("hardware.json").read_text()
+    return json.loads(text)
+
+
+def device_names() -> list[str]:
+    return list(_catalog()["devices"])
+
+
+def link_names() -> list[str]:
+    return list(_catalog()["links"])
+
+
+def _lookup(table: str, name: str) -> tuple[str, dict]:
+    entries = _catalog()[table]
+    for key, value in entries.items():
+        if key.lower() == name.lower() or key.lower().replace("-", "") == name.lower().replace("-", ""):
+            return key, value
+    kind = table[:-1]
+    raise SpecError(f"unknown {kind} {name!r}; known: {', '.join(entries)}")
+
+
+def get_device(name: str) -> DeviceSpec:
+    key, raw = _lookup("devices", name)
+    return DeviceSpec(name=key, **raw)
+
+
+def get_link(name: str) -> LinkSpec:
+    key, raw = _lookup("links", name)
+    return LinkSpec(name=key, **raw)
+
+
+_SHORTHAND = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?([A-Za-z][\w.-]*)$")
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """``2x8xH200`` (nodes x devices x device), ``8xH100`` (one node), ``H100`` (one device),
+    or the path of a YAML / JSON cluster file."""
+    path = Path(text)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        return load_cluster_file(path)
+    match = _SHORTHAND.match(text.strip())
+    if not match:
+        raise SpecError(
+            f"cluster {text!r} is not NODESxDEVICESxDEVICE (e.g. 2x8xH200), DEVICESxDEVICE, or a .yaml/.json file"
+        )
+    first, second, device_name = match.groups()
+    device = get_device(device_name)
+    if second is not None:
+        nodes, per_node = int(first), int(second)
+    elif first is not None:
+        nodes, per_node = 1, int(first)
+    else:
+        nodes, per_node = 1, 1
+    if nodes < 1 or per_node < 1:
+        raise SpecError(f"cluster {text!r}: node and device counts must be at least 1")
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        device=device,
+        intra_link=get_link(device.intra_link),
+        inter_link=get_link(device.inter_link),
+        nics_per_node=device.nics_per_node,
+    )
+
+
+def _link_from(value, where: str) -> LinkSpec:
+    if isinstance(value, str):
+        return get_link(value)
+    if isinstance(value, dict):
+        try:
+            return LinkSpec(name=value.get("name", where), **{k: v for k, v in value.items() if k != "name"})
+        except TypeError as err:
+            raise SpecError(f"cluster file: {where} link: {err}; give bytes_per_s and latency_s") from None
+    raise SpecError(f"cluster file: {where} must be a link name or a mapping, got {value!r}")
+
+
+def cluster_from_dict(raw: dict, where: str = "cluster file") -> ClusterSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: expected a mapping with nodes, devices_per_node, device")
+    unknown = set(raw) - {"nodes", "devices_per_node", "device", "intra_link", "inter_link", "nics_per_node"}
+    if unknown:
+        raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
+    if "device" not in raw:
+        raise SpecError(f"{where}: missing 'device' (a catalogue name such as H100, or a mapping)")
+    dev = raw["device"]
+    if isinstance(dev, str):
+        device = get_device(dev)
+    elif isinstance(dev, dict):
+        try:
+            device = DeviceSpec(**dev)
+        except TypeError as err:
+            raise SpecError(f"{where}: device: {err}") from None
+    else:
+        raise SpecError(f"{where}: device must be a name or a mapping")
+    try:
+        return ClusterSpec(
+            nodes=raw.get("nodes", 1),
+            devices_per_node=raw.get("devices_per_node", device.devices_per_node),
+            device=device,
+            intra_link=_link_from(raw.get("intra_link", device.intra_link), "intra_link"),
+            inter_link=_link_from(raw.get("inter_link", device.inter_link), "inter_link"),
+            nics_per_node=raw.get("nics_per_node", device.nics_per_node),
+        )
+    except TypeError as err:
+        raise SpecError(f"{where}: {err}") from None
+
+
+def load_cluster_file(path: Path) -> ClusterSpec:
+    if not path.is_file():
+        raise SpecError(f"cluster file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text)
+    except Exception as err:  # noqa: BLE001 - any parser error becomes one line
+        raise SpecError(f"cluster file {path}: cannot parse ({type(err).__name__})") from None
+    return cluster_from_dict(raw, where=f"cluster file {path}")

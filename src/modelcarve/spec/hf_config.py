@@ -1,0 +1,227 @@
+"""Read a Hugging Face ``config.json`` (a dict, a file, or a checkpoint directory) into a ModelSpec.
+
+Supported ``model_type``: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 (and
+kimi_k2, which is DeepSeek-V3's architecture under another name) and gpt2. Keys that
+transformers' own config classes give a default for are defaulted the same way here; keys
+without a default are required and their absence is a one-line SpecError naming them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from modelcarve.spec.errors import SpecError
+from modelcarve.spec.model import ModelSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "gpt2")
+_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+class _Config:
+    """Looks keys up in a config dict, naming the model and key when one is missing."""
+
+    def __init__(self, raw: dict, name: str):
+        self.raw, self.name = raw, name
+
+    def req(self, key: str) -> Any:
+        if self.raw.get(key) is None:
+            raise SpecError(
+                f"{self.name}: config.json of model_type {self.raw.get('model_type')!r} lacks required key {key!r}"
+            )
+        return self.raw[key]
+
+    def req_any(self, *keys: str) -> Any:
+        """The first of ``keys`` present (transformers renamed some keys between versions)."""
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.raw[key]
+        raise SpecError(
+            f"{self.name}: config.json of model_type {self.raw.get('model_type')!r} lacks required key "
+            + " (or ".join(repr(k) for k in keys) + ")" * (len(keys) - 1)
+        )
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else value
+
+
+def _ffn_kind(cfg: _Config, key: str = "hidden_act") -> str:
+    act = cfg.get(key, "silu")
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if str(act).startswith("gelu"):
+        return "gelu"
+    raise SpecError(f"{cfg.name}: activation {act!r} is not supported; modelcarve models SwiGLU (silu) and GELU MLPs")
+
+
+def _common_llama(cfg: _Config, family: str) -> dict:
+    hidden, heads = cfg.req("hidden_size"), cfg.req("num_attention_heads")
+    rope = cfg.get("rope_parameters", None) or {}
+    return dict(
+        family=family,
+        vocab_size=cfg.req("vocab_size"),
+        hidden_size=hidden,
+        num_layers=cfg.req("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim", hidden // heads),
+        ffn_kind=_ffn_kind(cfg),
+        ffn_size=cfg.req("intermediate_size"),
+        norm_kind="rmsnorm",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        position_kind="rope",
+        max_position=cfg.get("max_position_embeddings", 4096),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+    )
+
+
+def _llama(cfg: _Config) -> dict:
+    spec = _common_llama(cfg, "llama")
+    bias = bool(cfg.get("attention_bias", False))
+    return spec | dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+
+
+def _mistral(cfg: _Config) -> dict:
+    return _common_llama(cfg, "mistral")
+
+
+def _qwen2(cfg: _Config) -> dict:
+    return _common_llama(cfg, "qwen2") | dict(qkv_bias=True)
+
+
+def _qwen3(cfg: _Config) -> dict:
+    bias = bool(cfg.get("attention_bias", False))
+    return _common_llama(cfg, "qwen3") | dict(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+def _mixtral(cfg: _Config) -> dict:
+    spec = _common_llama(cfg, "mixtral")
+    return spec | dict(
+        num_experts=cfg.req("num_local_experts"),
+        top_k=cfg.req("num_experts_per_tok"),
+        expert_ffn_size=spec["ffn_size"],
+        moe_layers=tuple(range(spec["num_layers"])),
+        router_scoring="softmax",
+        norm_topk_prob=True,
+    )
+
+
+def _qwen3_moe(cfg: _Config) -> dict:
+    spec = _qwen3(cfg) | dict(family="qwen3_moe")
+    experts = cfg.req_any("num_experts", "num_local_experts")
+    step = cfg.get("decoder_sparse_step", 1)
+    dense_only = set(cfg.get("mlp_only_layers", []))
+    moe = tuple(
+        i for i in range(spec["num_layers"]) if i not in dense_only and experts > 0 and (i + 1) % step == 0
+    )
+    return spec | dict(
+        num_experts=experts,
+        top_k=cfg.req("num_experts_per_tok"),
+        expert_ffn_size=cfg.req("moe_intermediate_size"),
+        moe_layers=moe,
+        router_scoring="softmax",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+def _deepseek_v3(cfg: _Config) -> dict:
+    spec = _common_llama(cfg, "deepseek_v3")
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts", 0))
+    first_dense, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+    moe = tuple(i for i in range(spec["num_layers"]) if experts and i >= first_dense and i % freq == 0)
+    bias = bool(cfg.get("attention_bias", False))
+    nope, rope_dim = cfg.req("qk_nope_head_dim"), cfg.req("qk_rope_head_dim")
+    return spec | dict(
+        head_dim=nope + rope_dim,
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_kind="mla",
+        q_lora_rank=cfg.get("q_lora_rank", None) or None,
+        kv_lora_rank=cfg.req("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=cfg.req("v_head_dim"),
+        num_experts=experts,
+        top_k=cfg.req("num_experts_per_tok") if experts else 0,
+        num_shared_experts=cfg.get("n_shared_experts", 0),
+        expert_ffn_size=cfg.req("moe_intermediate_size") if experts else 0,
+        moe_layers=moe,
+        router_scoring="sigmoid",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=cfg.get("n_group", 1),
+        topk_groups=cfg.get("topk_group", 1),
+    )
+
+
+def _gpt2(cfg: _Config) -> dict:
+    hidden, heads = cfg.req("n_embd"), cfg.req("n_head")
+    return dict(
+        family="gpt2",
+        vocab_size=cfg.req("vocab_size"),
+        hidden_size=hidden,
+        num_layers=cfg.req("n_layer"),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_kind=_ffn_kind(cfg, "activation_function") if "activation_function" in cfg.raw else "gelu",
+        ffn_size=cfg.get("n_inner", 4 * hidden),
+        norm_kind="layernorm",
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        position_kind="learned",
+        max_position=cfg.req("n_positions"),
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+    )
+
+
+_READERS: dict[str, Callable[[_Config], dict]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+    "gpt2": _gpt2,
+}
+
+
+def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", extra: dict | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed Hugging Face config dict."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{name}: a config must be a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise SpecError(f"{name}: config.json has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    reader = _READERS.get(_ALIASES.get(model_type, model_type))
+    if reader is None:
+        raise SpecError(
+            f"{name}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    cfg = _Config(raw, name)
+    try:
+        fields = reader(cfg)
+        return ModelSpec(name=name, source=source, extra=dict(extra or {}), **fields)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, SpecError):
+            raise
+        raise SpecError(f"{name}: malformed config.json value ({err})") from None
+
+
+def load_hf_config(path: str | Path) -> ModelSpec:
+    """Read ``config.json`` from a file or a checkpoint directory."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise SpecError(f"{path}: no such config file (give a config.json or a directory holding one)")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SpecError(f"{file}: not valid JSON ({err.__class__.__name__}: {err})".replace("\n", " ")) from None
+    return spec_from_hf_config(raw, name=str(path), source=str(file))

@@ -1,0 +1,345 @@
+"""Layout: how one model is cut over devices — the object the planner emits and the runtime reads.
+
+Axes and how they nest
+----------------------
+``world = dp x cp x tp x pp`` ranks. On the device mesh, TP is innermost (neighbouring ranks,
+inside a node), then CP, then DP, and PP outermost: rank = ((pp_i*dp + dp_i)*cp + cp_i)*tp + tp_i.
+
+Expert parallelism does not add ranks. As in Megatron-Core, the experts of an MoE layer are
+sharded over an EP group carved out of the ``dp x cp`` ranks that hold the same attention
+shard: ``ep`` must divide ``dp * cp``, and the remaining ``dp * cp / ep`` ranks form the
+expert-data-parallel group that all-reduces (or ZeRO-shards) expert gradients. Attention and
+dense layers are unaffected by ``ep``. Expert weights are also split by ``tp`` (expert TP = TP).
+
+Data-parallel sharding: ``zero`` 0 (plain all-reduce DP), 1 (optimiser state), 2 (+ gradients),
+3 (+ parameters; FSDP). ``dp_shard`` is the size of the group the ZeRO state is sharded over:
+``dp`` by default; fewer with ``zero=3`` is HSDP (shard inside ``dp_shard``, replicate across
+``dp / dp_shard``).
+
+String form: ``"tp=8,pp=4,dp=2,zero=1,mbs=1"``; aliases ``fsdp`` (zero=3), ``hsdp=R`` (zero=3,
+R replicas), ``sp`` (sequence parallel on). Short form: ``TP8-PP4-DP2-Z1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from modelcarve.spec.errors import LayoutError
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+TRAIN_DTYPES = ("fp32", "bf16", "fp16")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+
+_ALIASES = {
+    "schedule": {"interleaved": "interleaved-1f1b", "zb": "zero-bubble", "zerobubble": "zero-bubble", "zb-h1": "zero-bubble"},
+    "recompute": {"off": "none", "false": "none", "true": "full", "sel": "selective"},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to split a model; every field has a default so partial layouts parse."""
+
+    dp: int = 1
+    """Data-parallel replicas (attention/dense weights)."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh axis, inside a node)."""
+    pp: int = 1
+    """Pipeline stages (outermost mesh axis)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split over ranks, ring attention."""
+    ep: int = 1
+    """Expert-parallel degree, folded into dp x cp (see module doc)."""
+    sp: bool = False
+    """Sequence parallelism for the norm/dropout regions of a TP group (needs tp > 1)."""
+    zero: int = 0
+    """ZeRO stage 0-3 over the data-parallel group; 3 is FSDP."""
+    dp_shard: int = 0
+    """Ranks the ZeRO/FSDP state is sharded over; 0 means all of dp; less than dp is HSDP."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved-1f1b)."""
+    mbs: int = 1
+    """Micro-batch size, sequences."""
+    gbs: int = 0
+    """Global batch, sequences per optimiser step; 0 means mbs x dp (one micro-batch per replica)."""
+    seq: int = 2048
+    """Sequence length, tokens."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core), full (whole layer)."""
+    param_dtype: str = "bf16"
+    """Dtype compute runs in (weights as used by the forward pass)."""
+    grad_dtype: str = "fp32"
+    """Dtype gradients are reduced and accumulated in."""
+    optim_dtype: str = "fp32"
+    """Dtype of master weights and Adam moments."""
+    weight_dtype: str = "bf16"
+    """Serving: dtype weights are stored in (fp8/int8/int4 are quantised)."""
+    kv_dtype: str = "bf16"
+    """Serving: KV-cache dtype."""
+
+    # --- derived ------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.gbs or self.mbs * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each pipeline processes per step: gbs / (mbs x dp)."""
+        return self.global_batch // (self.mbs * self.dp)
+
+    @property
+    def shard_group(self) -> int:
+        """Size of the group ZeRO/FSDP state is sharded over (1 when zero=0)."""
+        if self.zero == 0:
+            return 1
+        return self.dp_shard or self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel degree: ranks holding the same experts."""
+        return self.dp * self.cp // self.ep
+
+    def short(self) -> str:
+        """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2``."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}" + ("-SP" if self.sp else ""))
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.dp > 1 or not parts:
+            parts.append(f"DP{self.dp}")
+        if self.zero:
+            hsdp = self.zero == 3 and self.dp_shard and self.dp_shard < self.dp
+            parts.append(f"HSDP{self.dp // self.dp_shard}x{self.dp_shard}" if hsdp else f"Z{self.zero}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        return "-".join(parts)
+
+    # --- serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Layout":
+        if not isinstance(raw, dict):
+            raise LayoutError(f"a layout must be a JSON object of fields, got {type(raw).__name__}")
+        raw = raw.get("layout", raw) if isinstance(raw.get("layout"), dict) else raw
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise LayoutError(f"unknown layout field {key!r}; known: {', '.join(known)}")
+            values[key] = _coerce(key, value, known[key].type)
+        layout = cls(**values)
+        layout.check()
+        return layout
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """A ``key=value,...`` string, a JSON object, or the path of a layout JSON file."""
+        if not isinstance(text, str) or not text.strip():
+            raise LayoutError('empty layout; give e.g. "tp=2,pp=2,dp=2" or a layout.json path')
+        text = text.strip()
+        if text.startswith("{"):
+            try:
+                return cls.from_dict(json.loads(text))
+            except json.JSONDecodeError as err:
+                raise LayoutError(f"layout JSON is malformed: {err}") from None
+        if text.endswith(".json"):
+            path = Path(text)
+            if not path.is_file():
+                raise LayoutError(f"layout file {text} does not exist")
+            try:
+                return cls.from_dict(json.loads(path.read_text()))
+            except json.JSONDecodeError as err:
+                raise LayoutError(f"layout file {text} is not valid JSON: {err}") from None
+        values: dict = {}
+        for item in text.replace(" ", "").split(","):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            key = key.lower().replace("-", "_")
+            if key == "fsdp" and not sep:
+                values["zero"] = 3
+                continue
+            if key == "sp" and not sep:
+                values["sp"] = True
+                continue
+            if not sep:
+                raise LayoutError(f"layout item {item!r} is not key=value (e.g. tp=2)")
+            if key == "hsdp":
+                values["zero"] = 3
+                values["_hsdp_replicas"] = _int("hsdp", value)
+                continue
+            if key in ("virtual", "v", "vpp"):
+                key = "virtual_stages"
+            if key in ("microbatch", "micro_batch"):
+                key = "mbs"
+            if key in ("global_batch", "batch"):
+                key = "gbs"
+            if key in values:
+                raise LayoutError(f"layout key {key!r} given twice")
+            values[key] = value
+        replicas = values.pop("_hsdp_replicas", None)
+        if replicas is not None:
+            dp = _int("dp", values.get("dp", 1))
+            if replicas < 1 or dp % replicas:
+                raise LayoutError(f"hsdp={replicas} replicas do not divide dp={dp}; choose a divisor of dp")
+            values["dp_shard"] = dp // replicas
+        return cls.from_dict(values)
+
+    # --- checks -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Checks that need no model or cluster: ranges, enums, divisibility of the batch."""
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "mbs", "seq"):
+            value = getattr(self, name)
+            if value < 1:
+                raise LayoutError(f"{name}={value} must be at least 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
+        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise LayoutError(f"dp_shard={self.dp_shard} does not divide dp={self.dp}; valid: {_divisors(self.dp)}")
+        if self.dp_shard and self.dp_shard < self.dp and self.zero == 0:
+            raise LayoutError("dp_shard < dp (HSDP) needs zero=1..3; add zero=3")
+        _enum("schedule", self.schedule, SCHEDULES)
+        _enum("recompute", self.recompute, RECOMPUTE)
+        for name in ("param_dtype", "grad_dtype", "optim_dtype"):
+            _enum(name, getattr(self, name), TRAIN_DTYPES)
+        _enum("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        _enum("kv_dtype", self.kv_dtype, KV_DTYPES)
+        if self.sp and self.tp == 1:
+            raise LayoutError("sequence parallelism (sp) needs tp > 1; drop sp or set tp=2 or more")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise LayoutError(
+                f"virtual_stages={self.virtual_stages} needs schedule=interleaved-1f1b (got {self.schedule})"
+            )
+        if self.gbs and self.gbs % (self.mbs * self.dp):
+            raise LayoutError(
+                f"gbs={self.gbs} is not a multiple of mbs x dp = {self.mbs} x {self.dp}; "
+                f"use gbs={self.mbs * self.dp * max(1, round(self.gbs / (self.mbs * self.dp)))}"
+            )
+        if self.schedule == "interleaved-1f1b" and self.pp > 1 and self.num_microbatches % self.pp:
+            raise LayoutError(
+                f"interleaved-1f1b needs the micro-batch count ({self.num_microbatches}) to be a multiple of pp={self.pp}"
+            )
+
+    def validate(self, model: "ModelSpec", cluster: "ClusterSpec | None" = None, world_size: int | None = None) -> None:
+        """Raise LayoutError, naming every factor that disagrees, if this layout cannot run
+        ``model`` on ``cluster`` (or on ``world_size`` ranks)."""
+        self.check()
+        problems = []
+        devices = cluster.num_devices if cluster is not None else world_size
+        if devices is not None and self.world_size != devices:
+            where = f"the cluster {cluster.name} has" if cluster is not None else "there are"
+            problems.append(
+                f"dp x cp x tp x pp = {self.dp} x {self.cp} x {self.tp} x {self.pp} = {self.world_size} "
+                f"but {where} {devices} devices"
+            )
+        heads = model.num_heads
+        if heads % self.tp:
+            problems.append(
+                f"tp={self.tp} does not divide {heads} attention heads; valid tp: {_fmt(_divisors(heads))}"
+            )
+        kv = model.num_kv_heads
+        if model.attention_kind == "gqa" and kv % self.tp and self.tp % kv:
+            problems.append(
+                f"tp={self.tp} and {kv} kv heads: one must divide the other to shard or replicate kv heads"
+            )
+        if model.ffn_size % self.tp:
+            problems.append(f"tp={self.tp} does not divide ffn size {model.ffn_size}; valid tp: {_fmt(_divisors(model.ffn_size))}")
+        if model.is_moe and model.expert_ffn_size % self.tp:
+            problems.append(f"tp={self.tp} does not divide expert ffn size {model.expert_ffn_size}")
+        stages = self.pp * self.virtual_stages
+        if stages > model.num_layers:
+            problems.append(
+                f"pp x virtual_stages = {stages} exceeds the model's {model.num_layers} layers; "
+                f"each stage needs at least one layer"
+            )
+        if self.ep > 1:
+            if not model.is_moe:
+                problems.append(f"ep={self.ep} but {model.name} has no experts; use ep=1")
+            else:
+                if model.num_experts % self.ep:
+                    problems.append(
+                        f"ep={self.ep} does not divide {model.num_experts} experts; valid ep: "
+                        f"{_fmt(_divisors(model.num_experts))}"
+                    )
+                if (self.dp * self.cp) % self.ep:
+                    problems.append(
+                        f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are sharded over the "
+                        f"data/context-parallel ranks); valid ep: {_fmt(_divisors(self.dp * self.cp))}"
+                    )
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            problems.append(
+                f"seq={self.seq} is not a multiple of 2 x cp = {2 * self.cp} (zig-zag ring attention chunks)"
+            )
+        if self.sp and self.seq % self.tp:
+            problems.append(f"sequence parallelism needs seq={self.seq} divisible by tp={self.tp}")
+        if problems:
+            raise LayoutError("; ".join(problems))
+
+
+def _divisors(n: int, limit: int = 128) -> list[int]:
+    """Divisors of ``n`` up to ``limit`` (no parallel degree of interest is larger)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(map(str, values))
+
+
+def _enum(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise LayoutError(f"{name}={value!r} is not one of: {', '.join(valid)}")
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise LayoutError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        raise LayoutError(f"{name}={value!r} is not an integer") from None
+
+
+def _coerce(name: str, value, annotation: str):
+    if annotation == "int":
+        return _int(name, value)
+    if annotation == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "on", "yes"):
+            return True
+        if text in ("0", "false", "off", "no"):
+            return False
+        raise LayoutError(f"{name}={value!r} is not a boolean (true/false)")
+    text = str(value).lower()
+    return _ALIASES.get(name, {}).get(text, text)
