@@ -52,6 +52,8 @@ class ModelSpec:
     head_dim: int
     """Per-head dimension of q, k and v for ``gqa`` attention (for MLA see the mla_ fields)."""
     ffn_kind: FfnKind = "swiglu"
+    activation: str = "silu"
+    """Hugging Face activation name (silu for SwiGLU; gelu, gelu_new (tanh approximation) for GELU)."""
     ffn_size: int
     """Intermediate size of the dense MLP (and of dense layers of an MoE model)."""
     norm_kind: NormKind = "rmsnorm"
@@ -61,6 +63,8 @@ class ModelSpec:
     max_position: int = 4096
     """Context the model was trained for; size of the table for learned positions."""
     rope_theta: float = 10000.0
+    rope_interleave: bool = False
+    """Rotary pairs are interleaved (x0,x1),(x2,x3)... rather than split halves (DeepSeek-V3)."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (qwen2, gpt2, llama with attention_bias)."""
     o_bias: bool = False

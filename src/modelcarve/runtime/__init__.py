@@ -1,0 +1,1 @@
+"""torch.distributed runtime: the reference model, each parallelism as its own module, training."""
