@@ -1,0 +1,147 @@
+"""Shared multi-process test harness: run a function in N real gloo processes.
+
+    from dist import run_distributed
+    results = run_distributed(worker, 4, arg1, arg2, timeout=120)   # one result per rank
+
+Each rank is a fresh spawned Python process with torchrun's environment (MASTER_ADDR=127.0.0.1,
+a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, OMP_NUM_THREADS=1); the process group is
+initialised (gloo, ``collective_s`` timeout on every group) before ``fn(*args)`` runs, unless
+``init=False``. ``fn`` must be a module-level function of an importable module (a test file is
+fine: spawn re-imports it). Results must be picklable. If any rank raises, ``DistError`` carries
+every failing rank's traceback; ranks still running after the first failure get ``grace_s``
+to finish (they usually fail on their own collective timeout) and are then killed, so a test
+never hangs past ``timeout``.
+
+Starting a rank costs seconds (importing torch): run one group per world size and loop over
+many cases inside it (see ``cases`` helpers in tests/test_runtime_layouts.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+class DistError(RuntimeError):
+    """One or more ranks failed; the message holds each rank's error text."""
+
+    def __init__(self, message: str, errors: dict[int, str]):
+        super().__init__(message)
+        self.errors = errors
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    os.environ.update(env or {})
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if init:
+            from modelcarve.runtime.mesh import init_distributed
+
+            init_distributed(timeout_s=collective_s)
+        result = fn(*args)
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180.0,
+    collective_s: float = 60.0,
+    init: bool = True,
+    grace_s: float | None = None,
+    env: dict | None = None,
+) -> list:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the list of results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, args, r, world_size, port, out, init, collective_s, env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    grace = collective_s + 15 if grace_s is None else grace_s
+    first_error: float | None = None
+    try:
+        while len(results) + len(errors) < world_size:
+            now = time.monotonic()
+            if first_error is not None:
+                deadline = min(deadline, first_error + grace)
+            if now > deadline:
+                break
+            try:
+                rank, status, value = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and r not in errors and p.exitcode not in (0, None)
+                ]
+                for r in dead:
+                    time.sleep(0.5)  # a late queue message may still be in flight
+                    try:
+                        while True:
+                            rr, status, value = out.get_nowait()
+                            (results if status == "ok" else errors)[rr] = value
+                    except queue.Empty:
+                        pass
+                    if r not in results and r not in errors:
+                        errors[r] = f"rank {r} died with exit code {procs[r].exitcode} and no traceback"
+                if errors and first_error is None:
+                    first_error = time.monotonic()
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+                if first_error is None:
+                    first_error = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors and len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world_size) if r not in results and r not in errors]
+    for r in missing:
+        errors[r] = f"rank {r} did not finish within {timeout:.0f}s (killed)"
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise DistError(f"{len(errors)} of {world_size} ranks failed:\n{text}", errors)
+    return [results[r] for r in range(world_size)]
