@@ -95,3 +95,15 @@ def test_total_params_equal_transformers(model_type, seed):
     # dict (our defaults must equal transformers' defaults).
     assert spec_from_hf_config(full).total_params == expected
     assert spec_from_hf_config(raw).total_params == expected
+
+
+@pytest.mark.parametrize("name", ["kimi-k2", "deepseek-v3", "llama-3.1-405b", "qwen3-235b-a22b", "mixtral-8x22b"])
+def test_catalogued_real_models_equal_transformers(name):
+    """The published config.json of each model, built by transformers on the meta device."""
+    from modelcarve.spec.catalog import catalog_entry, get_model
+
+    raw = dict(catalog_entry(name)["config"])
+    if raw["model_type"] == "kimi_k2":  # Kimi K2 ships DeepseekV3ForCausalLM under its own model_type
+        raw["model_type"] = "deepseek_v3"
+    expected, _ = _transformers_count(raw)
+    assert get_model(name).total_params == expected

@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, plan, estimate, run, verify}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
@@ -18,6 +18,7 @@ from modelcarve.spec.errors import ModelcarveError
 COMMANDS = {
     "models": "catalog",
     "hardware": "catalog",
+    "layout": "layout",
     "plan": "plan",
     "estimate": "plan",
     "run": "run",
@@ -29,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line and exit code 2 (its own convention)."""
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
-        sys.stderr.write(f"modelcarve: error: {message} (see modelcarve {self.prog.split()[-1]} --help)\n")
+        sys.stderr.write(f"modelcarve: error: {message} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(command if command in COMMANDS else None)
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exit_:  # argparse: --help (0) or a usage error already printed (2)
+            return int(exit_.code or 0)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

@@ -1,0 +1,1 @@
+"""Presentation: rich tables and matplotlib figures of plans and runs."""
