@@ -1,0 +1,88 @@
+"""The goal registry: what a plan optimises, behind one protocol the single search reads.
+
+Usage::
+
+    from modelcarve.plan.goals import get_goal, GOALS
+    goal = get_goal("train")
+    result = goal.evaluate(model, cluster, Layout.parse("tp=8,pp=8,dp=24"), global_batch=2304, seq=2048)
+
+A goal is any object with
+
+* ``name: str`` and ``description: str``;
+* ``candidates(model, cluster, **options) -> Iterable[candidate]``: every layout worth scoring
+  (a candidate is whatever the goal's ``evaluate`` accepts; a ``Layout`` always works);
+* ``evaluate(model, cluster, candidate, **options) -> dict``: that goal's estimate JSON, always
+  with ``"fits": bool``, ``"warnings": [str]`` and ``"reject_reason": str | None`` (in words);
+* ``score(result) -> float``: higher is better (e.g. tokens/s).
+
+Optionally, for speed, ``prepare(model, cluster, **options) -> screen`` where
+``screen(candidate) -> (score, reject_category, reject_reason)``: a cheap scorer without the
+JSON, which the search runs over every candidate before it evaluates the best few in full.
+``reject_category`` is a short stable phrase the search counts (``"does not fit in memory"``);
+``reject_reason`` is the sentence about this candidate. Both are None when it is accepted.
+
+Goals register themselves here by name; the serving goals live in ``plan/serve_goal.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
+
+from modelcarve.spec.errors import ModelcarveError
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+Screen = Callable[[Any], "tuple[float, str | None, str | None]"]
+
+
+@runtime_checkable
+class Goal(Protocol):
+    name: str
+    description: str
+
+    def candidates(self, model: "ModelSpec", cluster: "ClusterSpec", **options) -> Iterable[Any]: ...
+
+    def evaluate(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: Any, **options) -> dict: ...
+
+    def score(self, result: dict) -> float: ...
+
+
+GOALS: dict[str, Goal] = {}
+
+
+def register(goal: Goal) -> Goal:
+    """Add ``goal`` to the registry under ``goal.name`` (replacing one of the same name)."""
+    GOALS[goal.name] = goal
+    return goal
+
+
+BUILTIN_GOAL_MODULES = ("train_goal", "serve_goal")
+"""Modules under modelcarve.plan that register goals when imported."""
+
+
+def _load_builtin() -> None:
+    # Imported here, not at module top, so goal modules can import this one to register.
+    import importlib
+
+    for module in BUILTIN_GOAL_MODULES:
+        try:
+            importlib.import_module(f"modelcarve.plan.{module}")
+        except ModuleNotFoundError as err:  # a goal module not written yet in this checkout
+            if err.name != f"modelcarve.plan.{module}":
+                raise
+
+
+def get_goal(name: str) -> Goal:
+    if not GOALS:
+        _load_builtin()
+    if name not in GOALS:
+        raise ModelcarveError(f"unknown goal {name!r}; known goals: {', '.join(sorted(GOALS))}")
+    return GOALS[name]
+
+
+def goal_names() -> list[str]:
+    if not GOALS:
+        _load_builtin()
+    return sorted(GOALS)

@@ -1,0 +1,140 @@
+"""The one search: enumerate a goal's candidates, screen them all, evaluate the best in full.
+
+Usage::
+
+    from modelcarve.plan.search import search
+    result = search(model, cluster, "train", top=5, global_batch=1536, seq=2048)
+    result["layouts"][0]["layout"]        # the winner, as Layout.to_dict()
+
+Returns ``{"layouts": [...], "rejected": {category: count}, "evaluated": int,
+"alternatives": [...], "elapsed_s": float}``: ``layouts`` are the ``top`` best fitting
+candidates, best first, each the goal's estimate JSON with its ``"layout"``; ``rejected`` counts
+the candidates dropped per reason; ``alternatives`` are the best-scoring rejected candidates
+(one per reason), each with its ``reject_reason`` in words.
+
+Goals with a ``prepare`` (see goals.py) are screened with their cheap scorer and only the
+finalists go through ``evaluate``; the others are evaluated in full. This module also holds the
+shared helpers that factorise a device count over mesh axes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from modelcarve.plan.goals import get_goal
+from modelcarve.spec.errors import ModelcarveError
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+
+# --- factorisation helpers ---------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n``, ascending."""
+    if n < 1:
+        return []
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def factorizations(n: int, num_axes: int, allowed: Sequence[Sequence[int] | None] = ()) -> Iterator[tuple[int, ...]]:
+    """Every ordered tuple of ``num_axes`` positive integers whose product is ``n``.
+
+    ``allowed[i]`` (optional) restricts axis ``i`` to those values; the last axis takes what is
+    left, so it is checked rather than enumerated."""
+    allowed = list(allowed) + [None] * (num_axes - len(allowed))
+
+    def rec(rest: int, axis: int) -> Iterator[tuple[int, ...]]:
+        if axis == num_axes - 1:
+            if allowed[axis] is None or rest in allowed[axis]:
+                yield (rest,)
+            return
+        for d in divisors(rest):
+            if allowed[axis] is not None and d not in allowed[axis]:
+                continue
+            for tail in rec(rest // d, axis + 1):
+                yield (d,) + tail
+
+    if num_axes < 1:
+        raise ValueError("num_axes must be at least 1")
+    yield from rec(n, 0)
+
+
+# --- the search --------------------------------------------------------------------------------
+def search(model: "ModelSpec", cluster: "ClusterSpec", goal_name: str, top: int = 5, **options) -> dict:
+    """Rank every candidate of goal ``goal_name`` for ``model`` on ``cluster`` (see module doc)."""
+    if top < 1:
+        raise ModelcarveError(f"top={top} must be at least 1")
+    goal = get_goal(goal_name)
+    started = time.perf_counter()
+    prepare = getattr(goal, "prepare", None)
+    if prepare is not None:
+        found = _screened(goal, prepare(model, cluster, **options), model, cluster, top, options)
+    else:
+        found = _full(goal, model, cluster, top, options)
+    found["elapsed_s"] = time.perf_counter() - started
+    return found
+
+
+def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
+    best: list[tuple[float, int, Any]] = []  # min-heap of the top accepted
+    rejected: dict[str, int] = {}
+    best_rejected: dict[str, tuple[float, Any, str]] = {}
+    evaluated = 0
+    counter = itertools.count()
+    for candidate in goal.candidates(model, cluster, **options):
+        evaluated += 1
+        score, category, reason = screen(candidate)
+        if category is None:
+            item = (score, next(counter), candidate)
+            if len(best) < top:
+                heapq.heappush(best, item)
+            elif score > best[0][0]:
+                heapq.heapreplace(best, item)
+            continue
+        rejected[category] = rejected.get(category, 0) + 1
+        held = best_rejected.get(category)
+        if held is None or score > held[0]:
+            best_rejected[category] = (score, candidate, reason)
+    layouts = [goal.evaluate(model, cluster, c, **options) for _, _, c in best]
+    layouts.sort(key=goal.score, reverse=True)
+    alternatives = []
+    for category, (_, candidate, reason) in sorted(best_rejected.items(), key=lambda kv: -kv[1][0]):
+        result = goal.evaluate(model, cluster, candidate, **options)
+        result["reject_category"] = category
+        result["reject_reason"] = result.get("reject_reason") or reason
+        alternatives.append(result)
+    return {"layouts": layouts, "rejected": rejected, "evaluated": evaluated, "alternatives": alternatives}
+
+
+def _full(goal, model, cluster, top: int, options: dict) -> dict:
+    accepted: list[dict] = []
+    rejected: dict[str, int] = {}
+    best_rejected: dict[str, dict] = {}
+    evaluated = 0
+    for candidate in goal.candidates(model, cluster, **options):
+        evaluated += 1
+        result = goal.evaluate(model, cluster, candidate, **options)
+        reason = result.get("reject_reason")
+        if result.get("fits") and not reason:
+            accepted.append(result)
+            continue
+        category = result.get("reject_category") or reason or "rejected"
+        rejected[category] = rejected.get(category, 0) + 1
+        held = best_rejected.get(category)
+        if held is None or goal.score(result) > goal.score(held):
+            best_rejected[category] = result
+    accepted.sort(key=goal.score, reverse=True)
+    alternatives = sorted(best_rejected.values(), key=goal.score, reverse=True)
+    return {"layouts": accepted[:top], "rejected": rejected, "evaluated": evaluated, "alternatives": alternatives}
