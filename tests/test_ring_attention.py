@@ -1,0 +1,136 @@
+"""Ring attention (runtime/ring_attention.py) against full causal attention.
+
+Single-process tests check the block math and the hand-written backward (gradcheck in fp64,
+group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
+and 4) checks outputs and q/k/v gradients of every rank's piece against unsharded causal
+attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, and the refusal of lengths
+that do not divide by 2 x cp.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modelcarve.runtime.ring_attention import (
+    check_divisible,
+    ring_attention,
+    zigzag_indices,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from modelcarve.spec.errors import LayoutError
+
+
+from dist import run_distributed
+
+
+def _reference(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# (batch, q heads, kv heads, seq, d_qk, d_v)
+CASES = [
+    (2, 4, 2, 16, 8, 8),  # GQA
+    (1, 4, 1, 24, 8, 8),  # MQA
+    (2, 2, 2, 8, 4, 6),  # MHA, d_v != d_qk (MLA-like); for cp=4 the chunks are one token
+    (1, 6, 3, 48, 16, 16),  # GQA, longer
+]
+
+
+# --- single process -----------------------------------------------------------------------
+@pytest.mark.parametrize("hq,hkv,dv", [(4, 2, 8), (4, 1, 8), (3, 3, 5)])
+def test_single_rank_matches_sdpa_and_gradcheck(hq, hkv, dv):
+    torch.manual_seed(0)
+    q = torch.randn(2, hq, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, hkv, 6, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, hkv, 6, dv, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(ring_attention(q, k, v), _reference(q, k, v), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c), (q, k, v))
+
+
+def test_zigzag_layout():
+    # cp=2, 8 tokens: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert zigzag_indices(16, 4, 3).tolist() == [6, 7, 8, 9]
+    x = torch.arange(3 * 24).view(3, 24)
+    for cp in (1, 2, 3, 4):
+        pieces = [zigzag_shard(x, 1, cp, r) for r in range(cp)]
+        assert all(p.shape == (3, 24 // cp) for p in pieces)
+        assert torch.equal(zigzag_unshard(pieces, 1), x)
+        # every rank holds the same causal work: sum of positions is equal across ranks
+        assert len({int(zigzag_indices(24, cp, r).sum()) for r in range(cp)}) == 1
+
+
+def test_indivisible_lengths_are_refused():
+    with pytest.raises(LayoutError, match=r"seq=18 is not a multiple of 2 x cp = 4.*use seq=16 or seq=20"):
+        check_divisible(18, 2)
+    with pytest.raises(LayoutError, match="2 x cp = 8"):
+        zigzag_shard(torch.zeros(1, 12), 1, 4, 0)
+    with pytest.raises(LayoutError, match="not two equal zig-zag chunks"):
+        q = torch.zeros(1, 2, 5, 4)
+        ring_attention(q, q, q)
+
+
+# --- real gloo ranks ----------------------------------------------------------------------
+def _ring_worker() -> dict:
+    import torch.distributed as dist
+
+    from modelcarve.runtime.mesh import new_group
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group = new_group(list(range(world_size)))  # the whole world is the cp group
+    results = {}
+    for case in CASES:
+        b, hq, hkv, s, d, dv = case
+        for dtype in (torch.float32, torch.float64):
+            gen = torch.Generator().manual_seed(hash(case) % 1000)
+            q = torch.randn(b, hq, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
+            k = torch.randn(b, hkv, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
+            v = torch.randn(b, hkv, s, dv, generator=gen, dtype=torch.float64, requires_grad=True)
+            dout = torch.randn(b, hq, s, dv, generator=gen, dtype=torch.float64)
+            out = _reference(q, k, v)
+            out.backward(dout)
+
+            def piece(t):
+                return zigzag_shard(t.detach(), 2, world_size, rank).to(dtype)
+
+            ql, kl, vl = (piece(t).requires_grad_() for t in (q, k, v))
+            # two calls in a row, as two layers would make them
+            out_l = ring_attention(ql, kl, vl, group)
+            out_l2 = ring_attention(ql, kl, vl, group)
+            (out_l * piece(dout)).sum().backward()
+            errors = {
+                "out": (out_l.double() - piece(out).double()).abs().max().item(),
+                "repeat": (out_l2 - out_l).abs().max().item(),
+                "dq": (ql.grad.double() - piece(q.grad).double()).abs().max().item(),
+                "dk": (kl.grad.double() - piece(k.grad).double()).abs().max().item(),
+                "dv": (vl.grad.double() - piece(v.grad).double()).abs().max().item(),
+            }
+            results[(case, str(dtype))] = errors
+    try:
+        zigzag_shard(torch.zeros(1, 2 * world_size + 2), 1, world_size, rank)
+        results["refusal"] = None
+    except LayoutError as err:
+        results["refusal"] = str(err)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_attention_matches_full_causal_attention(world_size):
+    per_rank = run_distributed(_ring_worker, world_size, timeout=240)
+    for rank, results in enumerate(per_rank):
+        assert results["refusal"] is not None and f"2 x cp = {2 * world_size}" in results["refusal"]
+        for key, errors in results.items():
+            if key == "refusal":
+                continue
+            case, dtype = key
+            tol = 1e-12 if dtype == "torch.float64" else 1e-5
+            assert errors["repeat"] == 0, (rank, case, dtype, errors)
+            for name in ("out", "dq", "dk", "dv"):
+                assert errors[name] <= tol, (world_size, rank, case, dtype, name, errors)
