@@ -1,0 +1,258 @@
+"""Pipeline parallelism: run the chunks of ``pipeline_split.split_model`` under a schedule.
+
+Uses ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); all four run on
+CPU/gloo (checked in tests/test_runtime_pipeline.py). What is ours: the split (pipeline_split.py),
+the loss normalisation, the tied-embedding gradient sum, the loss broadcast and clear errors.
+
+Usage (the order parallelize.py / train.py use)::
+
+    chunks = split_model(model, layout, pp_rank=mesh.get_local_rank("pp"))
+    # ... TP / EP / CP / DP applied to each chunk ...
+    runner = build_pipeline(chunks, layout, mesh, loss_fn)
+    loss = runner.step(tokens, targets)      # forward + backward over all micro-batches
+    optimizer.step(); optimizer.zero_grad()
+
+Schedules (``layout.schedule``): ``gpipe`` (all forwards, then all backwards), ``1f1b``
+(one-forward-one-backward after a warm-up; needs micro-batches >= pp), ``interleaved-1f1b``
+(``virtual_stages`` chunks per rank, Megatron's interleaving; micro-batches a multiple of pp),
+``zero-bubble`` (ZB-H1 style: backward split into input-gradient I and weight-gradient W,
+torch's ``ScheduleInterleavedZeroBubble``).
+
+Loss normalisation (the runtime contract): ``loss_fn(logits, targets)`` returns the mean token
+cross-entropy of one micro-batch; every micro-batch has ``mbs x seq`` tokens, so the mean over
+micro-batches is the mean over this pipeline's batch, and torch's ``scale_grads`` divides the
+accumulated gradients by the micro-batch count to match. ``step`` returns that mean, broadcast
+from the last stage to every pipeline rank, then averaged over the ``dp`` and ``cp`` mesh axes
+(equal token counts per rank), i.e. the global-batch mean token cross-entropy on every rank.
+Gradients are this pipeline's; reducing them over dp stays with data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.tensor import DTensor
+
+from modelcarve.runtime.pipeline_split import (
+    balance_layers,
+    num_stages,
+    split_model,
+    stage_ids,
+    tied_copy_names,
+    unwrap,
+)
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import Layout
+
+__all__ = ["PipelineRunner", "build_pipeline", "split_model", "balance_layers", "stage_ids", "tied_copy_names"]
+
+_MULTI_STAGE = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+_SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action a rank ran: F (forward), B (full backward), I (input-gradient
+    backward), W (weight-gradient backward) of ``microbatch`` on ``stage``."""
+
+    stage: int
+    microbatch: int
+    kind: str
+
+
+class _RecordingStage(PipelineStage):
+    """A PipelineStage that appends every compute action it runs to a shared list (for the
+    pipeline timeline figure and the schedule tests)."""
+
+    def __init__(self, *args, log: list[Action], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._log = log
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._log.append(Action(self.stage_index, fwd_chunk_id, "F"))
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        self._log.append(Action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"))
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        self._log.append(Action(self.stage_index, bwd_chunk_id, "W"))
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+class PipelineRunner:
+    """Runs one training step's forward and backward over all micro-batches of a pipeline."""
+
+    def __init__(self, chunks, stages, schedule, layout: Layout, mesh, tied_group, log: list[Action]):
+        self.chunks, self.stages, self.schedule, self.layout, self.mesh = chunks, stages, schedule, layout, mesh
+        self.pp_group = mesh.get_group("pp")
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self._tied_group = tied_group
+        # (chunk, parameter FQN) pairs whose gradients are summed with the other end's copy.
+        self._tied_params: list[tuple[nn.Module, str]] = []
+        if tied_group is not None:
+            for chunk in chunks:
+                if unwrap(chunk).stage_index == 0:
+                    self._tied_params.append((chunk, "tok_embeddings.weight"))
+                self._tied_params += [(chunk, name) for name in tied_copy_names(chunk)]
+        self.actions = log
+        """Compute actions this rank ran during the last ``step``, in order."""
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward + backward of ``tokens``/``targets`` [num_microbatches x mbs, seq] (this
+        pipeline's batch; every rank passes it, each stage uses what it needs). Gradients
+        accumulate into ``.grad``. Returns the global-batch mean loss (fp32 scalar) on every rank."""
+        n = self.layout.num_microbatches
+        if tokens.shape[0] % n:
+            raise LayoutError(
+                f"the batch has {tokens.shape[0]} sequences, not divisible into {n} micro-batches; "
+                f"pass num_microbatches x mbs = {n * self.layout.mbs} sequences"
+            )
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        self.actions.clear()
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        self.schedule.step(
+            *args,
+            target=targets if self.has_last else None,
+            losses=losses,
+            return_outputs=False,
+            positions=positions,
+        )
+        self._sync_tied_grads()
+        return self._reduce_loss(losses, tokens.device)
+
+    def _reduce_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        if self.has_last:
+            loss = torch.stack([_local(x).detach().float() for x in losses]).mean()
+        last_rank = self.stages[0].stage_index_to_group_rank[num_stages(self.layout) - 1]
+        dist.broadcast(loss, group=self.pp_group, group_src=last_rank)
+        for axis in ("dp", "cp"):
+            if axis in (self.mesh.mesh_dim_names or ()) and self.mesh.size(self.mesh.mesh_dim_names.index(axis)) > 1:
+                dist.all_reduce(loss, group=self.mesh.get_group(axis))
+                loss /= self.mesh.size(self.mesh.mesh_dim_names.index(axis))
+        return loss
+
+    @torch.no_grad()
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradients of the embedding (first stage) and of its copy in the head (last
+        stage) over the tied group, so both hold the full gradient of the tied weight."""
+        for chunk, name in self._tied_params:
+            param = unwrap(chunk).get_parameter(name)
+            if param.grad is None:  # e.g. the weight got no gradient in this step
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(_local(param.grad), group=self._tied_group)
+
+
+def build_pipeline(
+    chunks: list[nn.Module],
+    layout: Layout,
+    mesh,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> PipelineRunner:
+    """A runner for this rank's ``chunks`` (from ``split_model``, possibly wrapped by TP/DP)
+    over the ``pp`` axis of ``mesh`` with ``layout.schedule``."""
+    pp_rank, pp_size = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
+    if pp_size != layout.pp:
+        raise LayoutError(f"the mesh has pp={pp_size} but the layout says pp={layout.pp}; build the mesh from this layout")
+    expected = stage_ids(layout, pp_rank)
+    got = [getattr(unwrap(c), "stage_index", None) for c in chunks]
+    if got != expected:
+        raise LayoutError(
+            f"pipeline rank {pp_rank} should hold stages {expected} but was given chunks for {got}; "
+            f"pass the chunks split_model(model, layout, pp_rank={pp_rank}) returned"
+        )
+    n, stages_total = layout.num_microbatches, num_stages(layout)
+    _check_schedule(layout, n)
+    group = mesh.get_group("pp")
+    device = _device_of(chunks[0])
+    log: list[Action] = []
+    stages = [
+        _RecordingStage(chunk, stage, stages_total, device, group=group, log=log)
+        for chunk, stage in zip(chunks, expected)
+    ]
+    kwargs = dict(loss_fn=loss_fn, kwargs_chunk_spec={"positions": _Replicate}, scale_grads=True)
+    try:
+        if layout.schedule in _SINGLE_STAGE:
+            schedule = _SINGLE_STAGE[layout.schedule](stages[0], n, **kwargs)
+        else:
+            schedule = _MULTI_STAGE[layout.schedule](stages, n, **kwargs)
+    except ValueError as err:  # torch's own schedule checks, e.g. micro-batch counts
+        raise LayoutError(f"schedule {layout.schedule} with pp={layout.pp}, {n} micro-batches: {err}") from None
+    return PipelineRunner(chunks, stages, schedule, layout, mesh, _tied_group(chunks, layout, mesh), log)
+
+
+def _check_schedule(layout: Layout, n: int) -> None:
+    if layout.schedule not in _SINGLE_STAGE and layout.schedule not in _MULTI_STAGE:
+        raise LayoutError(f"schedule={layout.schedule!r} is not supported; use one of gpipe, 1f1b, interleaved-1f1b, zero-bubble")
+    if layout.virtual_stages > 1 and layout.schedule in _SINGLE_STAGE:
+        raise LayoutError(f"virtual_stages={layout.virtual_stages} needs schedule=interleaved-1f1b or zero-bubble")
+    if layout.schedule != "gpipe" and n < layout.pp:
+        raise LayoutError(
+            f"schedule {layout.schedule} needs at least pp={layout.pp} micro-batches, got {n}; "
+            f"raise gbs to {layout.pp * layout.mbs * layout.dp} or use schedule=gpipe"
+        )
+    if layout.schedule in _MULTI_STAGE and n % layout.pp:
+        raise LayoutError(
+            f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={layout.pp}; "
+            f"set gbs to a multiple of {layout.pp * layout.mbs * layout.dp}"
+        )
+
+
+def _tied_group(chunks, layout: Layout, mesh):
+    """The group joining the first- and last-stage ranks of this rank's (dp, cp, tp) position,
+    or None when no chunk anywhere holds a tied copy. Every rank takes part in creating every
+    such group (new_group is collective), so all ranks call this with the same layout."""
+    has_copy = torch.tensor([1 if any(tied_copy_names(c) for c in chunks) else 0])
+    dist.all_reduce(has_copy, op=dist.ReduceOp.MAX)
+    if not has_copy.item():
+        return None
+    first_rank, last_rank = 0, (num_stages(layout) - 1) % layout.pp
+    if layout.pp == 2 or first_rank == last_rank:
+        return mesh.get_group("pp") if first_rank != last_rank else None
+    timeout = _group_timeout(mesh.get_group("pp"))
+    # One column per (dp, cp, tp) position: the ranks of one pipeline.
+    grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(layout.pp, -1)
+    mine = None
+    for col in range(grid.shape[1]):
+        ranks = [int(grid[first_rank, col]), int(grid[last_rank, col])]
+        group = dist.new_group(ranks, timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _group_timeout(group) -> datetime.timedelta | None:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - backends without options fall back to the default timeout
+        return None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,209 @@
+"""Pipeline split: which decoder layers, embeddings and head each pipeline stage holds.
+
+Pure module surgery on the reference ``Transformer`` (runtime/model.py); no collectives, so it
+also runs without a process group. ``pipeline.py`` turns the chunks into
+``torch.distributed.pipelining`` stages and runs the schedules.
+
+Stages and ranks
+----------------
+``num_stages = pp * virtual_stages``. Stage ``s`` lives on pipeline rank ``s % pp``: with
+``virtual_stages = v`` rank ``r`` holds the ``v`` chunks for stages ``r, r + pp, r + 2 pp, ...``
+(the interleaved placement of Megatron's virtual pipeline and of torch's
+``ScheduleInterleaved1F1B``). Each stage holds a contiguous run of layers; the token (and, for
+gpt2, position) embedding sits on stage 0, the final norm and the LM head on the last stage.
+Every chunk is a ``Transformer`` whose absent parts are ``None`` and whose ``layers`` keeps
+only its own keys, so parameter FQNs equal the unsplit model's (``layers.5.attention.wq.weight``
+stays that name on whichever stage holds layer 5).
+
+How many layers per stage
+-------------------------
+Explicit: ``layers_per_stage=[3, 5, 4, 4]`` (one count per stage, in stage order, each >= 1,
+summing to the layer count). Default: :func:`balance_layers`, which minimises the costliest
+stage when a decoder layer costs 1 and the embedding and the LM head cost ``embed_cost`` and
+``head_cost`` layers on top of the first and last stage (both 1 by default, the rule of
+Megatron-LM's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-
+split``); ties go to the later stages taking fewer layers. 4 layers on 2 stages: [2, 2];
+6 layers on 4 stages: [1, 2, 2, 1]; 5 layers on 2 stages: [3, 2] (the head costs as much as the
+embedding, so a remaining layer goes to the first stage).
+
+Tied embeddings
+---------------
+With ``spec.tied_embeddings`` the LM head reuses the token-embedding matrix. When the first and
+the last stage are different chunks, the last chunk gets its own ``output`` Linear holding a
+copy of the embedding weight (as Megatron-LM does) and records it in
+``chunk.tied_copy = {"output.weight": "tok_embeddings.weight"}``. The pipeline runner
+(``pipeline.py``) then sums the two gradients over a group made of the first- and last-stage
+ranks after every step, so both copies receive the full gradient and stay equal under any
+optimiser. Gradient-norm code must count the copy once: skip the parameters named by
+:func:`tied_copy_names`. Checkpoint loaders fill ``output.weight`` of such a chunk from
+``tok_embeddings.weight`` (the checkpoint has only one of them).
+
+Memory: chunks share their modules with the input model (no parameter is copied, except the
+tied head above); drop your reference to the whole model afterwards so the layers of other
+stages can be freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import Layout
+
+TIED_COPY_ATTR = "tied_copy"
+
+
+def num_stages(layout: Layout) -> int:
+    return layout.pp * layout.virtual_stages
+
+
+def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages held by pipeline rank ``pp_rank``, in order: ``pp_rank + i * pp``."""
+    if not 0 <= pp_rank < layout.pp:
+        raise LayoutError(f"pp_rank={pp_rank} is outside 0..{layout.pp - 1} for pp={layout.pp}")
+    return [pp_rank + i * layout.pp for i in range(layout.virtual_stages)]
+
+
+def balance_layers(
+    num_layers: int, num_stages: int, *, embed_cost: float = 1.0, head_cost: float = 1.0
+) -> list[int]:
+    """Layer count per stage minimising the costliest stage (see the module doc for the costs)."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one layer); "
+            f"lower pp x virtual_stages to at most {num_layers}"
+        )
+    if embed_cost < 0 or head_cost < 0:
+        raise LayoutError(f"embed_cost={embed_cost} and head_cost={head_cost} must be >= 0")
+    extra = [0.0] * num_stages
+    extra[0] += embed_cost
+    extra[-1] += head_cost
+
+    def capacity(limit: float) -> list[int]:
+        # Most layers each stage can take without costing more than ``limit``.
+        return [int(limit - e + 1e-9) for e in extra]
+
+    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extra})
+    for limit in candidates:
+        caps = capacity(limit)
+        if min(caps) >= 1 and sum(caps) >= num_layers:
+            break
+    counts = caps
+    # Too much room: take layers back one at a time from the costliest stage (latest on ties).
+    while sum(counts) > num_layers:
+        movable = [i for i in range(num_stages) if counts[i] > 1]
+        worst = max(movable, key=lambda i: (counts[i] + extra[i], i))
+        counts[worst] -= 1
+    return counts
+
+
+def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, stages: int) -> list[int]:
+    counts = [int(c) for c in layers_per_stage]
+    if len(counts) != stages:
+        raise LayoutError(
+            f"layers_per_stage has {len(counts)} entries but the layout has pp x virtual_stages = {stages} "
+            f"stages; give one count per stage"
+        )
+    if min(counts) < 1 or sum(counts) != num_layers:
+        raise LayoutError(
+            f"layers_per_stage={counts} must be counts >= 1 summing to the model's {num_layers} layers "
+            f"(they sum to {sum(counts)})"
+        )
+    return counts
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    layout: Layout,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+) -> list[range]:
+    """For every stage (in stage order) the range of layer indices it holds."""
+    stages = num_stages(layout)
+    if layers_per_stage is not None:
+        counts = check_layers_per_stage(layers_per_stage, num_layers, stages)
+    else:
+        counts = balance_layers(num_layers, stages, embed_cost=embed_cost, head_cost=head_cost)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def split_model(
+    model: nn.Module,
+    layout: Layout,
+    pp_rank: int,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+) -> list[nn.Module]:
+    """The chunks pipeline rank ``pp_rank`` holds, one per virtual stage, in stage order.
+
+    Each chunk is a ``Transformer`` sharing modules with ``model`` and carrying
+    ``stage_index``, ``num_stages`` and ``layer_ids``; with pp x virtual_stages == 1 the
+    model itself is returned (as the single chunk, with those attributes set).
+    """
+    layer_keys = list(model.layers.keys())
+    ranges = stage_layer_ranges(
+        len(layer_keys), layout, layers_per_stage=layers_per_stage, embed_cost=embed_cost, head_cost=head_cost
+    )
+    stages = len(ranges)
+    chunks = []
+    for stage in stage_ids(layout, pp_rank):
+        keys = [layer_keys[i] for i in ranges[stage]]
+        chunk = model if stages == 1 else _make_chunk(model, keys, first=stage == 0, last=stage == stages - 1)
+        chunk.stage_index = stage
+        chunk.num_stages = stages
+        chunk.layer_ids = [int(k) for k in keys]
+        chunks.append(chunk)
+    return chunks
+
+
+def _make_chunk(model: nn.Module, keys: list[str], *, first: bool, last: bool) -> nn.Module:
+    """A shallow copy of ``model`` holding only ``keys`` of its layers and the ends it owns."""
+    chunk = object.__new__(type(model))
+    chunk.__dict__ = dict(model.__dict__)
+    # nn.Module keeps children/params/buffers in dicts; copy them so edits stay on this chunk.
+    chunk._modules = dict(model._modules)
+    chunk._parameters = dict(model._parameters)
+    chunk._buffers = dict(model._buffers)
+    chunk.layers = nn.ModuleDict({key: model.layers[key] for key in keys})
+    if not first:
+        chunk.tok_embeddings = None
+        if getattr(model, "pos_embeddings", None) is not None:
+            chunk.pos_embeddings = None
+    if not last:
+        chunk.norm = None
+        chunk.output = None
+    elif first is False and _is_tied(model):
+        weight = model.tok_embeddings.weight
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        chunk.output = head
+        setattr(chunk, TIED_COPY_ATTR, {"output.weight": "tok_embeddings.weight"})
+    return chunk
+
+
+def _is_tied(model: nn.Module) -> bool:
+    output, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return output is not None and emb is not None and output.weight is emb.weight
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The Transformer inside a DDP wrapper (FSDP2 and TP keep the module object itself)."""
+    return chunk.module if isinstance(getattr(chunk, "module", None), nn.Module) and not hasattr(chunk, "layers") else chunk
+
+
+def tied_copy_names(chunk: nn.Module) -> dict[str, str]:
+    """``{fqn of the copy: fqn of the original}`` for tied parameters duplicated onto this chunk
+    (empty for chunks without such a copy); gradient-norm code counts these once."""
+    return dict(getattr(unwrap(chunk), TIED_COPY_ATTR, {}) or {})
