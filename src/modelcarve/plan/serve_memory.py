@@ -1,0 +1,337 @@
+"""Serving memory per device: weights at their stored dtype, KV cache, workspace, and how many
+sequences fit.
+
+A serving layout (the same ``Layout`` the training planner uses) cuts one model copy into
+``tp x pp`` devices: every layer split ``tp`` ways, layers split into ``pp`` stages. ``dp``
+such copies serve requests side by side. With ``ep > 1`` the routed experts of ``ep`` copies
+are pooled and sharded over them (attention stays data-parallel: the DeepSeek / SGLang "DP
+attention + EP" arrangement), so ``ep`` must divide ``dp`` as the Layout requires.
+
+Per device (the heaviest pipeline stage):
+
+* weights: layer matrices at the weight dtype's bytes, scales included (``plan.quant``); the
+  embedding, LM head, router and norms in bf16. Attention and MLP matrices split by ``tp``,
+  except what cannot be split: GQA k/v projections are replicated when ``tp > kv heads``, and
+  MLA's down-projections (q_a, kv_a) are replicated on every TP rank. Routed experts are split
+  ``ep`` ways (whole experts) and then ``tp`` ways (each expert's matrices); shared experts only
+  ``tp`` ways. The embedding and head are vocabulary-parallel over ``tp``, on the first and last
+  stage.
+* KV cache per token: ``layers on the stage x elems per layer per rank x kv dtype bytes``;
+  GQA holds ``max(1, kv_heads / tp)`` heads of k and v per rank, MLA holds the whole
+  compressed latent (``kv_lora_rank + qk_rope_head_dim``) on every TP rank (it has no head axis
+  to split; vLLM and SGLang replicate it).
+* workspace: the transient activations of one layer for a prefill chunk (flash attention, so no
+  seq x seq scores) plus fp32 logits for every sequence in the batch.
+* runtime: a fixed 1 GiB for the CUDA context, cuBLAS/NCCL buffers and captured graphs.
+* budget: ``memory_fraction`` (0.90, vLLM's default ``gpu_memory_utilization``) of the device;
+  the remaining 10% is the allocator margin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from modelcarve.plan.quant import kv_bytes, weight_format
+from modelcarve.spec.model import ModelSpec
+
+GiB = 2**30
+RUNTIME_BYTES = 1 * GiB
+"""CUDA context, cuBLAS workspace, NCCL buffers and CUDA graphs (vLLM profiles ~0.5-1.5 GiB)."""
+MEMORY_FRACTION = 0.90
+"""Share of device memory the server may use (vLLM's default gpu_memory_utilization)."""
+PREFILL_CHUNK = 8192
+"""Tokens per prefill chunk (chunked prefill; vLLM's max_num_batched_tokens for long prompts)."""
+MOE_IMBALANCE = 1.3
+"""Tokens on the busiest expert-parallel rank over the mean (straggler factor; DeepSeek-V3
+reports per-expert loads within about +-30% of the mean with auxiliary-loss-free balancing)."""
+ACT_BYTES = 2.0
+"""Activations and all-to-all payloads are bf16."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeMemory:
+    """Bytes on the fullest device of one serving layout at a batch and context."""
+
+    weights_bytes: float
+    kv_bytes_per_token: float
+    """KV-cache bytes one token of context adds on this device."""
+    kv_bytes: float
+    """KV cache for ``batch`` sequences of ``context`` tokens."""
+    workspace_bytes: float
+    runtime_bytes: float
+    budget_bytes: float
+    """What the server may use: memory_fraction x device memory."""
+    batch: int
+    context: int
+    max_sequences: int
+    """Sequences of ``context`` tokens that fit beside the weights (0: not even one)."""
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.runtime_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "weights_gib": self.weights_bytes / GiB,
+            "kv_cache_gib": self.kv_bytes / GiB,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "workspace_gib": self.workspace_bytes / GiB,
+            "runtime_gib": self.runtime_bytes / GiB,
+            "total_gib": self.total_bytes / GiB,
+            "budget_gib": self.budget_bytes / GiB,
+            "batch": self.batch,
+            "context": self.context,
+            "max_sequences": self.max_sequences,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardFacts:
+    """Per-device quantities of one (model, tp, pp, ep, weight dtype, kv dtype): everything that
+    does not depend on batch or context, computed once and reused across a batch sweep."""
+
+    weights_bytes: float
+    """Heaviest stage's weights on one device."""
+    dense_layer_bytes: float
+    """One dense layer's weights on one device (attention + MLP + norms)."""
+    attn_layer_bytes: float
+    """One layer's attention weights on one device."""
+    expert_bytes: float
+    """One routed expert's weights on one device (after the tp split)."""
+    shared_moe_bytes: float
+    """One MoE layer's non-routed weights on one device (attention, router, shared experts, norms)."""
+    experts_per_rank: int
+    stage_layers: int
+    """Layers on the fullest stage."""
+    stage_moe_layers: int
+    """MoE layers on that stage."""
+    head_bytes: float
+    """Embedding / LM-head weights on the fullest stage."""
+    embed_bytes: float
+    """Of those, the input embedding table (a decode step reads only its batch's rows)."""
+    matmul_params_per_token: float
+    """Weight elements one token is multiplied by on this device, routed experts excluded
+    (attention, dense MLP, router, shared experts, LM head on the last stage)."""
+    expert_matmul_params: float
+    """Weight elements of one routed expert on this device (after the tp split)."""
+    kv_bytes_per_token: float
+    """Per device, for the fullest stage."""
+    kv_elems_per_token_layer: int
+    """KV elements one token adds to one layer on one device."""
+    act_bytes_per_token: float
+    """Transient activation bytes per prefill token (one layer live at a time)."""
+    logits_bytes_per_seq: float
+    act_traffic_per_token: float
+    """HBM bytes of activations read and written per token by the fullest stage's kernels
+    (every GEMM reads its input and writes its output; fused norm + residual read and write
+    the hidden state three times; the SwiGLU activation reads 2 x ffn and writes ffn):
+    ``(10 h + 2 q + 2 kv + 6 ffn) x 2 bytes`` per layer, ffn/q/kv per TP rank."""
+
+
+_FACTS: dict[tuple, ShardFacts] = {}
+
+
+def stage_sizes(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, as even as possible, the first stages taking the remainder."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> ShardFacts:
+    key = (id(model), model.name, tp, pp, ep, weight_dtype, kv_dtype)
+    facts = _FACTS.get(key)
+    if facts is None:
+        facts = _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        if len(_FACTS) > 100_000:
+            _FACTS.clear()
+        _FACTS[key] = facts
+    return facts
+
+
+def _attention_bytes(model: ModelSpec, tp: int, q: float) -> float:
+    """One layer's attention weights on one TP rank; q = bytes per quantised weight."""
+    h, nh = model.hidden_size, model.num_heads
+    if model.attention_kind == "mla":
+        qr, kvr, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+        replicated = (h * qr if qr else 0) + h * (kvr + rope)
+        split = (qr if qr else h) * nh * model.qk_head_dim + kvr * nh * (model.qk_nope_head_dim + model.v_head_dim)
+        split += nh * model.v_head_dim * h
+        norms = (qr or 0) + kvr
+        return q * (replicated + split / tp) + 2.0 * norms
+    hd = model.head_dim
+    kv_heads_rank = max(1, model.num_kv_heads // tp)
+    matmul = 2 * h * nh * hd / tp + 2 * h * kv_heads_rank * hd
+    bias = (nh * hd / tp + 2 * kv_heads_rank * hd if model.qkv_bias else 0) + (h if model.o_bias else 0)
+    norms = 2 * hd if model.qk_norm else 0
+    return q * matmul + 2.0 * (bias + norms)
+
+
+def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
+    fmt = weight_format(weight_dtype)
+    q = fmt.bytes_per_param(model.hidden_size)
+    plain = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router)
+    h = model.hidden_size
+    ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
+    norms = 2.0 * model._norm_params(h) * 2  # two pre-norms per layer, bf16
+    attn = _attention_bytes(model, tp, q)
+    dense_mlp = q * ffn_mats * h * model.ffn_size / tp
+    dense_layer = attn + dense_mlp + norms
+    expert = q * ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
+    experts_per_rank = model.num_experts // ep if model.is_moe else 0
+    shared_moe = attn + norms + plain * model.router_params + model.num_shared_experts * expert
+    moe_layer = shared_moe + experts_per_rank * expert
+
+    embed = plain * model.vocab_size * h / tp + (plain * model.max_position * h if model.position_kind == "learned" else 0.0)
+    head = plain * model.vocab_size * h / tp if (not model.tied_embeddings or pp > 1) else 0.0
+    final_norm = plain * model._norm_params(h)
+
+    moe_set = model._moe_set
+    kv_elem = model.kv_cache_elems_per_token_per_layer
+    if model.attention_kind == "gqa":
+        kv_elem = 2 * max(1, model.num_kv_heads // tp) * model.head_dim
+    kvb = kv_bytes(kv_dtype)
+
+    best = None
+    start = 0
+    for stage, count in enumerate(stage_sizes(model.num_layers, pp)):
+        n_moe = sum(1 for i in range(start, start + count) if i in moe_set)
+        start += count
+        extra = (embed if stage == 0 else 0.0) + (head + final_norm if stage == pp - 1 else 0.0)
+        if pp == 1:
+            extra = embed + head + final_norm
+        weights = (count - n_moe) * dense_layer + n_moe * moe_layer + extra
+        kv_tok = count * kv_elem * kvb
+        # The fullest stage bounds memory; ties broken by KV (the part that grows with batch).
+        rank = (weights + kv_tok * 4096, weights)
+        if best is None or rank > best[0]:
+            has_embed = stage == 0
+            has_head = stage == pp - 1
+            best = (rank, weights, count, n_moe, extra, kv_tok, has_embed, has_head)
+    _, weights, count, n_moe, extra, kv_tok, has_embed, has_head = best
+    embed_here = embed if has_embed else 0.0
+    # Per-token matmul work on this device (routed experts counted separately).
+    attn_mm = model.attention_matmul_params
+    if model.attention_kind == "mla":
+        qr, kvr, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+        replicated_mm = (h * qr if qr else 0) + h * (kvr + rope)
+        attn_mm_rank = replicated_mm + (attn_mm - replicated_mm) / tp
+    else:
+        kv_heads_rank = max(1, model.num_kv_heads // tp)
+        attn_mm_rank = 2 * h * model.num_heads * model.head_dim / tp + 2 * h * kv_heads_rank * model.head_dim
+    dense_mm = ffn_mats * h * model.ffn_size / tp
+    expert_mm = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
+    shared_mm = model.router_params + model.num_shared_experts * expert_mm
+    mm_tok = count * attn_mm_rank + (count - n_moe) * dense_mm + n_moe * shared_mm
+    if has_head:
+        mm_tok += model.vocab_size * h / tp
+
+    q_out = model.num_heads * model.qk_head_dim / tp
+    kv_out = kv_elem
+    mlp_inter = model.ffn_size / tp
+    if model.is_moe:
+        mlp_inter = max(mlp_inter, MOE_IMBALANCE * (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp)
+    act = ACT_BYTES * (3 * h + 2 * q_out + kv_out + (ffn_mats) * mlp_inter)
+    logits = 4.0 * model.vocab_size / tp
+    ffn_traffic = model.ffn_size / tp
+    if model.is_moe:
+        moe_ffn = (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp
+        ffn_traffic = ((count - n_moe) * ffn_traffic + n_moe * moe_ffn) / count if count else 0.0
+    traffic = ACT_BYTES * count * (10 * h + 2 * q_out + 2 * kv_out + 6 * ffn_traffic)
+    return ShardFacts(
+        weights_bytes=weights,
+        dense_layer_bytes=dense_layer,
+        attn_layer_bytes=attn,
+        expert_bytes=expert,
+        shared_moe_bytes=shared_moe,
+        experts_per_rank=experts_per_rank,
+        stage_layers=count,
+        stage_moe_layers=n_moe,
+        head_bytes=extra,
+        embed_bytes=embed_here,
+        matmul_params_per_token=mm_tok,
+        expert_matmul_params=expert_mm,
+        kv_bytes_per_token=kv_tok,
+        kv_elems_per_token_layer=kv_elem,
+        act_bytes_per_token=act,
+        logits_bytes_per_seq=logits,
+        act_traffic_per_token=traffic,
+    )
+
+
+def serve_memory(
+    model: ModelSpec,
+    memory_bytes: float,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    weight_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    batch: int = 1,
+    context: int = 2048,
+    prefill_chunk: int = PREFILL_CHUNK,
+    memory_fraction: float = MEMORY_FRACTION,
+) -> ServeMemory:
+    """Memory of the fullest device for ``batch`` sequences of ``context`` tokens each."""
+    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return memory_from_facts(f, memory_bytes, batch=batch, context=context, prefill_chunk=prefill_chunk, memory_fraction=memory_fraction)
+
+
+def memory_from_facts(
+    f: ShardFacts,
+    memory_bytes: float,
+    *,
+    batch: int,
+    context: int,
+    prefill_chunk: int = PREFILL_CHUNK,
+    memory_fraction: float = MEMORY_FRACTION,
+) -> ServeMemory:
+    chunk = min(prefill_chunk, context)
+    workspace = chunk * f.act_bytes_per_token + batch * f.logits_bytes_per_seq
+    budget = memory_fraction * memory_bytes
+    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    free = budget - f.weights_bytes - RUNTIME_BYTES - chunk * f.act_bytes_per_token
+    max_seqs = max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
+    return ServeMemory(
+        weights_bytes=f.weights_bytes,
+        kv_bytes_per_token=f.kv_bytes_per_token,
+        kv_bytes=f.kv_bytes_per_token * context * batch,
+        workspace_bytes=workspace,
+        runtime_bytes=RUNTIME_BYTES,
+        budget_bytes=budget,
+        batch=batch,
+        context=context,
+        max_sequences=max_seqs,
+    )
+
+
+def min_devices(
+    model: ModelSpec,
+    memory_bytes: float,
+    *,
+    weight_dtype: str,
+    kv_dtype: str = "bf16",
+    context: int,
+    batch: int = 1,
+    max_devices: int = 1024,
+) -> int | None:
+    """Fewest devices (tp up to the kv-head/heads limits, then pp) that hold the model and
+    ``batch`` sequences of ``context`` tokens; None if even ``max_devices`` do not."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if model.num_heads % t == 0 and model.ffn_size % t == 0]
+    best = None
+    for tp in tps:
+        pp = 1
+        while tp * pp <= max_devices and pp <= model.num_layers:
+            mem = serve_memory(model, memory_bytes, tp=tp, pp=pp, weight_dtype=weight_dtype, kv_dtype=kv_dtype, batch=batch, context=context)
+            if mem.fits:
+                if best is None or tp * pp < best:
+                    best = tp * pp
+                break
+            pp *= 2
+    return best
