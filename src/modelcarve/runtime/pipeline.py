@@ -30,7 +30,6 @@ Gradients are this pipeline's; reducing them over dp stays with data_parallel.py
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +46,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.microbatch import _Replicate
 from torch.distributed.tensor import DTensor
 
+from modelcarve.runtime.mesh import new_group
 from modelcarve.runtime.pipeline_split import (
     balance_layers,
     num_stages,
@@ -229,23 +229,15 @@ def _tied_group(chunks, layout: Layout, mesh):
     first_rank, last_rank = 0, (num_stages(layout) - 1) % layout.pp
     if layout.pp == 2 or first_rank == last_rank:
         return mesh.get_group("pp") if first_rank != last_rank else None
-    timeout = _group_timeout(mesh.get_group("pp"))
     # One column per (dp, cp, tp) position: the ranks of one pipeline.
     grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(layout.pp, -1)
     mine = None
     for col in range(grid.shape[1]):
         ranks = [int(grid[first_rank, col]), int(grid[last_rank, col])]
-        group = dist.new_group(ranks, timeout=timeout)
+        group = new_group(ranks)  # carries the collective timeout
         if dist.get_rank() in ranks:
             mine = group
     return mine
-
-
-def _group_timeout(group) -> datetime.timedelta | None:
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - backends without options fall back to the default timeout
-        return None
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -22,9 +22,10 @@ summing to the layer count). Default: :func:`balance_layers`, which minimises th
 stage when a decoder layer costs 1 and the embedding and the LM head cost ``embed_cost`` and
 ``head_cost`` layers on top of the first and last stage (both 1 by default, the rule of
 Megatron-LM's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-
-split``); ties go to the later stages taking fewer layers. 4 layers on 2 stages: [2, 2];
-6 layers on 4 stages: [1, 2, 2, 1]; 5 layers on 2 stages: [3, 2] (the head costs as much as the
-embedding, so a remaining layer goes to the first stage).
+split``); among the splits with that lowest maximum it takes the most even layer counts, and
+on ties gives the extra layer to a later stage (under 1F1B the early stages keep more
+micro-batches' activations alive). 4 layers on 2 stages: [2, 2]; 6 layers on 4 stages:
+[1, 2, 2, 1]; 8 layers on 4 stages: [2, 2, 2, 2]; 5 layers on 2 stages: [2, 3].
 
 Tied embeddings
 ---------------
@@ -91,12 +92,13 @@ def balance_layers(
         caps = capacity(limit)
         if min(caps) >= 1 and sum(caps) >= num_layers:
             break
-    counts = caps
-    # Too much room: take layers back one at a time from the costliest stage (latest on ties).
-    while sum(counts) > num_layers:
-        movable = [i for i in range(num_stages) if counts[i] > 1]
-        worst = max(movable, key=lambda i: (counts[i] + extra[i], i))
-        counts[worst] -= 1
+    # Among the splits within that limit, the most even layer counts: fill one layer at a time
+    # into the stage with the fewest layers that still has room (latest stage on ties: under
+    # 1F1B the early stages keep more micro-batches' activations alive).
+    counts = [1] * num_stages
+    for _ in range(num_layers - num_stages):
+        room = [i for i in range(num_stages) if counts[i] < caps[i]]
+        counts[min(room, key=lambda i: (counts[i], -i))] += 1
     return counts
 
 
