@@ -151,6 +151,8 @@ class MoE(nn.Module):
         self.aux_loss_sequences: int | None = None
         """Sequences the training objective averages over (None: this forward's batch size)."""
         self.aux_loss: torch.Tensor | None = None
+        self.aux_grad_share = 1.0
+        """Fraction of the aux gradient this rank injects (1/tp: TP ranks route the same tokens)."""
         self.dispatcher = None
         """None: all experts are here. expert.py installs an all-to-all dispatcher (a callable
         ``(x_sorted, counts [E], experts) -> y_sorted``) when the experts are spread over ranks."""
@@ -169,7 +171,7 @@ class MoE(nn.Module):
         aux = self._aux_loss(scores.view(b, s, -1), indices.view(b, s, -1))
         self.aux_loss = aux.detach() / b
         if self.aux_loss_coef and torch.is_grad_enabled():
-            scale = self.aux_loss_coef / (self.aux_loss_sequences or b)
+            scale = self.aux_loss_coef * self.aux_grad_share / (self.aux_loss_sequences or b)
             out = _InjectAuxGrad.apply(out, aux, scale)
         return out
 
@@ -208,6 +210,12 @@ class MoE(nn.Module):
         probs = scores if self.router.scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         load = F.one_hot(indices.reshape(b, -1), e).sum(dim=1).to(probs.dtype) / s  # [b, E]
         return e * (load * probs.mean(dim=1)).sum()
+
+    def apply_tensor_parallel(self, **kwargs) -> None:
+        """Expert TP = TP: tensor.py calls this; the distributed work lives in expert.py."""
+        from modelcarve.runtime.expert import shard_experts_tp  # lazy: this file stays free of torch.distributed
+
+        shard_experts_tp(self, **kwargs)
 
     # --- bookkeeping ---------------------------------------------------------------------
     def reset_counts(self) -> None:

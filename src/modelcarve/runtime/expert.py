@@ -1,0 +1,303 @@
+"""Expert parallelism (and expert tensor parallelism) for the MoE blocks of the reference model.
+
+Hand-written on ``torch.distributed.all_to_all_single``: PyTorch has no MoE token dispatcher,
+and the expert weights stay plain local tensors so TP, the pipeline and FSDP/DDP see ordinary
+parameters (their shards are declared through parallelize.py's ``record_shard``).
+
+Groups (spec/layout.py): the EP group is carved from the ``dp x cp`` ranks with the same pp and
+tp coordinates. With ``f = dp_i * cp + cp_i`` (0 .. dp*cp-1), the EP group holds the ranks with
+the same ``f // ep`` (consecutive, as in Megatron-Core) and the EP rank is ``f % ep``; the
+expert-data-parallel group (``dp * cp / ep`` ranks that hold the same experts) is the ranks
+with the same ``f % ep``. EP rank r holds experts ``[r E/ep, (r+1) E/ep)``.
+
+One MoE forward under EP (``AllToAllDispatcher``), after the local router has grouped this rank's
+(token, choice) assignments by global expert id (moe.py):
+
+1. exchange the counts: ``all_to_all_single`` of the [ep, E/ep] count matrix, so every rank
+   knows how many rows each peer sends to each of its experts (the split sizes);
+2. ``all_to_all_single`` of the rows (uneven splits), regroup them by local expert, run the
+   local experts, undo the regrouping;
+3. ``all_to_all_single`` back with the splits swapped; moe.py scatters the rows to their
+   (token, choice) slots and sums with the routing weights, in the original token order.
+
+Both all-to-alls are autograd functions whose backward is the reverse all-to-all.
+
+Expert tensor parallelism (expert TP = TP, spec/layout.py): tensor.py calls
+``MoE.apply_tensor_parallel``, which lands in ``shard_experts_tp`` below: each expert's (and the
+shared expert's) ``w1/w3`` are split by columns and ``w2`` by rows over ``tp``; the router is
+replicated (its gradient is a partial sum per rank, all-reduced like tensor.py's other partial
+gradients), the block enters/leaves the TP region once (all-reduce, or all-gather/reduce-scatter
+with sp) like a dense MLP.
+
+Gradient normalisation: every rank's gradient is that of its own mean loss, and data_parallel.py
+divides the sum over the ranks holding a copy by ``dp * cp`` (the number of ranks that share
+the global batch). An expert's local gradient already sums the contributions of the whole EP
+group's tokens (the all-to-all backward brought them), so summing it over the expert-data-
+parallel group and dividing by the same ``dp * cp`` gives the global-batch mean; the groups and
+divisor are declared with ``record_grad_group``.
+
+Metrics: ``moe_step_stats`` sums the step's router counts over the data-parallel ranks
+(tokens per expert over the global batch, dropped assignments), gathers the rows each rank's
+experts received (tokens per rank) and reports the imbalance max/mean of both (the straggler
+factor); it also applies the aux-loss-free bias update and resets the counters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from modelcarve.spec.errors import LayoutError
+
+# --- autograd all-to-all ----------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x go to the group's ranks in ``send_splits``; ``recv_splits`` arrive (backward: reverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        send_splits, recv_splits = ctx.splits
+        out = grad.new_empty((sum(send_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, send_splits, recv_splits, group)
+
+
+class AllToAllDispatcher:
+    """Sends each assignment row to the EP rank holding its expert and brings the results back.
+
+    Installed as ``MoE.dispatcher``; called as ``(x_sorted, counts, experts) -> y_sorted`` with
+    ``x_sorted`` grouped by global expert id and ``counts`` [E] the rows per expert.
+    """
+
+    def __init__(self, group, ep: int, ep_rank: int, num_experts: int):
+        self.group, self.ep, self.ep_rank = group, ep, ep_rank
+        self.num_local = num_experts // ep
+        self.received = torch.zeros(self.num_local, dtype=torch.int64)
+        """Rows each local expert received this step (summed over micro-batches)."""
+        self.record: list | None = None
+        """Set to a list to keep (local expert counts, received rows grouped by expert) per call (tests)."""
+
+    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        send = counts.to(torch.int64).view(self.ep, self.num_local).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[src, e] = rows src sends to my expert e
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        rows = all_to_all(x_sorted, send_splits, recv_splits, self.group)  # grouped by src, then expert
+        local_expert = torch.arange(self.num_local).repeat(self.ep).repeat_interleave(recv.flatten())
+        by_expert = torch.argsort(local_expert, stable=True).to(rows.device)
+        local_counts = recv.sum(0)
+        with torch.no_grad():
+            self.received += local_counts
+        grouped = rows[by_expert]
+        if self.record is not None:
+            self.record.append((local_counts.clone(), grouped.detach().clone()))
+        out = experts(grouped, local_counts.tolist())
+        back = torch.empty_like(out).index_copy(0, by_expert, out)
+        return all_to_all(back, recv_splits, send_splits, self.group)
+
+
+# --- groups -----------------------------------------------------------------------------
+
+_groups: dict = {}
+
+
+def expert_groups(mesh, layout) -> dict:
+    """This rank's EP and expert-data-parallel groups (created once per mesh, on every rank)."""
+    from modelcarve.runtime.mesh import axis_rank, new_group
+
+    key = (id(mesh), layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
+    if key in _groups:
+        return _groups[key]
+    pp, dpcp, tp, ep = layout.pp, layout.dp * layout.cp, layout.tp, layout.ep
+    if dpcp % ep:
+        raise LayoutError(f"ep={ep} must divide dp x cp = {dpcp}; valid ep: {[d for d in range(1, dpcp + 1) if dpcp % d == 0]}")
+    f = axis_rank(mesh, "dp") * layout.cp + axis_rank(mesh, "cp")
+    me = {"ep_rank": f % ep, "ep": ep, "edp": dpcp // ep, "edp_rank": f // ep}
+    # every rank creates every group, in the same order (new_group is collective)
+    for p in range(pp):
+        for t in range(tp):
+            def rank(ff: int) -> int:
+                return (p * dpcp + ff) * tp + t
+
+            for g in range(dpcp // ep):
+                ranks = [rank(g * ep + i) for i in range(ep)]
+                group = new_group(ranks)
+                if dist.get_rank() in ranks:
+                    me["ep_group"], me["ep_ranks"] = group, ranks
+            for i in range(ep):
+                ranks = [rank(g * ep + i) for g in range(dpcp // ep)]
+                group = new_group(ranks)
+                if dist.get_rank() in ranks:
+                    me["edp_group"], me["edp_ranks"] = group, ranks
+    _groups[key] = me
+    return me
+
+
+# --- applying EP / expert TP to a chunk --------------------------------------------------
+
+
+def moe_blocks(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(FQN, MoE) pairs of a model chunk, FQNs as in the unsplit model's state dict."""
+    from modelcarve.runtime.moe import MoE
+
+    return [(name, mod) for name, mod in chunk.named_modules() if isinstance(mod, MoE)]
+
+
+def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(old.detach().chunk(parts, dim=dim)[index].clone(), requires_grad=old.requires_grad))
+
+
+def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
+    """Spread the experts of every MoE block of ``chunk`` over the EP group, in place.
+
+    Also sets what every MoE model needs under any layout (even ep=1): the aux-loss averaging
+    and the expert gradient groups for data_parallel.py."""
+    blocks = moe_blocks(chunk)
+    if not blocks:
+        if layout.ep > 1 and chunk.spec.is_moe:
+            return chunk  # a pipeline stage with only dense layers
+        if layout.ep > 1:
+            raise LayoutError(f"ep={layout.ep} but {chunk.spec.name} has no experts; use ep=1")
+        return chunk
+    spec = chunk.spec
+    if spec.num_experts % layout.ep:
+        raise LayoutError(
+            f"ep={layout.ep} does not divide {spec.num_experts} experts; valid ep: "
+            f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}"
+        )
+    groups = expert_groups(mesh, layout)
+    from modelcarve.runtime.parallelize import record_grad_group, record_shard
+
+    for fqn, moe in blocks:
+        if layout.cp > 1 and (moe.capacity_factor or moe.aux_loss_coef):
+            raise LayoutError(
+                "capacity_factor and the aux loss are per sequence, and context parallelism splits sequences; "
+                "use cp=1 with them, or a dropless MoE without aux loss"
+            )
+        if layout.ep > 1:
+            shard_experts_ep(moe, groups["ep_group"])
+            for name in ("w1", "w3", "w2"):
+                record_shard(chunk, f"{fqn}.experts.{name}", groups["ep_group"], 0)
+        for name in ("w1", "w3", "w2"):
+            record_grad_group(chunk, f"{fqn}.experts.{name}", groups["edp_group"])
+    return chunk
+
+
+def shard_experts_ep(moe: nn.Module, group) -> None:
+    """Keep this EP rank's experts of one MoE block and route through the all-to-all."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name in ("w1", "w3", "w2"):
+        _slice_param(moe.experts, name, 0, rank, ep)
+    moe.experts.num_experts = moe.num_experts // ep
+    moe.dispatcher = AllToAllDispatcher(group, ep, rank, moe.num_experts)
+
+
+def shard_experts_tp(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: bool) -> None:
+    """Expert tensor parallelism over ``group`` (called by tensor.py through MoE.apply_tensor_parallel)."""
+    from modelcarve.runtime.parallelize import record_partial_grad, record_shard
+    from modelcarve.runtime.tensor import enter_region, leave_region
+
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    spec = chunk.spec
+    if spec.expert_ffn_size % t:
+        raise LayoutError(f"tp={t} does not divide the expert ffn size {spec.expert_ffn_size}; choose tp dividing it")
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        _slice_param(moe.experts, name, dim, r, t)
+        record_shard(chunk, f"{fqn}.experts.{name}", group, dim)
+    shared = moe.shared_experts
+    if shared is not None:
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            _slice_param(getattr(shared, name), "weight", dim, r, t)
+            record_shard(chunk, f"{fqn}.shared_experts.{name}.weight", group, dim)
+    record_partial_grad(chunk, f"{fqn}.router.weight", group)
+    moe.aux_grad_share = 1.0 / t  # every TP rank injects the same aux gradient; the all-reduce sums them
+
+    def enter(module, args):
+        return (enter_region(args[0], group, sp),)
+
+    def leave(module, args, out):
+        return leave_region(out, group, sp)
+
+    moe.register_forward_pre_hook(enter)
+    moe.register_forward_hook(leave)
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate: float = 0.0, reset: bool = True) -> dict:
+    """Per MoE layer, for the step since the last call: ``tokens_per_expert`` (global batch),
+    ``tokens_per_rank`` (rows the experts of each dp x cp rank of this pp/tp slice received),
+    ``expert_imbalance`` and ``rank_imbalance`` (max / mean), ``dropped``.
+
+    Collective over the whole world when ``mesh`` is given (every rank must call it); returns the
+    stats of every layer on every rank. ``bias_rate > 0`` applies the aux-loss-free bias update
+    with the global counts."""
+    stats: dict = {}
+    dpcp_group = None
+    if mesh is not None:
+        from modelcarve.runtime.mesh import axis_group
+
+        dpcp_group = axis_group(mesh, "dp_cp")
+    for chunk in chunks:
+        for fqn, moe in moe_blocks(chunk):
+            counts = moe.tokens_per_expert.clone()
+            dropped = moe.dropped_tokens.clone()
+            if moe.dispatcher is not None:
+                received = moe.dispatcher.received.sum().reshape(1)
+            else:
+                received = counts.sum().reshape(1)
+            if dpcp_group is not None:
+                both = torch.cat((counts, dropped.reshape(1)))
+                dist.all_reduce(both, group=dpcp_group)
+                counts, dropped = both[:-1], both[-1]
+                per_rank = [torch.zeros_like(received) for _ in range(dist.get_world_size(dpcp_group))]
+                dist.all_gather(per_rank, received, group=dpcp_group)
+                received = torch.cat(per_rank)
+            if bias_rate:
+                moe.update_bias(counts, bias_rate)
+            if reset:
+                moe.reset_counts()
+                if moe.dispatcher is not None:
+                    moe.dispatcher.received.zero_()
+            stats[fqn] = {
+                "tokens_per_expert": counts.tolist(),
+                "tokens_per_rank": received.tolist(),
+                "expert_imbalance": _imbalance(counts),
+                "rank_imbalance": _imbalance(received),
+                "dropped": int(dropped),
+            }
+    if mesh is not None and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, stats)
+        merged: dict = {}
+        for part in everyone:
+            for fqn, value in part.items():
+                merged.setdefault(fqn, value)
+        stats = dict(sorted(merged.items(), key=lambda kv: _layer_index(kv[0])))
+    return stats
+
+
+def _imbalance(values: torch.Tensor) -> float:
+    values = values.to(torch.float64)
+    mean = values.mean()
+    return float(values.max() / mean) if mean > 0 else 1.0
+
+
+def _layer_index(fqn: str) -> int:
+    parts = fqn.split(".")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
