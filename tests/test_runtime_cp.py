@@ -55,20 +55,25 @@ def _reference(spec, layout):
 
 
 def _manual_step(spec, layout, mesh):
-    """CP alone (dp=tp=pp=1): context.py plus a SUM of gradients over the cp group."""
+    """CP (and plain DP, tp=pp=1) with nothing but context.py: each rank takes its dp share of
+    the sequences and its zig-zag piece of each, divides its token-loss sum by the global token
+    count, and gradients are SUMMED over the dp x cp ranks."""
     import torch.distributed as dist
 
     from modelcarve.runtime.context import apply_context_parallel, shard_batch
-    from modelcarve.runtime.mesh import axis_group
+    from modelcarve.runtime.mesh import axis_group, axis_rank
     from modelcarve.runtime.model import build_model
 
-    group = axis_group(mesh, "cp")
+    group = axis_group(mesh, "dp_cp") if layout.dp > 1 else axis_group(mesh, "cp")
+    share = layout.global_batch // layout.dp
+    dp_rank = axis_rank(mesh, "dp")
     model = apply_context_parallel(build_model(spec, seed=0), mesh, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], None
     for tokens, targets in _batches(spec, layout):
         opt.zero_grad()
         num_tokens = targets.numel()  # every target token of the global batch
+        tokens, targets = (t[dp_rank * share : (dp_rank + 1) * share] for t in (tokens, targets))
         tokens, targets, positions = shard_batch(tokens, targets, mesh, layout)
         logits = model(tokens, positions)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / num_tokens
@@ -106,6 +111,7 @@ def _worker(cases: list[tuple[str, str]]) -> dict:
     results = {}
     for text, driver in cases:
         layout = Layout.parse(text).replace(seq=SEQ, param_dtype="fp32")
+        layout = layout.replace(gbs=layout.gbs or BATCH * layout.dp)
         layout.validate(spec, world_size=layout.world_size)
         mesh = build_mesh(layout)
         ref = _reference(spec, layout)
@@ -120,7 +126,7 @@ def _core_step(spec, layout, mesh):  # pragma: no cover - filled in when train.p
 
 WORLDS = {
     2: [("cp=2", "manual")],
-    4: [("cp=4", "manual")],
+    4: [("cp=4", "manual"), ("cp=2,dp=2", "manual")],
 }
 
 
