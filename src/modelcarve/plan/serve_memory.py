@@ -21,7 +21,8 @@ Per device (the heaviest pipeline stage):
   compressed latent (``kv_lora_rank + qk_rope_head_dim``) on every TP rank (it has no head axis
   to split; vLLM and SGLang replicate it).
 * workspace: the transient activations of one layer for a prefill chunk (flash attention, so no
-  seq x seq scores) plus fp32 logits for every sequence in the batch.
+  seq x seq scores; for MoE also the permuted per-expert copies of each token's hidden state,
+  in and out) plus fp32 logits for every sequence in the batch.
 * runtime: a fixed 1 GiB for the CUDA context, cuBLAS/NCCL buffers and captured graphs.
 * budget: ``memory_fraction`` (0.90, vLLM's default ``gpu_memory_utilization``) of the device;
   the remaining 10% is the allocator margin.
@@ -237,6 +238,10 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     if model.is_moe:
         mlp_inter = max(mlp_inter, MOE_IMBALANCE * (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp)
     act = ACT_BYTES * (3 * h + 2 * q_out + kv_out + (ffn_mats) * mlp_inter)
+    if model.is_moe:
+        # A fused MoE kernel holds each token's hidden state once per routed expert on the way
+        # in (permuted copy) and on the way out (before the weighted sum over top-k).
+        act += ACT_BYTES * 2 * MOE_IMBALANCE * model.top_k * h
     logits = 4.0 * model.vocab_size / tp
     ffn_traffic = model.ffn_size / tp
     if model.is_moe:

@@ -1,0 +1,140 @@
+"""Serving time against hand-derived figures and invariants: the decode roofline never beats
+the weight read, TP all-reduces at batch 1 cost latency not bytes, MoE reads only the experts
+a batch touches, PP buys no latency and idles without enough requests in flight, prefill is
+compute-bound."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelcarve.plan import comm
+from modelcarve.plan.efficiency import HBM_EFFICIENCY, matmul_efficiency
+from modelcarve.plan.serve_memory import shard_facts
+from modelcarve.plan.serve_time import experts_touched_fraction, serve_time, tp_all_reduce_s
+from modelcarve.spec.catalog import get_model, model_names
+from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
+
+MODELS = [n for n in model_names() if not n.startswith("tiny")] + ["tiny-llama", "tiny-moe"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(MODELS),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    batch=st.integers(1, 512),
+    weight_dtype=st.sampled_from(["bf16", "fp8", "int8", "int4"]),
+    kv_dtype=st.sampled_from(["bf16", "fp8"]),
+    input_len=st.integers(1, 32768),
+    output_len=st.integers(1, 4096),
+    device=st.sampled_from(["H100", "A100-80GB", "H200", "B200", "MI300X"]),
+)
+def test_decode_never_beats_reading_the_weights(name, tp, batch, weight_dtype, kv_dtype, input_len, output_len, device):
+    model = get_model(name)
+    if model.num_heads % tp or model.ffn_size % tp:
+        return
+    cluster = parse_cluster(f"{tp}x{device}")
+    t = serve_time(model, cluster, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype, batch=batch,
+                   input_len=input_len, output_len=output_len)
+    hbm = cluster.device.hbm_bytes_per_s
+    f = shard_facts(model, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    routed = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
+    always_read = f.weights_bytes - f.embed_bytes - routed  # everything but the routed experts
+    assert t.weights_read_bytes >= always_read
+    if not model.is_moe:
+        assert t.weights_read_bytes == pytest.approx(always_read)
+    assert t.decode_step_s >= t.weights_read_bytes / hbm
+    assert t.tpot_s >= t.decode_step_s >= always_read / hbm
+    assert t.tokens_per_s_per_device <= batch / t.tpot_s / tp * (1 + 1e-9)
+
+
+def test_batch1_decode_is_the_weight_read_at_achievable_bandwidth():
+    """Llama-3.1-8B bf16, one A100-40GB: weights minus the embedding table, over 0.8 x 1.555 TB/s."""
+    model = get_model("llama-3.1-8b")
+    cluster = parse_cluster("A100-40GB")
+    t = serve_time(model, cluster, batch=1, input_len=1024, output_len=128)
+    read = 2 * (model.total_params - model.vocab_size * model.hidden_size)
+    expected = read / (1.555e12 * HBM_EFFICIENCY)
+    assert t.bound == "memory"
+    # KV of ~1090 tokens (137 MB) and activations add under 2%.
+    assert expected < t.decode_step_s < expected * 1.02
+
+
+def test_tp_all_reduce_at_batch_one_is_latency_not_bytes():
+    cluster = parse_cluster("8xH100")
+    tier = comm.group_tier(cluster, 8, 1)
+    size = 1 * 5120 * 2  # one token's hidden state in bf16
+    t = tp_all_reduce_s(size, 8, tier)
+    one_shot = 2 * tier.latency_s + 7 * size / tier.bytes_per_s
+    assert t == pytest.approx(one_shot)
+    assert 2 * tier.latency_s > 0.9 * t  # the bytes are under 10% of it
+    assert t < comm.all_reduce_s(size, 8, tier) / 5  # a ring would pay 14 latency steps
+    # Qwen3-32B TP8 at batch 1: 2 all-reduces per layer, 64 layers, plus the logits gather.
+    model = get_model("qwen3-32b")
+    st_ = serve_time(model, cluster, tp=8, batch=1, input_len=128, output_len=128)
+    gather = comm.all_gather_s(model.vocab_size * 2, 8, tier)
+    assert st_.decode_parts["tp"] == pytest.approx(128 * one_shot + gather)
+
+
+def test_tp_across_100gbe_costs_more_than_inside_a_node():
+    model = get_model("qwen3-32b")
+    eth = cluster_from_dict({"nodes": 2, "devices_per_node": 8, "device": "H100", "inter_link": "eth-100g", "nics_per_node": 1})
+    inside = serve_time(model, eth, tp=8, dp=2, weight_dtype="fp8", batch=1)
+    across = serve_time(model, eth, tp=16, weight_dtype="fp8", batch=1)
+    assert across.comm["tp"]["tier"] == "inter" and inside.comm["tp"]["tier"] == "intra"
+    # Tree all-reduce across 16 ranks: 2 x 4 latency steps of 15 us, 128 times per token.
+    assert across.decode_parts["tp"] > 128 * 8 * 15e-6
+    assert across.tpot_s > 3 * inside.tpot_s
+
+
+def test_experts_touched():
+    assert experts_touched_fraction(1, 8, 384) == pytest.approx(8 / 384)
+    assert experts_touched_fraction(2, 2, 8) == pytest.approx(1 - (6 / 8) ** 2)
+    assert experts_touched_fraction(10_000, 8, 384) == pytest.approx(1.0)
+
+
+def test_moe_decode_reads_only_touched_experts():
+    model = get_model("deepseek-v3")
+    cluster = parse_cluster("8xH200")
+    f = shard_facts(model, tp=8, weight_dtype="fp8")
+    routed = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
+    one = serve_time(model, cluster, tp=8, weight_dtype="fp8", batch=1)
+    many = serve_time(model, cluster, tp=8, weight_dtype="fp8", batch=256)
+    base = f.weights_bytes - f.embed_bytes - routed
+    assert one.weights_read_bytes == pytest.approx(base + routed * 8 / 256)
+    assert many.weights_read_bytes == pytest.approx(base + routed * (1 - (1 - 8 / 256) ** 256))
+    assert one.weights_read_bytes < 0.2 * f.weights_bytes < many.weights_read_bytes
+
+
+def test_pipeline_buys_no_latency_and_idles_at_batch_one():
+    model = get_model("llama-3.1-70b")
+    cluster = parse_cluster("8xH100")
+    tp8 = serve_time(model, cluster, tp=8, weight_dtype="fp8", batch=1)
+    pp2 = serve_time(model, cluster, tp=4, pp=2, weight_dtype="fp8", batch=1)
+    assert pp2.bubble == pytest.approx(0.5)
+    assert pp2.tpot_s > tp8.tpot_s
+    full = serve_time(model, cluster, tp=4, pp=2, weight_dtype="fp8", batch=64)
+    assert full.bubble == 0.0
+
+
+def test_prefill_is_compute_bound_at_the_gemm_efficiency():
+    """Llama-3.1-8B, 8192-token prompt on one H100 in bf16: causal forward FLOPs / achievable rate."""
+    model = get_model("llama-3.1-8b")
+    cluster = parse_cluster("H100")
+    t = serve_time(model, cluster, batch=1, input_len=8192, output_len=16)
+    h, n = model.hidden_size, 8192
+    flops = n * (2 * model.matmul_params_active + 2 * (n / 2) * 32 * 256 * 32)
+    eff = matmul_efficiency(cluster.device, n, 4 * h, h, "bf16")
+    assert t.prefill_s == pytest.approx(flops / (989.4e12 * eff), rel=1e-9)
+    assert t.ttft_s == t.prefill_s  # nothing else in flight
+
+
+def test_throughput_grows_and_tpot_grows_with_batch():
+    model = get_model("llama-3.1-70b")
+    cluster = parse_cluster("2xH100")
+    previous = None
+    for batch in (1, 2, 8, 32, 128):
+        t = serve_time(model, cluster, tp=2, weight_dtype="fp8", kv_dtype="fp8", batch=batch, input_len=1000, output_len=1000)
+        if previous:
+            assert t.tpot_s > previous.tpot_s
+            assert t.tokens_per_s > previous.tokens_per_s
+        previous = t
