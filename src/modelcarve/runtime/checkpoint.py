@@ -1,0 +1,210 @@
+"""Hugging Face safetensors checkpoints -> our model, whole or one rank's slices only.
+
+Reads one ``model.safetensors`` or a sharded set described by ``model.safetensors.index.json``.
+Parameter names are translated by a table of regular expressions per ``model_type``
+(``NAME_RULES``): each rule maps one of OUR fully-qualified names (runtime/model.py) to the
+Hugging Face name. A family is a list of rules; MoE families extend the llama list (add
+``NAME_RULES["mixtral"] = NAME_RULES["llama"] + [...]`` in a line). No tensor is ever
+unpickled: safetensors only.
+
+Two ways in:
+
+* ``load_model(name_or_dir, seed)``: the full reference model (catalogue name: random weights
+  from ``build_model(spec, seed)``; a checkpoint directory: its weights).
+* ``load_sharded(chunks, ckpt_dir)``: after ``parallelize`` of a model built on the ``meta``
+  device, materialise this rank's parameters and fill each with exactly its slice of the
+  checkpoint (``safe_open(...).get_slice``), from the shard registry (TP/EP slices) and FSDP2's
+  DTensor placements. ``bytes_read`` counts what this rank read; no rank reads or holds the full
+  model unless its layout holds the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modelcarve.spec.errors import ModelcarveError
+
+# our FQN (regex, full match) -> Hugging Face name (re.expand template)
+_LLAMA = [
+    (r"tok_embeddings\.weight", r"model.embed_tokens.weight"),
+    (r"layers\.(\d+)\.attention\.wq\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"layers\.(\d+)\.attention\.wk\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"layers\.(\d+)\.attention\.wv\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"layers\.(\d+)\.attention\.wo\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"layers\.(\d+)\.attention\.q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"layers\.(\d+)\.attention\.k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.(weight|bias)", r"model.layers.\1.mlp.gate_proj.\2"),
+    (r"layers\.(\d+)\.feed_forward\.w3\.(weight|bias)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
+    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"norm\.weight", r"model.norm.weight"),
+    (r"output\.weight", r"lm_head.weight"),
+]
+
+NAME_RULES: dict[str, list[tuple[str, str]]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+}
+
+
+def hf_name(family: str, fqn: str) -> str:
+    rules = NAME_RULES.get(family)
+    if rules is None:
+        raise ModelcarveError(
+            f"loading {family!r} checkpoints is not supported; supported: {', '.join(sorted(NAME_RULES))}"
+        )
+    for pattern, template in rules:
+        match = re.fullmatch(pattern, fqn)
+        if match:
+            return match.expand(template)
+    raise ModelcarveError(f"no Hugging Face name for parameter {fqn!r} of a {family} model (add a rule to NAME_RULES)")
+
+
+class CheckpointReader:
+    """Lazily opened safetensors files of one checkpoint directory; counts the bytes read."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            self.files = {name: self.path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise ModelcarveError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+        self._open: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def _handle(self, file: Path):
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = safe_open(file, framework="pt")
+        return self._open[file]
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``name``, or only ``index`` of it (one slice per leading dim)."""
+        if name not in self.files:
+            raise ModelcarveError(f"{self.path}: checkpoint has no tensor {name!r}")
+        sl = self._handle(self.files[name]).get_slice(name)
+        t = sl[index] if index else sl[:]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(self.files[name]).get_slice(name).get_shape())
+
+
+def _source_name(family: str, fqn: str, reader: CheckpointReader, tied: dict[str, str]) -> str:
+    name = hf_name(family, tied.get(fqn, fqn))
+    if not reader.has(name) and fqn.endswith("output.weight"):
+        name = hf_name(family, "tok_embeddings.weight")  # tied checkpoints store the embedding only
+    return name
+
+
+@torch.no_grad()
+def load_full(model: nn.Module, path: str | Path) -> CheckpointReader:
+    """Copy every parameter of the (unsplit) model from the checkpoint."""
+    reader = CheckpointReader(path)
+    family = model.spec.family
+    for fqn, p in model.named_parameters():
+        t = reader.read(_source_name(family, fqn, reader, {}))
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelcarveError(f"{fqn}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
+        p.copy_(t.to(p.dtype))
+    return reader
+
+
+def is_checkpoint(name: str) -> bool:
+    path = Path(name)
+    return path.is_dir() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
+
+
+def model_spec(name: str):
+    from modelcarve.spec.catalog import get_model
+
+    return get_model(name)
+
+
+def load_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, spec): a catalogue model with seeded random weights, or a checkpoint's weights."""
+    from modelcarve.runtime.model import build_model
+
+    spec = model_spec(name)
+    if device == "meta":
+        with torch.device("meta"):
+            from modelcarve.runtime.model import Transformer
+
+            return Transformer(spec).to(dtype), spec
+    model = build_model(spec, dtype=dtype, seed=seed, device=device)
+    if is_checkpoint(name):
+        load_full(model, name)
+    return model, spec
+
+
+def _slices_for(chunk: nn.Module, fqn: str, param: torch.Tensor, full_shape: list[int]):
+    """Per-dim (start, length) of this rank's piece of the full tensor ``fqn``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from modelcarve.runtime.parallelize import shards_of
+
+    start = [0] * len(full_shape)
+    length = list(full_shape)
+    for group, dim in shards_of(chunk).get(fqn, []):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if length[dim] % size:
+            raise ModelcarveError(f"{fqn}: dim {dim} of size {length[dim]} does not split over {size} ranks")
+        length[dim] //= size
+        start[dim] += rank * length[dim]
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(tuple(length), param.device_mesh, param.placements)
+        start = [s + o for s, o in zip(start, offset)]
+        length = list(local_shape)
+    return start, length
+
+
+@torch.no_grad()
+def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu") -> CheckpointReader:
+    """Materialise ``chunks`` (parallelized on the meta device) with this rank's checkpoint slices."""
+    from torch.distributed.tensor import DTensor
+
+    reader = CheckpointReader(path)
+    for chunk in chunks:
+        chunk.to_empty(device=device)
+        try:
+            from modelcarve.runtime.pipeline_split import tied_copy_names
+
+            tied = tied_copy_names(chunk)
+        except ImportError:
+            tied = {}
+        family = chunk.spec.family
+        for fqn, p in chunk.named_parameters():
+            name = _source_name(family, fqn, reader, tied)
+            start, length = _slices_for(chunk, fqn, p, reader.shape(name))
+            index = tuple(slice(s, s + n) for s, n in zip(start, length))
+            t = reader.read(name, index)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if tuple(t.shape) != tuple(local.shape):
+                raise ModelcarveError(f"{fqn}: checkpoint slice {tuple(t.shape)} != local shard {tuple(local.shape)}")
+            local.copy_(t.to(local.dtype))
+    return reader

@@ -1,0 +1,105 @@
+"""The one place the parallelisms are applied, in this order:
+
+    pipeline split (pipeline.py)  ->  TP / SP (tensor.py)  ->  EP (expert.py)
+      ->  CP (context.py)  ->  DP / ZeRO-1 / FSDP2 / HSDP (data_parallel.py)
+
+``parallelize(model, layout, mesh)`` takes the unchanged reference model (runtime/model.py) and
+returns this rank's model chunks (one, or ``virtual_stages`` for an interleaved pipeline).
+``check_runtime(layout, spec, world_size)`` refuses, before any process starts, a layout the
+runtime cannot execute, with the fix in the message.
+
+The shard registry
+------------------
+Every parallelism that changes what a parameter holds records it here, by FQN relative to the
+chunk (FQNs survive FSDP2 wrapping, which replaces the Parameter objects):
+
+* ``record_shard(chunk, fqn, group, dim)``: this rank holds a slice of the full tensor along
+  ``dim``; the slices of the ranks of ``group`` concatenate (in group-rank order) to the whole.
+  Several entries nest (e.g. experts: EP on dim 0, then TP): gathering undoes them last first.
+* ``record_partial_grad(chunk, fqn, group)``: the parameter is replicated over ``group`` but each
+  rank's gradient is a partial sum; the train step all-reduces it over ``group``.
+
+verify.py gathers full tensors, and the train step computes the global gradient norm, from these
+records alone (plus FSDP2's own DTensor placements), so a new parallelism needs nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from torch import nn
+
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import Layout
+from modelcarve.spec.model import ModelSpec
+
+
+def record_shard(chunk: nn.Module, fqn: str, group, dim: int) -> None:
+    chunk.__dict__.setdefault("_mc_shards", {}).setdefault(fqn, []).append((group, dim))
+
+
+def record_partial_grad(chunk: nn.Module, fqn: str, group) -> None:
+    chunk.__dict__.setdefault("_mc_partial", {}).setdefault(fqn, []).append(group)
+
+
+def shards_of(chunk: nn.Module) -> dict:
+    return chunk.__dict__.get("_mc_shards", {})
+
+
+def partial_grads_of(chunk: nn.Module) -> dict:
+    return chunk.__dict__.get("_mc_partial", {})
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(f"modelcarve.runtime.{module}") is not None
+
+
+def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:
+    """Raise LayoutError if this runtime cannot execute ``layout`` on ``spec`` (and ``world_size``)."""
+    layout.validate(spec, world_size=world_size)
+    problems = []
+    if layout.zero == 2:
+        problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
+    if layout.tp > 1 and spec.attention_kind == "gqa" and spec.num_kv_heads % layout.tp:
+        problems.append(
+            f"tp={layout.tp} does not divide the {spec.num_kv_heads} kv heads (the runtime shards kv heads, "
+            f"it does not replicate them); use tp in {[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}"
+        )
+    if spec.vocab_size % layout.tp:
+        problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
+    if layout.seq % (layout.tp if layout.sp else 1):
+        problems.append(f"seq={layout.seq} must be a multiple of tp={layout.tp} with sp")
+    for axis, size, module in (("pp", layout.pp, "pipeline"), ("cp", layout.cp, "context"), ("ep", layout.ep, "expert")):
+        if size > 1 and not _have(module):
+            problems.append(f"{axis}={size} needs runtime/{module}.py, which is not in this build; use {axis}=1")
+    if problems:
+        raise LayoutError("; ".join(problems))
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
+    """Apply every parallelism of ``layout`` to ``model`` (consumed) on this rank; returns its chunks."""
+    from modelcarve.runtime.data_parallel import apply_data_parallel
+    from modelcarve.runtime.mesh import axis_rank
+    from modelcarve.runtime.tensor import apply_tensor_parallel
+
+    check_runtime(layout, model.spec)
+    if layout.pp > 1:
+        from modelcarve.runtime.pipeline import split_model
+
+        chunks = list(split_model(model, layout, axis_rank(mesh, "pp")))
+    else:
+        chunks = [model]
+    for chunk in chunks:
+        apply_tensor_parallel(chunk, mesh, layout)
+    if layout.ep > 1:
+        from modelcarve.runtime.expert import apply_expert_parallel
+
+        for chunk in chunks:
+            apply_expert_parallel(chunk, mesh, layout)
+    if layout.cp > 1:
+        from modelcarve.runtime.context import apply_context_parallel
+
+        for chunk in chunks:
+            apply_context_parallel(chunk, mesh, layout)
+    apply_data_parallel(chunks, mesh, layout)
+    return chunks

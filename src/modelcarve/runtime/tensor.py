@@ -1,0 +1,341 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism for the reference model.
+
+Hand-written, not DTensor/``parallelize_module``, and this is why:
+
+* the sharded weights stay plain tensors, so FSDP2 can shard them again over the data-parallel
+  mesh, ``torch.distributed.pipelining`` can send the activations of a stage, and the MoE/CP
+  modules see ordinary tensors; DTensor activations would leak into all of them;
+* the model's attention reshapes with ``-1`` heads and GQA-expands k/v locally; with one
+  collective per region (below) the model file runs unchanged on the local heads;
+* vocab-parallel cross-entropy and the sequence-parallel embedding need their own autograd
+  functions anyway (``loss_parallel`` only wraps a DTensor logits tensor).
+
+The benchmark (benchmarks/runtime_tokens.py) compares this against a plain ``parallelize_module``
+baseline on the same model.
+
+What is sharded over the ``tp`` mesh axis (size t):
+
+* attention: ``wq/wk/wv`` column-parallel by heads (bias too), ``wo`` row-parallel; the model's
+  ``n_heads/n_kv_heads`` become local counts (needs t | kv heads). MLA: ``wq``/``wq_b`` and
+  ``wkv_b`` column-parallel, ``wq_a``/``wkv_a`` and their norms replicated, ``wo`` row-parallel.
+* MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
+* embedding: vocab-parallel (rows ``[r V/t, (r+1) V/t)``; other ids give zero, then a sum);
+  LM head: column-parallel over the vocabulary, its logits stay sharded and go straight into
+  ``vocab_parallel_cross_entropy`` (never gathered in training).
+
+Communication per region (``f``/``g`` of Megatron): entering attention, MLP or the LM head the
+input is copied (forward identity, backward all-reduce), leaving ``wo``/``w2`` the partial
+outputs are all-reduced. With sequence parallelism (``sp``) the residual stream and the norms
+hold ``s / t`` tokens per rank: entering a region all-gathers the sequence (backward:
+reduce-scatter), leaving it reduce-scatters (backward: all-gather), and the embedding
+reduce-scatters its partial sums.
+
+Replicated parameters whose gradient is only a partial sum on each rank (qwen3 q/k norms, MLA's
+replicated pieces; with sp also the norms and the row-parallel biases) are registered with
+``record_partial_grad``; the train step all-reduces their gradients over ``tp``.
+
+Pipeline stages under sp: a stage that does not start with the embedding receives hidden
+states already split along the sequence ([b, s/t, H]) and must be given the full ``positions``
+(the default ``arange`` would count only s/t tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from modelcarve.runtime.model import Attention, FeedForward, MLAttention, RMSNorm
+from modelcarve.spec.errors import LayoutError
+
+# --- collectives with autograd ----------------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over ``group`` and keep this rank's chunk along ``dim``."""
+    size = dist.get_world_size(group)
+    chunks = x.chunk(size, dim=dim)
+    flat = torch.cat([c.reshape(-1) for c in chunks])
+    out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, flat, group=group)
+    return out.view(chunks[0].shape)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence (forward); all-gather (backward)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+def enter_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    return _GatherSequence.apply(x, group) if sp else _CopyToRegion.apply(x, group)
+
+
+def leave_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    return _ScatterSequence.apply(x, group) if sp else _ReduceFromRegion.apply(x, group)
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's s/t slice of a replicated [b, s, ...] tensor (no gradient communication:
+    every rank holds the full tensor's gradient only for its slice, which the gather restores)."""
+    return _SplitSequence.apply(x, group)
+
+
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+# --- vocab-parallel cross-entropy -------------------------------------------------------
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy from logits sharded on the last dim over ``group``."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        local_t = targets - vocab_start
+        in_shard = (local_t >= 0) & (local_t < logits.shape[-1])
+        idx = local_t.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * in_shard
+        dist.all_reduce(target_logit, group=group)
+        loss = sum_exp.log() - target_logit
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, in_shard)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, in_shard = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, idx.unsqueeze(-1), -in_shard.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """Cross-entropy per token ([b, s]) of vocab-sharded logits [b, s, V/t]; the full vocabulary's
+    softmax is formed with three all-reduces of [b, s] tensors, never the full logits."""
+    start = logits.shape[-1] * dist.get_rank(group)
+    return _VocabParallelCE.apply(logits, targets, start, group)
+
+
+# --- sharded modules --------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [start, start + V/t) on this rank; other ids contribute zero."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group, sp: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.vocab_start, self.group, self.sp = vocab_start, group, sp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        mask = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = out.masked_fill(mask.unsqueeze(-1), 0.0)
+        return _ScatterSequence.apply(out, self.group) if self.sp else _ReduceFromRegion.apply(out, self.group)
+
+
+class RowParallelLinear(nn.Module):
+    """y = reduce(x_local @ W_local^T) + b: the input features are sharded, the bias is whole."""
+
+    def __init__(self, linear: nn.Linear, rank: int, size: int, group, sp: bool):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=1)[rank].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = leave_region(F.linear(x, self.weight), self.group, self.sp)
+        return out if self.bias is None else out + self.bias
+
+
+def _shard_column(linear: nn.Linear, rank: int, size: int) -> None:
+    """Keep rows [r out/t, (r+1) out/t) of an nn.Linear (and of its bias), in place."""
+    linear.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=0)[rank].clone())
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(size, dim=0)[rank].clone())
+    linear.out_features = linear.weight.shape[0]
+
+
+def _region_hook(group, sp):
+    def hook(module, args, kwargs):
+        return (enter_region(args[0], group, sp), *args[1:]), kwargs
+
+    return hook
+
+
+def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
+    """Shard ``chunk`` (a Transformer or one pipeline chunk of it) over the ``tp`` axis, in place."""
+    from modelcarve.runtime.mesh import axis_group, axis_rank, axis_size
+    from modelcarve.runtime.parallelize import record_partial_grad, record_shard
+
+    t = axis_size(mesh, "tp")
+    if t == 1:
+        return
+    group, rank, sp = axis_group(mesh, "tp"), axis_rank(mesh, "tp"), layout.sp
+    spec = chunk.spec
+    if spec.num_kv_heads % t and spec.attention_kind == "gqa":
+        raise LayoutError(
+            f"tp={t} exceeds or does not divide the {spec.num_kv_heads} kv heads; the runtime shards kv heads "
+            f"and does not replicate them: use tp in {[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}"
+        )
+    if spec.vocab_size % t:
+        raise LayoutError(f"tp={t} does not divide the vocabulary ({spec.vocab_size}); pad the vocabulary or change tp")
+    if sp and chunk.pos_embeddings is not None:
+        raise LayoutError("sequence parallelism with learned positions (gpt2) is not supported; drop sp")
+    hooks = []
+
+    def column(mod: nn.Linear, fqn: str) -> None:
+        _shard_column(mod, rank, t)
+        record_shard(chunk, f"{fqn}.weight", group, 0)
+        if mod.bias is not None:
+            record_shard(chunk, f"{fqn}.bias", group, 0)
+
+    def row(parent: nn.Module, attr: str, fqn: str) -> None:
+        new = RowParallelLinear(getattr(parent, attr), rank, t, group, sp)
+        setattr(parent, attr, new)
+        record_shard(chunk, f"{fqn}.weight", group, 1)
+        if new.bias is not None and sp:
+            record_partial_grad(chunk, f"{fqn}.bias", group)
+
+    def replicated_partial(mod: nn.Module | None, fqn: str) -> None:
+        if mod is not None:
+            for name, _ in mod.named_parameters():
+                record_partial_grad(chunk, f"{fqn}.{name}", group)
+
+    for key, block in chunk.layers.items():
+        base = f"layers.{key}"
+        attn = block.attention
+        if isinstance(attn, Attention):
+            for name in ("wq", "wk", "wv"):
+                column(getattr(attn, name), f"{base}.attention.{name}")
+            attn.n_heads //= t
+            attn.n_kv_heads //= t
+            replicated_partial(attn.q_norm, f"{base}.attention.q_norm")
+            replicated_partial(attn.k_norm, f"{base}.attention.k_norm")
+        elif isinstance(attn, MLAttention):
+            if attn.wq is not None:
+                column(attn.wq, f"{base}.attention.wq")
+            else:
+                column(attn.wq_b, f"{base}.attention.wq_b")
+                replicated_partial(attn.wq_a, f"{base}.attention.wq_a")
+                replicated_partial(attn.q_norm, f"{base}.attention.q_norm")
+            column(attn.wkv_b, f"{base}.attention.wkv_b")
+            replicated_partial(attn.wkv_a, f"{base}.attention.wkv_a")
+            replicated_partial(attn.kv_norm, f"{base}.attention.kv_norm")
+            attn.n_heads = attn.n_kv_heads = attn.n_heads // t
+        else:  # pragma: no cover - future attention kinds
+            raise LayoutError(f"tensor parallelism does not know attention {type(attn).__name__}")
+        row(attn, "wo", f"{base}.attention.wo")
+        hooks.append(attn)
+        ffn = block.feed_forward
+        if isinstance(ffn, FeedForward):
+            column(ffn.w1, f"{base}.feed_forward.w1")
+            if ffn.w3 is not None:
+                column(ffn.w3, f"{base}.feed_forward.w3")
+            row(ffn, "w2", f"{base}.feed_forward.w2")
+            hooks.append(ffn)
+        elif hasattr(ffn, "apply_tensor_parallel"):
+            # MoE blocks shard their own experts (expert TP = TP) and say so through the registry
+            ffn.apply_tensor_parallel(chunk=chunk, fqn=f"{base}.feed_forward", group=group, sp=sp)
+        else:
+            raise LayoutError(f"tensor parallelism does not know the MLP {type(ffn).__name__} of layer {key}")
+        if sp:
+            replicated_partial(block.attention_norm, f"{base}.attention_norm")
+            replicated_partial(block.ffn_norm, f"{base}.ffn_norm")
+    for mod in hooks:
+        mod.register_forward_pre_hook(_region_hook(group, sp), with_kwargs=True)
+
+    emb = chunk.tok_embeddings
+    tied = chunk.output is not None and emb is not None and chunk.output.weight is emb.weight
+    if emb is not None:
+        shard = emb.weight.detach().chunk(t, dim=0)[rank].clone()
+        chunk.tok_embeddings = VocabParallelEmbedding(shard, rank * shard.shape[0], group, sp)
+        record_shard(chunk, "tok_embeddings.weight", group, 0)
+    if chunk.norm is not None and sp:
+        replicated_partial(chunk.norm, "norm")
+    if chunk.output is not None:
+        if tied:
+            chunk.output.weight = chunk.tok_embeddings.weight
+            chunk.output.out_features = chunk.output.weight.shape[0]
+        else:
+            column(chunk.output, "output")
+        chunk.output.register_forward_pre_hook(_region_hook(group, sp), with_kwargs=True)
+    chunk.tp_group = group
+    chunk.vocab_parallel = chunk.output is not None
+
+
+def is_norm(mod: nn.Module) -> bool:
+    return isinstance(mod, (RMSNorm, nn.LayerNorm))
