@@ -9,8 +9,10 @@ Usage::
 Returns ``{"layouts": [...], "rejected": {category: count}, "evaluated": int,
 "alternatives": [...], "elapsed_s": float}``: ``layouts`` are the ``top`` best fitting
 candidates, best first, each the goal's estimate JSON with its ``"layout"``; ``rejected`` counts
-the candidates dropped per reason; ``alternatives`` are the best-scoring rejected candidates
-(one per reason), each with its ``reject_reason`` in words.
+the candidates dropped per reason; ``alternatives`` are, for goals with a ``family``
+(candidate kinds such as "tensor parallelism across nodes"), the best of each kind with ``why``
+it ranks below the winner (from the goal's ``compare``), then the best-scoring rejected
+candidate of each reason, with its ``reject_reason`` in words.
 
 Goals with a ``prepare`` (see goals.py) are screened with their cheap scorer and only the
 finalists go through ``evaluate``; the others are evaluated in full. This module also holds the
@@ -91,6 +93,8 @@ def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
     best: list[tuple[float, int, Any]] = []  # min-heap of the top accepted
     rejected: dict[str, int] = {}
     best_rejected: dict[str, tuple[float, Any, str]] = {}
+    family_of = getattr(goal, "family", None)
+    best_family: dict[str, tuple[float, Any]] = {}
     evaluated = 0
     counter = itertools.count()
     for candidate in goal.candidates(model, cluster, **options):
@@ -102,6 +106,12 @@ def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
                 heapq.heappush(best, item)
             elif score > best[0][0]:
                 heapq.heapreplace(best, item)
+            if family_of is not None:
+                family = family_of(model, cluster, candidate)
+                if family is not None:
+                    held = best_family.get(family)
+                    if held is None or score > held[0]:
+                        best_family[family] = (score, candidate)
             continue
         rejected[category] = rejected.get(category, 0) + 1
         held = best_rejected.get(category)
@@ -110,10 +120,20 @@ def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
     layouts = [goal.evaluate(model, cluster, c, **options) for _, _, c in best]
     layouts.sort(key=goal.score, reverse=True)
     alternatives = []
+    compare = getattr(goal, "compare", None)
+    in_top = {c for _, _, c in best}
+    for family, (_, candidate) in sorted(best_family.items(), key=lambda kv: -kv[1][0]):
+        if candidate in in_top or not layouts:
+            continue
+        result = goal.evaluate(model, cluster, candidate, **options)
+        result["family"] = family
+        result["why"] = compare(result, layouts[0]) if compare else None
+        alternatives.append(result)
     for category, (_, candidate, reason) in sorted(best_rejected.items(), key=lambda kv: -kv[1][0]):
         result = goal.evaluate(model, cluster, candidate, **options)
         result["reject_category"] = category
         result["reject_reason"] = result.get("reject_reason") or reason
+        result["why"] = result["reject_reason"]
         alternatives.append(result)
     return {"layouts": layouts, "rejected": rejected, "evaluated": evaluated, "alternatives": alternatives}
 

@@ -1,0 +1,114 @@
+"""Activation bytes one transformer layer keeps for its backward pass, per micro-batch, per device.
+
+Usage::
+
+    from modelcarve.plan.activations import layer_activation_terms
+    terms = layer_activation_terms(model, tokens=2048, seq_ctx=2048, tp=8, sp=True, recompute="selective")
+    sum(terms.values())         # bytes
+
+Starting point: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Section 4: a GPT layer with 16-bit activations and dropout stores
+``s b h (34 + 5 a s / h)`` bytes: attention ``11 sbh + 5 a s^2 b`` (QKV input 2, Q and K 4, V 2,
+softmax output 2as^2b, dropout mask as^2b, dropout output 2as^2b, projection input 2, dropout
+mask 1), MLP ``19 sbh`` (input 2, GeLU input 8, GeLU output 8, dropout mask 1), two layer-norm
+inputs ``4 sbh``. Tensor parallelism divides everything but the ``10 sbh`` of the norm/dropout
+regions by ``t``; sequence parallelism divides those too; selective recomputation drops the
+``5 a s^2 b`` attention core; full recomputation keeps only the layer input ``2 sbh``.
+
+Extensions, term by term (same bookkeeping: every tensor a backward reads is counted once):
+
+* GQA: K and V have ``num_kv_heads`` heads, replicated when ``tp > num_kv_heads``.
+* SwiGLU: the gate and up projections' outputs (``2 x 2 sbf``) and the product fed to the down
+  projection (``2 sbf``): ``6 sbf / t`` in place of GeLU's ``4 sbf / t``.
+* MoE: router logits in fp32 (``4 sbE``), the token copies sent to experts and returned
+  (``2 x 2 sbkh``, times the load-imbalance factor on the busiest device), each expert's SwiGLU
+  intermediates over its tokens (``6 sbk f_e / t``), and the shared experts as a dense MLP.
+* MLA: the compressed q and kv latents and their norm outputs (``4 sb (r_q + r_kv) + 2 sb d_rope``,
+  replicated over TP as the down projections are), then per-head Q, K, V as in MHA.
+* Flash attention stores no ``s^2`` term, only the output (the projection input) and the fp32
+  log-sum-exp per row; without dropout (modern recipes) the dropout masks vanish.
+* Context parallelism: the caller passes ``tokens = b s / cp`` and ``seq_ctx = s``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelcarve.spec.model import ModelSpec
+
+ACT_BYTES = 2.0
+"""Bytes per stored activation element (bf16/fp16)."""
+
+
+def kv_heads_per_rank(model: "ModelSpec", tp: int) -> float:
+    """KV heads a TP rank holds (GQA heads are replicated when tp exceeds them; MLA has nh)."""
+    if model.attention_kind == "mla":
+        return model.num_heads / tp
+    return max(model.num_kv_heads / tp, 1.0)
+
+
+def layer_activation_terms(
+    model: "ModelSpec",
+    *,
+    tokens: float,
+    seq_ctx: float,
+    tp: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    moe: bool = False,
+    attention: str = "materialized",
+    dropout: bool = True,
+    expert_tokens_factor: float = 1.0,
+) -> dict[str, float]:
+    """Bytes per component for one layer and one micro-batch of ``tokens`` tokens on one device.
+
+    ``tokens`` = micro-batch size x local sequence (seq / cp); ``seq_ctx`` = keys each query sees;
+    ``expert_tokens_factor`` scales the routed-expert terms (load imbalance on the busiest rank)."""
+    h = model.hidden_size
+    T = float(tokens)
+    rep = tp if sp else 1  # divisor of the norm/dropout regions
+    a = ACT_BYTES
+    if recompute == "full":
+        return {"layer_input": a * T * h / rep}
+    heads = model.num_heads / tp
+    dqk, dv = model.qk_head_dim, model.attn_v_head_dim
+    kvl = kv_heads_per_rank(model, tp)
+    mask = 1.0 if dropout else 0.0
+    terms: dict[str, float] = {}
+    terms["norm_inputs"] = 2 * a * T * h / rep
+    terms["attn_input"] = a * T * h / rep
+    if model.attention_kind == "mla":
+        rq = model.q_lora_rank or 0
+        terms["mla_latents"] = 2 * a * T * (rq + model.kv_lora_rank) + a * T * model.qk_rope_head_dim
+    terms["qkv"] = a * T * (heads * dqk + kvl * dqk + kvl * dv)
+    if recompute != "selective":
+        if attention == "flash":
+            terms["attn_core"] = 4.0 * T * heads  # fp32 log-sum-exp per query row and head
+        else:
+            # softmax output (2 bytes) + dropout mask (1) + dropout output (2) per score
+            terms["attn_core"] = (2.0 + 3.0 * mask) * T * heads * seq_ctx
+    terms["proj_input"] = a * T * heads * dv
+    terms["dropout_masks"] = 2 * mask * T * h / rep
+    terms["mlp_input"] = a * T * h / rep
+    if moe:
+        k, fe, E = model.top_k, model.expert_ffn_size, model.num_experts
+        routed = T * k * expert_tokens_factor
+        terms["router"] = 4.0 * T * E / rep
+        terms["expert_tokens"] = 2 * a * routed * h
+        terms["expert_ffn"] = _ffn_terms(model, routed, fe, tp)
+        if model.num_shared_experts:
+            terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp)
+    else:
+        terms["ffn"] = _ffn_terms(model, T, model.ffn_size, tp)
+    return terms
+
+
+def _ffn_terms(model: "ModelSpec", tokens: float, ffn: int, tp: int) -> float:
+    per = 6.0 if model.ffn_kind == "swiglu" else 4.0  # see module doc
+    return per * tokens * ffn / tp
+
+
+def layer_activation_bytes(model: "ModelSpec", **kwargs) -> float:
+    """Total of :func:`layer_activation_terms`."""
+    return float(sum(layer_activation_terms(model, **kwargs).values()))

@@ -1,0 +1,104 @@
+"""Achievable fraction of a device's dense peak for one GEMM shape, and compute-time helpers.
+
+Usage::
+
+    from modelcarve.plan.efficiency import matmul_efficiency, gemm_time_s
+    eff = matmul_efficiency(device, m=4096, n=1536, k=12288)     # 0..1 of the dense bf16 peak
+    seconds = gemm_time_s(device, 4096, 1536, 12288)
+
+The model (three factors and a roofline; each states why)
+---------------------------------------------------------
+1. ``peak_fraction`` of the device: what cuBLAS reaches on a large, well-shaped GEMM. Tensor
+   cores never run at the datasheet clock under sustained load (power capping), and the
+   epilogue / prologue of every tile costs cycles.
+2. A size ramp ``d / (d + RAMP_DIM)`` for each of ``m``, ``n``, ``k``: small dimensions cannot
+   fill all SMs (``m``, ``n``: too few output tiles, wave quantisation) or amortise the tile
+   prologue (``k``: too few main-loop iterations). This is why GEMMs slow down as tensor
+   parallelism shrinks the per-device matrices and why fine-grained experts run below peak.
+3. Padding to the tile grid: ``m`` and ``n`` are computed in tiles of ``TILE`` (partial tiles
+   cost a whole tile).
+4. Roofline: a GEMM cannot run faster than it can stream its operands once from HBM
+   (``2 (mk + kn + mn)`` bytes for 16-bit operands) at ``HBM_EFFICIENCY`` of the datasheet
+   bandwidth.
+
+Calibration. ``RAMP_DIM`` and the A100's ``peak_fraction`` are the two constants fitted to the
+ten rows of Table 1 of Narayanan et al. 2021 (benchmarks/calibrate_training.py prints the fit
+and each row's error; docs/calibration_training.md keeps the result). The peak fractions of the
+other devices are set from the same kind of evidence per generation (Hopper runs large bf16
+GEMMs at a lower fraction of its higher peak than Ampere: about 0.7 of 989 TFLOP/s in
+published cuBLAS sweeps), and are marked as assumptions in ``PEAK_FRACTION_SOURCE``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import DeviceSpec
+
+RAMP_DIM = 96.0
+"""Dimension at which the size ramp halves throughput (fitted, see module doc)."""
+TILE = 64
+"""Granularity m and n are padded to (smallest common cuBLAS tensor-core tile edge)."""
+HBM_EFFICIENCY = 0.8
+"""Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
+
+PEAK_FRACTION = {
+    "A100": 0.80,
+    "H100": 0.72,
+    "H200": 0.74,
+    "B200": 0.72,
+    "MI300X": 0.55,
+    "L40S": 0.75,
+    "RTX4090": 0.80,
+}
+"""Fraction of the dense peak a large bf16 GEMM reaches, by device family (prefix match)."""
+DEFAULT_PEAK_FRACTION = 0.70
+PEAK_FRACTION_SOURCE = {
+    "A100": "fitted to Narayanan et al. 2021 Table 1 (benchmarks/calibrate_training.py)",
+    "default": "assumption: large cuBLAS/hipBLASLt GEMMs on Hopper/Blackwell/CDNA3 reach 0.55-0.75 of dense peak",
+}
+
+
+def peak_fraction(device: "DeviceSpec") -> float:
+    """The device family's achievable fraction of dense peak on a large GEMM."""
+    name = device.name.upper()
+    for family, fraction in PEAK_FRACTION.items():
+        if name.startswith(family.upper()):
+            return fraction
+    return DEFAULT_PEAK_FRACTION
+
+
+def _ramp(d: float) -> float:
+    return d / (d + RAMP_DIM)
+
+
+def _padded(d: float) -> float:
+    return d / (math.ceil(d / TILE) * TILE)
+
+
+def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype: str = "bf16") -> float:
+    """Achievable fraction (0..1) of ``device``'s dense ``dtype`` peak for an (m x k) @ (k x n) GEMM."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    eff = peak_fraction(device) * _ramp(m) * _ramp(n) * _ramp(k) * _padded(m) * _padded(n)
+    peak = device.flops(dtype)
+    elem = 1.0 if dtype in ("fp8", "int8") else 2.0
+    memory_s = elem * (m * k + k * n + m * n) / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
+    compute_s = 2.0 * m * n * k / (peak * eff)
+    if memory_s > compute_s:
+        eff = 2.0 * m * n * k / (peak * memory_s)
+    return eff
+
+
+def gemm_time_s(device: "DeviceSpec", m: float, n: float, k: float, batch: float = 1.0, dtype: str = "bf16") -> float:
+    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n) at the achievable rate."""
+    if batch <= 0 or m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return batch * 2.0 * m * n * k / (device.flops(dtype) * matmul_efficiency(device, m, n, k, dtype))
+
+
+def memory_bound_time_s(device: "DeviceSpec", nbytes: float) -> float:
+    """Seconds for a kernel that streams ``nbytes`` through HBM (element-wise ops, norms, softmax)."""
+    return nbytes / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
