@@ -171,12 +171,19 @@ def split_model(
 
 def _make_chunk(model: nn.Module, keys: list[str], *, first: bool, last: bool) -> nn.Module:
     """A shallow copy of ``model`` holding only ``keys`` of its layers and the ends it owns."""
-    chunk = object.__new__(type(model))
-    chunk.__dict__ = dict(model.__dict__)
-    # nn.Module keeps children/params/buffers in dicts; copy them so edits stay on this chunk.
-    chunk._modules = dict(model._modules)
-    chunk._parameters = dict(model._parameters)
-    chunk._buffers = dict(model._buffers)
+    # A fresh Module (own hook and child dicts: FSDP2/TP hooks on one chunk must not reach the
+    # others) sharing the children and the plain attributes (spec, rope_dim) of ``model``.
+    chunk = type(model).__new__(type(model))
+    nn.Module.__init__(chunk)
+    for key, value in model.__dict__.items():
+        if not key.startswith("_") and key != "training":
+            chunk.__dict__[key] = value
+    chunk.train(model.training)
+    for name, param in model._parameters.items():
+        chunk.register_parameter(name, param)
+    for name, buf in model._buffers.items():
+        chunk.register_buffer(name, buf, persistent=name not in model._non_persistent_buffers_set)
+    chunk._modules.update(model._modules)
     chunk.layers = nn.ModuleDict({key: model.layers[key] for key in keys})
     if not first:
         chunk.tok_embeddings = None
