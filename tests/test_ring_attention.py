@@ -3,11 +3,13 @@
 Single-process tests check the block math and the hand-written backward (gradcheck in fp64,
 group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
 and 4) checks outputs and q/k/v gradients of every rank's piece against unsharded causal
-attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, and the refusal of lengths
-that do not divide by 2 x cp.
+attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, the refusal of lengths that
+do not divide by 2 x cp, and (cp=2) a clear error within the timeout when a peer never joins.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -118,6 +120,15 @@ def _ring_worker() -> dict:
         results["refusal"] = None
     except LayoutError as err:
         results["refusal"] = str(err)
+    if world_size == 2:  # a peer that never joins the ring: a clear error within the timeout, no hang
+        if rank == 0:
+            try:
+                x = torch.zeros(1, 2, 4, 4)
+                ring_attention(x, x, x, group, timeout_s=2)
+            except RuntimeError as err:
+                results["timeout"] = str(err)
+        else:
+            time.sleep(3)
     return results
 
 
@@ -126,11 +137,23 @@ def test_ring_attention_matches_full_causal_attention(world_size):
     per_rank = run_distributed(_ring_worker, world_size, timeout=240)
     for rank, results in enumerate(per_rank):
         assert results["refusal"] is not None and f"2 x cp = {2 * world_size}" in results["refusal"]
+        if world_size == 2 and rank == 0:
+            assert "did not complete within 2s" in results.get("timeout", ""), results.get("timeout")
         for key, errors in results.items():
-            if key == "refusal":
+            if key in ("refusal", "timeout"):
                 continue
             case, dtype = key
             tol = 1e-12 if dtype == "torch.float64" else 1e-5
             assert errors["repeat"] == 0, (rank, case, dtype, errors)
             for name in ("out", "dq", "dk", "dv"):
                 assert errors[name] <= tol, (world_size, rank, case, dtype, name, errors)
+
+
+def test_autocast_does_not_lower_the_math():
+    """Under bf16 autocast the ring still computes in fp32 (its output equals the fp32 result)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8).to(torch.bfloat16) for _ in range(3))
+    expect = ring_attention(q.float(), k.float(), v.float()).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ring_attention(q, k, v)
+    assert torch.equal(got, expect)

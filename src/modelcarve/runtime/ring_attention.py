@@ -127,9 +127,9 @@ class _Transfer:
         except RuntimeError as err:
             r = self.ring
             raise RuntimeError(
-                f"ring attention: cp rank {r.rank} got no block from global rank {r.prev} within "
-                f"{r.timeout.total_seconds():.0f}s (a peer died, or ranks disagree on the number of "
-                f"attention calls): {err}"
+                f"ring attention: cp rank {r.rank}'s exchange with global ranks {r.next} (send) and {r.prev} "
+                f"(receive) did not complete within {r.timeout.total_seconds():.0f}s (a peer died, or the ranks "
+                f"disagree on the number of attention calls): {err}"
             ) from err
         return self.recv
 
@@ -189,6 +189,11 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, scale: float):
+        with torch.autocast(q.device.type, enabled=False):  # our fp32 math, not autocast's bf16
+            return _RingAttention._forward(ctx, q, k, v, ring, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: _Ring, scale: float):
         b, hq, s, dqk = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         c = s // 2
@@ -214,6 +219,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         b, hq, s, dqk = q.shape
