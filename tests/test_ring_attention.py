@@ -4,7 +4,7 @@ Single-process tests check the block math and the hand-written backward (gradche
 group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
 and 4) checks outputs and q/k/v gradients of every rank's piece against unsharded causal
 attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, the refusal of lengths that
-do not divide by 2 x cp, and (cp=2) a clear error within the timeout when a peer never joins.
+do not divide by 2 x cp (and that padding at the end is exact instead), and (cp=2) a clear error within the timeout when a peer never joins.
 """
 
 from __future__ import annotations
@@ -115,6 +115,16 @@ def _ring_worker() -> dict:
                 "dv": (vl.grad.double() - piece(v.grad).double()).abs().max().item(),
             }
             results[(case, str(dtype))] = errors
+    # the way around the refusal: pad at the end; causal, so no real token sees a pad
+    gen = torch.Generator().manual_seed(7)
+    real, padded = 4 * world_size - 1, 4 * world_size
+    q, k, v = (torch.randn(1, 4, real, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    pad = [F.pad(t, (0, 0, 0, padded - real)) for t in (q, k, v)]
+    local = ring_attention(*(zigzag_shard(t, 2, world_size, rank) for t in pad), group)
+    pieces = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(pieces, local, group=group)
+    results["padded"] = (zigzag_unshard(pieces, 2)[:, :, :real] - _reference(q, k, v)).abs().max().item()
     try:
         zigzag_shard(torch.zeros(1, 2 * world_size + 2), 1, world_size, rank)
         results["refusal"] = None
@@ -137,10 +147,11 @@ def test_ring_attention_matches_full_causal_attention(world_size):
     per_rank = run_distributed(_ring_worker, world_size, timeout=240)
     for rank, results in enumerate(per_rank):
         assert results["refusal"] is not None and f"2 x cp = {2 * world_size}" in results["refusal"]
+        assert results["padded"] <= 1e-12, results["padded"]
         if world_size == 2 and rank == 0:
             assert "did not complete within 2s" in results.get("timeout", ""), results.get("timeout")
         for key, errors in results.items():
-            if key in ("refusal", "timeout"):
+            if key in ("refusal", "timeout", "padded"):
                 continue
             case, dtype = key
             tol = 1e-12 if dtype == "torch.float64" else 1e-5

@@ -6,7 +6,8 @@ the parallel run reports loss, per-parameter gradients and the parameters after 
 each compared with the reference: loss <= 1e-5 relative; gradients <= 1e-4 (max abs difference
 relative to the gradient's max abs value); parameters after the steps <= 1e-4 max abs difference.
 
-``_manual_step`` drives CP with nothing but context.py (shard_batch, apply_context_parallel)
+"verify" cases run the whole runtime (parallelize -> Trainer -> verify.py, clipping included)
+with verify.TOLERANCES (a bf16 case with its looser ones). ``_manual_step`` drives CP with nothing but context.py (shard_batch, apply_context_parallel)
 and a sum over the cp group, to check the CP pieces on their own.
 """
 
@@ -116,7 +117,9 @@ def _worker(cases: list[tuple[str, str]]) -> dict:
     results = {}
     for text, driver in cases:
         if driver == "verify":
-            report = verify_worker("tiny-llama", f"{text},seq={SEQ},mbs=1", steps=STEPS, lr=LR, dtype="fp32")
+            dtype = "bf16" if "bf16" in text else "fp32"
+            text_ = text.replace(",bf16", "")
+            report = verify_worker("tiny-llama", f"{text_},seq={SEQ},mbs=1", steps=STEPS, lr=LR, dtype=dtype)
             results[(text, driver)] = report
             dist.barrier()
             continue
@@ -129,7 +132,7 @@ def _worker(cases: list[tuple[str, str]]) -> dict:
 
 
 WORLDS = {
-    2: [("cp=2", "manual"), ("cp=2,gbs=2", "verify")],
+    2: [("cp=2", "manual"), ("cp=2,gbs=2", "verify"), ("cp=2,gbs=2,bf16", "verify")],
     4: [
         ("cp=2,dp=2", "manual"),
         ("cp=4,gbs=2", "verify"),
