@@ -5,7 +5,8 @@ unsplit copy. The parallel model (runtime/parallelize.py) and the reference then
 global batches. Compared, each against a stated tolerance:
 
 * ``logits``: the first batch's logits before any update (max abs diff; when the layout can
-  produce them on one rank: pp = 1 and cp = 1, else reported as not compared),
+  produce them on one rank: pp = 1 (cp pieces are reassembled by context.unshard_sequence),
+  else reported as not compared),
 * ``loss``: every step's loss (relative difference),
 * ``grad/<fqn>``: every parameter's gradient of the first step, before clipping (max abs diff),
 * ``param/<fqn>``: every parameter after ``steps`` AdamW steps (max abs diff).
@@ -113,15 +114,19 @@ def gather_logits(chunks, layout, mesh, tokens) -> torch.Tensor | None:
     from modelcarve.runtime.mesh import axis_group, axis_rank
     from modelcarve.runtime.train import autocast
 
-    if layout.pp > 1 or layout.cp > 1:
+    if layout.pp > 1:
         return None
+    from modelcarve.runtime.context import shard_batch, unshard_sequence
+
     model = chunks[0]
     rows = tokens.shape[0] // layout.dp
     local = tokens[axis_rank(mesh, "dp") * rows : (axis_rank(mesh, "dp") + 1) * rows]
+    local, _, positions = shard_batch(local, None, mesh, layout)  # cp: this rank's zig-zag piece
     with torch.no_grad(), autocast(layout):
-        logits = model(local).float()
+        logits = model(local, positions).float()
     if getattr(model, "vocab_parallel", False):
         logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+    logits = unshard_sequence(logits, mesh, layout, dim=1)
     if layout.dp > 1:
         logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
     return logits if dist.get_rank() == 0 else None
@@ -130,7 +135,7 @@ def gather_logits(chunks, layout, mesh, tokens) -> torch.Tensor | None:
 # --- the run ----------------------------------------------------------------------------------
 
 
-def verify_worker(model_name: str, layout_text: str, steps: int = 3, seed: int = 0, data: str | None = None,
+def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: str | None = None,
                   lr: float = 1e-3, dtype: str | None = None) -> dict | None:
     """Run on every rank after init_distributed(); returns the report on rank 0."""
     from modelcarve.runtime.checkpoint import load_model
@@ -139,7 +144,7 @@ def verify_worker(model_name: str, layout_text: str, steps: int = 3, seed: int =
     from modelcarve.runtime.train import TrainConfig, Trainer, make_data, reference_step, seed_everything
     from modelcarve.spec.layout import Layout
 
-    layout = Layout.parse(layout_text)
+    model_name, layout = model, Layout.parse(layout)
     if dtype:
         layout = layout.replace(param_dtype=dtype)
     seed_everything(seed)

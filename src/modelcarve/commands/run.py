@@ -1,13 +1,171 @@
-"""Placeholder registration until the run commands land (see the open issues)."""
+"""``modelcarve run`` and ``modelcarve verify``: execute a layout on real processes.
 
-from modelcarve.spec.errors import ModelcarveError
+    modelcarve run --model tiny-llama --layout "tp=2,pp=2" --steps 20
+    modelcarve run --model ./my-checkpoint --layout layout.json --data tokens.npy
+    modelcarve verify --model tiny-llama --layout "tp=2,dp=2" --steps 3 --json
+
+Both check the layout against the model and the number of ranks BEFORE any process starts
+(a LayoutError with the fix, exit 2), then start the ranks through torchrun
+(``python -m torch.distributed.run ... -m modelcarve.runtime.launch``); when this process is
+already a torchrun rank they run in place. ``--nnodes/--node-rank/--master-addr/--master-port``
+go to torchrun for several machines. ``verify`` prints one row per compared quantity (logits,
+loss, gradients, parameters after N AdamW steps) with max abs/rel differences and pass/fail,
+and exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from modelcarve.spec.errors import LayoutError, ModelcarveError
 
 
-def _pending(args):
-    raise ModelcarveError(f"'modelcarve {args.command}' is not implemented yet")
+def _add_common(p) -> None:
+    p.add_argument("--model", required=True, help="catalogue name (e.g. tiny-llama) or a Hugging Face checkpoint directory")
+    p.add_argument("--layout", required=True, help='"tp=2,pp=2,dp=2,..." or a layout.json from `plan --emit`')
+    p.add_argument("--steps", type=int, default=None, help="training steps (run: 10, verify: 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout per rank, seconds")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node (default: world size / nnodes)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None, help="default: a free port on one node, 29500 on several")
 
 
 def register(sub) -> None:
-    for name in ("run", "verify"):
-        p = sub.add_parser(name, help="(not implemented yet)")
-        p.set_defaults(func=_pending)
+    p = sub.add_parser("run", help="train a model with a layout on real processes (torchrun)")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.set_defaults(func=_run)
+    v = sub.add_parser("verify", help="compare a layout with the single-device reference (logits, loss, grads, params)")
+    _add_common(v)
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_verify)
+
+
+def _prepare(args):
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+
+    layout = Layout.parse(args.layout)
+    if args.dtype:
+        layout = layout.replace(param_dtype=args.dtype)
+    spec = get_model(args.model)
+    if args.nnodes < 1 or layout.world_size % args.nnodes:
+        raise LayoutError(f"the layout needs {layout.world_size} ranks, not divisible over --nnodes {args.nnodes}")
+    per_node = args.nproc_per_node or layout.world_size // args.nnodes
+    if per_node * args.nnodes != layout.world_size:
+        raise LayoutError(
+            f"--nproc-per-node {per_node} x --nnodes {args.nnodes} = {per_node * args.nnodes} ranks but layout "
+            f"{layout.short()} needs dp x cp x tp x pp = {layout.world_size}; use --nproc-per-node "
+            f"{layout.world_size // args.nnodes} or change the layout"
+        )
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun and "WORLD_SIZE" in os.environ else layout.world_size
+    from modelcarve.runtime.parallelize import check_runtime
+
+    check_runtime(layout, spec, world_size=world)
+    return layout, spec, per_node, under_torchrun
+
+
+def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
+    payload["timeout_s"] = args.timeout
+    port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
+    if under_torchrun:
+        from modelcarve.runtime.launch import main
+
+        return main([command, json.dumps(payload)])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        f"--master-addr={args.master_addr}", f"--master-port={port}",
+        "-m", "modelcarve.runtime.launch", command, json.dumps(payload),
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("LOGLEVEL", "ERROR")
+    env.setdefault("TORCHELASTIC_ERROR_FILE", "")
+    # torchrun's own failure summary is long; our ranks already printed one line each
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("modelcarve:")]
+    for line in ours:
+        sys.stderr.write(line + "\n")
+    if proc.returncode and not ours:
+        sys.stderr.write(proc.stderr[-3000:])
+    return proc.returncode
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _payload(args, steps_default: int) -> dict:
+    return dict(model=args.model, layout=args.layout, steps=args.steps or steps_default, seed=args.seed,
+                data=args.data, lr=args.lr, dtype=args.dtype)
+
+
+def _run(args) -> int:
+    layout, spec, per_node, under = _prepare(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "run.json")
+        payload = _payload(args, 10) | dict(report=report, quiet=bool(args.json))
+        code = _launch("run", args, payload, per_node, under)
+        if code:
+            return 1
+        if args.json and os.path.exists(report):
+            print(open(report).read())
+    return 0
+
+
+def _verify(args) -> int:
+    layout, spec, per_node, under = _prepare(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "verify.json")
+        code = _launch("verify", args, _payload(args, 3) | dict(report=path), per_node, under)
+        if code or not os.path.exists(path):
+            if args.node_rank == 0:
+                raise ModelcarveError(f"verify of {layout.short()} did not complete (ranks exited with code {code})")
+            return code
+        report = json.load(open(path))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if report["passed"] else 1
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from modelcarve.verify import summarise
+
+    console = Console()
+    table = Table(title=f"verify {report['model']} {report['layout']} ({report['world_size']} ranks, "
+                        f"{report['steps']} AdamW steps, {report['dtype']}) against the single-device reference")
+    for col in ("compared", "n", "max abs diff", "max rel diff", "tolerance", "result", "worst"):
+        table.add_column(col, justify="right" if col not in ("compared", "worst") else "left")
+    for row in summarise(report):
+        if not row["count"]:
+            table.add_row(row["kind"], "0", "-", "-", "-", "[dim]not compared for this layout[/]", "")
+            continue
+        tol = f"{row['tol']:.0e} {row['metric']}"
+        result = "[green]pass[/]" if row["passed"] else "[red]FAIL[/]"
+        table.add_row(row["kind"], str(row["count"]), f"{row['max_abs']:.2e}", f"{row['max_rel']:.2e}", tol, result, row["worst"])
+    console.print(table)
+    failed = [c for c in report["checks"] if not c["passed"]]
+    for c in failed[:20]:
+        console.print(f"[red]FAIL[/] {c['name']}: max abs {c['max_abs']:.3e}, max rel {c['max_rel']:.3e} > tol {c['tol']:.0e}")
+    console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks)")

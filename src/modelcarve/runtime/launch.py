@@ -1,0 +1,179 @@
+"""What each rank runs under torchrun for ``modelcarve run`` and ``modelcarve verify``.
+
+    torchrun --nproc-per-node 4 -m modelcarve.runtime.launch run '{"model": "tiny-llama", "layout": "tp=2,dp=2", "steps": 10}'
+    torchrun --nproc-per-node 2 -m modelcarve.runtime.launch verify '{"model": "tiny-llama", "layout": "tp=2", "report": "/tmp/r.json"}'
+
+``modelcarve run/verify`` (commands/run.py) validate the layout, then start torchrun with this
+module (or call ``main`` directly when already under torchrun). Rank 0 draws the progress bar,
+prints the memory table and writes the JSON report (``report`` key). A failure on any rank
+prints one line naming the rank and the error and exits 1; a rank that dies makes the others
+fail at their next collective within the collective timeout (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def build(model_name: str, layout, seed: int):
+    """Parallelized chunks of ``model_name`` (a checkpoint is read slice by slice, per rank)."""
+    from modelcarve.runtime.checkpoint import is_checkpoint, load_model, load_sharded
+    from modelcarve.runtime.mesh import build_mesh
+    from modelcarve.runtime.parallelize import parallelize
+
+    mesh = build_mesh(layout)
+    if is_checkpoint(model_name):
+        meta, spec = load_model(model_name, device="meta")
+        chunks = parallelize(meta, layout, mesh)
+        load_sharded(chunks, model_name)
+    else:
+        model, spec = load_model(model_name, seed=seed)
+        chunks = parallelize(model, layout, mesh)
+    return chunks, spec, mesh
+
+
+def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
+               lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False) -> dict | None:
+    from modelcarve.runtime.metrics import CommCounter, StepTimer, memory_stats
+    from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
+    from modelcarve.spec.layout import Layout
+
+    lay = Layout.parse(layout)
+    if dtype:
+        lay = lay.replace(param_dtype=dtype)
+    seed_everything(seed)
+    chunks, spec, mesh = build(model, lay, seed)
+    trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed))
+    source = make_data(data, spec.vocab_size, seed)
+    timer = StepTimer(lay.global_batch * lay.seq)
+    history = []
+    progress = _Progress(steps, lay, spec) if _rank0() and not quiet else None
+    comm = CommCounter()
+    try:
+        for step in range(steps):
+            tokens, targets = source.batch(step, lay.global_batch, lay.seq)
+            with timer, (comm if step == steps - 1 else _null()):
+                out = trainer.step(tokens, targets)
+            history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
+            if progress:
+                progress.update(history[-1])
+    finally:
+        if progress:
+            progress.close()
+    mem = memory_stats(chunks, trainer.optimizer) | dict(comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()))
+    mems = [None] * dist.get_world_size()
+    dist.all_gather_object(mems, mem)
+    if not _rank0():
+        return None
+    result = dict(model=spec.name, layout=lay.short(), layout_fields=lay.to_dict(), world_size=dist.get_world_size(),
+                  steps=steps, history=history, tokens_per_s=timer.tokens_per_s(), memory=mems,
+                  params=spec.total_params)
+    if not quiet:
+        _print_memory(result)
+    if report:
+        with open(report, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Progress:
+    """A rich progress bar with loss and tokens/s (plain lines when stdout is not a terminal)."""
+
+    def __init__(self, steps: int, layout, spec):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console()
+        self.live = self.console.is_terminal
+        self.console.print(f"[bold]{spec.name}[/] {layout.short()} on {dist.get_world_size()} ranks, "
+                           f"{layout.global_batch} x {layout.seq} tokens per step, {layout.param_dtype}")
+        if self.live:
+            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                                TimeElapsedColumn(), console=self.console)
+            self.task = self.bar.add_task("train", total=steps, info="")
+            self.bar.start()
+
+    def update(self, row: dict) -> None:
+        info = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
+        if self.live:
+            self.bar.update(self.task, advance=1, info=info)
+        else:
+            self.console.print(f"step {row['step'] + 1}: {info}")
+
+    def close(self) -> None:
+        if self.live:
+            self.bar.stop()
+
+
+def _print_memory(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"memory per rank (MiB) — {result['tokens_per_s']:,.0f} tokens/s mean after the first step")
+    for col in ("rank", "peak RSS", "params", "grads", "optimiser", "comm/step"):
+        table.add_column(col, justify="right")
+    mib = 1024 * 1024
+    for rank, m in enumerate(result["memory"]):
+        table.add_row(str(rank), f"{m['peak_rss_bytes'] / mib:.0f}", f"{m.get('param_bytes', 0) / mib:.2f}",
+                      f"{m.get('grad_bytes', 0) / mib:.2f}", f"{m.get('optim_bytes', 0) / mib:.2f}",
+                      f"{m['comm_bytes_per_step'] / mib:.2f}")
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from modelcarve.runtime.mesh import destroy, init_distributed
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("run", "verify"):
+        sys.stderr.write("usage: python -m modelcarve.runtime.launch {run|verify} '<json arguments>'\n")
+        return 2
+    command, args = argv[0], json.loads(argv[1])
+    timeout_s = float(args.pop("timeout_s", 120))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    code = 0
+    try:
+        init_distributed(timeout_s)
+        if command == "run":
+            run_worker(**args)
+        else:
+            from modelcarve.verify import verify_worker
+
+            report_path = args.pop("report", None)
+            report = verify_worker(**args)
+            if report is not None and report_path:
+                with open(report_path, "w") as f:
+                    json.dump(report, f, indent=2)
+    except Exception as err:  # one line per failing rank; the full trace only with MODELCARVE_DEBUG
+        rank = os.environ.get("RANK", "?")
+        sys.stderr.write(f"modelcarve: rank {rank}: {type(err).__name__}: {' '.join(str(err).split())[:600]}\n")
+        if os.environ.get("MODELCARVE_DEBUG"):
+            traceback.print_exc()
+        code = 1
+    if code:  # peers may be gone: tearing the group down could wait on them, so leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    destroy()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
