@@ -9,6 +9,7 @@ AdamW steps 1e-4 abs.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -201,8 +202,63 @@ def _error_case(case):
     return None
 
 
-def _worker(cases):
-    return {name: (_error_case(case) if case.get("error") else _run_case(case)) for name, case in cases.items()}
+def _verify_case(case):
+    """The whole training step (parallelize -> Trainer: TP/DP reductions, global-norm clipping,
+    AdamW) through verify.py's worker; returns rank 0's failed checks and worst differences."""
+    import torch.distributed as dist
+
+    from modelcarve.verify import verify_worker
+
+    report = verify_worker(case["model"], case["layout"], steps=STEPS)
+    dist.barrier()
+    if report is None:
+        return None
+    worst: dict = {}
+    for check in report["checks"]:
+        kind = check["name"].split("/")[0]
+        worst[kind] = max(worst.get(kind, 0.0), check["max_abs"] if check["metric"] == "abs" else check["max_rel"])
+    return dict(failed=[c for c in report["checks"] if not c["passed"]], worst=worst, tolerances=report["tolerances"])
+
+
+def _worker(cases, checkpoint=None):
+    out = {}
+    for name, case in cases.items():
+        if case.get("model") == "TIED_CKPT":
+            case = dict(case, model=checkpoint)
+        kind = "error" if case.get("error") else "verify" if "model" in case else "runner"
+        out[name] = dict(error=_error_case, verify=_verify_case, runner=_run_case)[kind](case)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    """A 6-layer llama checkpoint with tied embeddings (config.json + model.safetensors holding
+    the embedding only, as Hugging Face writes tied models), so verify runs can load it."""
+    from safetensors.torch import save_file
+
+    from modelcarve.runtime.checkpoint import hf_name
+
+    path = tmp_path_factory.mktemp("tied_llama")
+    config = dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6, vocab_size=256,
+        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
+        hidden_act="silu",
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    spec = get_model(str(path))
+    assert spec.tied_embeddings and spec.num_layers == 6
+    model = build_model(spec, seed=3)
+    # named_parameters lists a tied weight once: the checkpoint has no lm_head.weight
+    save_file({hf_name("llama", fqn): p.detach().contiguous() for fqn, p in model.named_parameters()},
+              str(path / "model.safetensors"))
+    return str(path)
+
+
+def _check_verify(results, name):
+    res = results[0][name]
+    assert not res["failed"], res["failed"][:5]
+    assert {"loss", "grad", "param"} <= set(res["worst"]), res["worst"]
 
 
 BASE = "seq=16,mbs=1,param_dtype=fp32"
@@ -215,17 +271,27 @@ TWO_RANK_CASES = {
     "pp2 interleaved tied 6 layers": dict(
         layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}", layers=6, tied=True
     ),
+    # the whole train step (clipping with the tied copy counted once), uneven default split [1, 2, 2, 1]
+    "verify: pp2 interleaved tied checkpoint": dict(
+        model="TIED_CKPT", layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
+    ),
+    "verify: pp2 1f1b bf16": dict(model="tiny-llama", layout="pp=2,gbs=4,schedule=1f1b,seq=16,mbs=1,param_dtype=bf16"),
     "error: 1f1b too few micro-batches": dict(layout=f"pp=2,gbs=1,schedule=1f1b,{BASE}", error=True),
     "error: wrong chunks": dict(layout=f"pp=2,gbs=4,{BASE}", error=True, swap=True),
 }
 
 
 @pytest.fixture(scope="module")
-def two_rank_results():
-    return run_distributed(_worker, 2, TWO_RANK_CASES, timeout=240)
+def two_rank_results(tied_checkpoint):
+    return run_distributed(_worker, 2, TWO_RANK_CASES, tied_checkpoint, timeout=240)
 
 
-@pytest.mark.parametrize("name", [n for n in TWO_RANK_CASES if not n.startswith("error")])
+@pytest.mark.parametrize("name", [n for n in TWO_RANK_CASES if n.startswith("verify")])
+def test_pp2_train_step_matches_reference(two_rank_results, name):
+    _check_verify(two_rank_results, name)
+
+
+@pytest.mark.parametrize("name", [n for n in TWO_RANK_CASES if n.startswith("pp")])
 def test_pp2_matches_reference(two_rank_results, name):
     for rank, results in enumerate(two_rank_results):
         res = results[name]
@@ -274,18 +340,54 @@ def test_pipeline_errors_are_layout_errors(two_rank_results):
 FOUR_RANK_CASES = {
     "pp4 1f1b tied": dict(layout=f"pp=4,gbs=4,schedule=1f1b,{BASE}", layers=6, tied=True),
     "pp4 interleaved v2": dict(layout=f"pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}", layers=8),
+    "verify: tp2 x pp2 1f1b": dict(model="tiny-llama", layout=f"tp=2,pp=2,gbs=4,schedule=1f1b,{BASE}"),
+    "verify: tp2+sp x pp2 interleaved": dict(
+        model="tiny-llama", layout=f"tp=2,sp,pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
+    ),
+    "verify: pp2 x dp2 gpipe": dict(model="tiny-llama", layout=f"pp=2,dp=2,gbs=8,schedule=gpipe,{BASE}"),
+    "verify: pp2 x dp2 zero1 1f1b": dict(model="tiny-llama", layout=f"pp=2,dp=2,zero=1,gbs=8,schedule=1f1b,{BASE}"),
+    "verify: pp2 x dp2 fsdp 1f1b": dict(model="tiny-llama", layout=f"pp=2,dp=2,fsdp,gbs=8,schedule=1f1b,{BASE}"),
+    "verify: tp2 x pp2 zero-bubble tied checkpoint": dict(
+        model="TIED_CKPT", layout=f"tp=2,pp=2,gbs=4,schedule=zero-bubble,{BASE}"
+    ),
+    "verify: pp2 x dp2 fsdp interleaved tied checkpoint": dict(
+        model="TIED_CKPT", layout=f"pp=2,dp=2,fsdp,gbs=8,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
+    ),
 }
 
 
 @pytest.fixture(scope="module")
-def four_rank_results():
-    return run_distributed(_worker, 4, FOUR_RANK_CASES, timeout=300)
+def four_rank_results(tied_checkpoint):
+    return run_distributed(_worker, 4, FOUR_RANK_CASES, tied_checkpoint, timeout=300)
 
 
-@pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
+@pytest.mark.parametrize("name", [n for n in FOUR_RANK_CASES if n.startswith("pp")])
 def test_four_ranks_match_reference(four_rank_results, name):
     for rank, results in enumerate(four_rank_results):
         res = results[name]
         assert res["loss_rel"] <= LOSS_RTOL, (rank, res["loss_rel"])
         assert res["grad"] <= GRAD_ATOL, (rank, res["grad"])
         assert res["param"] <= PARAM_ATOL, (rank, res["param"])
+
+
+@pytest.mark.parametrize("name", [n for n in FOUR_RANK_CASES if n.startswith("verify")])
+def test_pipeline_composed_with_tp_and_dp(four_rank_results, name):
+    _check_verify(four_rank_results, name)
+
+
+EIGHT_RANK_CASES = {
+    "verify: tp2 x pp2 x dp2 1f1b": dict(model="tiny-llama", layout=f"tp=2,pp=2,dp=2,gbs=8,schedule=1f1b,{BASE}"),
+    "verify: tp2+sp x pp2 x dp2 fsdp interleaved tied checkpoint": dict(
+        model="TIED_CKPT", layout=f"tp=2,sp,pp=2,dp=2,fsdp,gbs=8,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def eight_rank_results(tied_checkpoint):
+    return run_distributed(_worker, 8, EIGHT_RANK_CASES, tied_checkpoint, timeout=400)
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANK_CASES))
+def test_tp_pp_dp_on_eight_ranks(eight_rank_results, name):
+    _check_verify(eight_rank_results, name)
