@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from modelcarve.plan import goals
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.search import divisors
-from modelcarve.plan.serve_memory import GiB, memory_from_facts, min_devices, shard_facts
-from modelcarve.plan.serve_time import ServeTime, _context, _serve_time
+from modelcarve.plan.serve_memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve_time import ServeTime, _context, _rates, _serve_time
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 
@@ -132,6 +132,44 @@ def _name(layout: Layout) -> str:
     return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
 
 
+def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> int:
+    """Largest batch in 1..max_b meeting both bounds (TPOT and TTFT grow with the batch); 1 if
+    none does. A bracketed search whose next probe interpolates the bounds' slack linearly
+    between the bracket's ends (both are nearly affine in the batch), with a probe on the far
+    side of each guess so the bracket shrinks fast: a few decode-step evaluations, not ten."""
+
+    def slack(batch: int) -> float:
+        _, tpot, ttft, _ = _rates(c, batch)
+        return min(tpot_bound - tpot, ttft_bound - ttft)
+
+    hi_slack = slack(max_b)
+    if hi_slack >= 0:
+        return max_b
+    lo_slack = slack(1)
+    if lo_slack < 0:
+        return 1
+    lo, hi = 1, max_b  # lo meets the bounds, hi does not
+    step = 1  # the first interpolation is usually exact: check its neighbour
+    while hi - lo > 1:
+        guess = lo + int((hi - lo) * lo_slack / (lo_slack - hi_slack))
+        mid = min(max(guess, lo + 1), hi - 1)
+        value = slack(mid)
+        if value >= 0:
+            lo, lo_slack = mid, value
+            probe = min(mid + step, hi - 1)
+        else:
+            hi, hi_slack = mid, value
+            probe = max(mid - step, lo + 1)
+        step = max(1, (hi - lo) // 8)
+        if lo < probe < hi:
+            value = slack(probe)
+            if value >= 0:
+                lo, lo_slack = probe, value
+            else:
+                hi, hi_slack = probe, value
+    return lo
+
+
 class _ServeGoal:
     """Shared machinery of the two serving goals; ``latency`` says which one."""
 
@@ -191,27 +229,12 @@ class _ServeGoal:
         return t, mem, category, reason
 
     @staticmethod
-    def _meets(t: ServeTime, opts: ServeOptions) -> bool:
-        return (opts.ttft_s is None or t.ttft_s <= opts.ttft_s) and (opts.tpot_s is None or t.tpot_s <= opts.tpot_s)
-
-    def _largest_batch(self, c, max_b: int, opts: ServeOptions) -> ServeTime:
-        """Largest batch in 1..max_b meeting the bounds (they only tighten as the batch grows)."""
-        top = _serve_time(c, max_b)
-        if self._meets(top, opts):
-            return top
-        low = _serve_time(c, 1)
-        if not self._meets(low, opts):
-            return low
-        lo, hi = 1, max_b  # lo meets, hi does not
-        best = low
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            t = _serve_time(c, mid)
-            if self._meets(t, opts):
-                lo, best = mid, t
-            else:
-                hi = mid
-        return best
+    def _largest_batch(c, max_b: int, opts: ServeOptions) -> ServeTime:
+        """The largest batch in 1..max_b meeting the bounds, with its figures."""
+        inf = float("inf")
+        ttft = opts.ttft_s if opts.ttft_s is not None else inf
+        tpot = opts.tpot_s if opts.tpot_s is not None else inf
+        return _serve_time(c, _largest_batch(c, max_b, ttft, tpot))
 
     @staticmethod
     def _check_bounds(layout: Layout, t: ServeTime, opts: ServeOptions):
@@ -229,22 +252,38 @@ class _ServeGoal:
 
     # --- the Goal protocol ------------------------------------------------------------------
     def prepare(self, model, cluster, **options):
+        """The search's cheap scorer: floats only; the reasons are written for rejections."""
         opts = serve_options(**options)
+        memory_bytes = cluster.device.memory_bytes
+        ctx_len = opts.context
+        ttft_bound = opts.ttft_s if opts.ttft_s is not None else float("inf")
+        tpot_bound = opts.tpot_s if opts.tpot_s is not None else float("inf")
+        latency = self.latency
 
         def screen(layout: Layout):
-            t, _, category, reason = self._solve(model, cluster, layout, opts)
-            if t is None:
+            f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+            fit = max_sequences(f, memory_bytes, ctx_len)
+            fixed = opts.batch or (1 if latency else None)
+            if fit < 1 or (fixed is not None and fixed > fit):
+                _, _, category, reason = self._solve(model, cluster, layout, opts)
                 return float("-inf"), category, reason
-            return self._score_time(t, layout.weight_dtype), category, reason
+            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len)
+            if fixed is None:
+                batch = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
+            else:
+                batch = fixed
+            _, tpot, ttft, group = _rates(c, batch)
+            raw = -tpot if latency else group / (layout.tp * layout.pp)
+            if ttft > ttft_bound or tpot > tpot_bound:
+                _, _, category, reason = self._solve(model, cluster, layout, opts)
+                return raw, category, reason
+            # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
+            return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
 
         return screen
 
-    def _score_time(self, t: ServeTime, weight_dtype: str) -> float:
-        raw = -t.tpot_s if self.latency else t.tokens_per_s_per_device
-        # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
-        return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(weight_dtype, 9)
-
     def score(self, result: dict) -> float:
+        # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
         serve = result.get("serve")
         if not serve:
             return float("-inf")
@@ -338,3 +377,65 @@ SERVE_LATENCY = goals.register(
 SERVE_THROUGHPUT = goals.register(
     _ServeGoal("serve-throughput", "maximise output tokens/s per device subject to TTFT and TPOT bounds, choosing the batch", latency=False)
 )
+
+
+# --- why the winner wins ----------------------------------------------------------------------
+def family(layout: Layout, cluster) -> str:
+    """The shape of a layout in words: which axis carries the model, and whether it leaves a node."""
+    per_node = cluster.devices_per_node
+    if layout.tp > per_node:
+        return "TP across nodes"
+    if layout.pp > 1 and layout.tp * layout.pp * layout.dp > per_node and layout.tp * layout.dp < cluster.num_devices:
+        shape = "PP across nodes"
+    elif layout.pp > 1:
+        shape = "PP inside a node"
+    elif layout.tp > 1:
+        shape = "TP inside a node"
+    else:
+        shape = "replicas only"
+    return shape + (" + EP" if layout.ep > 1 else "")
+
+
+def contrasts(model, cluster, goal_name: str, winner: dict, **options) -> list[dict]:
+    """The best layout of every other shape (same weight and KV dtypes as the winner), and what
+    it loses against the winner, in words: the "why" of a plan."""
+    goal = goals.get_goal(goal_name)
+    screen = goal.prepare(model, cluster, **options)
+    wl = winner["layout"]
+    best: dict[str, tuple[float, Layout, str | None]] = {}
+    for layout in goal.candidates(model, cluster, **options):
+        if layout.weight_dtype != wl["weight_dtype"] or layout.kv_dtype != wl["kv_dtype"]:
+            continue
+        score, _, reason = screen(layout)
+        shape = family(layout, cluster)
+        held = best.get(shape)
+        if held is None or score > held[0]:
+            best[shape] = (score, layout, reason)
+    winner_shape = family(Layout.from_dict(wl), cluster)
+    out = []
+    metric = "tpot_s" if goal.latency else "tokens_per_s_per_device"
+    for shape, (score, layout, reason) in sorted(best.items(), key=lambda kv: -kv[1][0]):
+        if shape == winner_shape:
+            continue
+        result = goal.evaluate(model, cluster, layout, **options)
+        serve = result.get("serve") or {}
+        if result["fits"] and serve:
+            mine, theirs = winner["serve"][metric], serve[metric]
+            if goal.latency:
+                verdict = f"TPOT {theirs * 1e3:.2f} ms vs {mine * 1e3:.2f} ms ({theirs / mine:.1f}x slower)"
+            else:
+                verdict = f"{theirs:,.0f} vs {mine:,.0f} tokens/s per device ({mine / max(theirs, 1e-9):.1f}x less)"
+            why = "; ".join(w for w in result["warnings"] if not w.startswith("quality") and not w.startswith("split"))
+            if not why:
+                why = (
+                    f"decode is {serve['bound']}-bound at batch {serve['batch']}: each device reads "
+                    f"{serve['weights_read_bytes'] / 1e9:.2f} GB of weights per step "
+                    f"(winner: {winner['serve']['weights_read_bytes'] / 1e9:.2f} GB at batch {winner['serve']['batch']})"
+                )
+            if result.get("reject_reason"):
+                why = result["reject_reason"]
+        else:
+            verdict = "does not qualify"
+            why = result.get("reject_reason") or reason or "rejected"
+        out.append({"shape": shape, "name": result["name"], "verdict": verdict, "why": why})
+    return out

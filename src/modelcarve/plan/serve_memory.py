@@ -92,7 +92,7 @@ class ServeMemory:
         }
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class ShardFacts:
     """Per-device quantities of one (model, tp, pp, ep, weight dtype, kv dtype): everything that
     does not depend on batch or context, computed once and reused across a batch sweep."""
@@ -155,117 +155,126 @@ def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_d
     return facts
 
 
-def _attention_bytes(model: ModelSpec, tp: int, q: float) -> float:
-    """One layer's attention weights on one TP rank; q = bytes per quantised weight."""
+class _TpCounts:
+    """Elements on one TP rank of one layer's parts (dtype-independent), cached per (model, tp)."""
+
+    __slots__ = ("attn_q", "attn_p", "norm_p", "dense_q", "expert_q", "router_p", "embed_p", "head_p",
+                 "final_p", "kv_elem", "q_out", "act_elems", "traffic_fixed", "ffn_traffic", "moe_ffn_traffic")
+
+
+_TP: dict[tuple, _TpCounts] = {}
+_STAGES: dict[tuple, tuple] = {}
+
+
+def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
+    key = (id(model), model.name, tp)
+    c = _TP.get(key)
+    if c is not None:
+        return c
+    c = _TpCounts()
     h, nh = model.hidden_size, model.num_heads
     if model.attention_kind == "mla":
         qr, kvr, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+        # Down-projections (q_a, kv_a) have no head axis: every TP rank holds them whole.
         replicated = (h * qr if qr else 0) + h * (kvr + rope)
         split = (qr if qr else h) * nh * model.qk_head_dim + kvr * nh * (model.qk_nope_head_dim + model.v_head_dim)
         split += nh * model.v_head_dim * h
-        norms = (qr or 0) + kvr
-        return q * (replicated + split / tp) + 2.0 * norms
-    hd = model.head_dim
-    kv_heads_rank = max(1, model.num_kv_heads // tp)
-    matmul = 2 * h * nh * hd / tp + 2 * h * kv_heads_rank * hd
-    bias = (nh * hd / tp + 2 * kv_heads_rank * hd if model.qkv_bias else 0) + (h if model.o_bias else 0)
-    norms = 2 * hd if model.qk_norm else 0
-    return q * matmul + 2.0 * (bias + norms)
-
-
-def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
-    fmt = weight_format(weight_dtype)
-    q = fmt.bytes_per_param(model.hidden_size)
-    plain = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router)
-    h = model.hidden_size
-    ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
-    norms = 2.0 * model._norm_params(h) * 2  # two pre-norms per layer, bf16
-    attn = _attention_bytes(model, tp, q)
-    dense_mlp = q * ffn_mats * h * model.ffn_size / tp
-    dense_layer = attn + dense_mlp + norms
-    expert = q * ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
-    experts_per_rank = model.num_experts // ep if model.is_moe else 0
-    shared_moe = attn + norms + plain * model.router_params + model.num_shared_experts * expert
-    moe_layer = shared_moe + experts_per_rank * expert
-
-    embed = plain * model.vocab_size * h / tp + (plain * model.max_position * h if model.position_kind == "learned" else 0.0)
-    head = plain * model.vocab_size * h / tp if (not model.tied_embeddings or pp > 1) else 0.0
-    final_norm = plain * model._norm_params(h)
-
-    moe_set = model._moe_set
-    kv_elem = model.kv_cache_elems_per_token_per_layer
-    if model.attention_kind == "gqa":
-        kv_elem = 2 * max(1, model.num_kv_heads // tp) * model.head_dim
-    kvb = kv_bytes(kv_dtype)
-
-    best = None
-    start = 0
-    for stage, count in enumerate(stage_sizes(model.num_layers, pp)):
-        n_moe = sum(1 for i in range(start, start + count) if i in moe_set)
-        start += count
-        extra = (embed if stage == 0 else 0.0) + (head + final_norm if stage == pp - 1 else 0.0)
-        if pp == 1:
-            extra = embed + head + final_norm
-        weights = (count - n_moe) * dense_layer + n_moe * moe_layer + extra
-        kv_tok = count * kv_elem * kvb
-        # The fullest stage bounds memory; ties broken by KV (the part that grows with batch).
-        rank = (weights + kv_tok * 4096, weights)
-        if best is None or rank > best[0]:
-            has_embed = stage == 0
-            has_head = stage == pp - 1
-            best = (rank, weights, count, n_moe, extra, kv_tok, has_embed, has_head)
-    _, weights, count, n_moe, extra, kv_tok, has_embed, has_head = best
-    embed_here = embed if has_embed else 0.0
-    # Per-token matmul work on this device (routed experts counted separately).
-    attn_mm = model.attention_matmul_params
-    if model.attention_kind == "mla":
-        qr, kvr, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
-        replicated_mm = (h * qr if qr else 0) + h * (kvr + rope)
-        attn_mm_rank = replicated_mm + (attn_mm - replicated_mm) / tp
+        c.attn_q = replicated + split / tp
+        c.attn_p = (qr or 0) + kvr
+        c.kv_elem = model.kv_cache_elems_per_token_per_layer
     else:
-        kv_heads_rank = max(1, model.num_kv_heads // tp)
-        attn_mm_rank = 2 * h * model.num_heads * model.head_dim / tp + 2 * h * kv_heads_rank * model.head_dim
-    dense_mm = ffn_mats * h * model.ffn_size / tp
-    expert_mm = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
-    shared_mm = model.router_params + model.num_shared_experts * expert_mm
-    mm_tok = count * attn_mm_rank + (count - n_moe) * dense_mm + n_moe * shared_mm
-    if has_head:
-        mm_tok += model.vocab_size * h / tp
-
-    q_out = model.num_heads * model.qk_head_dim / tp
-    kv_out = kv_elem
+        hd = model.head_dim
+        kv_heads_rank = max(1, model.num_kv_heads // tp)  # replicated when tp > kv heads
+        c.attn_q = 2 * h * nh * hd / tp + 2 * h * kv_heads_rank * hd
+        bias = (nh * hd / tp + 2 * kv_heads_rank * hd if model.qkv_bias else 0) + (h if model.o_bias else 0)
+        c.attn_p = bias + (2 * hd if model.qk_norm else 0)
+        c.kv_elem = 2 * kv_heads_rank * hd
+    ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
+    c.norm_p = 2 * model._norm_params(h)
+    c.dense_q = ffn_mats * h * model.ffn_size / tp
+    c.expert_q = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
+    c.router_p = model.router_params
+    c.embed_p = model.vocab_size * h / tp + (model.max_position * h if model.position_kind == "learned" else 0)
+    c.head_p = model.vocab_size * h / tp
+    c.final_p = model._norm_params(h)
+    c.q_out = nh * model.qk_head_dim / tp
     mlp_inter = model.ffn_size / tp
     if model.is_moe:
         mlp_inter = max(mlp_inter, MOE_IMBALANCE * (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp)
-    act = ACT_BYTES * (3 * h + 2 * q_out + kv_out + (ffn_mats) * mlp_inter)
+    c.act_elems = 3 * h + 2 * c.q_out + c.kv_elem + ffn_mats * mlp_inter
     if model.is_moe:
         # A fused MoE kernel holds each token's hidden state once per routed expert on the way
         # in (permuted copy) and on the way out (before the weighted sum over top-k).
-        act += ACT_BYTES * 2 * MOE_IMBALANCE * model.top_k * h
-    logits = 4.0 * model.vocab_size / tp
-    ffn_traffic = model.ffn_size / tp
-    if model.is_moe:
-        moe_ffn = (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp
-        ffn_traffic = ((count - n_moe) * ffn_traffic + n_moe * moe_ffn) / count if count else 0.0
-    traffic = ACT_BYTES * count * (10 * h + 2 * q_out + 2 * kv_out + 6 * ffn_traffic)
+        c.act_elems += 2 * MOE_IMBALANCE * model.top_k * h
+    c.traffic_fixed = 10 * h + 2 * c.q_out + 2 * c.kv_elem
+    c.ffn_traffic = model.ffn_size / tp
+    c.moe_ffn_traffic = (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp if model.is_moe else 0.0
+    _TP[key] = c
+    return c
+
+
+def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
+    """Distinct stages of a ``pp``-way split: (layers, MoE layers, holds embedding, holds head)."""
+    key = (id(model), model.name, pp)
+    kinds = _STAGES.get(key)
+    if kinds is None:
+        moe_set = model._moe_set
+        found, start = [], 0
+        for stage, count in enumerate(stage_sizes(model.num_layers, pp)):
+            n_moe = sum(1 for i in range(start, start + count) if i in moe_set)
+            start += count
+            found.append((count, n_moe, stage == 0, stage == pp - 1))
+        kinds = tuple(dict.fromkeys(found))
+        _STAGES[key] = kinds
+    return kinds
+
+
+def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
+    c = _tp_counts(model, tp)
+    q = weight_format(weight_dtype).bytes_per_param(model.hidden_size)
+    pb = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router, biases)
+    small = pb * (c.attn_p + c.norm_p)
+    dense_layer = q * (c.attn_q + c.dense_q) + small
+    expert = q * c.expert_q
+    experts_per_rank = model.num_experts // ep if model.is_moe else 0
+    shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * expert
+    moe_layer = shared_moe + experts_per_rank * expert
+    embed = pb * c.embed_p
+    head = pb * c.head_p if (not model.tied_embeddings or pp > 1) else 0.0
+    final_norm = pb * c.final_p
+    kv_layer = c.kv_elem * kv_bytes(kv_dtype)
+
+    best = None
+    for count, n_moe, first, last in _stage_kinds(model, pp):
+        extra = (embed if first else 0.0) + (head + final_norm if last else 0.0)
+        weights = (count - n_moe) * dense_layer + n_moe * moe_layer + extra
+        # The fullest stage bounds memory; ties broken by KV (the part that grows with batch).
+        rank = weights + count * kv_layer * 4096
+        if best is None or rank > best[0]:
+            best = (rank, weights, count, n_moe, extra, first, last)
+    _, weights, count, n_moe, extra, first, last = best
+    mm_tok = count * c.attn_q + (count - n_moe) * c.dense_q + n_moe * (c.router_p + model.num_shared_experts * c.expert_q)
+    if last:
+        mm_tok += c.head_p
     return ShardFacts(
         weights_bytes=weights,
         dense_layer_bytes=dense_layer,
-        attn_layer_bytes=attn,
+        attn_layer_bytes=q * c.attn_q + pb * c.attn_p,
         expert_bytes=expert,
         shared_moe_bytes=shared_moe,
         experts_per_rank=experts_per_rank,
         stage_layers=count,
         stage_moe_layers=n_moe,
         head_bytes=extra,
-        embed_bytes=embed_here,
+        embed_bytes=embed if first else 0.0,
         matmul_params_per_token=mm_tok,
-        expert_matmul_params=expert_mm,
-        kv_bytes_per_token=kv_tok,
-        kv_elems_per_token_layer=kv_elem,
-        act_bytes_per_token=act,
-        logits_bytes_per_seq=logits,
-        act_traffic_per_token=traffic,
+        expert_matmul_params=c.expert_q,
+        kv_bytes_per_token=count * kv_layer,
+        kv_elems_per_token_layer=c.kv_elem,
+        act_bytes_per_token=ACT_BYTES * c.act_elems,
+        logits_bytes_per_seq=4.0 * model.vocab_size / tp,
+        act_traffic_per_token=ACT_BYTES
+        * (count * c.traffic_fixed + 6 * ((count - n_moe) * c.ffn_traffic + n_moe * c.moe_ffn_traffic)),
     )
 
 
@@ -314,6 +323,15 @@ def memory_from_facts(
         context=context,
         max_sequences=max_seqs,
     )
+
+
+def max_sequences(f: ShardFacts, memory_bytes: float, context: int, prefill_chunk: int = PREFILL_CHUNK,
+                  memory_fraction: float = MEMORY_FRACTION) -> int:
+    """Sequences of ``context`` tokens that fit (``memory_from_facts(...).max_sequences``, without
+    building the record: the search calls this for every candidate)."""
+    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    free = memory_fraction * memory_bytes - f.weights_bytes - RUNTIME_BYTES - min(prefill_chunk, context) * f.act_bytes_per_token
+    return max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
 
 
 def min_devices(

@@ -41,7 +41,6 @@ datasheet HBM bandwidth, ``matmul_efficiency`` of the dense peak of the dtype th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -52,10 +51,31 @@ from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
 
+_EFF_CACHE: dict[tuple, float] = {}
+_TIER_CACHE: dict[tuple, comm.Tier] = {}
+_LINES: dict[tuple, tuple] = {}
+
+
 def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
-    """Achievable fraction of the ``dtype`` dense peak for an (m x k) @ (k x n) GEMM (the
-    training planner's model, ``plan.efficiency``)."""
-    return matmul_efficiency(device, max(1.0, m), max(1.0, n), max(1.0, k), dtype)
+    """Achievable fraction of the ``dtype`` dense peak for an (m x k) @ (k x n) GEMM: the training
+    planner's model (``plan.efficiency.matmul_efficiency``), memoised (a plan asks for the same
+    shapes thousands of times)."""
+    key = (device.name, m, n, k, dtype)
+    eff = _EFF_CACHE.get(key)
+    if eff is None:
+        eff = matmul_efficiency(device, max(1.0, m), max(1.0, n), max(1.0, k), dtype)
+        if len(_EFF_CACHE) > 200_000:
+            _EFF_CACHE.clear()
+        _EFF_CACHE[key] = eff
+    return eff
+
+
+def _tier(cluster: ClusterSpec, size: int, inner: int) -> comm.Tier:
+    key = (id(cluster), size, inner)
+    tier = _TIER_CACHE.get(key)
+    if tier is None:
+        tier = _TIER_CACHE[key] = comm.group_tier(cluster, size, inner)
+    return tier
 
 
 def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
@@ -128,22 +148,26 @@ class ServeTime:
             "decode_step_s": self.decode_step_s,
             "bound": self.bound,
             "bubble": self.bubble,
+            "weights_read_bytes": self.weights_read_bytes,
             "decode_parts_s": dict(self.decode_parts),
         }
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class _Ctx:
-    """Everything of a layout that does not depend on the batch."""
+    """Everything of a layout that does not depend on the batch (mutable only while built)."""
 
     model: ModelSpec
+    cluster: ClusterSpec
     f: ShardFacts
     tp: int
     pp: int
     ep: int
     dp: int
     hbm: float
+    """Achievable HBM bytes/s."""
     peak: float
+    """Dense FLOP/s of the dtype the GEMMs run in."""
     device: object
     compute_dtype: str
     attn_peak: float
@@ -153,12 +177,29 @@ class _Ctx:
     tier_pp: comm.Tier
     input_len: int
     output_len: int
+    mean_ctx: float
+    """Mean context of a decoding sequence: input + output / 2 tokens."""
     attn_flops_per_ctx: float
     """Decode attention FLOPs per token per context token on this device (fullest stage)."""
+    weights_fixed: float
+    """Weight bytes every decode step reads (all but the routed experts and the embedding)."""
+    experts_all: float
+    """Routed-expert bytes on this device (read in the fraction the batch touches)."""
+    n_gemm: float
+    """n of the representative decode/prefill GEMM (the MLP up-projection on one TP rank)."""
+    k_gemm: float = 0.0
+    """GEMM FLOPs per sequence of the batch per decode step."""
+    k_attn: float = 0.0
+    """Attention seconds per sequence per step (KV read or score FLOPs, whichever is slower)."""
+    k_elem: float = 0.0
+    """Element-wise kernel seconds per sequence per step (activation traffic)."""
+    comm_lines: tuple = ()
+    """Per axis ('tp', 'ep', 'pp'): the affine pieces (latency s, s per sequence) whose minimum
+    (tp: the cheapest all-reduce algorithm) or sum is that axis's time per decode step."""
     prefill_s: float = 0.0
     """One prompt's prefill alone (TTFT without queueing)."""
     prefill_token_s: float = 0.0
-    """Seconds of batched, pipelined prefill per prompt token (throughput cost of admissions)."""
+    """Seconds of batched prefill per prompt token through all stages (not pipelined)."""
 
 
 _CTX: dict[tuple, _Ctx] = {}
@@ -167,92 +208,139 @@ _CTX: dict[tuple, _Ctx] = {}
 def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len) -> _Ctx:
     key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len)
     ctx = _CTX.get(key)
-    if ctx is not None and ctx.model is model:
+    if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
     device = cluster.device
-    heads_rank = model.num_heads / tp
     if model.attention_kind == "mla":
         # vLLM/SGLang decode MLA in the absorbed form: scores and values over the latent.
         per_head = (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
     else:
         per_head = model.qk_head_dim + model.attn_v_head_dim
+    compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
+    experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
     ctx = _Ctx(
         model=model,
+        cluster=cluster,
         f=f,
         tp=tp,
         pp=pp,
         ep=ep,
         dp=dp,
         hbm=device.hbm_bytes_per_s * HBM_EFFICIENCY,
-        peak=device.flops(device_dtype(device, weight_format(weight_dtype).compute_dtype)),
+        peak=device.flops(compute_dtype),
         device=device,
-        compute_dtype=device_dtype(device, weight_format(weight_dtype).compute_dtype),
+        compute_dtype=compute_dtype,
         attn_peak=device.flops("bf16") * peak_fraction(device),
-        tier_tp=comm.group_tier(cluster, tp, 1),
-        tier_ep=comm.group_tier(cluster, ep, tp),
-        tier_pp=comm.group_tier(cluster, pp, tp * dp),
+        tier_tp=_tier(cluster, tp, 1),
+        tier_ep=_tier(cluster, ep, tp),
+        tier_pp=_tier(cluster, pp, tp * dp),
         input_len=input_len,
         output_len=output_len,
-        attn_flops_per_ctx=2.0 * heads_rank * per_head * f.stage_layers,
+        mean_ctx=input_len + output_len / 2.0,
+        attn_flops_per_ctx=2.0 * model.num_heads / tp * per_head * f.stage_layers,
+        weights_fixed=f.weights_bytes - f.embed_bytes - experts_all,
+        experts_all=experts_all,
+        n_gemm=4 * model.hidden_size // tp,
     )
+    _decode_coefficients(ctx)
+    ctx.prefill_s = _prefill_s(ctx, input_len, input_len)
     batch_tokens = max(input_len, PREFILL_CHUNK)
-    ctx = dataclasses.replace(
-        ctx,
-        prefill_s=_prefill_s(ctx, input_len, input_len),
-        prefill_token_s=_prefill_s(ctx, batch_tokens, input_len) / batch_tokens / pp,
-    )
+    ctx.prefill_token_s = _prefill_s(ctx, batch_tokens, input_len) / batch_tokens
     if len(_CTX) > 100_000:
         _CTX.clear()
     _CTX[key] = ctx
     return ctx
 
 
-def _stage_step(c: _Ctx, b: int) -> tuple[float, dict, float, dict]:
-    """One stage's decode step for ``b`` sequences: seconds, parts, weight bytes read, comm."""
+def _affine(fn) -> tuple[float, float]:
+    """(a, s) with fn(b) = a + s b, for a cost affine in the batch (alpha-beta collectives)."""
+    one, two = fn(1), fn(2)
+    return one - (two - one), two - one
+
+
+def _decode_coefficients(c: _Ctx) -> None:
+    """Every decode cost of the layout as a function of the micro-batch ``b``: the GEMM roofline
+    (weights vs FLOPs, with the batch's expert coverage and GEMM efficiency) is evaluated per
+    ``b``; attention, element-wise traffic and the collectives are affine in ``b``."""
     m, f = c.model, c.f
     h = m.hidden_size
-    mean_ctx = c.input_len + c.output_len / 2.0
-    expert_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
-    weights_read = f.weights_bytes - f.embed_bytes - expert_all
-    gemm_flops = 2.0 * b * f.matmul_params_per_token
-    if f.stage_moe_layers:
-        touched = experts_touched_fraction(b * c.ep, m.top_k, m.num_experts)
-        weights_read += expert_all * touched
+    c.k_gemm = 2.0 * f.matmul_params_per_token
+    if c.experts_all:
         # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
-        pairs = b * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0)
-        gemm_flops += 2.0 * pairs * f.expert_matmul_params * f.stage_moe_layers
-    # Kernels run one after another, so each class has its own roofline and the times add:
-    # GEMMs (weights vs FLOPs), attention (KV cache vs score/value FLOPs), element-wise
-    # kernels (activation traffic). At small batches the GEMMs are memory-bound GEMVs and the
-    # compute term is far below the weight read; it matters only for batches of hundreds.
-    eff = gemm_efficiency(c.device, max(b, TILE), h / c.tp * 4, h, c.compute_dtype)
-    gemm_mem = weights_read / c.hbm
-    gemm_cmp = gemm_flops / (c.peak * eff)
-    kv_read = b * mean_ctx * f.kv_bytes_per_token
-    attn_mem = kv_read / c.hbm
-    attn_cmp = b * mean_ctx * c.attn_flops_per_ctx / c.attn_peak
-    elem = b * f.act_traffic_per_token / c.hbm
-    mem_s = max(gemm_mem, gemm_cmp) + max(attn_mem, attn_cmp) + elem
-    memory_part = gemm_mem + attn_mem + elem
-    compute_part = gemm_cmp + attn_cmp
-    act = b * h * ACT_BYTES
-    tp_s = 2 * f.stage_layers * tp_all_reduce_s(act, c.tp, c.tier_tp)
-    tp_bytes = 2 * f.stage_layers * comm.ring_all_reduce_bytes(act, c.tp)
+        c.k_gemm += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
+    c.k_attn = c.mean_ctx * max(f.kv_bytes_per_token / c.hbm, c.attn_flops_per_ctx / c.attn_peak)
+    c.k_elem = f.act_traffic_per_token / c.hbm
+    # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
+    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers)
+    cached = _LINES.get(key)
+    if cached is not None and cached[0] is m:
+        c.comm_lines = cached[1]
+        return
+    lines = []
     if c.tp > 1:
-        logits = b * m.vocab_size * ACT_BYTES
-        tp_s += comm.all_gather_s(logits, c.tp, c.tier_tp)
-        tp_bytes += comm.all_gather_bytes(logits, c.tp)
-    ep_s = ep_bytes = 0.0
+        n, tier, layers = c.tp, c.tier_tp, 2 * f.stage_layers
+        gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, tier))
+        algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
+        bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
+        if tier.name == "intra":
+            algorithms.append((2 * tier.latency_s, (n - 1) * h * ACT_BYTES / tier.bytes_per_s))  # one-shot
+            algorithms.append((4 * tier.latency_s, bw))  # two-shot
+        else:
+            algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
+        lines.append(("tp", tuple((layers * a + gather[0], layers * s_ + gather[1]) for a, s_ in algorithms)))
     if c.ep > 1 and f.stage_moe_layers:
-        size = b * m.top_k * h * ACT_BYTES * MOE_IMBALANCE
-        ep_s = 2 * f.stage_moe_layers * comm.all_to_all_s(size, c.ep, c.tier_ep)
-        ep_bytes = 2 * f.stage_moe_layers * comm.all_to_all_bytes(size, c.ep)
-    pp_s = comm.p2p_s(act, c.tier_pp) if c.pp > 1 else 0.0
-    step = mem_s + tp_s + ep_s + pp_s
-    parts = {"roofline": mem_s, "memory": memory_part, "compute": compute_part, "tp": tp_s, "ep": ep_s, "pp": pp_s}
-    comm_bytes = {"tp": tp_bytes, "ep": ep_bytes, "pp": act if c.pp > 1 else 0.0}
-    return step, parts, weights_read, comm_bytes
+        size = m.top_k * h * ACT_BYTES * MOE_IMBALANCE
+        a2a = _affine(lambda b: comm.all_to_all_s(b * size, c.ep, c.tier_ep))
+        lines.append(("ep", ((2 * f.stage_moe_layers * a2a[0], 2 * f.stage_moe_layers * a2a[1]),)))
+    if c.pp > 1:
+        lines.append(("pp", (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, c.tier_pp)),)))
+    c.comm_lines = tuple(lines)
+    if len(_LINES) > 100_000:
+        _LINES.clear()
+    _LINES[key] = (m, c.comm_lines)
+
+
+def _stage_step(c: _Ctx, b: int, detail: bool = False):
+    """One stage's decode step for ``b`` sequences, seconds; with ``detail`` also its parts, the
+    weight bytes read and the bytes each axis sends.
+
+    Kernels run one after another, so each class has its own roofline and the times add: GEMMs
+    (weights vs FLOPs), attention (KV cache vs score/value FLOPs), element-wise kernels
+    (activation traffic), then the collectives, which sit on the decode critical path. At small
+    batches the GEMMs are memory-bound GEMVs and their compute term is far below the weight
+    read; it matters only for batches of hundreds."""
+    weights_read = c.weights_fixed
+    if c.experts_all:
+        m = c.model
+        weights_read += c.experts_all * experts_touched_fraction(b * c.ep, m.top_k, m.num_experts)
+    gemm_mem = weights_read / c.hbm
+    gemm_cmp = b * c.k_gemm / (c.peak * gemm_efficiency(c.device, b if b > TILE else TILE, c.n_gemm, c.model.hidden_size, c.compute_dtype))
+    step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * (c.k_attn + c.k_elem)
+    comm_s = {}
+    for axis, pieces in c.comm_lines:
+        t = min(a + s_ * b for a, s_ in pieces)
+        comm_s[axis] = t
+        step += t
+    if not detail:
+        return step
+    m, f = c.model, c.f
+    h = m.hidden_size
+    roof = step - sum(comm_s.values())
+    attn_mem = b * c.mean_ctx * f.kv_bytes_per_token / c.hbm
+    attn_cmp = b * c.mean_ctx * c.attn_flops_per_ctx / c.attn_peak
+    parts = {
+        "roofline": roof, "memory": gemm_mem + attn_mem + b * c.k_elem, "compute": gemm_cmp + attn_cmp,
+        "tp": comm_s.get("tp", 0.0), "ep": comm_s.get("ep", 0.0), "pp": comm_s.get("pp", 0.0),
+    }
+    act = b * h * ACT_BYTES
+    sent = {
+        "tp": 2 * f.stage_layers * comm.ring_all_reduce_bytes(act, c.tp)
+        + comm.all_gather_bytes(b * m.vocab_size * ACT_BYTES, c.tp),
+        "ep": 2 * f.stage_moe_layers * comm.all_to_all_bytes(b * m.top_k * h * ACT_BYTES * MOE_IMBALANCE, c.ep) if c.ep > 1 else 0.0,
+        "pp": act if c.pp > 1 else 0.0,
+    }
+    return step, parts, weights_read, sent
 
 
 def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
@@ -261,13 +349,12 @@ def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
     h = m.hidden_size
     chunk = min(tokens, PREFILL_CHUNK)
     chunks = math.ceil(tokens / chunk)
-    # Per-token FLOPs on one device of a stage; stages run in turn, so x pp for the whole model.
-    heads_rank = m.num_heads / c.tp
-    attn = 2.0 * (prompt_len / 2.0) * heads_rank * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
+    # Per-token FLOPs on one device of a stage (causal attention: half the prompt on average).
+    attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / c.tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
     per_tok = 2.0 * f.matmul_params_per_token + attn
     if f.stage_moe_layers:
         per_tok += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
-    eff = gemm_efficiency(c.device, chunk, h / c.tp * 4, h, c.compute_dtype)
+    eff = gemm_efficiency(c.device, chunk, c.n_gemm, h, c.compute_dtype)
     compute_s = tokens * per_tok / (c.peak * eff)
     read_s = chunks * (f.weights_bytes - f.embed_bytes) / c.hbm
     act = chunk * h * ACT_BYTES
@@ -299,42 +386,53 @@ def serve_time(
     return _serve_time(c, batch)
 
 
+def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
+    """(decode round, TPOT, TTFT, output tokens/s of the attention group) at ``batch``, seconds.
+
+    A round: ``m = min(pp, batch)`` micro-batches of ``ceil(batch / m)`` sequences; every stage
+    takes ``max(m, pp)`` steps (idle ones are the bubble). Each sequence's prefill
+    (``input_len`` tokens) has to be done once per ``output_len`` tokens decoded; prefills of
+    different requests overlap over up to ``min(pp, batch)`` stages. A user's TPOT carries the
+    other ``batch - 1`` requests' prefills; the throughput carries all ``batch``."""
+    micro = c.pp if c.pp < batch else batch
+    round_s = (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro))
+    per_seq = c.input_len * c.prefill_token_s / micro / c.output_len
+    tpot = round_s + (batch - 1) * per_seq
+    ttft = c.prefill_s + (round_s if batch > 1 else 0.0)
+    return round_s, tpot, ttft, batch / (round_s + batch * per_seq)
+
+
 def _serve_time(c: _Ctx, batch: int) -> ServeTime:
     batch = max(1, int(batch))
     micro = min(c.pp, batch)
     b = math.ceil(batch / micro)
-    step, parts, weights_read, comm_bytes = _stage_step(c, b)
+    _, parts, weights_read, sent = _stage_step(c, b, detail=True)
+    round_s, tpot, ttft, group = _rates(c, batch)
     slots = max(micro, c.pp)
-    round_s = slots * step
-    bubble = 1.0 - micro / c.pp if c.pp > 1 else 0.0
-    prefill = c.prefill_s
-    # Batched prefills of the replacement requests (chunks of many prompts) pipeline over stages.
-    interleaved = batch * c.input_len * c.prefill_token_s / c.output_len
-    tpot = round_s + interleaved
-    ttft = prefill + (round_s if batch > 1 else 0.0)
-    group = batch / tpot
-    devices = c.tp * c.pp
     comm_parts = parts["tp"] + parts["ep"] + parts["pp"]
-    roof = parts["roofline"]
-    bound = "communication" if comm_parts > roof else ("memory" if parts["memory"] >= parts["compute"] else "compute")
+    if comm_parts > parts["roofline"]:
+        bound = "communication"
+    else:
+        bound = "memory" if parts["memory"] >= parts["compute"] else "compute"
     round_parts = {k: v * slots for k, v in parts.items()}
+    tiers = {"tp": (c.tp, c.tier_tp), "ep": (c.ep, c.tier_ep), "pp": (c.pp, c.tier_pp)}
     comm_info = {
-        "tp": {"tier": c.tier_tp.name, "s_per_round": round_parts["tp"], "bytes_per_round": comm_bytes["tp"] * slots} if c.tp > 1 else None,
-        "ep": {"tier": c.tier_ep.name, "s_per_round": round_parts["ep"], "bytes_per_round": comm_bytes["ep"] * slots} if c.ep > 1 else None,
-        "pp": {"tier": c.tier_pp.name, "s_per_round": round_parts["pp"], "bytes_per_round": comm_bytes["pp"] * slots} if c.pp > 1 else None,
+        axis: {"tier": tier.name, "s_per_round": round_parts[axis], "bytes_per_round": sent[axis] * slots}
+        for axis, (size, tier) in tiers.items()
+        if size > 1
     }
     return ServeTime(
         batch=batch,
-        prefill_s=prefill,
+        prefill_s=c.prefill_s,
         ttft_s=ttft,
         decode_step_s=round_s,
         tpot_s=tpot,
         tokens_per_s=group * c.ep,
-        tokens_per_s_per_device=group / devices,
+        tokens_per_s_per_device=group / (c.tp * c.pp),
         tokens_per_s_cluster=group * c.dp,
         bound=bound,
-        bubble=bubble,
+        bubble=1.0 - micro / c.pp if c.pp > 1 else 0.0,
         weights_read_bytes=weights_read,
         decode_parts=round_parts,
-        comm={k: v for k, v in comm_info.items() if v is not None},
+        comm=comm_info,
     )
