@@ -149,7 +149,7 @@ def test_context_parallel_matches_reference(world_size):
     for case, err in per_rank[0].items():
         if case[1] == "verify":
             kinds = {c["name"].split("/")[0] for c in err["checks"]}
-            assert {"loss", "grad", "param"} <= kinds, (case, kinds)
+            assert {"logits", "loss", "grad", "param"} <= kinds, (case, kinds)
             worst = {k: max((c for c in err["checks"] if c["name"].startswith(k)), key=lambda c: c["max_abs"] if c["metric"] == "abs" else c["max_rel"]) for k in kinds}
             for k, c in sorted(worst.items()):
                 print(f"{case}: {k} worst {c['name']} abs {c['max_abs']:.2e} rel {c['max_rel']:.2e} (tol {c['tol']:.0e} {c['metric']})")
