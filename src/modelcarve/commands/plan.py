@@ -1,13 +1,138 @@
-"""Placeholder registration until the plan commands land (see the open issues)."""
+"""``modelcarve plan`` and ``modelcarve estimate``: rank layouts for a goal, or cost one layout.
+
+Usage::
+
+    modelcarve estimate --model gpt3-175b --cluster 128x8xA100-80GB --goal train \\
+        --layout "tp=8,pp=8,dp=16,mbs=1,gbs=1536,seq=2048,recompute=selective" --json
+    modelcarve plan --model gpt3-175b --cluster 128x8xA100-80GB --goal train \\
+        --global-batch 1536 --seq 2048 --top 5 --emit layout.json --plot plan.png
+
+The goal (``--goal``) names an entry of ``plan.goals.GOALS``; each goal reads the options it
+knows from the ones gathered here and ignores the rest. JSON field names are a contract other
+tools read: estimate prints the goal's estimate (for train: ``fits``, ``memory``, ``time``,
+``comm``, ``bubble_fraction``, ``warnings``); plan prints ``{"layouts", "rejected",
+"evaluated", "alternatives", "elapsed_s"}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from modelcarve.spec.errors import ModelcarveError
 
 
-def _pending(args):
-    raise ModelcarveError(f"'modelcarve {args.command}' is not implemented yet")
-
-
 def register(sub) -> None:
-    for name in ("plan", "estimate"):
-        p = sub.add_parser(name, help="(not implemented yet)")
-        p.set_defaults(func=_pending)
+    estimate = sub.add_parser("estimate", help="memory, step time and link traffic of one layout")
+    _common(estimate)
+    estimate.add_argument("--layout", required=True, help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536,seq=2048" or layout.json')
+    estimate.set_defaults(func=_estimate)
+
+    plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")
+    _common(plan)
+    plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    plan.add_argument("--emit", metavar="PATH", help="write the best layout as the JSON the runtime reads")
+    plan.add_argument("--plot", metavar="PNG", help="draw memory breakdown and per-link traffic of the top layouts")
+    plan.set_defaults(func=_plan)
+
+
+def _common(p) -> None:
+    p.add_argument("--model", required=True, help="catalogue name or config.json path")
+    p.add_argument("--cluster", required=True, help="e.g. 2x8xH200 or cluster.yaml")
+    p.add_argument("--goal", default="train", help="train (serving goals: see modelcarve plan --help)")
+    p.add_argument("--global-batch", type=int, help="training: sequences per optimiser step")
+    p.add_argument("--seq", type=int, help="training: sequence length in tokens")
+    p.add_argument("--attention", choices=["flash", "materialized"], help="training: attention kernel (default flash)")
+    p.add_argument("--dropout", action="store_true", default=None, help="training: dropout layers present")
+    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None,
+                   help="training: gradient reduction runs after the backward, not during it")
+    p.add_argument("--load-imbalance", type=float, help="MoE: busiest expert rank's tokens / mean (default 1.25)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _options(args) -> dict:
+    """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
+    names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "load_imbalance")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _load(args):
+    from modelcarve.plan.goals import get_goal
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import parse_cluster
+
+    return get_model(args.model), parse_cluster(args.cluster), get_goal(args.goal)
+
+
+def _estimate(args) -> int:
+    from modelcarve.spec.layout import Layout
+
+    model, cluster, goal = _load(args)
+    layout = Layout.parse(args.layout)
+    options = _options(args)
+    if args.goal == "train":
+        if layout.gbs and options.get("global_batch") not in (None, layout.gbs):
+            raise ModelcarveError(
+                f"--global-batch {options['global_batch']} disagrees with the layout's gbs={layout.gbs}; give one"
+            )
+        if "global_batch" in options and not layout.gbs:
+            layout = layout.replace(gbs=options["global_batch"])
+            layout.check()
+        if "seq" in options:
+            layout = layout.replace(seq=options["seq"])
+        options.pop("global_batch", None)
+        options.pop("seq", None)
+    result = goal.evaluate(model, cluster, layout, **options)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from modelcarve.report.tables import console, estimate_table
+
+    out = console()
+    for table in estimate_table(result, model, cluster):
+        out.print(table)
+    for warning in result.get("warnings", []):
+        out.print(f"[yellow]warning:[/] {warning}")
+    if not result["fits"]:
+        out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
+    return 0
+
+
+def _plan(args) -> int:
+    from modelcarve.plan.search import search
+
+    model, cluster, goal = _load(args)
+    options = _options(args)
+    if args.goal == "train" and not options.get("global_batch"):
+        raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
+    result = search(model, cluster, goal.name, top=args.top, **options)
+    if not result["layouts"]:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
+        best = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
+        raise ModelcarveError(
+            f"no layout of {model.name} fits on {cluster.name} ({result['evaluated']} evaluated: {reasons})"
+            + (f"; the closest: {best}" if best else "")
+        )
+    if args.emit:
+        from modelcarve.spec.layout import Layout
+
+        winner = Layout.from_dict(result["layouts"][0]["layout"])
+        Path(args.emit).write_text(winner.to_json() + "\n")
+    if args.plot:
+        from modelcarve.report.figures import plot_plan
+
+        plot_plan(result, args.plot, title=f"{model.name} on {cluster.name}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from modelcarve.report.tables import console, plan_tables
+
+    out = console()
+    for table in plan_tables(result, model, cluster):
+        out.print(table)
+    out.print(
+        f"{result['evaluated']:,} layouts evaluated in {result['elapsed_s']:.2f} s"
+        + (f"; wrote {args.emit}" if args.emit else "")
+        + (f"; drew {args.plot}" if args.plot else "")
+    )
+    return 0

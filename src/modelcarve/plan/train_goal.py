@@ -10,7 +10,7 @@ The space (``candidates``): every factorisation ``devices = tp x cp x pp x dp`` 
 the heads and FFN sizes (and kv heads or their multiple), pp at most the layer count, cp with
 chunks of at least ``MIN_CP_CHUNK`` tokens (shorter chunks leave ring attention nothing to
 overlap), dp dividing the global batch; ep dividing the experts and dp x cp (MoE); every
-micro-batch size dividing the per-replica batch up to ``MAX_MBS``; SP on/off when tp > 1;
+micro-batch size dividing the per-replica batch up to ``MAX_MBS`` and ``MAX_MB_TOKENS``; SP on/off when tp > 1;
 recomputation none/selective/full; ZeRO 0-3 when there is a data-parallel group, plus HSDP
 (ZeRO-3 sharded inside a node, replicated across); schedules 1F1B, GPipe, zero-bubble and
 interleaved 1F1B with every virtual-stage count that divides the layers per stage (when the
@@ -34,7 +34,11 @@ if TYPE_CHECKING:
     from modelcarve.spec.model import ModelSpec
 
 MAX_MBS = 32
-"""Largest micro-batch size tried (beyond it GEMMs are already as large as they get)."""
+"""Largest micro-batch size tried."""
+MAX_MB_TOKENS = 32768
+"""Most tokens per micro-batch tried (mbs x seq): beyond it every GEMM's m dimension is already
+saturated (the efficiency ramp is within 0.3% of its limit), so larger micro-batches only add
+activation memory and bubble."""
 MIN_CP_CHUNK = 256
 """Fewest tokens per context-parallel rank tried."""
 MAX_VIRTUAL = 8
@@ -106,31 +110,34 @@ class TrainGoal:
         return tps if result["fits"] else -1.0 / tps
 
     def compare(self, result: dict, best: dict) -> str:
-        """Why ``result`` ranks below ``best``, from the part of the step that grew most."""
+        """Why ``result`` ranks below ``best``: the part of its step that grew most against the winner's."""
         step, best_step = result["time"]["step_s"], best["time"]["step_s"]
-        parts = _step_parts(result)
-        best_parts = _step_parts(best)
-        name, seconds = max(parts.items(), key=lambda kv: kv[1] - best_parts.get(kv[0], 0.0) * step / best_step)
+        parts, best_parts = _step_parts(result), _step_parts(best)
+        key = max(parts, key=lambda k: parts[k][1] / step - best_parts[k][1] / best_step)
+        label, seconds = parts[key]
         ratio = result["time"]["tokens_per_s"] / best["time"]["tokens_per_s"]
         return (
-            f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {name} takes {seconds / step:.0%} "
-            f"of its step (winner: {best_parts.get(name, 0.0) / best_step:.0%})"
+            f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {label} take {seconds / step:.0%} "
+            f"of its step (winner: {best_parts[key][1] / best_step:.0%})"
         )
 
 
-def _step_parts(result: dict) -> dict[str, float]:
+_AXIS_NAMES = {"tp": "tensor-parallel all-reduces", "cp": "context-parallel exchanges", "ep": "expert all-to-alls",
+               "pp": "pipeline sends", "dp": "data-parallel gradient and parameter collectives"}
+
+
+def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
+    """Parts of a step by key, each with the words that name it in this layout."""
     t, c = result["time"], result["comm"]
-    parts = {"compute": t["compute_s"], "the pipeline bubble": t["bubble_s"], "the optimizer step": t["optimizer_s"]}
-    names = {"tp": "tensor-parallel communication", "cp": "context-parallel exchange", "ep": "expert all-to-all",
-             "pp": "pipeline sends", "dp": "data-parallel gradient traffic"}
+    parts = {
+        "compute": ("compute (GEMMs and element-wise kernels, recomputation included)", t["compute_s"]),
+        "bubble": ("the pipeline bubble", t["bubble_s"]),
+        "optimizer": ("the optimizer step", t["optimizer_s"]),
+    }
     for axis, seconds in c["exposed_s_by_axis"].items():
-        link = "over the node's NICs" if _axis_link(result, axis) == "inter" else "over NVLink"
-        parts[f"{names[axis]} {link}"] = seconds
+        link = "over the nodes' NICs" if c["link_by_axis"][axis] == "inter" else "inside the node"
+        parts[axis] = (f"exposed {_AXIS_NAMES[axis]} {link}", seconds)
     return parts
-
-
-def _axis_link(result: dict, axis: str) -> str:
-    return result["comm"]["link_by_axis"].get(axis, "intra")
 
 
 def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
@@ -168,7 +175,7 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                     if in_node < dp and dp % in_node == 0:
                         shards.append(in_node)
                 zeros = [(z, 0) for z in (0, 1, 2, 3)] + [(3, s) for s in shards[1:]] if dp * cp > 1 else [(0, 0)]
-                for mbs in (b for b in divisors(per_replica) if b <= max_mbs):
+                for mbs in (b for b in divisors(per_replica) if b <= max_mbs and (b == 1 or b * seq <= MAX_MB_TOKENS)):
                     n_mb = per_replica // mbs
                     key = (pp, n_mb)
                     scheds = inner_cache.get(key)

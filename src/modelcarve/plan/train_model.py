@@ -68,6 +68,15 @@ reaches about 70% of A100 peak forward, a large GEMM about 80%)."""
 FLASH_BACKWARD = 2.5
 """Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
 
+_PER_LAYER_SUMS = (
+    "compute_s", "fwd_s", "bwd_s", "tp_s", "cp_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
+    "ep_bytes", "ep_nic", "act_bytes",
+)
+
+_DP_COMM_KEYS = ("exposed_s", "optimizer_s", "total_s", "bytes", "nic", "tier")
+STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device memory"
+ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
+
 # candidate tuple fields (the search's currency; Layout converts to and from it)
 FIELDS = (
     "tp", "cp", "pp", "dp", "ep", "mbs", "sp", "recompute", "zero", "dp_shard", "schedule", "virtual_stages",
@@ -109,8 +118,14 @@ class TrainCostModel:
             raise LayoutError(f"attention={self.options.attention!r} must be 'flash' or 'materialized'")
         self.device = cluster.device
         self.capacity = cluster.device.memory_bytes
+        self.seq = self.options.seq or 2048
         self._profiles: dict = {}
         self._tiers: dict = {}
+        self._layers: dict = {}
+        self._gemms: dict = {}
+        self._windows: dict = {}
+        self._last_pkey: tuple | None = None
+        self._last_prof: dict | None = None
         self._params()
 
     # --- per-model constants -------------------------------------------------------------------
@@ -148,7 +163,7 @@ class TrainCostModel:
 
     def layout(self, cand: tuple) -> Layout:
         values = dict(zip(FIELDS, cand))
-        return Layout(**values, gbs=self.options.global_batch or values["mbs"] * values["dp"], seq=self.options.seq or 2048)
+        return Layout(**values, gbs=self.options.global_batch or values["mbs"] * values["dp"], seq=self.seq)
 
     # --- tiers ---------------------------------------------------------------------------------------
     def tier(self, group: int, inner: int) -> comm.Tier:
@@ -166,7 +181,14 @@ class TrainCostModel:
             prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq)
         return prof
 
-    def _layer(self, moe: bool, tp: int, cp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
+    def _layer_cached(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
+        key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq)
+        layer = self._layers.get(key)
+        if layer is None:
+            layer = self._layers[key] = self._layer(moe, tp, cp, ep, mbs, sp, recompute, seq)
+        return layer
+
+    def _layer(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
         """Times (s) and bytes of one layer for one micro-batch on one device."""
         m, o, dev = self.model, self.options, self.device
         h = m.hidden_size
@@ -180,17 +202,17 @@ class TrainCostModel:
         if m.attention_kind == "mla":
             rq = m.q_lora_rank or 0
             if rq:
-                g += gemm_time_s(dev, T, rq, h) + gemm_time_s(dev, T, heads * dqk, rq)
+                g += self._gemm(T, rq, h) + self._gemm(T, heads * dqk, rq)
             else:
-                g += gemm_time_s(dev, T, heads * dqk, h)
-            g += gemm_time_s(dev, T, m.kv_lora_rank + m.qk_rope_head_dim, h)
-            g += gemm_time_s(dev, T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
+                g += self._gemm(T, heads * dqk, h)
+            g += self._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
+            g += self._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
         else:
-            g += gemm_time_s(dev, T, (heads + kvl) * dqk + kvl * dv, h)
-        g += gemm_time_s(dev, T, h, heads * dv)
+            g += self._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
+        g += self._gemm(T, h, heads * dv)
         # attention core: QK^T and PV, batch = mbs x local heads
         batch = mbs * heads
-        core = gemm_time_s(dev, s_loc, seq, dqk, batch) + gemm_time_s(dev, s_loc, dv, seq, batch)
+        core = self._gemm(s_loc, seq, dqk, batch) + self._gemm(s_loc, dv, seq, batch)
         ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
         if m.position_kind == "rope":
             ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
@@ -205,13 +227,13 @@ class TrainCostModel:
         if moe:
             k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
             n_in = 3 if m.ffn_kind == "swiglu" else 2
-            g += gemm_time_s(dev, T, E, h)  # router
+            g += self._gemm(T, E, h)  # router
             per_expert = T * ep * k * o.load_imbalance / E
             local = E / ep
-            g += gemm_time_s(dev, per_expert, (n_in - 1) * fe / tp, h, local) + gemm_time_s(dev, per_expert, h, fe / tp, local)
+            g += self._gemm(per_expert, (n_in - 1) * fe / tp, h, local) + self._gemm(per_expert, h, fe / tp, local)
             if m.num_shared_experts:
                 fs = m.num_shared_experts * fe
-                g += gemm_time_s(dev, T, (n_in - 1) * fs / tp, h) + gemm_time_s(dev, T, h, fs / tp)
+                g += self._gemm(T, (n_in - 1) * fs / tp, h) + self._gemm(T, h, fs / tp)
             routed = T * k * o.load_imbalance
             ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp + 8.0 * routed * h
             if m.num_shared_experts:
@@ -221,7 +243,7 @@ class TrainCostModel:
         else:
             f = m.ffn_size
             n_in = 2 if m.ffn_kind == "swiglu" else 1
-            g += gemm_time_s(dev, T, n_in * f / tp, h) + gemm_time_s(dev, T, h, f / tp)
+            g += self._gemm(T, n_in * f / tp, h) + self._gemm(T, h, f / tp)
             ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
         ew_s = memory_bound_time_s(dev, ew)
         core_ew_s = memory_bound_time_s(dev, core_ew)
@@ -277,19 +299,35 @@ class TrainCostModel:
             "work_bytes": work,
         }
 
+    def _moe_counts(self, nls: int) -> tuple[int, int, int]:
+        """MoE layers among the first, the last and the worst middle window of ``nls`` layers."""
+        counts = self._windows.get(nls)
+        if counts is None:
+            L = self.model.num_layers
+            first = sum(1 for i in range(min(nls, L)) if i in self.moe_set)
+            last = sum(1 for i in range(max(0, L - nls), L) if i in self.moe_set)
+            counts = self._windows[nls] = (first, last, min(nls, self.model.num_moe_layers))
+        return counts
+
+    def _gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        key = (m, n, k, batch)
+        t = self._gemms.get(key)
+        if t is None:
+            t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch)
+        return t
+
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq) -> dict:
         m, o = self.model, self.options
         L = m.num_layers
         nls = math.ceil(L / pp)
-        moe_first = sum(1 for i in range(min(nls, L)) if i in self.moe_set)
-        moe_last = sum(1 for i in range(max(0, L - nls), L) if i in self.moe_set)
-        moe_mid = min(nls, m.num_moe_layers)
-        dense = self._layer(False, tp, cp, dp, ep, mbs, sp, recompute, seq)
-        moe = self._layer(True, tp, cp, dp, ep, mbs, sp, recompute, seq) if m.is_moe else dense
+        moe_first, moe_last, moe_mid = self._moe_counts(nls)
+        L = m.num_layers
+        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq)
+        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq) if m.is_moe else dense
         h, V = m.hidden_size, m.vocab_size
         T = mbs * seq / cp
         # LM head + loss (last stage) and embedding (first stage), per micro-batch
-        head_fwd = gemm_time_s(self.device, T, V / tp, h)
+        head_fwd = self._gemm(T, V / tp, h)
         loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
         head_s = 3.0 * head_fwd + loss_s
         logits_bytes = LOGITS_BYTES_PER_ELEM * T * V / tp
@@ -311,39 +349,40 @@ class TrainCostModel:
                 if not m.tied_embeddings or pp > 1:
                     params_dense += self.vocab_h / tp
             params_exp = n_moe * self.moe_experts / (ep * tp)
-            per_layer = [(dense, n_dense), (moe, n_moe)]
-            compute = sum(x["compute_s"] * n for x, n in per_layer) + (head_s if last else 0.0)
-            fwd = sum(x["fwd_s"] * n for x, n in per_layer) + (head_fwd if last else 0.0)
-            bwd = sum(x["bwd_s"] * n for x, n in per_layer) + (2 * head_fwd + loss_s if last else 0.0)
-            stages[kind] = {
-                "index": index,
-                "layers": nls,
-                "moe_layers": n_moe,
-                "params_dense": params_dense,
-                "params_expert": params_exp,
-                "compute_s": compute,
-                "fwd_s": fwd,
-                "bwd_s": bwd,
-                "tp_s": sum(x["tp_s"] * n for x, n in per_layer),
-                "cp_s": sum(x["cp_s"] * n for x, n in per_layer),
-                "ep_s": sum(x["ep_s"] * n for x, n in per_layer),
-                "tp_bytes": sum(x["tp_bytes"] * n for x, n in per_layer),
-                "tp_nic": sum(x["tp_nic"] * n for x, n in per_layer),
-                "cp_bytes": sum(x["cp_bytes"] * n for x, n in per_layer),
-                "cp_nic": sum(x["cp_nic"] * n for x, n in per_layer),
-                "ep_bytes": sum(x["ep_bytes"] * n for x, n in per_layer),
-                "ep_nic": sum(x["ep_nic"] * n for x, n in per_layer),
-                "act_per_mb": sum(x["act_bytes"] * n for x, n in per_layer),
-                "work_bytes": max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
-                "logits_bytes": logits_bytes if last else 0.0,
-                "layer_split_dense": (self.dense_split if n_dense else self.moe_split) / tp,
-                "layer_expert": (self.moe_experts / (ep * tp)) if n_moe else 0.0,
-            }
+            stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
+            if last:
+                stage["compute_s"] += head_s
+                stage["fwd_s"] += head_fwd
+                stage["bwd_s"] += 2 * head_fwd + loss_s
+            stage.update(
+                index=index,
+                layers=nls,
+                moe_layers=n_moe,
+                params_dense=params_dense,
+                params_expert=params_exp,
+                work_bytes=max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
+                logits_bytes=logits_bytes if last else 0.0,
+                layer_split_dense=(self.dense_split if n_dense else self.moe_split) / tp,
+                layer_expert=(self.moe_experts / (ep * tp)) if n_moe else 0.0,
+            )
+            stages[kind] = stage
         act = 2.0 * T * h
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         pp_tier = self.tier(pp, dp * cp * tp)
+        gbs = o.global_batch or mbs * dp
+        slow = max(stages.values(), key=lambda st: st["compute_s"] + st["tp_s"] + st["cp_s"] + st["ep_s"])
         return {
             "stages": stages,
+            "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
+            "params_rows": [
+                (st["params_dense"], st["params_expert"], st["layer_split_dense"] + st["layer_expert"])
+                for st in stages.values()
+            ],
+            "slow": slow,
+            "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
+            "n_mb": gbs // (mbs * dp),
+            "tokens": gbs * seq,
+            "key": (tp, cp, pp, dp, ep, mbs, sp, recompute),
             "dense": dense,
             "moe": moe,
             "p2p_s": comm.p2p_s(p2p_bytes, pp_tier) if pp > 1 else 0.0,
@@ -351,7 +390,141 @@ class TrainCostModel:
             "p2p_nic": p2p_bytes if pp > 1 and pp_tier.members_per_node else 0.0,
             "buffers": (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0)
             + (2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0),
+            "dp": {},
         }
+
+    def _dp_entry(self, prof: dict, cand: tuple) -> dict:
+        """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
+        cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
+        cp, dp, ep = prof["key"][1], prof["key"][3], prof["key"][4]
+        zero, dp_shard = cand[8], cand[9]
+        p_dt, g_dt, o_dt = cand[12:15]
+        pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
+        ob = optimizer_bytes_per_param(p_dt, o_dt)
+        shard = (dp_shard or dp) if zero else 1
+        n_dense = shard * cp if zero else 1
+        n_exp = max(1, shard * cp // ep) if zero else 1
+        if zero == 0:
+            per_full, per_local = pb + gb + ob, 0.0
+        elif zero == 1:
+            per_full, per_local = pb + gb, ob
+        elif zero == 2:
+            per_full, per_local = pb, gb + ob
+        else:
+            per_full, per_local = 0.0, pb + gb + ob
+        gather = (2 * pb + gb) if zero == 3 else 0.0
+        states = [
+            per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
+            for pd, pe, layer in prof["params_rows"]
+        ]
+        buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        base = buffers * (1.0 + FRAGMENTATION) + RESERVED_BYTES
+        return {
+            "states": states,
+            "buffers": buffers,
+            "base_bytes": base,
+            "floor_bytes": max(states) + base,
+            "exposed_s": None,
+        }
+
+    def _state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
+        """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
+        cp, dp, ep = prof["key"][1], prof["key"][3], prof["key"][4]
+        zero, dp_shard = cand[8], cand[9]
+        pb, gb = DTYPE_BYTES[cand[12]], DTYPE_BYTES[cand[13]]
+        ob = optimizer_bytes_per_param(cand[12], cand[14])
+        shard = (dp_shard or dp) if zero else 1
+        n_dense = shard * cp if zero else 1
+        n_exp = max(1, shard * cp // ep) if zero else 1
+        st = prof["stages"][kind]
+        pd, pe = st["params_dense"], st["params_expert"]
+        full, local = pd + pe, pd / n_dense + pe / n_exp
+        return {
+            "weights": pb * (full if zero < 3 else local),
+            "gradients": gb * (full if zero < 2 else local),
+            "optimizer_states": ob * (full if zero == 0 else local),
+            "zero3_gather_buffers": (2 * pb + gb) * (st["layer_split_dense"] + st["layer_expert"]) if zero == 3 else 0.0,
+        }
+
+    def _dp_comm(self, prof: dict, d: dict, cand: tuple) -> None:
+        """Data-parallel traffic and optimiser time of one (profile, ZeRO, dtypes), into ``d``."""
+        tp, cp, pp, dp, ep = prof["key"][:5]
+        zero, dp_shard = cand[8], cand[9]
+        p_dt, g_dt, o_dt = cand[12:15]
+        o = self.options
+        n_mb = prof["n_mb"]
+        slow = prof["slow"]
+        pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
+        ob = optimizer_bytes_per_param(p_dt, o_dt)
+        shard = (dp_shard or dp) if zero else 1
+        n_dense = shard * cp if zero else 1
+        edp = dp * cp // ep
+        n_exp = max(1, shard * cp // ep) if zero else 1
+        win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
+        win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
+        big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
+        pd, pe = big["params_dense"], big["params_expert"]
+        dense_t = self.tier(dp * cp, tp)
+        exp_t = self.tier(edp, tp * ep)
+        tier_name = dense_t.name
+        if zero == 0:
+            total = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
+            exposed = max(0.0, total - win_b)
+            b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
+            nbytes, nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+        elif zero in (1, 2):
+            rs = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
+            ag = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
+            total = rs + ag
+            exposed = max(0.0, rs - win_b) + max(0.0, ag - win_f)
+            b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
+            b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
+            nbytes, nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+        else:
+            sd_t = self.tier(shard * cp, tp)
+            tier_name = sd_t.name
+            se_n = max(1, shard * cp // ep)
+            se_t = self.tier(se_n, tp * ep)
+            # FSDP gathers and reduces layer by layer: one collective's latency per layer each
+            nl = max(1, slow["layers"])
+            per_mb = nl * (
+                2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
+                + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
+            )
+            first_gather = per_mb / (3.0 * nl)  # the first layer's gather cannot be prefetched
+            total = n_mb * per_mb
+            exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + first_gather)
+            b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
+            b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+            nbytes, nic = n_mb * (b1 + b2), n_mb * (comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t))
+            replicas = dp // shard
+            if replicas > 1:
+                rep_t = self.tier(replicas, tp * cp * shard)
+                ar = comm.all_reduce_s(gb * (pd / (shard * cp) + pe / se_n), replicas, rep_t)
+                total += ar
+                exposed += max(0.0, ar - win_b)
+                b3 = comm.ring_all_reduce_bytes(gb * (pd / (shard * cp) + pe / se_n), replicas)
+                nbytes += b3
+                nic += comm.nic_bytes(b3, rep_t)
+                if rep_t.name == "inter":
+                    tier_name = "inter"
+        if pp > 1 and self.model.tied_embeddings:
+            emb_t = self.tier(2, dp * cp * tp * (pp - 1))
+            tied = comm.all_reduce_s(gb * self.vocab_h / tp, 2, emb_t)
+            total += tied
+            exposed += tied
+            b4 = comm.ring_all_reduce_bytes(gb * self.vocab_h / tp, 2)
+            nbytes += b4
+            nic += comm.nic_bytes(b4, emb_t)
+        optimizer_s = memory_bound_time_s(self.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
+        d.update(
+            exposed_s=exposed + optimizer_s,
+            optimizer_s=optimizer_s,
+            total_s=total,
+            bytes=nbytes,
+            nic=nic,
+            tier=tier_name,
+        )
 
     # --- one layout ------------------------------------------------------------------------------------
     def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
@@ -364,124 +537,67 @@ class TrainCostModel:
         return self._evaluate(cand, True)
 
     def _evaluate(self, cand: tuple, detail: bool):
-        tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v, p_dt, g_dt, o_dt = cand
-        o = self.options
-        seq = o.seq or 2048
-        gbs = o.global_batch or mbs * dp
-        n_mb = gbs // (mbs * dp)
-        prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq)
-        pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
-        ob = optimizer_bytes_per_param(p_dt, o_dt)
-        shard = (dp_shard or dp) if zero else 1
-        n_dense = shard * cp if zero else 1
-        edp = dp * cp // ep
-        n_exp = max(1, shard * cp // ep) if zero else 1
-        buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+        pkey = cand[:8]
+        if pkey == self._last_pkey:
+            prof = self._last_prof
+        else:
+            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq)
+            self._last_pkey, self._last_prof = pkey, prof
+        dkey = (zero, dp_shard) + cand[12:]
+        d = prof["dp"].get(dkey)
+        if d is None:
+            d = prof["dp"][dkey] = self._dp_entry(prof, cand)
+        if not detail and d["floor_bytes"] > self.capacity:
+            # hopeless whatever the schedule; rank such layouts by how close they come to fitting
+            return -d["floor_bytes"], STATES_DO_NOT_FIT, None
+        if d["exposed_s"] is None:
+            # ZeRO-1 and ZeRO-2 move the same bytes: compute once, share
+            twin = prof["dp"].get((3 - zero, dp_shard) + cand[12:]) if zero in (1, 2) else None
+            if twin is not None and twin["exposed_s"] is not None:
+                d.update({k: twin[k] for k in _DP_COMM_KEYS})
+            else:
+                self._dp_comm(prof, d, cand)
+        n_mb = prof["n_mb"]
 
         # --- memory: every stage kind, keep the worst ---------------------------------------------
-        peak, worst = -1.0, None
-        for kind, st in prof["stages"].items():
-            pd, pe = st["params_dense"], st["params_expert"]
-            local = pd / n_dense + pe / n_exp
-            if zero == 0:
-                states = (pb + gb + ob) * (pd + pe)
-            elif zero == 1:
-                states = (pb + gb) * (pd + pe) + ob * local
-            elif zero == 2:
-                states = pb * (pd + pe) + (gb + ob) * local
-            else:
-                states = (pb + gb + ob) * local + (2 * pb + gb) * (st["layer_split_dense"] + st["layer_expert"])
-            inflight = in_flight_microbatches(schedule, pp, n_mb, v, st["index"])
-            act = inflight * st["act_per_mb"] + st["work_bytes"] + st["logits_bytes"]
-            total = states + act + buffers + FRAGMENTATION * (act + buffers) + RESERVED_BYTES
+        peak, worst, worst_inflight = -1.0, None, 0.0
+        base = d["base_bytes"]
+        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
+            inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
+            act = inflight * act_mb + fixed
+            total = states + act * (1.0 + FRAGMENTATION) + base
             if total > peak:
-                peak, worst, worst_parts = total, kind, (states, act, inflight, local, pd, pe)
+                peak, worst, worst_inflight = total, kind, inflight
         fits = peak <= self.capacity
 
-        # --- time -----------------------------------------------------------------------------------
-        slow = max(prof["stages"].values(), key=lambda st: st["compute_s"] + st["tp_s"] + st["cp_s"] + st["ep_s"])
-        t_mb = slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"]
+        # --- time ------------------------------------------------------------------------------------
+        t_mb = prof["t_mb"]
         idle = bubble_time_units(schedule, pp, v)
-        pipe = (n_mb + idle) * t_mb
         p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"] if pp > 1 else 0.0
-        win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
-        win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
-        big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
-        pd, pe = big["params_dense"], big["params_expert"]
-        dense_t = self.tier(dp * cp, tp)
-        exp_t = self.tier(edp, tp * ep)
-        dp_bytes = dp_nic = 0.0
-        if zero == 0:
-            dp_s = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
-            dp_exposed = max(0.0, dp_s - win_b)
-            if detail:
-                b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
-                dp_bytes, dp_nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
-        elif zero in (1, 2):
-            rs = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
-            ag = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
-            dp_s = rs + ag
-            dp_exposed = max(0.0, rs - win_b) + max(0.0, ag - win_f)
-            if detail:
-                b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
-                b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
-                dp_bytes, dp_nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
-        else:
-            sd_t = self.tier(shard * cp, tp)
-            se_n = max(1, shard * cp // ep)
-            se_t = self.tier(se_n, tp * ep)
-            per_mb = (
-                2 * comm.all_gather_s(pb * pd, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd, shard * cp, sd_t)
-                + 2 * comm.all_gather_s(pb * pe, se_n, se_t) + comm.reduce_scatter_s(gb * pe, se_n, se_t)
-            )
-            first_gather = per_mb / (3.0 * max(1, slow["layers"]))  # the first layer's gather cannot be prefetched
-            dp_s = n_mb * per_mb
-            dp_exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + first_gather)
-            if detail:
-                b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
-                b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
-                dp_bytes, dp_nic = n_mb * (b1 + b2), n_mb * (comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t))
-            replicas = dp // shard
-            if replicas > 1:
-                rep_t = self.tier(replicas, tp * cp * shard)
-                ar = comm.all_reduce_s(gb * pd / (shard * cp), replicas, rep_t)
-                ar += comm.all_reduce_s(gb * pe / se_n, replicas, self.tier(replicas, tp * cp * shard))
-                dp_s += ar
-                dp_exposed += max(0.0, ar - win_b)
-                if detail:
-                    b3 = comm.ring_all_reduce_bytes(gb * (pd / (shard * cp) + pe / se_n), replicas)
-                    dp_bytes += b3
-                    dp_nic += comm.nic_bytes(b3, rep_t)
-        tied = 0.0
-        if pp > 1 and self.model.tied_embeddings:
-            emb_t = self.tier(2, dp * cp * tp * (pp - 1))
-            tied = comm.all_reduce_s(gb * self.vocab_h / tp, 2, emb_t)
-        local = pd / n_dense + pe / n_exp
-        opt_s = memory_bound_time_s(self.device, local * (2 * ob + gb + pb))
-        step = pipe + p2p + dp_exposed + tied + opt_s
-        tokens = gbs * seq
-        tokens_per_s = tokens / step
+        step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
+        tokens_per_s = prof["tokens"] / step
         if not detail:
             if fits:
                 return tokens_per_s, None, None
-            return tokens_per_s, "does not fit in memory", None
+            return tokens_per_s, ACTIVATIONS_DO_NOT_FIT, None
 
         # --- the JSON -------------------------------------------------------------------------------
-        cluster = self.cluster
-        states, act, inflight, local_w, pd_w, pe_w = worst_parts
+        seq, tokens = self.seq, prof["tokens"]
+        p_dt = cand[12]
         st_w = prof["stages"][worst]
-        breakdown = {
-            "weights": pb * ((pd_w + pe_w) if zero < 3 else local_w),
-            "gradients": gb * ((pd_w + pe_w) if zero < 2 else local_w),
-            "optimizer_states": ob * ((pd_w + pe_w) if zero == 0 else local_w),
-            "zero3_gather_buffers": (2 * pb + gb) * (st_w["layer_split_dense"] + st_w["layer_expert"]) if zero == 3 else 0.0,
-            "activations": inflight * st_w["act_per_mb"],
+        inflight = worst_inflight
+        act = inflight * st_w["act_bytes"] + st_w["work_bytes"] + st_w["logits_bytes"]
+        buffers = d["buffers"]
+        breakdown = self._state_parts(prof, cand, worst)
+        breakdown.update({
+            "activations": inflight * st_w["act_bytes"],
             "recompute_working_layer": st_w["work_bytes"],
             "logits": st_w["logits_bytes"],
             "comm_buffers": buffers,
             "allocator_fragmentation": FRAGMENTATION * (act + buffers),
             "reserved_runtime": RESERVED_BYTES,
-        }
+        })
         breakdown = {k: int(round(x)) for k, x in breakdown.items()}
         peak_int = sum(breakdown.values())
         peak_dev = self.device.flops(p_dt)
@@ -492,22 +608,23 @@ class TrainCostModel:
             rc_flops = (self.model.forward_flops_per_token(seq) - self.head_fwd_flops_token) * tokens
         elif recompute == "selective":
             rc_flops = self.model.attention_flops_per_token(seq) * tokens
+        slow = prof["slow"]
         axis_tier = {
             "tp": self.tier(tp, 1).name, "cp": self.tier(cp, tp).name, "ep": self.tier(ep, tp).name,
             "pp": self.tier(pp, dp * cp * tp).name if pp > 1 else "intra",
-            "dp": dense_t.name if zero != 3 else self.tier(shard * cp, tp).name,
+            "dp": d["tier"],
         }
         exposed_axis = {
             "tp": (n_mb + idle) * slow["tp_s"], "cp": (n_mb + idle) * slow["cp_s"], "ep": (n_mb + idle) * slow["ep_s"],
-            "pp": p2p, "dp": dp_exposed + tied,
+            "pp": p2p, "dp": d["exposed_s"] - d["optimizer_s"],
         }
         bytes_axis = {
             "tp": n_mb * slow["tp_bytes"], "cp": n_mb * slow["cp_bytes"], "ep": n_mb * slow["ep_bytes"],
-            "pp": 2.0 * n_mb * v * prof["p2p_bytes"], "dp": dp_bytes,
+            "pp": 2.0 * n_mb * v * prof["p2p_bytes"], "dp": d["bytes"],
         }
         nic_axis = {
             "tp": n_mb * slow["tp_nic"], "cp": n_mb * slow["cp_nic"], "ep": n_mb * slow["ep_nic"],
-            "pp": 2.0 * n_mb * v * prof["p2p_nic"], "dp": dp_nic,
+            "pp": 2.0 * n_mb * v * prof["p2p_nic"], "dp": d["nic"],
         }
         inter = sum(nic_axis.values())
         by_link = {"intra": int(round(sum(bytes_axis.values()) - inter)), "inter": int(round(inter))}
@@ -517,11 +634,19 @@ class TrainCostModel:
         layout = self.layout(cand)
         warnings = self._warnings(layout, exposed_axis, step, idle / (n_mb + idle) if idle else 0.0, fits)
         reason = None
-        if not fits:
-            top = max((k for k in breakdown if k != "reserved_runtime"), key=breakdown.get)
+        cap = self.capacity / GIB
+        where = "the device" if worst == "only" else f"the {worst} pipeline stage"
+        if not fits and d["floor_bytes"] > self.capacity:
+            states_gib = sum(self._state_parts(prof, cand, worst).values()) / GIB
             reason = (
-                f"needs {peak_int / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB on the {worst} pipeline stage "
-                f"(largest part: {top.replace('_', ' ')} {breakdown[top] / GIB:.1f} GiB)"
+                f"weights, gradients and optimizer states alone need {states_gib:.1f} GiB of {cap:.1f} GiB on {where}"
+                + ("" if zero == 3 else "; a higher ZeRO stage, more TP/PP or EP shard them")
+            )
+        elif not fits:
+            reason = (
+                f"needs {peak_int / GIB:.1f} GiB of {cap:.1f} GiB on {where}: activations of "
+                f"{inflight:g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
+                + ("" if cand[7] == "full" else " (recomputation would shrink them)")
             )
         return {
             "goal": "train",
@@ -541,7 +666,7 @@ class TrainCostModel:
                 "mfu": model_flops / (step * n_dev * peak_dev),
                 "compute_s": n_mb * (slow["compute_s"]),
                 "bubble_s": idle * t_mb,
-                "optimizer_s": opt_s,
+                "optimizer_s": d["optimizer_s"],
                 "microbatches": n_mb,
             },
             "comm": {
@@ -550,7 +675,7 @@ class TrainCostModel:
                 "exposed_s": sum(exposed_axis.values()),
                 "exposed_s_by_link": exposed_link,
                 "exposed_s_by_axis": exposed_axis,
-                "dp_total_s": dp_s,
+                "dp_total_s": d["total_s"],
                 "link_by_axis": axis_tier,
             },
             "bubble_fraction": idle / (n_mb + idle) if idle else 0.0,
