@@ -111,16 +111,16 @@ class AllToAllDispatcher:
 
 # --- groups -----------------------------------------------------------------------------
 
-_groups: dict = {}
-
-
 def expert_groups(mesh, layout) -> dict:
     """This rank's EP and expert-data-parallel groups (created once per mesh, on every rank)."""
     from modelcarve.runtime.mesh import axis_rank, new_group
 
-    key = (id(mesh), layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
-    if key in _groups:
-        return _groups[key]
+    # kept on the mesh object: every rank builds the same meshes in the same order, so every rank
+    # creates the groups (a collective) at the same point
+    cache = mesh.__dict__.setdefault("_mc_expert_groups", {})
+    key = (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
+    if key in cache:
+        return cache[key]
     pp, dpcp, tp, ep = layout.pp, layout.dp * layout.cp, layout.tp, layout.ep
     if dpcp % ep:
         raise LayoutError(f"ep={ep} must divide dp x cp = {dpcp}; valid ep: {[d for d in range(1, dpcp + 1) if dpcp % d == 0]}")
@@ -142,7 +142,7 @@ def expert_groups(mesh, layout) -> dict:
                 group = new_group(ranks)
                 if dist.get_rank() in ranks:
                     me["edp_group"], me["edp_ranks"] = group, ranks
-    _groups[key] = me
+    cache[key] = me
     return me
 
 
@@ -179,8 +179,14 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
             f"ep={layout.ep} does not divide {spec.num_experts} experts; valid ep: "
             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}"
         )
+    if layout.ep > 1 and layout.zero:
+        raise LayoutError(
+            f"ep={layout.ep} with zero={layout.zero}: ZeRO/FSDP over dp x cp would mix the different experts of "
+            "the EP ranks; use zero=0 with ep > 1 (expert weights are already split ep ways)"
+        )
     groups = expert_groups(mesh, layout)
-    from modelcarve.runtime.parallelize import record_grad_group, record_shard
+    from modelcarve.runtime.data_parallel import record_grad_group
+    from modelcarve.runtime.parallelize import record_shard
 
     for fqn, moe in blocks:
         if layout.cp > 1 and (moe.capacity_factor or moe.aux_loss_coef):
