@@ -9,6 +9,7 @@ global batches. Compared, each against a stated tolerance:
   else reported as not compared),
 * ``loss``: every step's loss (relative difference),
 * ``grad/<fqn>``: every parameter's gradient of the first step, before clipping (max abs diff),
+* ``grad_norm``: every step's global gradient norm (relative; it sets the clipping, max_norm 1),
 * ``param/<fqn>``: every parameter after ``steps`` AdamW steps (max abs diff).
 
 Full tensors are gathered by FQN from the shard registry (parallelize.py) and FSDP2's DTensor
@@ -181,10 +182,10 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                     got = grads.get(fqn)
                     ref_g = ref_p.grad if ref_p.grad is not None else torch.zeros_like(ref_p)
                     checks.append(compare(f"grad/{fqn}", got if got is not None else torch.full((0,), math.nan), ref_g, tol["grad"]))
-        trainer.optimizer_step()
+        norm = trainer.optimizer_step()
         if rank0:
-            if config.max_norm:
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), config.max_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.max_norm or math.inf)
+            checks.append(compare(f"grad_norm/step{step}", torch.tensor(norm), ref_norm, tol["loss"], "rel"))
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
     params = gather_full(chunks, "param")
@@ -210,7 +211,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
 def summarise(report: dict) -> list[dict]:
     """One row per kind (logits, loss, grad, param): worst case and pass/fail."""
     rows = []
-    for kind in ("logits", "loss", "grad", "param"):
+    for kind in ("logits", "loss", "grad_norm", "grad", "param"):
         group = [c for c in report["checks"] if c["name"].split("/")[0] == kind]
         if not group:
             rows.append(dict(kind=kind, count=0, worst="-", max_abs=float("nan"), max_rel=float("nan"), tol=None, passed=None))

@@ -1,0 +1,84 @@
+"""modelcarve run / verify end to end through torchrun, refusal before launch, data files, seeds."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def cli(*argv, timeout=240):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", *argv], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+
+
+def test_verify_passes_and_reports_json():
+    code, out, err, _ = cli("verify", "--model", "tiny-llama", "--layout", "tp=2,sp,seq=16,gbs=2",
+                            "--dtype", "fp32", "--steps", "2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["passed"] and report["layout"] == "TP2-SP" and report["steps"] == 2
+    kinds = {c["name"].split("/")[0] for c in report["checks"]}
+    assert kinds == {"logits", "loss", "grad_norm", "grad", "param"}
+
+
+@pytest.mark.parametrize(
+    "layout, extra, fragment",
+    [
+        ("tp=3", [], "tp=3 does not divide 4 attention heads; valid tp: 1, 2, 4"),
+        ("tp=2", ["--nproc-per-node", "4"], "use --nproc-per-node 2"),
+        ("dp=2,zero=2", [], "zero=2 is not implemented by the runtime"),
+        ("tp=4", [], "does not divide the 2 kv heads"),
+    ],
+)
+def test_bad_layout_refused_before_any_process(layout, extra, fragment):
+    code, out, err, seconds = cli("run", "--model", "tiny-llama", "--layout", layout, *extra)
+    assert code == 2 and fragment in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "torch.distributed.run" not in err
+
+
+def test_run_token_file_deterministic_and_layout_json(tmp_path):
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 256, 5000, dtype=np.int32))
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"dp": 2, "zero": 1, "seq": 32, "gbs": 4, "param_dtype": "fp32"}))
+    runs = []
+    for _ in range(2):
+        code, out, err, _ = cli("run", "--model", "tiny-llama", "--layout", str(layout), "--steps", "3",
+                                "--data", str(data), "--json")
+        assert code == 0, err
+        runs.append(json.loads(out))
+    losses = [[h["loss"] for h in r["history"]] for r in runs]
+    assert losses[0] == losses[1]  # same seed, same data, same layout: bit-identical
+    assert runs[0]["layout"] == "DP2-Z1" and len(runs[0]["memory"]) == 2
+    assert all(m["optim_bytes"] > 0 for m in runs[0]["memory"])
+    assert runs[0]["tokens_per_s"] > 0
+
+
+def test_verify_exit_code_on_failure(monkeypatch, capsys):
+    """A failing comparison makes ``verify`` exit 1 (the launch is replaced by a failing report)."""
+    from modelcarve.cli import main
+    from modelcarve.commands import run as run_cmd
+    from modelcarve.verify import compare
+
+    bad = compare("param/norm.weight", __import__("torch").ones(3), __import__("torch").zeros(3), 1e-4)
+    assert not bad.passed
+
+    def fake_launch(command, args, payload, per_node, under):
+        report = dict(model="tiny-llama", layout="TP2", world_size=2, steps=1, dtype="fp32", passed=False,
+                      checks=[bad.to_dict()])
+        with open(payload["report"], "w") as f:
+            json.dump(report, f)
+        return 0
+
+    monkeypatch.setattr(run_cmd, "_launch", fake_launch)
+    assert main(["verify", "--model", "tiny-llama", "--layout", "tp=2"]) == 1
+    assert "FAIL" in capsys.readouterr().out
