@@ -8,7 +8,8 @@ same weights (tests/test_moe_layer.py compares logits with transformers).
 Structure (names are checkpoint FQNs under ``layers.<i>.feed_forward``)::
 
     MoE
-      router          Router: weight [E, H]; buffer e_score_correction_bias [E] (fp32)
+      router          Router: weight [E, H]; buffer e_score_correction_bias [E] (fp32; in the
+                      state dict for sigmoid routers, as in DeepSeek-V3 checkpoints)
       experts         GroupedExperts: w1 (gate) [E, F, H], w3 (up) [E, F, H], w2 (down) [E, H, F]
       shared_experts  FeedForward of size num_shared_experts * expert_ffn_size, or None
 
@@ -66,7 +67,9 @@ class Router(nn.Module):
         self.scaling = spec.routed_scaling_factor
         self.num_groups, self.topk_groups = spec.num_expert_groups, spec.topk_groups
         self.weight = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        # Saved with the weights only where Hugging Face stores it (sigmoid routers: DeepSeek-V3).
+        bias = torch.zeros(spec.num_experts, dtype=torch.float32)
+        self.register_buffer("e_score_correction_bias", bias, persistent=spec.router_scoring == "sigmoid")
 
     def _apply(self, fn, recurse=True):
         # The balancing bias moves in steps of ~1e-3: it stays fp32 whatever dtype the model is cast to.
