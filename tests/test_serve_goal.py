@@ -48,7 +48,7 @@ def test_bf16_long_context_needs_two_devices_and_the_plan_says_so(qwen):
     pair = search(qwen, parse_cluster("2xH100"), "serve-latency", weight_dtypes="bf16", **shape)
     best = pair["layouts"][0]
     assert best["layout"]["tp"] * best["layout"]["pp"] == 2
-    assert any("split over 2 devices because one H100 would need" in w for w in best["warnings"])
+    assert any("one model copy spans 2 devices (TP x PP x EP) because one H100 would need" in w for w in best["warnings"])
     assert any("exceeds qwen3-32b's trained 40960" in w for w in best["warnings"])
 
 
@@ -139,3 +139,42 @@ def test_result_json_shape(qwen):
     result = plan["layouts"][0]
     assert set(result) >= {"layout", "fits", "memory", "serve", "comm", "warnings"}
     assert set(result["serve"]) >= {"ttft_s", "tpot_s", "batch", "tokens_per_s", "tokens_per_s_per_device"}
+
+
+@pytest.mark.parametrize(
+    "name,cluster,layout,tpot_ms,ttft_ms",
+    [
+        ("qwen3-32b", "8xH100", Layout(tp=2, dp=4, weight_dtype="fp8", kv_dtype="fp8"), 20, 2000),
+        ("llama-3.1-70b", "8xH100", Layout(tp=4, pp=2, weight_dtype="int4"), 60, 800),
+        ("kimi-k2", "2x8xH200", Layout(tp=8, dp=2, ep=2, weight_dtype="fp8", kv_dtype="fp8"), 40, 3000),
+    ],
+)
+def test_batch_search_finds_the_largest_admissible_batch(name, cluster, layout, tpot_ms, ttft_ms):
+    """The bracketed search agrees with trying every batch."""
+    from modelcarve.plan.serve_goal import _largest_batch
+    from modelcarve.plan.serve_memory import max_sequences, shard_facts
+    from modelcarve.plan.serve_time import _context, _rates
+
+    model, cl = get_model(name), parse_cluster(cluster)
+    f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+    top = min(max_sequences(f, cl.device.memory_bytes, 2048 + 256), 1024)
+    c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, 2048, 256)
+
+    def meets(b):
+        _, tpot, ttft, _ = _rates(c, b)
+        return tpot <= tpot_ms / 1e3 and ttft <= ttft_ms / 1e3
+
+    expected = max([b for b in range(1, top + 1) if meets(b)], default=1)
+    assert 1 < expected < top  # the bounds bind somewhere inside the range
+    assert _largest_batch(c, top, ttft_ms / 1e3, tpot_ms / 1e3) == expected
+
+
+def test_contrasts_explain_in_words_why_tp_stays_inside_the_node(qwen):
+    from modelcarve.plan.serve_goal import contrasts
+
+    cluster = cluster_from_dict(ETH_2NODES)
+    plan = search(qwen, cluster, "serve-latency", top=1, **SHAPE)
+    why = {item["shape"]: item for item in contrasts(qwen, cluster, "serve-latency", plan["layouts"][0], **SHAPE)}
+    across = why["TP across nodes"]
+    assert "slower" in across["verdict"] and "eth-100g" in across["why"] and "all-reduces" in across["why"]
+    assert "GB of weights per step" in why["replicas only"]["why"]

@@ -48,6 +48,9 @@ def _common(p) -> None:
                    help="training: gradient reduction runs after the backward, not during it")
     p.add_argument("--load-imbalance", type=float, help="MoE: busiest expert rank's tokens / mean (default 1.25)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    from modelcarve.commands.serve_cli import add_serve_arguments
+
+    add_serve_arguments(p)
 
 
 def _options(args) -> dict:
@@ -69,6 +72,10 @@ def _estimate(args) -> int:
 
     model, cluster, goal = _load(args)
     layout = Layout.parse(args.layout)
+    from modelcarve.commands.serve_cli import is_serve_goal, run_serve_estimate
+
+    if is_serve_goal(args.goal):
+        return run_serve_estimate(args, model, cluster, layout)
     options = _options(args)
     if args.goal == "train":
         if layout.gbs and options.get("global_batch") not in (None, layout.gbs):
@@ -102,6 +109,10 @@ def _plan(args) -> int:
     from modelcarve.plan.search import search
 
     model, cluster, goal = _load(args)
+    from modelcarve.commands.serve_cli import is_serve_goal, run_serve_plan
+
+    if is_serve_goal(args.goal):
+        return run_serve_plan(args, model, cluster, top=args.top)
     options = _options(args)
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")

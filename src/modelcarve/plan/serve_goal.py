@@ -355,7 +355,7 @@ class _ServeGoal:
             )
         if opts.context > model.max_position:
             out.append(f"context {opts.context} tokens exceeds {model.name}'s trained {model.max_position}; needs rope scaling (e.g. YaRN)")
-        split = layout.tp * layout.pp
+        split = layout.tp * layout.pp * layout.ep  # devices one copy of the weights spans
         if split > 1:
             one = memory_from_facts(
                 shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype),
@@ -363,7 +363,7 @@ class _ServeGoal:
             )
             if not one.fits:
                 out.append(
-                    f"split over {split} devices because one {cluster.device.name} would need {one.total_bytes / GiB:.1f} GiB "
+                    f"one model copy spans {split} devices (TP x PP x EP) because one {cluster.device.name} would need {one.total_bytes / GiB:.1f} GiB "
                     f"(weights {one.weights_bytes / GiB:.1f} + KV {one.kv_bytes / GiB:.1f}) > {one.budget_bytes / GiB:.1f} GiB usable"
                 )
         if layout.weight_dtype in ("int4", "int8"):

@@ -19,32 +19,29 @@ def _ms(seconds: float) -> str:
 
 
 def serve_plan_table(layouts: list[dict], title: str) -> Table:
-    """One row per layout: shape, dtypes and their quality cost, batch, TTFT, TPOT, tokens/s,
-    memory, what bounds the decode step and which axis leaves a node."""
-    table = Table(title=title, title_justify="left", show_lines=False)
+    """One row per layout: shape and dtypes with their quality cost, batch, TTFT, TPOT, tokens/s
+    per device, memory per device, what bounds the decode step and which axis leaves a node."""
+    table = Table(title=title, title_justify="left", show_lines=False, pad_edge=False)
     for name, justify in (
-        ("#", "right"), ("layout", "left"), ("weights/KV", "left"), ("quality cost", "left"),
-        ("batch", "right"), ("TTFT ms", "right"), ("TPOT ms", "right"), ("tok/s/device", "right"),
-        ("tok/s cluster", "right"), ("GiB used/usable", "right"), ("bound", "left"), ("crosses nodes", "left"),
+        ("#", "right"), ("layout w/kv", "left"), ("quality", "left"), ("batch", "right"), ("TTFT ms", "right"),
+        ("TPOT ms", "right"), ("tok/s/dev", "right"), ("GiB/dev", "right"), ("bound", "left"), ("crosses nodes", "left"),
     ):
         table.add_column(name, justify=justify)
     for rank, result in enumerate(layouts, 1):
         layout, serve, memory = result["layout"], result["serve"], result["memory"]
         crossing = ", ".join(
-            f"{axis.upper()} +{result['comm'][axis]['s_per_round'] * 1e3:.2f} ms/step" for axis in result["crosses_nodes"]
+            f"{axis.upper()} +{result['comm'][axis]['s_per_round'] * 1e3:.2f}ms" for axis in result["crosses_nodes"]
         )
         table.add_row(
             str(rank),
-            result["name"].split(" ")[0],
-            f"{layout['weight_dtype']}/{layout['kv_dtype']}",
+            f"{result['name'].split(' ')[0]} {layout['weight_dtype']}/{layout['kv_dtype']}",
             result.get("quality_short", ""),
             str(serve["batch"]),
             _ms(serve["ttft_s"]),
             f"{serve['tpot_s'] * 1e3:,.2f}",
             f"{serve['tokens_per_s_per_device']:,.0f}",
-            f"{serve['tokens_per_s_cluster']:,.0f}",
-            f"{memory['total_gib']:.1f}/{memory['budget_gib']:.1f}",
-            serve["bound"],
+            f"{memory['total_gib']:.0f}/{memory['budget_gib']:.0f}",
+            serve["bound"][:4] if serve["bound"] != "communication" else "comm",
             crossing or "-",
         )
     return table

@@ -1,0 +1,91 @@
+"""The serving side of ``modelcarve plan`` and ``modelcarve estimate`` (goals serve-latency and
+serve-throughput): the request-shape and bound flags, and what is printed.
+
+Usage::
+
+    modelcarve plan --goal serve-latency --model qwen3-32b --cluster 2x8xH100 --input-len 2048 --output-len 256
+    modelcarve plan --goal serve-throughput --model kimi-k2 --cluster 2x8xH200 --ttft-ms 2000 --tpot-ms 50 --json
+    modelcarve estimate --goal serve-latency --model qwen3-32b --cluster 2xH100 --layout "tp=2,weight_dtype=fp8"
+
+``commands/plan.py`` owns the commands; it calls ``add_serve_arguments`` on its parsers and hands
+serving goals to ``run_serve_plan`` / ``run_serve_estimate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SERVE_GOALS = ("serve-latency", "serve-throughput")
+
+
+def is_serve_goal(name: str | None) -> bool:
+    return bool(name) and name in SERVE_GOALS
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("serving goals (serve-latency, serve-throughput)")
+    group.add_argument("--input-len", type=int, default=None, metavar="TOKENS", help="prompt tokens per request (default 2048)")
+    group.add_argument("--output-len", type=int, default=None, metavar="TOKENS", help="generated tokens per request (default 256)")
+    group.add_argument("--ttft-ms", type=float, default=None, metavar="MS", help="bound on time to first token")
+    group.add_argument("--tpot-ms", type=float, default=None, metavar="MS", help="bound on time per output token")
+    group.add_argument("--batch", type=int, default=None, metavar="N",
+                       help="sequences in flight per replica (latency default 1; throughput: chosen)")
+    group.add_argument("--weight-dtypes", default=None, metavar="LIST",
+                       help="weight dtypes to consider, e.g. bf16,fp8 (default bf16,fp8,int8,int4)")
+    group.add_argument("--kv-dtypes", default=None, metavar="LIST", help="KV-cache dtypes to consider (default bf16,fp8)")
+    group.add_argument("--max-batch", type=int, default=None, metavar="N", help="largest batch per replica to consider (default 1024)")
+
+
+def serve_options_from_args(args: argparse.Namespace) -> dict:
+    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch")
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+
+
+def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) -> int:
+    from modelcarve.plan.search import search
+    from modelcarve.plan.serve_goal import contrasts
+
+    from modelcarve.spec.errors import ModelcarveError
+
+    options = serve_options_from_args(args)
+    plan = search(model, cluster, args.goal, top=top, **options)
+    why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
+    if getattr(args, "json", False):
+        print(json.dumps(dict(plan, why=why), indent=2, default=str))
+    elif not plan["layouts"]:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(plan["rejected"].items(), key=lambda kv: -kv[1]))
+        closest = plan["alternatives"][0].get("reject_reason") if plan["alternatives"] else None
+        raise ModelcarveError(
+            f"no layout of {model.name} qualifies for {args.goal} on {cluster.name} ({plan['evaluated']} evaluated: {reasons})"
+            + (f"; the closest: {closest}" if closest else "")
+        )
+    else:
+        from rich.console import Console
+
+        from modelcarve.report.serve_tables import print_serve_plan
+
+        console = Console()
+        console.print(f"{model.name} on {cluster.describe()}")
+        print_serve_plan(plan, goal_name=args.goal, why=why, console=console)
+        console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
+    emit = getattr(args, "emit", None)
+    if emit and plan["layouts"]:
+        with open(emit, "w") as handle:
+            json.dump(plan["layouts"][0]["layout"], handle, indent=2, sort_keys=True)
+    return 0 if plan["layouts"] else 1
+
+
+def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
+    from modelcarve.plan.goals import get_goal
+
+    result = get_goal(args.goal).evaluate(model, cluster, layout, **serve_options_from_args(args))
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        from rich.console import Console
+
+        from modelcarve.report.serve_tables import print_serve_estimate
+
+        print_serve_estimate(result, Console())
+    return 0 if result["fits"] and not result["reject_reason"] else 1

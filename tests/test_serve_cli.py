@@ -1,0 +1,46 @@
+"""``modelcarve plan`` / ``estimate`` with the serving goals: flags, JSON shape, one-line errors."""
+
+import json
+
+from modelcarve.cli import main
+
+
+def test_plan_serve_latency_json(capsys):
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "H100",
+                 "--input-len", "2048", "--output-len", "256", "--weight-dtypes", "fp8", "--json"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan) >= {"layouts", "rejected", "evaluated", "why"}
+    best = plan["layouts"][0]
+    assert best["layout"]["tp"] == 1 and best["layout"]["weight_dtype"] == "fp8"
+    assert set(best["serve"]) >= {"ttft_s", "tpot_s", "batch", "tokens_per_s", "tokens_per_s_per_device"}
+
+
+def test_plan_serve_throughput_text_shows_quality_and_reasons(capsys):
+    code = main(["plan", "--goal", "serve-throughput", "--model", "qwen3-32b", "--cluster", "2x8xH100",
+                 "--ttft-ms", "2000", "--tpot-ms", "50", "--top", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "quality" in out and "Why not another shape" in out and "TP across nodes" in out
+
+
+def test_estimate_serve_layout(capsys):
+    code = main(["estimate", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
+                 "--layout", "tp=2,weight_dtype=fp8,kv_dtype=fp8", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] and result["layout"]["tp"] == 2 and result["serve"]["batch"] == 1
+
+
+def test_nothing_fits_is_one_line_with_the_reason(capsys):
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "H100",
+                 "--input-len", "126976", "--output-len", "4096", "--weight-dtypes", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "need at least 2 x H100" in err
+
+
+def test_bad_serving_flag_is_one_line(capsys):
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "H100", "--weight-dtypes", "fp6"])
+    err = capsys.readouterr().err
+    assert code == 2 and "weight dtype 'fp6' unknown" in err
