@@ -221,3 +221,55 @@ def test_bias_update_and_dtype():
     moe.reset_counts()
     model(torch.randint(0, spec.vocab_size, (2, 8)))
     assert moe.tokens_per_expert[:6].sum() == 0 and moe.tokens_per_expert.sum() == 2 * 8 * spec.top_k
+
+
+# --- Hugging Face checkpoints: whole-model logits -----------------------------------------
+
+_TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+CHECKPOINTS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=48, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=64, moe_intermediate_size=24, num_key_value_heads=2, head_dim=16, num_experts=8,
+                       num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1])),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=8,
+                         num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8)),
+}
+
+
+def save_tiny_moe(family: str, path, seed: int = 0):
+    """A tiny random MoE checkpoint written by transformers' save_pretrained; returns the HF model."""
+    cfg_cls, model_cls, extra = CHECKPOINTS[family]
+    config = getattr(transformers, cfg_cls)(**_TINY, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # HF ones the norms and zeroes the biases: randomise so every tensor matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_checkpoint_logits_equal_transformers(family, tmp_path):
+    from modelcarve.runtime.checkpoint import load_model
+
+    hf = save_tiny_moe(family, tmp_path)
+    ours, spec = load_model(str(tmp_path))
+    assert spec.family == family and spec.is_moe
+    # qwen3_moe (mlp_only_layers) and deepseek (first_k_dense_replace) keep one dense layer
+    assert spec.num_moe_layers == (3 if family == "mixtral" else 2)
+    if family == "deepseek_v3":  # the balancing bias is loaded with the weights
+        loaded = ours.layers["1"].feed_forward.router.e_score_correction_bias
+        assert torch.equal(loaded, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    ids = torch.randint(0, _TINY["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids)
+    assert (got - want).abs().max().item() <= 1e-5

@@ -47,11 +47,40 @@ _LLAMA = [
     (r"output\.weight", r"lm_head.weight"),
 ]
 
+# MoE blocks (moe.py). ``{e}`` in a name: our tensor stacks the checkpoint's per-expert tensors
+# along dim 0 (expert e is the name with {e} replaced by e), as Hugging Face saves them on disk.
+_MOE = r"layers\.(\d+)\.feed_forward\."
+_QWEN3_MOE = [
+    (_MOE + r"router\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (_MOE + r"experts\.w1", r"model.layers.\1.mlp.experts.{e}.gate_proj.weight"),
+    (_MOE + r"experts\.w3", r"model.layers.\1.mlp.experts.{e}.up_proj.weight"),
+    (_MOE + r"experts\.w2", r"model.layers.\1.mlp.experts.{e}.down_proj.weight"),
+]
+_MIXTRAL = [
+    (_MOE + r"router\.weight", r"model.layers.\1.block_sparse_moe.gate.weight"),
+    (_MOE + r"experts\.(w1|w2|w3)", r"model.layers.\1.block_sparse_moe.experts.{e}.\2.weight"),
+]
+_DEEPSEEK_V3 = [  # MLA attention, shared experts, the router's balancing bias; before _LLAMA (q_norm differs)
+    (r"layers\.(\d+)\.attention\.wq_a\.(weight|bias)", r"model.layers.\1.self_attn.q_a_proj.\2"),
+    (r"layers\.(\d+)\.attention\.q_norm\.weight", r"model.layers.\1.self_attn.q_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attention\.wq_b\.weight", r"model.layers.\1.self_attn.q_b_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wkv_a\.(weight|bias)", r"model.layers.\1.self_attn.kv_a_proj_with_mqa.\2"),
+    (r"layers\.(\d+)\.attention\.kv_norm\.weight", r"model.layers.\1.self_attn.kv_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attention\.wkv_b\.weight", r"model.layers.\1.self_attn.kv_b_proj.weight"),
+    (_MOE + r"router\.e_score_correction_bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
+    (_MOE + r"shared_experts\.w1\.weight", r"model.layers.\1.mlp.shared_experts.gate_proj.weight"),
+    (_MOE + r"shared_experts\.w3\.weight", r"model.layers.\1.mlp.shared_experts.up_proj.weight"),
+    (_MOE + r"shared_experts\.w2\.weight", r"model.layers.\1.mlp.shared_experts.down_proj.weight"),
+]
+
 NAME_RULES: dict[str, list[tuple[str, str]]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    "mixtral": _MIXTRAL + _LLAMA,
+    "qwen3_moe": _QWEN3_MOE + _LLAMA,
+    "deepseek_v3": _DEEPSEEK_V3 + _QWEN3_MOE + _LLAMA,
 }
 
 
@@ -95,10 +124,19 @@ class CheckpointReader:
         return self._open[file]
 
     def has(self, name: str) -> bool:
-        return name in self.files
+        return name.replace("{e}", "0") in self.files
+
+    def _num_stacked(self, name: str) -> int:
+        count = 0
+        while name.replace("{e}", str(count)) in self.files:
+            count += 1
+        return count
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor ``name``, or only ``index`` of it (one slice per leading dim)."""
+        if "{e}" in name:  # per-expert tensors stacked on dim 0; read only the experts asked for
+            experts = range(self._num_stacked(name))[index[0]] if index else range(self._num_stacked(name))
+            return torch.stack([self.read(name.replace("{e}", str(e)), index[1:] if index else None) for e in experts])
         if name not in self.files:
             raise ModelcarveError(f"{self.path}: checkpoint has no tensor {name!r}")
         sl = self._handle(self.files[name]).get_slice(name)
@@ -107,6 +145,8 @@ class CheckpointReader:
         return t
 
     def shape(self, name: str) -> list[int]:
+        if "{e}" in name:
+            return [self._num_stacked(name)] + self.shape(name.replace("{e}", "0"))
         return list(self._handle(self.files[name]).get_slice(name).get_shape())
 
 
@@ -117,12 +157,19 @@ def _source_name(family: str, fqn: str, reader: CheckpointReader, tied: dict[str
     return name
 
 
+def _saved_tensors(module: nn.Module):
+    """Parameters, then the persistent buffers (e.g. DeepSeek's router bias) a checkpoint holds."""
+    yield from module.named_parameters()
+    saved = set(module.state_dict(keep_vars=True))
+    yield from ((fqn, b) for fqn, b in module.named_buffers() if fqn in saved)
+
+
 @torch.no_grad()
 def load_full(model: nn.Module, path: str | Path) -> CheckpointReader:
     """Copy every parameter of the (unsplit) model from the checkpoint."""
     reader = CheckpointReader(path)
     family = model.spec.family
-    for fqn, p in model.named_parameters():
+    for fqn, p in _saved_tensors(model):
         t = reader.read(_source_name(family, fqn, reader, {}))
         if tuple(t.shape) != tuple(p.shape):
             raise ModelcarveError(f"{fqn}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
@@ -191,6 +238,9 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
     reader = CheckpointReader(path)
     for chunk in chunks:
         chunk.to_empty(device=device)
+        for mod in chunk.modules():  # buffers the checkpoint does not hold (MoE counters) start clean
+            if hasattr(mod, "init_buffers"):
+                mod.init_buffers()
         try:
             from modelcarve.runtime.pipeline_split import tied_copy_names
 
@@ -198,7 +248,7 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
         except ImportError:
             tied = {}
         family = chunk.spec.family
-        for fqn, p in chunk.named_parameters():
+        for fqn, p in _saved_tensors(chunk):
             name = _source_name(family, fqn, reader, tied)
             start, length = _slices_for(chunk, fqn, p, reader.shape(name))
             index = tuple(slice(s, s + n) for s, n in zip(start, length))

@@ -221,6 +221,12 @@ class MoE(nn.Module):
         shard_experts_tp(self, **kwargs)
 
     # --- bookkeeping ---------------------------------------------------------------------
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero every buffer (after ``to_empty``; a checkpoint then fills the saved bias)."""
+        self.router.e_score_correction_bias.zero_()
+        self.reset_counts()
+
     def reset_counts(self) -> None:
         self.tokens_per_expert.zero_()
         self.dropped_tokens.zero_()
