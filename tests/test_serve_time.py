@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelcarve.plan import comm
-from modelcarve.plan.efficiency import HBM_EFFICIENCY, matmul_efficiency
+from modelcarve.plan.efficiency import matmul_efficiency
 from modelcarve.plan.serve_memory import shard_facts
-from modelcarve.plan.serve_time import experts_touched_fraction, serve_time, tp_all_reduce_s
+from modelcarve.plan.serve_time import DECODE_HBM_EFFICIENCY, experts_touched_fraction, serve_time, tp_all_reduce_s
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 
@@ -48,12 +48,12 @@ def test_decode_never_beats_reading_the_weights(name, tp, batch, weight_dtype, k
 
 
 def test_batch1_decode_is_the_weight_read_at_achievable_bandwidth():
-    """Llama-3.1-8B bf16, one A100-40GB: weights minus the embedding table, over 0.8 x 1.555 TB/s."""
+    """Llama-3.1-8B bf16, one A100-40GB: weights minus the embedding table, over 0.73 x 1.555 TB/s."""
     model = get_model("llama-3.1-8b")
     cluster = parse_cluster("A100-40GB")
     t = serve_time(model, cluster, batch=1, input_len=1024, output_len=128)
     read = 2 * (model.total_params - model.vocab_size * model.hidden_size)
-    expected = read / (1.555e12 * HBM_EFFICIENCY)
+    expected = read / (1.555e12 * DECODE_HBM_EFFICIENCY)
     assert t.bound == "memory"
     # KV of ~1090 tokens (137 MB) and activations add under 2%.
     assert expected < t.decode_step_s < expected * 1.02

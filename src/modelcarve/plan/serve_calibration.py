@@ -14,8 +14,10 @@ layout the publisher ran (tp, pp, weight and KV dtype), the request shape and ei
   chooses the batch (the largest that fits in memory, up to its ``max_batch``); or
 * ``tpot_ms`` at a stated concurrency: predicted by ``serve-latency`` at that batch.
 
-Nothing here is fitted to these rows: the constants the prediction uses are the ones the
-planner always uses (plan.efficiency, plan.comm, plan.serve_memory), with their own sources.
+One constant is fitted to one row: ``serve_time.DECODE_HBM_EFFICIENCY`` (0.73) to the vLLM
+A100 batch-1 latency (source ``vllm-a100``). Every other row is a check: the prediction uses the
+constants the planner always uses (plan.efficiency, plan.comm, plan.serve_memory), with their
+own sources.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from modelcarve.spec.layout import Layout
 
 TOLERANCE = 0.20
 """Relative error the issue asks of every calibration row."""
+FIT_SOURCES = ("vllm-a100",)
+"""Rows a constant was fitted to (not an independent check)."""
 
 
 def load_published(path: str | Path) -> list[dict]:

@@ -30,7 +30,7 @@ from modelcarve.plan import goals
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.search import divisors
 from modelcarve.plan.serve_memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
-from modelcarve.plan.serve_time import ServeTime, _context, _rates, _serve_time
+from modelcarve.plan.serve_time import ServeTime, _context, _rates, _serve_time, decode_tpot_s
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 
@@ -268,6 +268,13 @@ class _ServeGoal:
                 _, _, category, reason = self._solve(model, cluster, layout, opts)
                 return float("-inf"), category, reason
             c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len)
+            if latency and fixed == 1 and opts.ttft_s is None:
+                # The common latency question: one sequence, no TTFT bound; no prefill to cost.
+                tpot = decode_tpot_s(c, 1)
+                if tpot > tpot_bound:
+                    _, _, category, reason = self._solve(model, cluster, layout, opts)
+                    return -tpot, category, reason
+                return -tpot - tpot * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
             if fixed is None:
                 batch = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
             else:

@@ -34,8 +34,8 @@ The model (all per device, the fullest pipeline stage):
 * **Throughput**: ``B / TPOT`` output tokens/s per attention group (``tp x pp`` devices); per
   model replica (``ep`` groups share experts); per device; and per cluster (``dp`` groups).
 
-Achievable rates are the training planner's: ``plan.efficiency.HBM_EFFICIENCY`` of the
-datasheet HBM bandwidth, ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in
+Achievable rates: ``DECODE_HBM_EFFICIENCY`` of the datasheet HBM bandwidth in decode (fitted,
+see below); the training planner's ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in
 (fp8 for fp8 weights, int8 for W8A8, bf16 for W4A16 int4; ``plan.quant``).
 """
 
@@ -50,6 +50,15 @@ from modelcarve.plan.quant import weight_format
 from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, shard_facts
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
+
+DECODE_HBM_EFFICIENCY = 0.73
+"""Achievable fraction of datasheet HBM bandwidth in decode (GEMV weight streaming, paged KV
+attention). The one constant of the serving model fitted to a published measurement: vLLM
+decoding Llama-3.1-8B bf16 alone on an A100-40GB at 75 tokens/s (13.3 ms for ~15 GB read) is
+0.73 of 1.555 TB/s once the KV cache and activations are counted (the author's own estimate:
+"roughly 77% of the memory-bandwidth ceiling"). It is lower than the 0.8 of STREAM-like copies
+(``plan.efficiency.HBM_EFFICIENCY``, used here for prefill's weight read) because decode kernels
+are short and many. Every other calibration row (docs/calibration_serving.md) is a check, not a fit."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, comm.Tier] = {}
@@ -68,6 +77,16 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
             _EFF_CACHE.clear()
         _EFF_CACHE[key] = eff
     return eff
+
+
+_ATTN_PEAK: dict[str, float] = {}
+
+
+def _attn_peak(device) -> float:
+    peak = _ATTN_PEAK.get(device.name)
+    if peak is None:
+        peak = _ATTN_PEAK[device.name] = device.flops("bf16") * peak_fraction(device)
+    return peak
 
 
 def _tier(cluster: ClusterSpec, size: int, inner: int) -> comm.Tier:
@@ -193,12 +212,18 @@ class _Ctx:
     """Attention seconds per sequence per step (KV read or score FLOPs, whichever is slower)."""
     k_elem: float = 0.0
     """Element-wise kernel seconds per sequence per step (activation traffic)."""
+    k_attn_elem: float = 0.0
+    """k_attn + k_elem."""
+    expert_miss: float = 1.0
+    """Probability one routed token misses a given expert: 1 - top_k / experts."""
+    eff_key: tuple = ()
+    """(device, n, k, dtype) of the representative GEMM, for the efficiency memo."""
     comm_lines: tuple = ()
     """Per axis ('tp', 'ep', 'pp'): the affine pieces (latency s, s per sequence) whose minimum
     (tp: the cheapest all-reduce algorithm) or sum is that axis's time per decode step."""
-    prefill_s: float = 0.0
-    """One prompt's prefill alone (TTFT without queueing)."""
-    prefill_token_s: float = 0.0
+    prefill_s: float = -1.0
+    """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
+    prefill_token_s: float = -1.0
     """Seconds of batched prefill per prompt token through all stages (not pipelined)."""
 
 
@@ -227,11 +252,11 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         pp=pp,
         ep=ep,
         dp=dp,
-        hbm=device.hbm_bytes_per_s * HBM_EFFICIENCY,
+        hbm=device.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY,
         peak=device.flops(compute_dtype),
         device=device,
         compute_dtype=compute_dtype,
-        attn_peak=device.flops("bf16") * peak_fraction(device),
+        attn_peak=_attn_peak(device),
         tier_tp=_tier(cluster, tp, 1),
         tier_ep=_tier(cluster, ep, tp),
         tier_pp=_tier(cluster, pp, tp * dp),
@@ -244,9 +269,6 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         n_gemm=4 * model.hidden_size // tp,
     )
     _decode_coefficients(ctx)
-    ctx.prefill_s = _prefill_s(ctx, input_len, input_len)
-    batch_tokens = max(input_len, PREFILL_CHUNK)
-    ctx.prefill_token_s = _prefill_s(ctx, batch_tokens, input_len) / batch_tokens
     if len(_CTX) > 100_000:
         _CTX.clear()
     _CTX[key] = ctx
@@ -271,6 +293,9 @@ def _decode_coefficients(c: _Ctx) -> None:
         c.k_gemm += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
     c.k_attn = c.mean_ctx * max(f.kv_bytes_per_token / c.hbm, c.attn_flops_per_ctx / c.attn_peak)
     c.k_elem = f.act_traffic_per_token / c.hbm
+    c.k_attn_elem = c.k_attn + c.k_elem
+    c.expert_miss = 1.0 - m.top_k / m.num_experts if m.num_experts else 1.0
+    c.eff_key = (c.device.name, c.n_gemm, h, c.compute_dtype)
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
     key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers)
     cached = _LINES.get(key)
@@ -312,18 +337,30 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     read; it matters only for batches of hundreds."""
     weights_read = c.weights_fixed
     if c.experts_all:
-        m = c.model
-        weights_read += c.experts_all * experts_touched_fraction(b * c.ep, m.top_k, m.num_experts)
+        # Expected share of the experts touched (see experts_touched_fraction), inlined: this
+        # function runs a few times for every candidate of a search.
+        weights_read += c.experts_all * (1.0 - c.expert_miss ** (b * c.ep))
     gemm_mem = weights_read / c.hbm
-    gemm_cmp = b * c.k_gemm / (c.peak * gemm_efficiency(c.device, b if b > TILE else TILE, c.n_gemm, c.model.hidden_size, c.compute_dtype))
-    step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * (c.k_attn + c.k_elem)
+    m_tile = b if b > TILE else TILE
+    eff = _EFF_CACHE.get((c.eff_key, m_tile))
+    if eff is None:
+        eff = _EFF_CACHE[(c.eff_key, m_tile)] = gemm_efficiency(c.device, m_tile, c.n_gemm, c.model.hidden_size, c.compute_dtype)
+    gemm_cmp = b * c.k_gemm / (c.peak * eff)
+    step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * c.k_attn_elem
+    if not detail:
+        for _, pieces in c.comm_lines:
+            best = None
+            for a, slope in pieces:
+                t = a + slope * b
+                if best is None or t < best:
+                    best = t
+            step += best
+        return step
     comm_s = {}
     for axis, pieces in c.comm_lines:
-        t = min(a + s_ * b for a, s_ in pieces)
+        t = min(a + slope * b for a, slope in pieces)
         comm_s[axis] = t
         step += t
-    if not detail:
-        return step
     m, f = c.model, c.f
     h = m.hidden_size
     roof = step - sum(comm_s.values())
@@ -356,7 +393,7 @@ def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
         per_tok += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
     eff = gemm_efficiency(c.device, chunk, c.n_gemm, h, c.compute_dtype)
     compute_s = tokens * per_tok / (c.peak * eff)
-    read_s = chunks * (f.weights_bytes - f.embed_bytes) / c.hbm
+    read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * HBM_EFFICIENCY)
     act = chunk * h * ACT_BYTES
     comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, c.tp, c.tier_tp)
     if c.ep > 1 and f.stage_moe_layers:
@@ -386,6 +423,20 @@ def serve_time(
     return _serve_time(c, batch)
 
 
+def _ensure_prefill(c: _Ctx) -> None:
+    """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
+    if c.prefill_s < 0:
+        c.prefill_s = _prefill_s(c, c.input_len, c.input_len)
+        batch_tokens = max(c.input_len, PREFILL_CHUNK)
+        c.prefill_token_s = _prefill_s(c, batch_tokens, c.input_len) / batch_tokens
+
+
+def decode_tpot_s(c: _Ctx, batch: int) -> float:
+    """TPOT of a user when no other request's prefill interleaves (``batch == 1``): the decode round."""
+    micro = c.pp if c.pp < batch else batch
+    return (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro))
+
+
 def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
     """(decode round, TPOT, TTFT, output tokens/s of the attention group) at ``batch``, seconds.
 
@@ -394,6 +445,8 @@ def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
     (``input_len`` tokens) has to be done once per ``output_len`` tokens decoded; prefills of
     different requests overlap over up to ``min(pp, batch)`` stages. A user's TPOT carries the
     other ``batch - 1`` requests' prefills; the throughput carries all ``batch``."""
+    if c.prefill_s < 0:
+        _ensure_prefill(c)
     micro = c.pp if c.pp < batch else batch
     round_s = (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro))
     per_seq = c.input_len * c.prefill_token_s / micro / c.output_len
@@ -404,6 +457,7 @@ def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
 
 def _serve_time(c: _Ctx, batch: int) -> ServeTime:
     batch = max(1, int(batch))
+    _ensure_prefill(c)
     micro = min(c.pp, batch)
     b = math.ceil(batch / micro)
     _, parts, weights_read, sent = _stage_step(c, b, detail=True)
