@@ -1,0 +1,92 @@
+"""Memory per device against hand derivations: ZeRO model states (Rajbhandari et al. 2020),
+activations per layer (Korthikanti et al. 2022), micro-batches in flight per schedule."""
+
+import pytest
+
+from modelcarve.plan.activations import layer_activation_bytes
+from modelcarve.plan.calibration import megatron_gpt
+from modelcarve.plan.schedule import in_flight_microbatches
+from modelcarve.plan.train_model import TrainCostModel, TrainOptions, model_state_bytes_per_param
+from modelcarve.spec.hardware import parse_cluster
+from modelcarve.spec.layout import Layout
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 1000])
+def test_mixed_precision_adam_bytes_per_parameter_by_zero_stage(n):
+    # fp16/bf16 weights and gradients, fp32 master + two moments: 2 + 2 + 12 (ZeRO paper, Fig. 1)
+    kw = dict(param_dtype="bf16", grad_dtype="bf16", optim_dtype="fp32")
+    assert model_state_bytes_per_param(0, n, **kw) == pytest.approx(16)
+    assert model_state_bytes_per_param(1, n, **kw) == pytest.approx(4 + 12 / n)
+    assert model_state_bytes_per_param(2, n, **kw) == pytest.approx(2 + 14 / n)
+    assert model_state_bytes_per_param(3, n, **kw) == pytest.approx(16 / n)
+
+
+def test_fp32_gradients_and_pure_fp32():
+    # Megatron keeps fp32 main gradients: 2 + 4 + 12; pure fp32 training has no separate master copy
+    assert model_state_bytes_per_param(0, 1, "bf16", "fp32", "fp32") == 18
+    assert model_state_bytes_per_param(0, 1, "fp32", "fp32", "fp32") == 16
+
+
+GPT = megatron_gpt(hidden=12288, layers=96, heads=96)  # GPT-3 175B shape
+s, b, h, a = 2048, 1, 12288, 96
+
+
+def act(**kw):
+    base = dict(tokens=s * b, seq_ctx=s, attention="materialized", dropout=True)
+    base.update(kw)
+    return layer_activation_bytes(GPT, **base)
+
+
+def test_activations_per_layer_no_parallelism_is_sbh_34_plus_5as_over_h():
+    assert act() == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_activations_with_tensor_parallelism(t):
+    # Korthikanti et al. 2022, Eq. 2: sbh (10 + 24/t + 5as/(ht))
+    assert act(tp=t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+
+
+@pytest.mark.parametrize("t", [2, 8])
+def test_activations_with_sequence_parallelism_and_recomputation(t):
+    # Eq. 4: sbh/t (34 + 5as/h); selective recomputation drops the 5as/h term; full keeps 2sbh
+    assert act(tp=t, sp=True) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+    assert act(tp=t, sp=True, recompute="selective") == pytest.approx(s * b * h * 34 / t)
+    assert act(tp=t, recompute="full") == pytest.approx(2 * s * b * h)
+    assert act(tp=t, sp=True, recompute="full") == pytest.approx(2 * s * b * h / t)
+
+
+def test_flash_attention_without_dropout_has_no_s_squared_term():
+    flash = act(tp=8, sp=True, attention="flash", dropout=False)
+    # 34 - 2 (dropout masks) = 32 sbh/t, plus the fp32 log-sum-exp per query and head
+    assert flash == pytest.approx(s * b * h * 32 / 8 + 4 * s * b * a / 8)
+
+
+def test_micro_batches_in_flight_by_schedule():
+    assert in_flight_microbatches("1f1b", p=8, m=64) == 8
+    assert in_flight_microbatches("1f1b", p=8, m=4) == 4
+    assert in_flight_microbatches("gpipe", p=8, m=64) == 64
+    assert in_flight_microbatches("interleaved-1f1b", p=8, m=64, v=2) == pytest.approx(8 + 7 / 2)
+    assert in_flight_microbatches("1f1b", p=8, m=64, stage=7) == 1
+
+
+def test_estimate_model_states_match_hand_count():
+    # GPT-3 175B, TP8 PP8 DP16 ZeRO-1, bf16 params, fp32 grads, fp32 Adam
+    cluster = parse_cluster("128x8xA100-80GB")
+    layout = Layout.parse("tp=8,pp=8,dp=16,zero=1,mbs=1,gbs=1536,seq=2048,recompute=full")
+    est = TrainCostModel(GPT, cluster, TrainOptions(global_batch=1536, seq=2048)).estimate(layout)
+    # 1F1B: the first stage holds p micro-batches of activations and the embedding: the worst
+    assert est["memory"]["worst_stage"] == "first"
+    # its parameters: 12 layers split over TP but for the LayerNorms, the vocab-parallel
+    # embedding and the (replicated) learned position table
+    layer = GPT.dense_layer_params
+    norms = 2 * 2 * h  # two LayerNorms, replicated over TP
+    first = 12 * (layer - norms) / 8 + 12 * norms + 51200 * h / 8 + 2048 * h
+    bd = est["memory"]["breakdown"]
+    assert bd["weights"] == pytest.approx(2 * first, rel=1e-6)
+    assert bd["gradients"] == pytest.approx(4 * first, rel=1e-6)
+    assert bd["optimizer_states"] == pytest.approx(12 * first / 16, rel=1e-6)
+    # activations: 8 micro-batches in flight x 12 layers x 2sbh (full recomputation, no SP)
+    assert bd["activations"] == pytest.approx(8 * 12 * 2 * s * b * h, rel=1e-6)
+    assert est["memory"]["peak_bytes"] == sum(bd.values())
+    assert est["fits"] == (est["memory"]["peak_bytes"] <= est["memory"]["capacity_bytes"])
