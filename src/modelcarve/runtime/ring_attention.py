@@ -33,7 +33,8 @@ Backward (exact, not approximated): with the final ``out`` and ``lse`` saved, ea
 softmax is recomputed as ``p = exp(s - lse)``; ``dV_b = p^T dO``, ``dS = p (dO V_b^T - D)``
 with ``D = rowsum(dO * O)``, ``dQ += dS K_b * scale``, ``dK_b = dS^T Q * scale``. The dK/dV of
 a block belong to the rank that owns it, so an fp32 accumulator travels the ring with the
-K/V: after ``cp`` hops it is back home holding the sum over all query ranks.
+K/V: after ``cp`` hops it is back home holding the sum over all query ranks. Both the next
+K/V block and the accumulator of the block being worked on are in flight during the compute.
 
 GQA/MQA: queries are viewed as ``[b, kv_heads, group, s, d]`` so K/V travel unexpanded and
 dK/dV come out summed over each group. ``d_v`` may differ from ``d_qk`` (MLA). Math runs in
@@ -235,7 +236,9 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         dq = torch.zeros_like(q5)
         kv = torch.cat([k, v], dim=-1)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with its block
+        # The dK/dV accumulator of a block travels the ring with it (cp hops in all, so it ends
+        # at the block's owner); the one for this step's block arrives while we compute.
+        dkv_transfer = None
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
@@ -246,12 +249,18 @@ class _RingAttention(torch.autograd.Function):
                 dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal,
             )
             dq[..., rows, :] += dq_b
+            if dkv_transfer is None:  # step 0: our own block, first contribution
+                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            else:
+                dkv = dkv_transfer.wait()
             dkv[..., cols, :dqk] += dk_b
             dkv[..., cols, dqk:] += dv_b
-            if ring.size > 1:  # cp hops in all: the accumulator ends at its owner
-                dkv = ring.start(dkv, _TAG_DKV).wait()
+            if ring.size > 1:
+                dkv_transfer = ring.start(dkv, _TAG_DKV)
             if transfer is not None:
                 kv = transfer.wait()
+        if dkv_transfer is not None:
+            dkv = dkv_transfer.wait()
         dk, dvv = dkv.split([dqk, dv], dim=-1)
         return dq.reshape(b, hq, s, dqk).to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None
 
