@@ -137,8 +137,13 @@ def gather_logits(chunks, layout, mesh, tokens) -> torch.Tensor | None:
 
 
 def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: str | None = None,
-                  lr: float = 1e-3, dtype: str | None = None) -> dict | None:
-    """Run on every rank after init_distributed(); returns the report on rank 0."""
+                  lr: float = 1e-3, dtype: str | None = None, moe: dict | None = None) -> dict | None:
+    """Run on every rank after init_distributed(); returns the report on rank 0.
+
+    ``moe``: MoE options of TrainConfig (moe_capacity_factor, moe_aux_loss_coef, moe_bias_rate),
+    applied to both runs. MoE models also get ``routing/step<i>/<layer>`` checks (tokens per
+    expert and dropped assignments over the global batch equal the reference's, exactly) and
+    the per-step expert statistics in ``report["moe"]``."""
     from modelcarve.runtime.checkpoint import load_model
     from modelcarve.runtime.mesh import build_mesh
     from modelcarve.runtime.parallelize import parallelize
@@ -151,9 +156,15 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     seed_everything(seed)
     mesh = build_mesh(layout)
     model, spec = load_model(model_name, seed=seed)
-    config = TrainConfig(lr=lr, seed=seed)
+    config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     rank0 = dist.get_rank() == 0
     reference = copy.deepcopy(model) if rank0 else None
+    if spec.is_moe:
+        from modelcarve.runtime.expert import configure_moe, moe_step_stats, reset_moe_counts
+
+        if rank0:
+            configure_moe([reference], capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
+    moe_stats = []
     chunks = parallelize(model, layout, mesh)
     trainer = Trainer(chunks, layout, mesh, config)
     source = make_data(data, spec.vocab_size, seed)
@@ -170,6 +181,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     ref_logits = reference(tokens).float()
                 checks.append(compare("logits", logits, ref_logits, tol["logits"]))
+            if spec.is_moe:  # count the training step only
+                reset_moe_counts(chunks + ([reference] if rank0 else []))
         loss = trainer.forward_backward(tokens, targets)
         if rank0:
             ref = reference_step(reference, ref_opt, tokens, targets, TrainConfig(lr=lr, max_norm=0.0), bf16)
@@ -188,6 +201,15 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
             checks.append(compare(f"grad_norm/step{step}", torch.tensor(norm), ref_norm, tol["loss"], "rel"))
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
+        if spec.is_moe:
+            moe_stats.append(trainer.moe_stats())
+            if rank0:
+                ref_stats = moe_step_stats([reference], bias_rate=config.moe_bias_rate)
+                for fqn, row in ref_stats.items():
+                    got = moe_stats[-1].get(fqn, {})
+                    for key in ("tokens_per_expert", "dropped"):
+                        value = torch.tensor(got[key] if key in got else math.nan, dtype=torch.float64)
+                        checks.append(compare(f"routing/step{step}/{fqn}/{key}", value, torch.tensor(row[key], dtype=torch.float64), 0.0))
     params = gather_full(chunks, "param")
     if not rank0:
         return None
@@ -205,13 +227,14 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         losses=[dict(parallel=a, reference=b) for a, b in losses],
         checks=[c.to_dict() for c in checks],
         passed=all(c.passed for c in checks),
+        moe=moe_stats,
     )
 
 
 def summarise(report: dict) -> list[dict]:
     """One row per kind (logits, loss, grad, param): worst case and pass/fail."""
     rows = []
-    for kind in ("logits", "loss", "grad_norm", "grad", "param"):
+    for kind in ("logits", "loss", "grad_norm", "grad", "param", "routing"):
         group = [c for c in report["checks"] if c["name"].split("/")[0] == kind]
         if not group:
             rows.append(dict(kind=kind, count=0, worst="-", max_abs=float("nan"), max_rel=float("nan"), tol=None, passed=None))

@@ -165,6 +165,10 @@ def print_report(report: dict) -> None:
         result = "[green]pass[/]" if row["passed"] else "[red]FAIL[/]"
         table.add_row(row["kind"], str(row["count"]), f"{row['max_abs']:.2e}", f"{row['max_rel']:.2e}", tol, result, row["worst"])
     console.print(table)
+    if report.get("moe"):
+        from modelcarve.runtime.expert import moe_stats_table
+
+        console.print(moe_stats_table(report["moe"][-1], "experts, last step (tokens = routed assignments)"))
     failed = [c for c in report["checks"] if not c["passed"]]
     for c in failed[:20]:
         console.print(f"[red]FAIL[/] {c['name']}: max abs {c['max_abs']:.3e}, max rel {c['max_rel']:.3e} > tol {c['tol']:.0e}")

@@ -242,6 +242,27 @@ def shard_experts_tp(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: b
     moe.register_forward_hook(leave)
 
 
+def configure_moe(chunks: list[nn.Module], layout=None, *, capacity_factor: float | None = None,
+                  aux_loss_coef: float = 0.0) -> None:
+    """Set the MoE training options on every MoE block of ``chunks`` (the reference: layout=None).
+
+    ``aux_loss_sequences`` follows train.py's loss normalisation: with pp == 1 each rank's
+    micro-batch loss is divided by the global token count, so the aux gradient is averaged over
+    the global batch's ``gbs`` sequences; the pipeline runner takes per-micro-batch means and
+    divides by the micro-batch count and dp x cp afterwards, so there it is ``mbs``."""
+    if layout is not None and layout.cp > 1 and (capacity_factor or aux_loss_coef):
+        raise LayoutError(
+            "the MoE capacity factor and aux loss are per sequence, and cp > 1 splits sequences over ranks; "
+            "use cp=1 with them, or a dropless MoE without aux loss"
+        )
+    for chunk in chunks:
+        for _, moe in moe_blocks(chunk):
+            moe.capacity_factor = capacity_factor or None
+            moe.aux_loss_coef = aux_loss_coef
+            if layout is not None:
+                moe.aux_loss_sequences = layout.global_batch if layout.pp == 1 else layout.mbs
+
+
 # --- metrics ------------------------------------------------------------------------------
 
 
@@ -296,6 +317,29 @@ def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate
                 merged.setdefault(fqn, value)
         stats = dict(sorted(merged.items(), key=lambda kv: _layer_index(kv[0])))
     return stats
+
+
+def reset_moe_counts(chunks: list[nn.Module]) -> None:
+    """Forget the counts since the last stats (e.g. of an evaluation forward); local, no collective."""
+    for chunk in chunks:
+        for _, moe in moe_blocks(chunk):
+            moe.reset_counts()
+            if moe.dispatcher is not None:
+                moe.dispatcher.received.zero_()
+
+
+def moe_stats_table(stats: dict, title: str):
+    """A rich Table of ``moe_step_stats`` output: one row per MoE layer."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("layer", "tokens per expert", "max/mean expert", "tokens per rank", "max/mean rank", "dropped"):
+        table.add_column(col, justify="left" if col in ("layer", "tokens per expert", "tokens per rank") else "right")
+    for fqn, row in stats.items():
+        table.add_row(fqn.removesuffix(".feed_forward"), " ".join(map(str, row["tokens_per_expert"])),
+                      f"{row['expert_imbalance']:.2f}", " ".join(map(str, row["tokens_per_rank"])),
+                      f"{row['rank_imbalance']:.2f}", str(row["dropped"]))
+    return table
 
 
 def _imbalance(values: torch.Tensor) -> float:

@@ -77,9 +77,15 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         return None
     result = dict(model=spec.name, layout=lay.short(), layout_fields=lay.to_dict(), world_size=dist.get_world_size(),
                   steps=steps, history=history, tokens_per_s=timer.tokens_per_s(), memory=mems,
-                  params=spec.total_params)
+                  params=spec.total_params, moe=out.get("moe") if steps else None)
     if not quiet:
         _print_memory(result)
+        if result["moe"]:
+            from rich.console import Console
+
+            from modelcarve.runtime.expert import moe_stats_table
+
+            Console().print(moe_stats_table(result["moe"], "experts, last step (tokens = routed assignments)"))
     if report:
         with open(report, "w") as f:
             json.dump(result, f, indent=2)

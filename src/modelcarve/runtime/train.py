@@ -47,6 +47,12 @@ class TrainConfig:
     max_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     seed: int = 0
+    moe_capacity_factor: float = 0.0
+    """MoE: 0 for dropless routing, else the per-sequence expert capacity factor (moe.py)."""
+    moe_aux_loss_coef: float = 0.0
+    """MoE: weight of the load-balancing loss (only its gradient is added; the loss reported is the CE)."""
+    moe_bias_rate: float = 0.0
+    """MoE: step size of DeepSeek-V3's aux-loss-free router bias update, once per step (0: off)."""
 
     def adamw(self) -> dict:
         return dict(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps)
@@ -145,6 +151,11 @@ class Trainer:
             self.loss_fn = make_loss_fn(chunks[-1], layout.mbs * layout.seq // layout.cp)
             self.runner = build_pipeline(chunks, layout, mesh, self.loss_fn)
         self.dp_rank = axis_rank(mesh, "dp")
+        self.is_moe = chunks[0].spec.is_moe
+        if self.is_moe:
+            from modelcarve.runtime.expert import configure_moe
+
+            configure_moe(chunks, layout, capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
 
     def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor):
         rows = tokens.shape[0] // self.layout.dp
@@ -198,7 +209,17 @@ class Trainer:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
         loss = self.forward_backward(tokens, targets)
         norm = self.optimizer_step()
-        return dict(loss=loss, grad_norm=norm)
+        out = dict(loss=loss, grad_norm=norm)
+        if self.is_moe:
+            out["moe"] = self.moe_stats()
+        return out
+
+    def moe_stats(self) -> dict:
+        """Per MoE layer, since the last call: tokens per expert and per rank, imbalance, drops
+        (expert.py: moe_step_stats, collective); applies the router bias update."""
+        from modelcarve.runtime.expert import moe_step_stats
+
+        return moe_step_stats(self.chunks, self.mesh, self.layout, bias_rate=self.config.moe_bias_rate)
 
 
 @torch.no_grad()
