@@ -166,7 +166,8 @@ def test_batch_search_finds_the_largest_admissible_batch(name, cluster, layout, 
 
     expected = max([b for b in range(1, top + 1) if meets(b)], default=1)
     assert 1 < expected < top  # the bounds bind somewhere inside the range
-    assert _largest_batch(c, top, ttft_ms / 1e3, tpot_ms / 1e3) == expected
+    batch, rates = _largest_batch(c, top, ttft_ms / 1e3, tpot_ms / 1e3)
+    assert batch == expected and rates == _rates(c, expected)
 
 
 def test_contrasts_explain_in_words_why_tp_stays_inside_the_node(qwen):

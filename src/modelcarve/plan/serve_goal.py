@@ -132,42 +132,43 @@ def _name(layout: Layout) -> str:
     return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
 
 
-def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> int:
-    """Largest batch in 1..max_b meeting both bounds (TPOT and TTFT grow with the batch); 1 if
-    none does. A bracketed search whose next probe interpolates the bounds' slack linearly
-    between the bracket's ends (both are nearly affine in the batch), with a probe on the far
-    side of each guess so the bracket shrinks fast: a few decode-step evaluations, not ten."""
+def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple[int, tuple]:
+    """Largest batch in 1..max_b meeting both bounds (TPOT and TTFT grow with the batch), or 1
+    if none does, with its ``_rates``. False position on the bounds' slack (the Illinois variant,
+    which halves a stale end's slack so neither end sticks): both bounds are nearly affine in
+    the batch, so this takes a handful of decode-step evaluations where bisection takes ten."""
 
-    def slack(batch: int) -> float:
-        _, tpot, ttft, _ = _rates(c, batch)
-        return min(tpot_bound - tpot, ttft_bound - ttft)
+    def slack(batch: int) -> tuple[float, tuple]:
+        rates = _rates(c, batch)
+        return min(tpot_bound - rates[1], ttft_bound - rates[2]), rates
 
-    hi_slack = slack(max_b)
-    if hi_slack >= 0:
-        return max_b
-    lo_slack = slack(1)
-    if lo_slack < 0:
-        return 1
-    lo, hi = 1, max_b  # lo meets the bounds, hi does not
-    step = 1  # the first interpolation is usually exact: check its neighbour
+    f_hi, r_hi = slack(max_b)
+    if f_hi >= 0:
+        return max_b, r_hi
+    f_lo, r_lo = slack(1)
+    if f_lo < 0:
+        return 1, r_lo
+    lo, hi, side = 1, max_b, 0  # lo meets the bounds, hi does not
     while hi - lo > 1:
-        guess = lo + int((hi - lo) * lo_slack / (lo_slack - hi_slack))
+        guess = lo + int((hi - lo) * f_lo / (f_lo - f_hi))
         mid = min(max(guess, lo + 1), hi - 1)
-        value = slack(mid)
+        value, rates = slack(mid)
         if value >= 0:
-            lo, lo_slack = mid, value
-            probe = min(mid + step, hi - 1)
+            lo, f_lo, r_lo = mid, value, rates
+            if side > 0:
+                f_hi /= 2
+            side = 1
+            if lo + 1 < hi:  # the guess is floored: its right neighbour is often the answer's end
+                value, rates = slack(lo + 1)
+                if value < 0:
+                    return lo, r_lo
+                lo, f_lo, r_lo = lo + 1, value, rates
         else:
-            hi, hi_slack = mid, value
-            probe = max(mid - step, lo + 1)
-        step = max(1, (hi - lo) // 8)
-        if lo < probe < hi:
-            value = slack(probe)
-            if value >= 0:
-                lo, lo_slack = probe, value
-            else:
-                hi, hi_slack = probe, value
-    return lo
+            hi, f_hi = mid, value
+            if side < 0:
+                f_lo /= 2
+            side = -1
+    return lo, r_lo
 
 
 class _ServeGoal:
@@ -234,7 +235,7 @@ class _ServeGoal:
         inf = float("inf")
         ttft = opts.ttft_s if opts.ttft_s is not None else inf
         tpot = opts.tpot_s if opts.tpot_s is not None else inf
-        return _serve_time(c, _largest_batch(c, max_b, ttft, tpot))
+        return _serve_time(c, _largest_batch(c, max_b, ttft, tpot)[0])
 
     @staticmethod
     def _check_bounds(layout: Layout, t: ServeTime, opts: ServeOptions):
@@ -276,10 +277,9 @@ class _ServeGoal:
                     return -tpot, category, reason
                 return -tpot - tpot * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
             if fixed is None:
-                batch = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
+                _, (_, tpot, ttft, group) = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
             else:
-                batch = fixed
-            _, tpot, ttft, group = _rates(c, batch)
+                _, tpot, ttft, group = _rates(c, fixed)
             raw = -tpot if latency else group / (layout.tp * layout.pp)
             if ttft > ttft_bound or tpot > tpot_bound:
                 _, _, category, reason = self._solve(model, cluster, layout, opts)
@@ -364,9 +364,10 @@ class _ServeGoal:
             out.append(f"context {opts.context} tokens exceeds {model.name}'s trained {model.max_position}; needs rope scaling (e.g. YaRN)")
         split = layout.tp * layout.pp * layout.ep  # devices one copy of the weights spans
         if split > 1:
+            # Only when one device could not serve even one sequence is the split forced.
             one = memory_from_facts(
                 shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype),
-                cluster.device.memory_bytes, batch=t.batch, context=opts.context,
+                cluster.device.memory_bytes, batch=1, context=opts.context,
             )
             if not one.fits:
                 out.append(
