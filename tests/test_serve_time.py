@@ -138,3 +138,32 @@ def test_throughput_grows_and_tpot_grows_with_batch():
             assert t.tpot_s > previous.tpot_s
             assert t.tokens_per_s > previous.tokens_per_s
         previous = t
+
+
+def test_pp_hand_off_across_100gbe_is_hand_derived():
+    """Qwen3-32B TP8 x PP2 over two nodes with one 100 GbE NIC each, one sequence: each stage
+    step ends with a 10 kB send over the device's 1/8 share of the NIC (86% achievable)."""
+    model = get_model("qwen3-32b")
+    eth = cluster_from_dict({"nodes": 2, "devices_per_node": 8, "device": "H100", "inter_link": "eth-100g", "nics_per_node": 1})
+    t = serve_time(model, eth, tp=8, pp=2, weight_dtype="fp8", batch=1)
+    share = 12.5e9 * 1 / 8 * 0.86
+    hop = 15e-6 + 5120 * 2 / share
+    assert t.comm["pp"]["tier"] == "inter"
+    assert t.decode_parts["pp"] == pytest.approx(2 * hop)  # two stage steps per round at batch 1
+
+
+def test_ep_all_to_all_across_nodes_is_hand_derived():
+    """Kimi K2 with 16-way EP over two 8xH200 nodes (attention data-parallel, tp=1), one sequence
+    per rank: per MoE layer a dispatch and a combine of 8 routed copies of a 7168-wide bf16 token,
+    x1.3 for the busiest rank; half of it leaves the node through the device's own NDR NIC."""
+    model = get_model("kimi-k2")
+    cluster = parse_cluster("2x8xH200")
+    t = serve_time(model, cluster, tp=1, dp=16, ep=16, weight_dtype="fp8", batch=1)
+    size = 8 * 7168 * 2 * 1.3
+    nic = 50e9 * 8 / 8 * 0.86
+    a2a = 15 * 5e-6 + size * (16 - 8) / 16 / nic
+    assert t.comm["ep"]["tier"] == "inter"
+    assert t.decode_parts["ep"] == pytest.approx(2 * 60 * a2a)
+    # Every EP rank's 16 x 1 tokens touch 16 x 8 of 384 experts' weights in expectation.
+    inside = serve_time(model, parse_cluster("16xH200"), tp=1, dp=16, ep=16, weight_dtype="fp8", batch=1)
+    assert inside.comm["ep"]["tier"] == "intra" and inside.decode_parts["ep"] < t.decode_parts["ep"]
