@@ -44,3 +44,14 @@ def test_bad_serving_flag_is_one_line(capsys):
     code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "H100", "--weight-dtypes", "fp6"])
     err = capsys.readouterr().err
     assert code == 2 and "weight dtype 'fp6' unknown" in err
+
+
+def test_emit_writes_a_layout_the_runtime_reads(tmp_path, capsys):
+    from modelcarve.spec.layout import Layout
+
+    path = tmp_path / "serve.json"
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
+                 "--weight-dtypes", "bf16", "--emit", str(path)])
+    assert code == 0
+    layout = Layout.parse(str(path))
+    assert layout.tp * layout.pp * layout.dp == 2 and layout.weight_dtype == "bf16"

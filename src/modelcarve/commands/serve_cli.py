@@ -71,8 +71,12 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
     emit = getattr(args, "emit", None)
     if emit and plan["layouts"]:
+        from modelcarve.spec.layout import Layout
+
         with open(emit, "w") as handle:
-            json.dump(plan["layouts"][0]["layout"], handle, indent=2, sort_keys=True)
+            handle.write(Layout.from_dict(plan["layouts"][0]["layout"]).to_json() + "\n")
+    if getattr(args, "plot", None) and not getattr(args, "json", False):
+        print(f"note: --plot draws training plans only; nothing written to {args.plot}")
     return 0 if plan["layouts"] else 1
 
 
