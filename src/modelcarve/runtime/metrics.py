@@ -33,9 +33,10 @@ _COMM_FUNCS = (
     "broadcast",
     "send",
     "recv",
-    "isend",
-    "irecv",
+    "batch_isend_irecv",
 )
+# isend/irecv are not wrapped: P2POp checks their identity; pipelining sends through
+# batch_isend_irecv, whose P2POp tensors are counted.
 
 
 def _nbytes(obj) -> int:
@@ -64,8 +65,11 @@ class CommCounter(contextlib.ContextDecorator):
             def wrapped(*args, __fn=fn, __name=name, **kwargs):
                 # the input tensor is the first tensor argument (output buffers come first for
                 # the *_into_tensor / reduce_scatter forms: count the larger of the first two)
-                tensors = [a for a in args[:2] if isinstance(a, (torch.Tensor, list, tuple))]
-                self.bytes[__name] += max((_nbytes(t) for t in tensors), default=0)
+                if __name == "batch_isend_irecv":
+                    self.bytes[__name] += sum(_nbytes(op.tensor) for op in args[0])
+                else:
+                    tensors = [a for a in args[:2] if isinstance(a, (torch.Tensor, list, tuple))]
+                    self.bytes[__name] += max((_nbytes(t) for t in tensors), default=0)
                 self.calls[__name] += 1
                 return __fn(*args, **kwargs)
 
