@@ -433,7 +433,7 @@ def contrasts(model, cluster, goal_name: str, winner: dict, **options) -> list[d
                 verdict = f"TPOT {theirs * 1e3:.2f} ms vs {mine * 1e3:.2f} ms ({theirs / mine:.1f}x slower)"
             else:
                 verdict = f"{theirs:,.0f} vs {mine:,.0f} tokens/s per device ({mine / max(theirs, 1e-9):.1f}x less)"
-            why = "; ".join(w for w in result["warnings"] if not w.startswith("quality") and not w.startswith("split"))
+            why = "; ".join(w for w in result["warnings"] if not w.startswith("quality") and not w.startswith("one model copy"))
             if not why:
                 why = (
                     f"decode is {serve['bound']}-bound at batch {serve['batch']}: each device reads "

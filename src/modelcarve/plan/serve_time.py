@@ -8,15 +8,18 @@ Usage::
 
 The model (all per device, the fullest pipeline stage):
 
-* **Decode step** of ``b`` sequences on one stage is a roofline: bytes read (the stage's
-  weights, with routed experts counted only when the batch touches them, the KV cache of
-  ``b`` sequences at the mean decode context ``input + output/2``, and the activations each
-  kernel reads and writes) over the achievable HBM
-  bandwidth, against FLOPs over the achievable GEMM rate; the larger wins. Communication is
-  added on top (decode collectives sit on the critical path): two TP all-reduces per layer of
+* **Decode step** of ``b`` sequences on one stage: kernels run one after another, so each
+  class of kernel has its own roofline and the times add. GEMMs: the weights read (routed
+  experts only in the fraction the batch touches) over the achievable HBM bandwidth, against
+  their FLOPs over the achievable GEMM rate, whichever is larger. Attention: the KV cache of
+  ``b`` sequences at the mean decode context ``input + output/2`` against its score/value
+  FLOPs. Element-wise kernels: the activations they read and write. Communication is added on
+  top (decode collectives sit on the critical path): two TP all-reduces per layer of
   ``b x hidden`` bf16 values with a latency term (one-shot all-reduce inside a node, a tree
   across nodes: at batch 1 the alpha costs, not the bytes), an all-gather of the logits, two
   EP all-to-alls per MoE layer scaled by the load-imbalance factor, and a PP hand-off per stage.
+  The EP all-to-all is the plain one: a bf16 copy of the token per routed expert, no per-node
+  deduplication (DeepEP-style dispatch, fp8 payloads, would cut the cross-node bytes several-fold).
 * **Experts touched**: ``T`` tokens routed top-k over ``E`` uniform experts touch on average
   ``E (1 - (1 - k/E)^T)`` of them; with EP the ``ep`` attention groups decode in lockstep, so
   ``T = b x ep`` tokens reach each MoE layer and a rank reads that fraction of its experts.
@@ -25,18 +28,24 @@ The model (all per device, the fullest pipeline stage):
   ``pp`` micro-batches in flight the stages idle (bubble ``1 - m/pp``).
 * **Prefill** of a prompt is compute-bound: forward FLOPs (causal attention) over the device's
   achievable GEMM rate (``plan.efficiency``), not below one read of the weights per chunk, plus
-  its TP/EP/PP traffic. Stages run one after another for a single prompt.
+  its TP/EP/PP traffic. Stages run one after another for a single prompt; with EP the prompt's
+  expert work is costed as if its own rank did it (right in steady state, when every rank
+  prefills its own requests; pessimistic for a lone prompt).
 * **TTFT** = the prompt's prefill, plus one decode round of the running batch when other
-  requests are in flight (continuous batching admits a request at the next step).
-* **TPOT** as a user sees it under continuous batching: the decode round plus the share of the
-  other requests' prefills interleaved with it (each of the ``B`` sequences needs ``input``
-  tokens of prefill per ``output`` tokens of decode; batched prefills pipeline over stages).
-* **Throughput**: ``B / TPOT`` output tokens/s per attention group (``tp x pp`` devices); per
-  model replica (``ep`` groups share experts); per device; and per cluster (``dp`` groups).
+  requests are in flight (continuous batching admits a request at the next step; queueing
+  under overload is not modelled).
+* **TPOT** as a user sees it under continuous batching: the decode round plus the other
+  ``B - 1`` requests' prefills interleaved with it (each sequence needs ``input`` tokens of
+  prefill per ``output`` tokens decoded; prefills of different requests overlap over up to
+  ``min(pp, B)`` stages).
+* **Throughput**: ``B`` sequences per attention group (``tp x pp`` devices) finish ``B x
+  output`` tokens in ``output`` rounds plus their own ``B`` prefills; reported per model
+  replica (``ep`` groups share experts), per device and per cluster (``dp`` groups).
 
 Achievable rates: ``DECODE_HBM_EFFICIENCY`` of the datasheet HBM bandwidth in decode (fitted,
-see below); the training planner's ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in
-(fp8 for fp8 weights, int8 for W8A8, bf16 for W4A16 int4; ``plan.quant``).
+see below), ``plan.efficiency.HBM_EFFICIENCY`` for prefill's weight read, and the training
+planner's ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in (fp8 for fp8
+weights, int8 for W8A8, bf16 for W4A16 int4; ``plan.quant``).
 """
 
 from __future__ import annotations
