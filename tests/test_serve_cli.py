@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from modelcarve.cli import main
 
 
@@ -55,3 +57,12 @@ def test_emit_writes_a_layout_the_runtime_reads(tmp_path, capsys):
     assert code == 0
     layout = Layout.parse(str(path))
     assert layout.tp * layout.pp * layout.dp == 2 and layout.weight_dtype == "bf16"
+
+
+def test_estimate_fills_the_cluster_with_replicas(capsys):
+    code = main(["estimate", "--goal", "serve-throughput", "--model", "llama-3.1-8b", "--cluster", "8xH100",
+                 "--layout", "tp=2,weight_dtype=fp8", "--tpot-ms", "30", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["layout"]["dp"] == 4
+    assert result["serve"]["tokens_per_s_cluster"] == pytest.approx(4 * result["serve"]["tokens_per_s_per_device"] * 2)

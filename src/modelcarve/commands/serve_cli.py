@@ -83,7 +83,15 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
 def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     from modelcarve.plan.goals import get_goal
 
+    note = None
+    group = layout.tp * layout.pp * layout.cp
+    if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
+        # A serving layout names the model-parallel group; the other devices are replicas.
+        layout = layout.replace(dp=cluster.num_devices // group)
+        note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
     result = get_goal(args.goal).evaluate(model, cluster, layout, **serve_options_from_args(args))
+    if note and not getattr(args, "json", False):
+        print(note)
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2, default=str))
     else:
