@@ -1,17 +1,25 @@
-"""Context parallelism on the dense tiny model against the single-device reference (fp32).
+"""Context parallelism against the single-device reference (real gloo ranks, seq 32, 3 AdamW steps).
 
-One spawned gloo group per world size (2 and 4) loops over the layouts of that size. For each
-layout every rank builds the same reference model, the parallel model, and the same batches;
-the parallel run reports loss, per-parameter gradients and the parameters after 3 AdamW steps,
-each compared with the reference: loss <= 1e-5 relative; gradients <= 1e-4 (max abs difference
-relative to the gradient's max abs value); parameters after the steps <= 1e-4 max abs difference.
+One spawned group per world size (2 and 4) loops over the cases of that size (``_cases``):
+cp2, cp4, cp2 x tp2 (with and without sp), cp2 x dp2 on tiny-llama, plus compositions: cp2
+bf16, cp2 x pp2, tiny-moe cp2 x ep2 (experts sharded over the cp ranks) and a tiny MLA
+(deepseek_v3-style) model.
 
-"verify" cases run the whole runtime (parallelize -> Trainer -> verify.py, clipping included)
-with verify.TOLERANCES (a bf16 case with its looser ones). ``_manual_step`` drives CP with nothing but context.py (shard_batch, apply_context_parallel)
-and a sum over the cp group, to check the CP pieces on their own.
+Two drivers:
+* "verify": the whole runtime (parallelize -> Trainer with clipping -> verify.py gathering by
+  FQN): logits, loss, gradient norm, per-parameter gradients and parameters after the steps,
+  within verify.TOLERANCES (fp32: loss 1e-5 relative, gradients and parameters 1e-4 absolute;
+  bf16 looser).
+* "manual": context.py alone (``apply_context_parallel``, ``shard_batch``) with a hand-written
+  loop: loss = local token-CE sum / global token count, gradients SUMMED over dp x cp, plain
+  AdamW; loss <= 1e-5 relative, gradients <= 1e-4 relative to each gradient's max abs value
+  (stricter than an absolute 1e-4), parameters <= 1e-4 absolute.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,9 +111,9 @@ def _compare(ref, got) -> dict:
     }
 
 
-def _worker(cases: list[tuple[str, str]]) -> dict:
-    """Each case is (layout, driver): "manual" (context.py alone, above) or "verify" (the whole
-    runtime: parallelize -> Trainer -> verify.py's gathering and comparison, clipping included)."""
+def _worker(cases: list[tuple[str, str, str, str]]) -> dict:
+    """Each case is (model, layout, dtype, driver); driver "manual" is context.py alone (above),
+    "verify" the whole runtime: parallelize -> Trainer -> verify.py's gathering and comparison."""
     import torch.distributed as dist
 
     from modelcarve.runtime.mesh import build_mesh
@@ -113,59 +121,74 @@ def _worker(cases: list[tuple[str, str]]) -> dict:
     from modelcarve.spec.layout import Layout
     from modelcarve.verify import verify_worker
 
-    spec = get_model("tiny-llama")
     results = {}
-    for text, driver in cases:
+    for model, text, dtype, driver in cases:
         if driver == "verify":
-            dtype = "bf16" if "bf16" in text else "fp32"
-            text_ = text.replace(",bf16", "")
-            model = "tiny-moe" if "moe" in text else "tiny-llama"
-            text_ = text_.replace(",moe", "")
-            report = verify_worker(model, f"{text_},seq={SEQ},mbs=1", steps=STEPS, lr=LR, dtype=dtype)
-            results[(text, driver)] = report
+            report = verify_worker(model, f"{text},seq={SEQ},mbs=1", steps=STEPS, lr=LR, dtype=dtype)
+            results[(model, text, dtype, driver)] = report
             dist.barrier()
             continue
-        layout = Layout.parse(text).replace(seq=SEQ, param_dtype="fp32")
+        spec = get_model(model)
+        layout = Layout.parse(text).replace(seq=SEQ, param_dtype=dtype)
         layout = layout.replace(gbs=layout.gbs or BATCH * layout.dp)
         layout.validate(spec, world_size=layout.world_size)
         mesh = build_mesh(layout)
-        results[(text, driver)] = _compare(_reference(spec, layout), _manual_step(spec, layout, mesh))
+        results[(model, text, dtype, driver)] = _compare(_reference(spec, layout), _manual_step(spec, layout, mesh))
     return results
 
 
-WORLDS = {
-    2: [
-        ("cp=2", "manual"),
-        ("cp=2,gbs=2", "verify"),
-        ("cp=2,gbs=2,bf16", "verify"),
-        ("cp=2,ep=2,gbs=2,moe", "verify"),  # tiny-moe: experts sharded over the cp ranks
-    ],
-    4: [
-        ("cp=2,dp=2", "manual"),
-        ("cp=4,gbs=2", "verify"),
-        ("cp=2,tp=2,gbs=2", "verify"),
-        ("cp=2,tp=2,sp,gbs=2", "verify"),
-        ("cp=2,dp=2,gbs=4", "verify"),
-        ("cp=2,pp=2,gbs=2", "verify"),  # logits not compared under pp (verify.py)
-    ],
+# A deepseek_v3-style config (MLA: d_v != d_qk, q/kv low-rank; one dense + one MoE layer).
+TINY_MLA = {
+    "model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 12, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "max_position_embeddings": 256, "hidden_act": "silu", "tie_word_embeddings": False,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True,
 }
 
 
-@pytest.mark.parametrize("world_size", sorted(WORLDS))
-def test_context_parallel_matches_reference(world_size):
-    per_rank = run_distributed(_worker, world_size, WORLDS[world_size], timeout=400)
+def _cases(world_size: int, tmp_path) -> list[tuple[str, str, str, str]]:
+    llama = "tiny-llama"
+    if world_size == 2:
+        mla = tmp_path / "tiny-mla"
+        mla.mkdir()
+        (mla / "config.json").write_text(json.dumps(TINY_MLA))
+        return [
+            (llama, "cp=2", "fp32", "manual"),
+            (llama, "cp=2,gbs=2", "fp32", "verify"),
+            (llama, "cp=2,gbs=2", "bf16", "verify"),
+            ("tiny-moe", "cp=2,ep=2,gbs=2", "fp32", "verify"),  # experts sharded over the cp ranks
+            (str(mla), "cp=2,gbs=2", "fp32", "verify"),  # MLA through ring attention
+        ]
+    return [
+        (llama, "cp=2,dp=2", "fp32", "manual"),
+        (llama, "cp=4,gbs=2", "fp32", "verify"),
+        (llama, "cp=2,tp=2,gbs=2", "fp32", "verify"),
+        (llama, "cp=2,tp=2,sp,gbs=2", "fp32", "verify"),
+        (llama, "cp=2,dp=2,gbs=4", "fp32", "verify"),
+        (llama, "cp=2,pp=2,gbs=2", "fp32", "verify"),  # verify.py compares no logits under pp
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_matches_reference(world_size, tmp_path):
+    per_rank = run_distributed(_worker, world_size, _cases(world_size, tmp_path), timeout=400)
     for case, err in per_rank[0].items():
-        if case[1] == "verify":
+        name = f"{Path(case[0]).name} {case[1]} {case[2]} {case[3]}"
+        if case[3] == "verify":
             kinds = {c["name"].split("/")[0] for c in err["checks"]}
-            assert {"loss", "grad", "param"} | (set() if "pp=" in case[0] else {"logits"}) <= kinds, (case, kinds)
-            worst = {k: max((c for c in err["checks"] if c["name"].split("/")[0] == k), key=lambda c: c["max_abs"] if c["metric"] == "abs" else c["max_rel"]) for k in kinds}
-            for k, c in sorted(worst.items()):
-                print(f"{case}: {k} worst {c['name']} abs {c['max_abs']:.2e} rel {c['max_rel']:.2e} (tol {c['tol']:.0e} {c['metric']})")
+            assert {"loss", "grad", "param"} | (set() if "pp=" in case[1] else {"logits"}) <= kinds, (name, kinds)
+            for k in sorted(kinds):
+                c = max((c for c in err["checks"] if c["name"].split("/")[0] == k),
+                        key=lambda c: c["max_abs"] if c["metric"] == "abs" else c["max_rel"])
+                print(f"{name}: {k} worst {c['name']} abs {c['max_abs']:.2e} rel {c['max_rel']:.2e} (tol {c['tol']:.0e} {c['metric']})")
             bad = [c for c in err["checks"] if not c["passed"]]
-            assert not bad, (case, bad[:5])
+            assert not bad, (name, bad[:5])
             continue
-        print(f"{case}: loss rel {err['loss']:.2e}, grad rel {err['grad'][0]:.2e} ({err['grad'][1]}), "
+        print(f"{name}: loss rel {err['loss']:.2e}, grad rel {err['grad'][0]:.2e} ({err['grad'][1]}), "
               f"param abs {err['param'][0]:.2e} ({err['param'][1]})")
-        assert err["loss"] <= LOSS_RTOL, (case, err)
-        assert err["grad"][0] <= GRAD_RTOL, (case, err)
-        assert err["param"][0] <= PARAM_ATOL, (case, err)
+        assert err["loss"] <= LOSS_RTOL, (name, err)
+        assert err["grad"][0] <= GRAD_RTOL, (name, err)
+        assert err["param"][0] <= PARAM_ATOL, (name, err)
