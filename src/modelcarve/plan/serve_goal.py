@@ -265,25 +265,26 @@ class _ServeGoal:
             f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
             fit = max_sequences(f, memory_bytes, ctx_len)
             fixed = opts.batch or (1 if latency else None)
+            # Rejections carry a short reason: the search evaluates the best rejected candidate
+            # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
-                _, _, category, reason = self._solve(model, cluster, layout, opts)
-                return float("-inf"), category, reason
+                return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
             c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len)
             if latency and fixed == 1 and opts.ttft_s is None:
                 # The common latency question: one sequence, no TTFT bound; no prefill to cost.
                 tpot = decode_tpot_s(c, 1)
                 if tpot > tpot_bound:
-                    _, _, category, reason = self._solve(model, cluster, layout, opts)
-                    return -tpot, category, reason
+                    return -tpot, TPOT, f"{_name(layout)}: TPOT {tpot * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
                 return -tpot - tpot * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
             if fixed is None:
                 _, (_, tpot, ttft, group) = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
             else:
                 _, tpot, ttft, group = _rates(c, fixed)
             raw = -tpot if latency else group / (layout.tp * layout.pp)
-            if ttft > ttft_bound or tpot > tpot_bound:
-                _, _, category, reason = self._solve(model, cluster, layout, opts)
-                return raw, category, reason
+            if ttft > ttft_bound:
+                return raw, TTFT, f"{_name(layout)}: TTFT {ttft * 1e3:.0f} ms exceeds {ttft_bound * 1e3:.0f} ms"
+            if tpot > tpot_bound:
+                return raw, TPOT, f"{_name(layout)}: TPOT {tpot * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
             # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
             return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
 
