@@ -170,6 +170,8 @@ def _run_case(case):
         out["loss_rel"] = max(out["loss_rel"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         if step == 0:
             out["actions"] = [(a.stage, a.microbatch, a.kind) for a in runner.actions]
+            out["times"] = [(a.start_s, a.end_s) for a in runner.actions]
+            out["all_actions"] = {r: [(a.stage, a.microbatch, a.kind) for a in acts] for r, acts in runner.gather_actions().items()}
             for chunk in chunks:
                 for name, param in chunk.named_parameters():
                     diff = (_full(param.grad) - reference.get_parameter(name).grad).abs().max().item()
@@ -330,11 +332,59 @@ def test_schedules_run_the_actions_they_promise(two_rank_results):
         assert sorted(zb) == sorted((rank, mb, k) for mb in range(m) for k in "FIW")
 
 
+def test_actions_are_timed_and_gathered(two_rank_results):
+    for rank, results in enumerate(two_rank_results):
+        for name in ("pp2 gpipe", "pp2 1f1b", "pp2 interleaved v2", "pp2 zero-bubble"):
+            res = results[name]
+            times = res["times"]
+            assert all(0 <= start <= end for start, end in times)
+            # one rank runs one action at a time, in the logged order
+            assert all(prev_end <= start for (_, prev_end), (start, _) in zip(times, times[1:]))
+            assert res["all_actions"] == {r: two_rank_results[r][name]["actions"] for r in range(2)}
+
+
 def test_pipeline_errors_are_layout_errors(two_rank_results):
     for results in two_rank_results:
         assert "needs at least pp=2 micro-batches" in results["error: 1f1b too few micro-batches"]
     assert "should hold stages [0] but was given chunks for [1]" in two_rank_results[0]["error: wrong chunks"]
     assert "should hold stages [1] but was given chunks for [0]" in two_rank_results[1]["error: wrong chunks"]
+
+
+def _hung_peer(collective_s):
+    """pp rank 1 stops answering in the second step; rank 0 must fail with a clear error
+    within the collective timeout instead of hanging."""
+    import time
+
+    import torch.distributed as dist
+
+    from modelcarve.runtime.mesh import build_mesh
+    from modelcarve.runtime.pipeline import build_pipeline
+    from modelcarve.spec.errors import ModelcarveError
+
+    layout = Layout.parse(f"pp=2,gbs=4,schedule=1f1b,{BASE}")
+    mesh = build_mesh(layout)
+    chunks = split_model(build_model(_spec(4), seed=0), layout, mesh.get_local_rank("pp"))
+    runner = build_pipeline(chunks, layout, mesh, _loss_fn)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    runner.step(tokens, tokens)
+    if dist.get_rank() == 1:
+        time.sleep(collective_s + 3)
+        return "hung"
+    start = time.monotonic()
+    try:
+        runner.step(tokens, tokens)
+    except ModelcarveError as err:
+        return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "no error"
+
+
+def test_a_hung_stage_fails_its_peer_within_the_timeout():
+    collective_s = 5
+    (elapsed, message), hung = run_distributed(_hung_peer, 2, collective_s, collective_s=collective_s, timeout=120)
+    assert hung == "hung"
+    assert elapsed < collective_s + 4, elapsed
+    assert message.startswith("pipeline step failed on pp rank 0 (stages [0]):"), message
+    assert "died or stopped answering" in message and "\n" not in message
 
 
 FOUR_RANK_CASES = {

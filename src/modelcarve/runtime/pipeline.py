@@ -30,6 +30,7 @@ Gradients are this pipeline's; reducing them over dp stays with data_parallel.py
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,10 +56,10 @@ from modelcarve.runtime.pipeline_split import (
     tied_copy_names,
     unwrap,
 )
-from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 
-__all__ = ["PipelineRunner", "build_pipeline", "split_model", "balance_layers", "stage_ids", "tied_copy_names"]
+__all__ = ["Action", "PipelineRunner", "build_pipeline", "split_model", "balance_layers", "stage_ids", "tied_copy_names"]
 
 _MULTI_STAGE = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
 _SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -67,38 +68,56 @@ _SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 @dataclass(frozen=True)
 class Action:
     """One compute action a rank ran: F (forward), B (full backward), I (input-gradient
-    backward), W (weight-gradient backward) of ``microbatch`` on ``stage``."""
+    backward), W (weight-gradient backward) of ``microbatch`` on ``stage``, with its measured
+    start and end in seconds since the step began (waits for peers fall between actions)."""
 
     stage: int
     microbatch: int
     kind: str
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+
+class _ActionLog(list):
+    """The actions of one step, in order; ``t0`` is the step's start (perf_counter)."""
+
+    t0 = 0.0
+
+    def timed(self, stage: int, microbatch: int, kind: str, run):
+        start = time.perf_counter()
+        result = run()
+        self.append(Action(stage, microbatch, kind, start - self.t0, time.perf_counter() - self.t0))
+        return result
 
 
 class _RecordingStage(PipelineStage):
-    """A PipelineStage that appends every compute action it runs to a shared list (for the
-    pipeline timeline figure and the schedule tests)."""
+    """A PipelineStage that logs every compute action it runs, with its time (for the pipeline
+    timeline figure and the schedule tests)."""
 
-    def __init__(self, *args, log: list[Action], **kwargs):
+    def __init__(self, *args, log: _ActionLog, **kwargs):
         super().__init__(*args, **kwargs)
         self._log = log
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        self._log.append(Action(self.stage_index, fwd_chunk_id, "F"))
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        parent = super().forward_one_chunk
+        return self._log.timed(self.stage_index, fwd_chunk_id, "F", lambda: parent(fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        self._log.append(Action(self.stage_index, bwd_chunk_id, "B" if full_backward else "I"))
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        parent = super().backward_one_chunk
+        return self._log.timed(
+            self.stage_index, bwd_chunk_id, "B" if full_backward else "I",
+            lambda: parent(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward),
+        )
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        self._log.append(Action(self.stage_index, bwd_chunk_id, "W"))
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        parent = super().backward_weight_one_chunk
+        return self._log.timed(self.stage_index, bwd_chunk_id, "W", lambda: parent(bwd_chunk_id, last_backward=last_backward))
 
 
 class PipelineRunner:
     """Runs one training step's forward and backward over all micro-batches of a pipeline."""
 
-    def __init__(self, chunks, stages, schedule, layout: Layout, mesh, tied_group, log: list[Action]):
+    def __init__(self, chunks, stages, schedule, layout: Layout, mesh, tied_group, log: _ActionLog):
         self.chunks, self.stages, self.schedule, self.layout, self.mesh = chunks, stages, schedule, layout, mesh
         self.pp_group = mesh.get_group("pp")
         self.pp_rank = mesh.get_local_rank("pp")
@@ -113,7 +132,7 @@ class PipelineRunner:
                     self._tied_params.append((chunk, "tok_embeddings.weight"))
                 self._tied_params += [(chunk, name) for name in tied_copy_names(chunk)]
         self.actions = log
-        """Compute actions this rank ran during the last ``step``, in order."""
+        """Compute actions this rank ran during the last ``step``, in order (``Action``)."""
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward + backward of ``tokens``/``targets`` [num_microbatches x mbs, seq] (this
@@ -128,17 +147,36 @@ class PipelineRunner:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         self.actions.clear()
+        self.actions.t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
-        self.schedule.step(
-            *args,
-            target=targets if self.has_last else None,
-            losses=losses,
-            return_outputs=False,
-            positions=positions,
-        )
+        try:
+            self.schedule.step(
+                *args,
+                target=targets if self.has_last else None,
+                losses=losses,
+                return_outputs=False,
+                positions=positions,
+            )
+        except RuntimeError as err:
+            raise self._step_error(err) from err
         self._sync_tied_grads()
         return self._reduce_loss(losses, tokens.device)
+
+    def gather_actions(self) -> dict[int, list[Action]]:
+        """Every pipeline rank's actions of the last step, ``{pp_rank: [Action, ...]}`` (for the
+        timeline figure). Collective over the pp group: all its ranks must call it."""
+        parts: list = [None] * self.layout.pp
+        dist.all_gather_object(parts, list(self.actions), group=self.pp_group)
+        return dict(enumerate(parts))
+
+    def _step_error(self, err: RuntimeError) -> ModelcarveError:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        stages = [s.stage_index for s in self.stages]
+        hint = ""
+        if any(word in first.lower() for word in ("timed out", "timeout", "connection", "closed by peer", "reset by peer")):
+            hint = "; a neighbouring pipeline rank died or stopped answering (see its log), the step was aborted"
+        return ModelcarveError(f"pipeline step failed on pp rank {self.pp_rank} (stages {stages}): {first}{hint}")
 
     def _reduce_loss(self, losses: list[torch.Tensor], device) -> torch.Tensor:
         loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -185,7 +223,7 @@ def build_pipeline(
     _check_schedule(layout, n)
     group = mesh.get_group("pp")
     device = _device_of(chunks[0])
-    log: list[Action] = []
+    log = _ActionLog()
     stages = [
         _RecordingStage(chunk, stage, stages_total, device, group=group, log=log)
         for chunk, stage in zip(chunks, expected)
