@@ -17,8 +17,8 @@ The ring
 --------
 Step ``t = 0 .. cp-1``: rank ``i`` holds the K/V of rank ``j = (i - t) mod cp`` and computes a
 partial result for its queries against those keys; meanwhile it already sends that block to
-rank ``i+1`` and receives the next one from ``i-1`` (point-to-point ``isend``/``irecv``, so the
-transfer overlaps the compute). With the zig-zag order, only three block shapes occur:
+rank ``i+1`` and receives the next one from ``i-1`` (point-to-point ``isend``/``irecv`` issued
+through ``batch_isend_irecv``, so the transfer overlaps the compute). With the zig-zag order, only three block shapes occur:
 
 * ``j == i``: the local block, ordinary lower-triangular causal mask;
 * ``j <  i``: every local query sees the first kv chunk (chunk ``j``) completely, the second
@@ -110,10 +110,11 @@ class _Ring:
     def start(self, send: torch.Tensor, tag: int) -> "_Transfer":
         send = send.contiguous()
         recv = torch.empty_like(send)
-        works = [
-            dist.isend(send, self.next, group=self.group, tag=tag),
-            dist.irecv(recv, self.prev, group=self.group, tag=tag),
-        ]
+        # batch_isend_irecv (not bare isend/irecv) so that metrics.CommCounter sees the bytes
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ])
         return _Transfer(self, send, recv, works)
 
 
