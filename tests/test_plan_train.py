@@ -157,3 +157,20 @@ def test_nothing_fits_is_explained(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "no layout" in err and "GiB" in err and err.count("\n") == 1
+
+
+def test_step_is_the_sum_of_its_parts_and_overlap_hides_dp_traffic():
+    model, cluster = get_model("llama-3.1-70b"), parse_cluster("8x8xH100")
+    goal = get_goal("train")
+    layout = Layout.parse("tp=8,pp=2,dp=4,zero=1,mbs=1,gbs=64,seq=4096,recompute=selective,sp")
+    hidden = goal.evaluate(model, cluster, layout)
+    exposed = goal.evaluate(model, cluster, layout, overlap_grad_reduce=False, overlap_param_gather=False)
+    for est in (hidden, exposed):
+        t, c = est["time"], est["comm"]
+        parts = t["compute_s"] + t["bubble_s"] + t["optimizer_s"] + sum(c["exposed_s_by_axis"].values())
+        assert parts == pytest.approx(t["step_s"], rel=1e-9)
+        for axis, total in c["total_s_by_axis"].items():
+            assert c["exposed_s_by_axis"][axis] + c["hidden_s_by_axis"][axis] == pytest.approx(total, abs=1e-12)
+    assert exposed["comm"]["hidden_s_by_axis"]["dp"] == 0.0
+    assert hidden["comm"]["hidden_s_by_axis"]["dp"] > 0.0
+    assert hidden["time"]["step_s"] < exposed["time"]["step_s"]

@@ -75,7 +75,7 @@ class TrainGoal:
         yield from enumerate_layouts(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
 
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
-        return self.cost_model(model, cluster, **options).screen
+        return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
 
     def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: tuple) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""

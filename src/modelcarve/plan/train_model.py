@@ -57,6 +57,7 @@ RESERVED_BYTES = 1.5 * GIB
 """Memory a device never gives the model: CUDA context, cuBLAS workspaces, NCCL buffers."""
 FRAGMENTATION = 0.05
 """Caching-allocator fragmentation, as a fraction of activations and buffers (a stated margin)."""
+_GROWTH = 1.0 + FRAGMENTATION
 LOGITS_BYTES_PER_ELEM = 10.0
 """Bytes per logit on the last stage: bf16 logits, their fp32 copy in the cross entropy, and the
 fp32 softmax it keeps for backward."""
@@ -69,11 +70,10 @@ FLASH_BACKWARD = 2.5
 """Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
 
 _PER_LAYER_SUMS = (
-    "compute_s", "fwd_s", "bwd_s", "tp_s", "cp_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
+    "compute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
     "ep_bytes", "ep_nic", "act_bytes",
 )
 
-_DP_COMM_KEYS = ("exposed_s", "optimizer_s", "total_s", "bytes", "nic", "tier")
 STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device memory"
 ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
 
@@ -124,6 +124,9 @@ class TrainCostModel:
         self._layers: dict = {}
         self._gemms: dict = {}
         self._windows: dict = {}
+        self._traffic: dict = {}
+        self._stage_params: dict = {}
+        self._floors: dict = {}
         self._last_pkey: tuple | None = None
         self._last_prof: dict | None = None
         self._params()
@@ -286,7 +289,9 @@ class TrainCostModel:
             "fwd_s": fwd,
             "bwd_s": bwd,
             "tp_s": n_tp * tp_one,
+            "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
             "cp_s": cp_exposed,
+            "cp_total_s": 3.0 * cp_fwd,
             "ep_s": n_ep * ep_one,
             "tp_bytes": n_tp * tp_bytes_one,
             "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
@@ -316,12 +321,56 @@ class TrainCostModel:
             t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch)
         return t
 
+    def stage_params(self, tp: int, pp: int, ep: int) -> list[tuple]:
+        """Per stage kind: (kind, index, MoE layers, dense params, expert params, one layer's
+        params) held by one device of the stage, before ZeRO sharding."""
+        key = (tp, pp, ep)
+        rows = self._stage_params.get(key)
+        if rows is not None:
+            return rows
+        m = self.model
+        nls = math.ceil(m.num_layers / pp)
+        moe_first, moe_last, moe_mid = self._moe_counts(nls)
+        kinds = [("first", moe_first, 0), ("last", moe_last, pp - 1)] if pp > 1 else [("only", moe_first, 0)]
+        if pp > 2:
+            kinds.insert(1, ("middle", moe_mid, 1))
+        rows = []
+        for kind, n_moe, index in kinds:
+            n_dense = nls - n_moe
+            layer_split = n_dense * self.dense_split + n_moe * self.moe_split
+            layer_rep = n_dense * self.layer_rep + n_moe * self.moe_rep
+            params_dense = layer_split / tp + layer_rep
+            if kind in ("first", "only"):
+                params_dense += self.vocab_h / tp + self.pos
+            if kind in ("last", "only"):
+                params_dense += self.final_norm
+                if not m.tied_embeddings or pp > 1:
+                    params_dense += self.vocab_h / tp
+            params_exp = n_moe * self.moe_experts / (ep * tp)
+            layer = (self.dense_split if n_dense else self.moe_split) / tp + ((self.moe_experts / (ep * tp)) if n_moe else 0.0)
+            rows.append((kind, index, n_moe, params_dense, params_exp, layer))
+        self._stage_params[key] = rows
+        return rows
+
+    def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
+                     p_dt: str, g_dt: str, o_dt: str) -> float:
+        """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers) of the fullest stage
+        plus the runtime reserve: no schedule or micro-batch can bring a layout below this."""
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt)
+        floor = self._floors.get(key)
+        if floor is None:
+            per_full, per_local, gather = _state_factors(zero, p_dt, g_dt, o_dt)
+            shard = (dp_shard or dp) if zero else 1
+            n_dense, n_exp = (shard * cp, max(1, shard * cp // ep)) if zero else (1, 1)
+            floor = self._floors[key] = RESERVED_BYTES + max(
+                per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
+                for _, _, _, pd, pe, layer in self.stage_params(tp, pp, ep)
+            )
+        return floor
+
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq) -> dict:
         m, o = self.model, self.options
-        L = m.num_layers
-        nls = math.ceil(L / pp)
-        moe_first, moe_last, moe_mid = self._moe_counts(nls)
-        L = m.num_layers
+        nls = math.ceil(m.num_layers / pp)
         dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq)
         moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq) if m.is_moe else dense
         h, V = m.hidden_size, m.vocab_size
@@ -332,23 +381,9 @@ class TrainCostModel:
         head_s = 3.0 * head_fwd + loss_s
         logits_bytes = LOGITS_BYTES_PER_ELEM * T * V / tp
         stages = {}
-        kinds = [("first", moe_first, 0), ("last", moe_last, pp - 1)] if pp > 1 else [("only", moe_first, 0)]
-        if pp > 2:
-            kinds.insert(1, ("middle", moe_mid, 1))
-        for kind, n_moe, index in kinds:
+        for kind, index, n_moe, params_dense, params_exp, layer in self.stage_params(tp, pp, ep):
             n_dense = nls - n_moe
-            first = kind in ("first", "only")
             last = kind in ("last", "only")
-            layer_split = n_dense * self.dense_split + n_moe * self.moe_split
-            layer_rep = n_dense * self.layer_rep + n_moe * self.moe_rep
-            params_dense = layer_split / tp + layer_rep
-            if first:
-                params_dense += self.vocab_h / tp + self.pos
-            if last:
-                params_dense += self.final_norm
-                if not m.tied_embeddings or pp > 1:
-                    params_dense += self.vocab_h / tp
-            params_exp = n_moe * self.moe_experts / (ep * tp)
             stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
             if last:
                 stage["compute_s"] += head_s
@@ -362,8 +397,7 @@ class TrainCostModel:
                 params_expert=params_exp,
                 work_bytes=max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
                 logits_bytes=logits_bytes if last else 0.0,
-                layer_split_dense=(self.dense_split if n_dense else self.moe_split) / tp,
-                layer_expert=(self.moe_experts / (ep * tp)) if n_moe else 0.0,
+                layer_params=layer,
             )
             stages[kind] = stage
         act = 2.0 * T * h
@@ -374,10 +408,7 @@ class TrainCostModel:
         return {
             "stages": stages,
             "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
-            "params_rows": [
-                (st["params_dense"], st["params_expert"], st["layer_split_dense"] + st["layer_expert"])
-                for st in stages.values()
-            ],
+            "params_rows": [(st["params_dense"], st["params_expert"], st["layer_params"]) for st in stages.values()],
             "slow": slow,
             "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
             "n_mb": gbs // (mbs * dp),
@@ -398,21 +429,10 @@ class TrainCostModel:
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         cp, dp, ep = prof["key"][1], prof["key"][3], prof["key"][4]
         zero, dp_shard = cand[8], cand[9]
-        p_dt, g_dt, o_dt = cand[12:15]
-        pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
-        ob = optimizer_bytes_per_param(p_dt, o_dt)
         shard = (dp_shard or dp) if zero else 1
         n_dense = shard * cp if zero else 1
         n_exp = max(1, shard * cp // ep) if zero else 1
-        if zero == 0:
-            per_full, per_local = pb + gb + ob, 0.0
-        elif zero == 1:
-            per_full, per_local = pb + gb, ob
-        elif zero == 2:
-            per_full, per_local = pb, gb + ob
-        else:
-            per_full, per_local = 0.0, pb + gb + ob
-        gather = (2 * pb + gb) if zero == 3 else 0.0
+        per_full, per_local, gather = _state_factors(zero, *cand[12:15])
         states = [
             per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
             for pd, pe, layer in prof["params_rows"]
@@ -443,88 +463,105 @@ class TrainCostModel:
             "weights": pb * (full if zero < 3 else local),
             "gradients": gb * (full if zero < 2 else local),
             "optimizer_states": ob * (full if zero == 0 else local),
-            "zero3_gather_buffers": (2 * pb + gb) * (st["layer_split_dense"] + st["layer_expert"]) if zero == 3 else 0.0,
+            "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] if zero == 3 else 0.0,
         }
 
     def _dp_comm(self, prof: dict, d: dict, cand: tuple) -> None:
-        """Data-parallel traffic and optimiser time of one (profile, ZeRO, dtypes), into ``d``."""
+        """Exposed data-parallel time and optimiser time of one (profile, ZeRO, dtypes), into ``d``:
+        the traffic (``_dp_traffic``) set against this profile's compute windows."""
+        o = self.options
+        slow, n_mb = prof["slow"], prof["n_mb"]
+        r = self._dp_traffic(prof, cand)
+        win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
+        win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
+        if cand[8] == 3:
+            per_mb = r["per_mb_s"]
+            # the first layer's gather cannot be prefetched; the rest hides behind the micro-batch's compute
+            exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + r["first_gather_s"])
+            exposed += max(0.0, r["replica_s"] - win_b)
+            total = n_mb * per_mb + r["replica_s"]
+            nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
+        else:
+            exposed = max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
+            total = r["reduce_s"] + r["gather_s"]
+            nbytes, nic = r["step_bytes"], r["step_nic"]
+        d.update(
+            exposed_s=exposed + r["tied_s"] + r["optimizer_s"],
+            optimizer_s=r["optimizer_s"],
+            total_s=total + r["tied_s"],
+            bytes=nbytes,
+            nic=nic,
+            tier=r["tier"],
+        )
+
+    def _dp_traffic(self, prof: dict, cand: tuple) -> dict:
+        """Data-parallel collectives of the stage with the most parameters: seconds and bytes
+        (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
+        it is shared by every micro-batch size and recomputation mode."""
         tp, cp, pp, dp, ep = prof["key"][:5]
         zero, dp_shard = cand[8], cand[9]
+        key = (tp, cp, pp, dp, ep, zero, dp_shard) + cand[12:15]
+        cached = self._traffic.get(key)
+        if cached is not None:
+            return cached
         p_dt, g_dt, o_dt = cand[12:15]
-        o = self.options
-        n_mb = prof["n_mb"]
-        slow = prof["slow"]
         pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
         ob = optimizer_bytes_per_param(p_dt, o_dt)
         shard = (dp_shard or dp) if zero else 1
         n_dense = shard * cp if zero else 1
         edp = dp * cp // ep
         n_exp = max(1, shard * cp // ep) if zero else 1
-        win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
-        win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
         big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
         pd, pe = big["params_dense"], big["params_expert"]
         dense_t = self.tier(dp * cp, tp)
         exp_t = self.tier(edp, tp * ep)
-        tier_name = dense_t.name
+        r = {"tier": dense_t.name, "reduce_s": 0.0, "gather_s": 0.0, "per_mb_s": 0.0, "first_gather_s": 0.0,
+             "replica_s": 0.0, "per_mb_bytes": 0.0, "per_mb_nic": 0.0, "step_bytes": 0.0, "step_nic": 0.0}
         if zero == 0:
-            total = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
-            exposed = max(0.0, total - win_b)
+            r["reduce_s"] = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
             b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
-            nbytes, nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+            r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
         elif zero in (1, 2):
-            rs = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
-            ag = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
-            total = rs + ag
-            exposed = max(0.0, rs - win_b) + max(0.0, ag - win_f)
+            r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
+            r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
             b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
             b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
-            nbytes, nic = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+            r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
         else:
             sd_t = self.tier(shard * cp, tp)
-            tier_name = sd_t.name
+            r["tier"] = sd_t.name
             se_n = max(1, shard * cp // ep)
             se_t = self.tier(se_n, tp * ep)
             # FSDP gathers and reduces layer by layer: one collective's latency per layer each
-            nl = max(1, slow["layers"])
+            nl = max(1, big["layers"])
             per_mb = nl * (
                 2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
                 + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
             )
-            first_gather = per_mb / (3.0 * nl)  # the first layer's gather cannot be prefetched
-            total = n_mb * per_mb
-            exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + first_gather)
+            r["per_mb_s"], r["first_gather_s"] = per_mb, per_mb / (3.0 * nl)
             b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
             b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
-            nbytes, nic = n_mb * (b1 + b2), n_mb * (comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t))
+            r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
             replicas = dp // shard
             if replicas > 1:
                 rep_t = self.tier(replicas, tp * cp * shard)
-                ar = comm.all_reduce_s(gb * (pd / (shard * cp) + pe / se_n), replicas, rep_t)
-                total += ar
-                exposed += max(0.0, ar - win_b)
-                b3 = comm.ring_all_reduce_bytes(gb * (pd / (shard * cp) + pe / se_n), replicas)
-                nbytes += b3
-                nic += comm.nic_bytes(b3, rep_t)
+                local = gb * (pd / (shard * cp) + pe / se_n)
+                r["replica_s"] = comm.all_reduce_s(local, replicas, rep_t)
+                b3 = comm.ring_all_reduce_bytes(local, replicas)
+                r["step_bytes"], r["step_nic"] = b3, comm.nic_bytes(b3, rep_t)
                 if rep_t.name == "inter":
-                    tier_name = "inter"
+                    r["tier"] = "inter"
+        r["tied_s"] = 0.0
         if pp > 1 and self.model.tied_embeddings:
+            # the first and last stages hold copies of the tied embedding: all-reduce its gradient
             emb_t = self.tier(2, dp * cp * tp * (pp - 1))
-            tied = comm.all_reduce_s(gb * self.vocab_h / tp, 2, emb_t)
-            total += tied
-            exposed += tied
+            r["tied_s"] = comm.all_reduce_s(gb * self.vocab_h / tp, 2, emb_t)
             b4 = comm.ring_all_reduce_bytes(gb * self.vocab_h / tp, 2)
-            nbytes += b4
-            nic += comm.nic_bytes(b4, emb_t)
-        optimizer_s = memory_bound_time_s(self.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
-        d.update(
-            exposed_s=exposed + optimizer_s,
-            optimizer_s=optimizer_s,
-            total_s=total,
-            bytes=nbytes,
-            nic=nic,
-            tier=tier_name,
-        )
+            r["step_bytes"] += b4
+            r["step_nic"] += comm.nic_bytes(b4, emb_t)
+        r["optimizer_s"] = memory_bound_time_s(self.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
+        self._traffic[key] = r
+        return r
 
     # --- one layout ------------------------------------------------------------------------------------
     def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
@@ -536,8 +573,15 @@ class TrainCostModel:
         cand = self.key(layout) if isinstance(layout, Layout) else layout
         return self._evaluate(cand, True)
 
-    def _evaluate(self, cand: tuple, detail: bool):
+    def _evaluate(self, cand: tuple, detail: bool = False):
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+        if not detail:
+            floor = self._floors.get(cand[:5] + cand[8:10] + cand[12:15])
+            if floor is None:
+                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:15])
+            if floor > self.capacity:
+                # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
+                return -floor, STATES_DO_NOT_FIT, None
         pkey = cand[:8]
         if pkey == self._last_pkey:
             prof = self._last_prof
@@ -549,31 +593,29 @@ class TrainCostModel:
         if d is None:
             d = prof["dp"][dkey] = self._dp_entry(prof, cand)
         if not detail and d["floor_bytes"] > self.capacity:
-            # hopeless whatever the schedule; rank such layouts by how close they come to fitting
-            return -d["floor_bytes"], STATES_DO_NOT_FIT, None
+            # no schedule brings this below capacity: one micro-batch's buffers already overflow
+            return -d["floor_bytes"], ACTIVATIONS_DO_NOT_FIT, None
         if d["exposed_s"] is None:
-            # ZeRO-1 and ZeRO-2 move the same bytes: compute once, share
-            twin = prof["dp"].get((3 - zero, dp_shard) + cand[12:]) if zero in (1, 2) else None
-            if twin is not None and twin["exposed_s"] is not None:
-                d.update({k: twin[k] for k in _DP_COMM_KEYS})
-            else:
-                self._dp_comm(prof, d, cand)
+            self._dp_comm(prof, d, cand)
         n_mb = prof["n_mb"]
 
         # --- memory: every stage kind, keep the worst ---------------------------------------------
         peak, worst, worst_inflight = -1.0, None, 0.0
         base = d["base_bytes"]
+        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
         for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
-            inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
-            act = inflight * act_mb + fixed
-            total = states + act * (1.0 + FRAGMENTATION) + base
+            if simple:
+                inflight = pp - index if pp - index < n_mb else n_mb
+            else:
+                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
+            total = states + (inflight * act_mb + fixed) * _GROWTH + base
             if total > peak:
                 peak, worst, worst_inflight = total, kind, inflight
         fits = peak <= self.capacity
 
         # --- time ------------------------------------------------------------------------------------
         t_mb = prof["t_mb"]
-        idle = bubble_time_units(schedule, pp, v)
+        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
         p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"] if pp > 1 else 0.0
         step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
         tokens_per_s = prof["tokens"] / step
@@ -614,9 +656,14 @@ class TrainCostModel:
             "pp": self.tier(pp, dp * cp * tp).name if pp > 1 else "intra",
             "dp": d["tier"],
         }
+        # per-micro-batch communication in the bubble is part of the bubble, not counted again here
         exposed_axis = {
-            "tp": (n_mb + idle) * slow["tp_s"], "cp": (n_mb + idle) * slow["cp_s"], "ep": (n_mb + idle) * slow["ep_s"],
+            "tp": n_mb * slow["tp_s"], "cp": n_mb * slow["cp_s"], "ep": n_mb * slow["ep_s"],
             "pp": p2p, "dp": d["exposed_s"] - d["optimizer_s"],
+        }
+        total_axis = {
+            "tp": n_mb * slow["tp_total_s"], "cp": n_mb * slow["cp_total_s"], "ep": n_mb * slow["ep_s"],
+            "pp": p2p, "dp": d["total_s"],
         }
         bytes_axis = {
             "tp": n_mb * slow["tp_bytes"], "cp": n_mb * slow["cp_bytes"], "ep": n_mb * slow["ep_bytes"],
@@ -636,7 +683,7 @@ class TrainCostModel:
         reason = None
         cap = self.capacity / GIB
         where = "the device" if worst == "only" else f"the {worst} pipeline stage"
-        if not fits and d["floor_bytes"] > self.capacity:
+        if not fits and self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:15]) > self.capacity:
             states_gib = sum(self._state_parts(prof, cand, worst).values()) / GIB
             reason = (
                 f"weights, gradients and optimizer states alone need {states_gib:.1f} GiB of {cap:.1f} GiB on {where}"
@@ -675,7 +722,8 @@ class TrainCostModel:
                 "exposed_s": sum(exposed_axis.values()),
                 "exposed_s_by_link": exposed_link,
                 "exposed_s_by_axis": exposed_axis,
-                "dp_total_s": d["total_s"],
+                "total_s_by_axis": total_axis,
+                "hidden_s_by_axis": {k: max(0.0, total_axis[k] - exposed_axis[k]) for k in total_axis},
                 "link_by_axis": axis_tier,
             },
             "bubble_fraction": idle / (n_mb + idle) if idle else 0.0,
@@ -705,6 +753,20 @@ class TrainCostModel:
         if exposed["tp"] / step > 0.25 and layout.tp <= per_node:
             out.append(f"tensor-parallel all-reduces take {exposed['tp'] / step:.0%} of the step")
         return out
+
+
+def _state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
+    """Bytes per parameter held in full, bytes per parameter sharded over the ZeRO group, and
+    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``."""
+    pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
+    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    if zero == 0:
+        return pb + gb + ob, 0.0, 0.0
+    if zero == 1:
+        return pb + gb, ob, 0.0
+    if zero == 2:
+        return pb, gb + ob, 0.0
+    return 0.0, pb + gb + ob, 2 * pb + gb
 
 
 def optimizer_bytes_per_param(param_dtype: str = "bf16", optim_dtype: str = "fp32") -> float:
