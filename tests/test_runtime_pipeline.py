@@ -397,6 +397,9 @@ FOUR_RANK_CASES = {
     "verify: pp2 x dp2 gpipe": dict(model="tiny-llama", layout=f"pp=2,dp=2,gbs=8,schedule=gpipe,{BASE}"),
     "verify: pp2 x dp2 zero1 1f1b": dict(model="tiny-llama", layout=f"pp=2,dp=2,zero=1,gbs=8,schedule=1f1b,{BASE}"),
     "verify: pp2 x dp2 fsdp 1f1b": dict(model="tiny-llama", layout=f"pp=2,dp=2,fsdp,gbs=8,schedule=1f1b,{BASE}"),
+    # the context-parallel chunk's zig-zag positions reach every stage (runner.step(positions=...))
+    "verify: pp2 x cp2 1f1b": dict(model="tiny-llama", layout=f"pp=2,cp=2,gbs=4,schedule=1f1b,{BASE}"),
+    "verify: tiny-moe pp2 x dp2 x ep2": dict(model="tiny-moe", layout=f"pp=2,dp=2,ep=2,gbs=8,schedule=1f1b,{BASE}"),
     "verify: tp2 x pp2 zero-bubble tied checkpoint": dict(
         model="TIED_CKPT", layout=f"tp=2,pp=2,gbs=4,schedule=zero-bubble,{BASE}"
     ),
