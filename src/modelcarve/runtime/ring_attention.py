@@ -20,7 +20,8 @@ partial result for its queries against those keys; meanwhile it already sends th
 rank ``i+1`` and receives the next one from ``i-1`` (point-to-point ``isend``/``irecv`` issued
 through ``batch_isend_irecv``, so the transfer overlaps the compute). With the zig-zag order, only three block shapes occur:
 
-* ``j == i``: the local block, ordinary lower-triangular causal mask;
+* ``j == i``: the local block, causal; the first query chunk never sees the second kv chunk,
+  so it is three tiles (two causal diagonal ones and one full) and the masked quarter is skipped;
 * ``j <  i``: every local query sees the first kv chunk (chunk ``j``) completely, the second
   kv chunk (``2cp-1-j``) not at all;
 * ``j >  i``: only the second local query chunk (``2cp-1-i``) sees the kv block, completely.
@@ -172,14 +173,17 @@ def _block_backward(q5, k, v, dout, lse, delta, scale, causal):
     return dq, dk, dv
 
 
-def _block_slices(src: int, rank: int, c: int):
-    """(query rows, kv columns, causal) that a kv block from ``src`` contributes to (zig-zag)."""
-    everything = slice(None)
+def _tiles(src: int, rank: int, c: int):
+    """The (query rows, kv columns, causal) tiles a kv block from rank ``src`` contributes to.
+
+    Local sequences are two chunks of ``c`` tokens (zig-zag). On the diagonal the first query
+    chunk never sees the second kv chunk, so that quarter is skipped, not computed and masked."""
+    first, second, every = slice(0, c), slice(c, None), slice(None)
     if src == rank:
-        return everything, everything, True
+        return [(first, first, True), (second, first, False), (second, second, True)]
     if src < rank:
-        return everything, slice(0, c), False
-    return slice(c, None), everything, False
+        return [(every, first, False)]
+    return [(second, every, False)]
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -202,16 +206,14 @@ class _RingAttention(torch.autograd.Function):
         acc = _acc_dtype(q)
         q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, dqk)
         kv = torch.cat([k, v], dim=-1)  # one message per hop; d_v may differ from d_qk
-        out = lse = None
+        out = torch.zeros(b, hkv, hq // hkv, s, dv, dtype=acc, device=q.device)
+        lse = torch.full((b, hkv, hq // hkv, s), float("-inf"), dtype=acc, device=q.device)
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
-            rows, cols, causal = _block_slices(src, ring.rank, c)
             kf, vf = kv.to(acc).split([dqk, dv], dim=-1)
-            out_b, lse_b = _block_forward(q5[..., rows, :], kf[..., cols, :], vf[..., cols, :], scale, causal)
-            if out is None:
-                out, lse = out_b, lse_b  # the local block covers every row
-            else:
+            for rows, cols, causal in _tiles(src, ring.rank, c):
+                out_b, lse_b = _block_forward(q5[..., rows, :], kf[..., cols, :], vf[..., cols, :], scale, causal)
                 _merge(out[..., rows, :], lse[..., rows], out_b, lse_b)
             if transfer is not None:
                 kv = transfer.wait()
@@ -243,19 +245,18 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
-            rows, cols, causal = _block_slices(src, ring.rank, c)
             kf, vf = kv.to(acc).split([dqk, dv], dim=-1)
-            dq_b, dk_b, dv_b = _block_backward(
-                q5[..., rows, :], kf[..., cols, :], vf[..., cols, :],
-                dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal,
-            )
-            dq[..., rows, :] += dq_b
-            if dkv_transfer is None:  # step 0: our own block, first contribution
-                dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            else:
-                dkv = dkv_transfer.wait()
-            dkv[..., cols, :dqk] += dk_b
-            dkv[..., cols, dqk:] += dv_b
+            grad_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            for rows, cols, causal in _tiles(src, ring.rank, c):
+                dq_b, dk_b, dv_b = _block_backward(
+                    q5[..., rows, :], kf[..., cols, :], vf[..., cols, :],
+                    dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal,
+                )
+                dq[..., rows, :] += dq_b
+                grad_kv[..., cols, :dqk] += dk_b
+                grad_kv[..., cols, dqk:] += dv_b
+            # step 0 is our own block's first contribution; later ones add to the arriving sum
+            dkv = grad_kv if dkv_transfer is None else dkv_transfer.wait().add_(grad_kv)
             if ring.size > 1:
                 dkv_transfer = ring.start(dkv, _TAG_DKV)
             if transfer is not None:
