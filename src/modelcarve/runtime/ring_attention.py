@@ -18,7 +18,8 @@ The ring
 Step ``t = 0 .. cp-1``: rank ``i`` holds the K/V of rank ``j = (i - t) mod cp`` and computes a
 partial result for its queries against those keys; meanwhile it already sends that block to
 rank ``i+1`` and receives the next one from ``i-1`` (point-to-point ``isend``/``irecv`` issued
-through ``batch_isend_irecv``, so the transfer overlaps the compute). With the zig-zag order, only three block shapes occur:
+through ``batch_isend_irecv``, so the transfer overlaps the compute). With the zig-zag order,
+only three block shapes occur:
 
 * ``j == i``: the local block, causal; the first query chunk never sees the second kv chunk,
   so it is three tiles (two causal diagonal ones and one full) and the masked quarter is skipped;
