@@ -92,16 +92,16 @@ class TrainGoal:
 
     def evaluate(self, model: "ModelSpec", cluster: "ClusterSpec", candidate, **options) -> dict:
         if isinstance(candidate, Layout):
-            candidate.validate(model, cluster)
             options = dict(options)
-            options.setdefault("global_batch", candidate.global_batch)
-            options.setdefault("seq", candidate.seq)
-            if options.get("global_batch") != candidate.global_batch and candidate.gbs:
-                raise LayoutError(
-                    f"the layout says gbs={candidate.gbs} but the global batch given is {options['global_batch']}; drop one"
-                )
-            if options.get("seq") != candidate.seq:
+            gbs = options.get("global_batch")
+            if gbs and candidate.gbs and gbs != candidate.gbs:
+                raise LayoutError(f"the layout says gbs={candidate.gbs} but the global batch given is {gbs}; drop one")
+            if gbs and not candidate.gbs:
+                candidate = candidate.replace(gbs=gbs)
+            if options.get("seq") and options["seq"] != candidate.seq:
                 candidate = candidate.replace(seq=options["seq"])
+            candidate.validate(model, cluster)  # also checks the batch divides into micro-batches
+            options["global_batch"], options["seq"] = candidate.global_batch, candidate.seq
         cost = self.cost_model(model, cluster, **options)
         return cost.estimate(candidate)
 
@@ -135,7 +135,7 @@ def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
         "optimizer": ("the optimizer step", t["optimizer_s"]),
     }
     for axis, seconds in c["exposed_s_by_axis"].items():
-        link = "over the nodes' NICs" if c["link_by_axis"][axis] == "inter" else "inside the node"
+        link = "across nodes" if c["link_by_axis"][axis] == "inter" else "inside the node"
         parts[axis] = (f"exposed {_AXIS_NAMES[axis]} {link}", seconds)
     return parts
 

@@ -736,7 +736,7 @@ class TrainCostModel:
         cl = self.cluster
         per_node = cl.devices_per_node
         out = []
-        nic = cl.inter_link.name
+        nic = link_words(cl.inter_link.name)
         if layout.tp > per_node:
             out.append(
                 f"tp={layout.tp} spans {layout.tp // per_node} nodes: its all-reduces over {nic} take "
@@ -753,6 +753,14 @@ class TrainCostModel:
         if exposed["tp"] / step > 0.25 and layout.tp <= per_node:
             out.append(f"tensor-parallel all-reduces take {exposed['tp'] / step:.0%} of the step")
         return out
+
+
+def link_words(name: str) -> str:
+    """A catalogue link name as a sentence says it (``ib-hdr`` -> ``InfiniBand HDR``)."""
+    kind, _, rest = name.partition("-")
+    words = {"ib": "InfiniBand", "eth": "Ethernet", "nvlink3": "NVLink 3", "nvlink4": "NVLink 4",
+             "nvlink5": "NVLink 5", "pcie4": "PCIe 4", "pcie5": "PCIe 5", "xgmi": "Infinity Fabric"}
+    return f"{words.get(kind, kind)} {rest.upper()}".strip() if kind in words else name
 
 
 def _state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
