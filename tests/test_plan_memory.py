@@ -90,3 +90,38 @@ def test_estimate_model_states_match_hand_count():
     assert bd["activations"] == pytest.approx(8 * 12 * 2 * s * b * h, rel=1e-6)
     assert est["memory"]["peak_bytes"] == sum(bd.values())
     assert est["fits"] == (est["memory"]["peak_bytes"] <= est["memory"]["capacity_bytes"])
+
+
+def test_moe_expert_weights_shard_over_ep_and_expert_data_parallel_group():
+    # Mixtral 8x7B, PP4 TP1 DP16 EP8, ZeRO-1 over dp=16: experts split 8 ways, their optimizer
+    # state over the expert-data-parallel group of 16/8 = 2; dense weights' state over 16
+    from modelcarve.spec.catalog import get_model
+
+    model = get_model("mixtral-8x7b")
+    cluster = parse_cluster("8x8xH100")
+    layout = Layout.parse("pp=4,dp=16,ep=8,zero=1,mbs=1,gbs=256,seq=4096,schedule=interleaved,v=8")
+    est = TrainCostModel(model, cluster, TrainOptions(global_batch=256, seq=4096)).estimate(layout)
+    h, V = model.hidden_size, model.vocab_size
+    per_layer_dense = model.attention_params + model.router_params + 2 * h  # two RMSNorms
+    experts = 8 * model.expert_params / 8  # one expert per rank
+    stage = est["memory"]["worst_stage"]
+    dense = 8 * per_layer_dense + {"first": V * h, "last": V * h + h, "middle": 0}[stage]
+    bd = est["memory"]["breakdown"]
+    assert bd["weights"] == pytest.approx(2 * (dense + 8 * experts), rel=1e-9)
+    assert bd["gradients"] == pytest.approx(4 * (dense + 8 * experts), rel=1e-9)
+    assert bd["optimizer_states"] == pytest.approx(12 * (dense / 16 + 8 * experts / 2), rel=1e-9)
+
+
+def test_zero3_shards_over_dp_times_cp_and_hsdp_over_its_shard_group():
+    cluster = parse_cluster("8x8xA100-80GB")
+    cost = TrainCostModel(GPT, cluster, TrainOptions(global_batch=64, seq=4096))
+    total = GPT.total_params
+    fsdp = cost.estimate(Layout.parse("dp=32,cp=2,zero=3,mbs=1,gbs=64,seq=4096,recompute=full"))
+    # pp=1: one stage holds every parameter; ZeRO-3 shards all 16+2 bytes over dp x cp = 64
+    bd = fsdp["memory"]["breakdown"]
+    assert bd["weights"] + bd["gradients"] + bd["optimizer_states"] == pytest.approx(18 * total / 64, rel=1e-9)
+    hsdp = cost.estimate(Layout.parse("dp=32,cp=2,hsdp=8,mbs=1,gbs=64,seq=4096,recompute=full"))
+    # 8 replicas of a 4-way shard group (x cp = 8)
+    bd = hsdp["memory"]["breakdown"]
+    assert bd["weights"] + bd["gradients"] + bd["optimizer_states"] == pytest.approx(18 * total / 8, rel=1e-9)
+    assert hsdp["comm"]["link_by_axis"]["dp"] == "inter"
