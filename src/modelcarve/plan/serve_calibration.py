@@ -14,10 +14,11 @@ layout the publisher ran (tp, pp, weight and KV dtype), the request shape and ei
   chooses the batch (the largest that fits in memory, up to its ``max_batch``); or
 * ``tpot_ms`` at a stated concurrency: predicted by ``serve-latency`` at that batch.
 
-One constant is fitted to one row: ``serve_time.DECODE_HBM_EFFICIENCY`` (0.73) to the vLLM
-A100 batch-1 latency (source ``vllm-a100``). Every other row is a check: the prediction uses the
-constants the planner always uses (plan.efficiency, plan.comm, plan.serve_memory), with their
-own sources.
+Each row has a ``role``: ``fit`` rows are the ones the three decode constants of
+``serve_time`` (DECODE_HBM_EFFICIENCY, LAYER_OVERHEAD_S, ALLREDUCE_FLOOR_S) were fitted to
+(``fit_decode_constants`` here; ``benchmarks/calibrate_serving.py --fit`` prints the fit);
+``check`` rows are independent checks; ``excluded`` rows are shown but not used, for the reason in
+their note. Every prediction uses the constants the planner always uses.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from modelcarve.spec.layout import Layout
 
 TOLERANCE = 0.20
 """Relative error the issue asks of every calibration row."""
-FIT_SOURCES = ("vllm-a100",)
-"""Rows a constant was fitted to (not an independent check)."""
+ROLES = ("fit", "check", "excluded")
 
 
 def load_published(path: str | Path) -> list[dict]:
@@ -104,6 +104,72 @@ def calibrate(path: str | Path) -> list[dict]:
                 "batch": pred["batch"],
                 "bound": pred["bound"],
                 "note": row.get("note", ""),
+                "role": row.get("role") or "check",
             }
         )
     return rows
+
+
+def fit_decode_constants(path: str | Path, *, grid: int = 41) -> dict:
+    """Least-squares (in log error) fit of DECODE_HBM_EFFICIENCY, LAYER_OVERHEAD_S and
+    ALLREDUCE_FLOOR_S to the ``fit`` rows, all batch-1 decode latencies (tpot_ms).
+
+    At batch 1 a decode step is ``read / (hbm x eff) + layers x overhead + all-reduces x
+    max(floor, algorithmic all-reduce) + logits gather``; the pieces that do not depend on the
+    three constants are taken from the planner itself, then a grid over the constants is searched."""
+    from modelcarve.plan import serve_time as st
+
+    saved = (st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S)
+    pieces = []
+    try:
+        st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S = 1.0, 0.0, 0.0
+        _clear_caches()
+        for row in load_published(path):
+            if (row.get("role") or "check") != "fit":
+                continue
+            if row["metric"] != "tpot_ms" or int(row["concurrency"]) != 1 or int(row["pp"]) != 1:
+                raise SpecError(f"fit rows must be batch-1 tpot_ms rows without pp; got {row}")
+            model = get_model(row["model"])
+            tp = int(row["tp"])
+            cluster = parse_cluster(f"{int(row['devices'])}x{row['device']}")
+            t = st.serve_time(model, cluster, tp=tp, weight_dtype=row["weight_dtype"], kv_dtype=row["kv_dtype"],
+                              batch=1, input_len=int(row["input_len"]), output_len=int(row["output_len"]))
+            parts = t.decode_parts
+            count = 2 * model.num_layers if tp > 1 else 0
+            gather = 0.0
+            per_ar = 0.0
+            if tp > 1:
+                from modelcarve.plan import comm
+
+                tier = comm.group_tier(cluster, tp, 1)
+                gather = comm.all_gather_s(model.vocab_size * 2, tp, tier)
+                per_ar = (parts["tp"] - gather) / count
+            pieces.append((parts["memory"], model.num_layers, count, per_ar, gather, float(row["value"]) / 1e3))
+    finally:
+        st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S = saved
+        _clear_caches()
+    import math
+
+    best = None
+    for i in range(grid):
+        eff = 0.55 + 0.40 * i / (grid - 1)
+        for j in range(grid):
+            overhead = 80e-6 * j / (grid - 1)
+            for k in range(grid):
+                floor = 60e-6 * k / (grid - 1)
+                err = 0.0
+                for mem, layers, count, per_ar, gather, measured in pieces:
+                    pred = mem / eff + layers * overhead + count * max(floor, per_ar) + gather
+                    err += math.log(pred / measured) ** 2
+                if best is None or err < best[0]:
+                    best = (err, eff, overhead, floor)
+    err, eff, overhead, floor = best
+    return {"DECODE_HBM_EFFICIENCY": eff, "LAYER_OVERHEAD_S": overhead, "ALLREDUCE_FLOOR_S": floor,
+            "rms_log_error": math.sqrt(err / len(pieces)), "rows": len(pieces)}
+
+
+def _clear_caches() -> None:
+    from modelcarve.plan import serve_memory, serve_time
+
+    for cache in (serve_memory._FACTS, serve_time._CTX, serve_time._LINES):
+        cache.clear()

@@ -60,7 +60,7 @@ from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
 
-DECODE_HBM_EFFICIENCY = 0.73
+DECODE_HBM_EFFICIENCY = 0.80
 """Achievable fraction of datasheet HBM bandwidth in decode (GEMV weight streaming, paged KV
 attention). The one constant of the serving model fitted to a published measurement: vLLM
 decoding Llama-3.1-8B bf16 alone on an A100-40GB at 75 tokens/s (13.3 ms for ~15 GB read) is
@@ -68,6 +68,15 @@ decoding Llama-3.1-8B bf16 alone on an A100-40GB at 75 tokens/s (13.3 ms for ~15
 "roughly 77% of the memory-bandwidth ceiling"). It is lower than the 0.8 of STREAM-like copies
 (``plan.efficiency.HBM_EFFICIENCY``, used here for prefill's weight read) because decode kernels
 are short and many. Every other calibration row (docs/calibration_serving.md) is a check, not a fit."""
+
+LAYER_OVERHEAD_S = 41e-6
+"""Fixed seconds per layer per decode step on top of the rooflines: the ~10 kernels of a layer
+each cost a few microseconds of launch, tail and synchronisation however little they move
+(CUDA graphs remove the CPU launch, not the GPU-side gaps). Fitted with ALLREDUCE_FLOOR_S to
+gpt-fast's batch-1 tensor-parallel sweep (benchmarks/calibrate_serving.py --fit)."""
+ALLREDUCE_FLOOR_S = 10.5e-6
+"""Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
+flag exchange, completion), seconds. Fitted with LAYER_OVERHEAD_S (see above)."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, comm.Tier] = {}
@@ -118,9 +127,9 @@ def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
     if tier.name == "intra":
         one_shot = 2 * tier.latency_s + (n - 1) * size_bytes / tier.bytes_per_s
         two_shot = 4 * tier.latency_s + bw
-        return min(ring, one_shot, two_shot)
+        return max(ALLREDUCE_FLOOR_S, min(ring, one_shot, two_shot))
     tree = 2 * math.ceil(math.log2(n)) * tier.latency_s + bw
-    return min(ring, tree)
+    return max(ALLREDUCE_FLOOR_S, min(ring, tree))
 
 
 def device_dtype(device, dtype: str) -> str:
@@ -154,7 +163,7 @@ class ServeTime:
     tokens_per_s_per_device: float
     tokens_per_s_cluster: float
     bound: str
-    """What the decode step is limited by: 'memory', 'compute' or 'communication'."""
+    """The largest share of the decode step: 'memory', 'compute', 'communication' or 'overhead'."""
     bubble: float
     """Fraction of a decode round pipeline stages sit idle."""
     weights_read_bytes: float
@@ -228,8 +237,11 @@ class _Ctx:
     eff_key: tuple = ()
     """(device, n, k, dtype) of the representative GEMM, for the efficiency memo."""
     comm_lines: tuple = ()
-    """Per axis ('tp', 'ep', 'pp'): the affine pieces (latency s, s per sequence) whose minimum
-    (tp: the cheapest all-reduce algorithm) or sum is that axis's time per decode step."""
+    """Per axis ('tp', 'ep', 'pp'): (count, pieces, floor, extra): ``count`` collectives per
+    step, each taking the cheapest of the affine ``pieces`` (latency s, s per sequence) but no
+    less than ``floor``, plus an ``extra`` affine term (tp: the logits all-gather)."""
+    fixed_s: float = 0.0
+    """Per-layer fixed overhead of the stage's decode step (LAYER_OVERHEAD_S x layers)."""
     prefill_s: float = -1.0
     """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
     prefill_token_s: float = -1.0
@@ -305,15 +317,16 @@ def _decode_coefficients(c: _Ctx) -> None:
     c.k_attn_elem = c.k_attn + c.k_elem
     c.expert_miss = 1.0 - m.top_k / m.num_experts if m.num_experts else 1.0
     c.eff_key = (c.device.name, c.n_gemm, h, c.compute_dtype)
+    c.fixed_s = f.stage_layers * LAYER_OVERHEAD_S
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
-    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers)
+    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S)
     cached = _LINES.get(key)
     if cached is not None and cached[0] is m:
         c.comm_lines = cached[1]
         return
     lines = []
     if c.tp > 1:
-        n, tier, layers = c.tp, c.tier_tp, 2 * f.stage_layers
+        n, tier = c.tp, c.tier_tp
         gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, tier))
         algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
         bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
@@ -322,13 +335,13 @@ def _decode_coefficients(c: _Ctx) -> None:
             algorithms.append((4 * tier.latency_s, bw))  # two-shot
         else:
             algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
-        lines.append(("tp", tuple((layers * a + gather[0], layers * s_ + gather[1]) for a, s_ in algorithms)))
+        lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), ALLREDUCE_FLOOR_S, gather))
     if c.ep > 1 and f.stage_moe_layers:
         size = m.top_k * h * ACT_BYTES * MOE_IMBALANCE
         a2a = _affine(lambda b: comm.all_to_all_s(b * size, c.ep, c.tier_ep))
-        lines.append(("ep", ((2 * f.stage_moe_layers * a2a[0], 2 * f.stage_moe_layers * a2a[1]),)))
+        lines.append(("ep", 2 * f.stage_moe_layers, (a2a,), 0.0, (0.0, 0.0)))
     if c.pp > 1:
-        lines.append(("pp", (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, c.tier_pp)),)))
+        lines.append(("pp", 1, (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, c.tier_pp)),), 0.0, (0.0, 0.0)))
     c.comm_lines = tuple(lines)
     if len(_LINES) > 100_000:
         _LINES.clear()
@@ -355,29 +368,29 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     if eff is None:
         eff = _EFF_CACHE[(c.eff_key, m_tile)] = gemm_efficiency(c.device, m_tile, c.n_gemm, c.model.hidden_size, c.compute_dtype)
     gemm_cmp = b * c.k_gemm / (c.peak * eff)
-    step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * c.k_attn_elem
+    step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * c.k_attn_elem + c.fixed_s
     if not detail:
-        for _, pieces in c.comm_lines:
+        for _, count, pieces, floor, extra in c.comm_lines:
             best = None
             for a, slope in pieces:
                 t = a + slope * b
                 if best is None or t < best:
                     best = t
-            step += best
+            step += count * (best if best > floor else floor) + extra[0] + extra[1] * b
         return step
     comm_s = {}
-    for axis, pieces in c.comm_lines:
-        t = min(a + slope * b for a, slope in pieces)
+    for axis, count, pieces, floor, extra in c.comm_lines:
+        t = count * max(floor, min(a + slope * b for a, slope in pieces)) + extra[0] + extra[1] * b
         comm_s[axis] = t
         step += t
     m, f = c.model, c.f
     h = m.hidden_size
-    roof = step - sum(comm_s.values())
+    roof = step - sum(comm_s.values()) - c.fixed_s
     attn_mem = b * c.mean_ctx * f.kv_bytes_per_token / c.hbm
     attn_cmp = b * c.mean_ctx * c.attn_flops_per_ctx / c.attn_peak
     parts = {
         "roofline": roof, "memory": gemm_mem + attn_mem + b * c.k_elem, "compute": gemm_cmp + attn_cmp,
-        "tp": comm_s.get("tp", 0.0), "ep": comm_s.get("ep", 0.0), "pp": comm_s.get("pp", 0.0),
+        "overhead": c.fixed_s, "tp": comm_s.get("tp", 0.0), "ep": comm_s.get("ep", 0.0), "pp": comm_s.get("pp", 0.0),
     }
     act = b * h * ACT_BYTES
     sent = {
@@ -472,11 +485,11 @@ def _serve_time(c: _Ctx, batch: int) -> ServeTime:
     _, parts, weights_read, sent = _stage_step(c, b, detail=True)
     round_s, tpot, ttft, group = _rates(c, batch)
     slots = max(micro, c.pp)
-    comm_parts = parts["tp"] + parts["ep"] + parts["pp"]
-    if comm_parts > parts["roofline"]:
-        bound = "communication"
-    else:
-        bound = "memory" if parts["memory"] >= parts["compute"] else "compute"
+    # The largest share of the step names what bounds it; "overhead" is the fixed per-layer
+    # cost (kernel launches and gaps) that dominates when each device has little to do.
+    roof_kind = "memory" if parts["memory"] >= parts["compute"] else "compute"
+    shares = {roof_kind: parts["roofline"], "communication": parts["tp"] + parts["ep"] + parts["pp"], "overhead": parts["overhead"]}
+    bound = max(shares, key=shares.get)
     round_parts = {k: v * slots for k, v in parts.items()}
     tiers = {"tp": (c.tp, c.tier_tp), "ep": (c.ep, c.tier_ep), "pp": (c.pp, c.tier_pp)}
     comm_info = {
