@@ -42,8 +42,9 @@ The model (all per device, the fullest pipeline stage):
   output`` tokens in ``output`` rounds plus their own ``B`` prefills; reported per model
   replica (``ep`` groups share experts), per device and per cluster (``dp`` groups).
 
-Achievable rates: ``DECODE_HBM_EFFICIENCY`` of the datasheet HBM bandwidth in decode (fitted,
-see below), ``plan.efficiency.HBM_EFFICIENCY`` for prefill's weight read, and the training
+Fitted constants (three, to eight published batch-1 latencies; see DECODE_HBM_EFFICIENCY):
+the achievable HBM fraction in decode, a fixed per-layer overhead per decode step, and a floor
+under every all-reduce. Otherwise: ``plan.efficiency.HBM_EFFICIENCY`` for prefill's weight read, and the training
 planner's ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in (fp8 for fp8
 weights, int8 for W8A8, bf16 for W4A16 int4; ``plan.quant``).
 """
@@ -62,21 +63,21 @@ from modelcarve.spec.model import ModelSpec
 
 DECODE_HBM_EFFICIENCY = 0.80
 """Achievable fraction of datasheet HBM bandwidth in decode (GEMV weight streaming, paged KV
-attention). The one constant of the serving model fitted to a published measurement: vLLM
-decoding Llama-3.1-8B bf16 alone on an A100-40GB at 75 tokens/s (13.3 ms for ~15 GB read) is
-0.73 of 1.555 TB/s once the KV cache and activations are counted (the author's own estimate:
-"roughly 77% of the memory-bandwidth ceiling"). It is lower than the 0.8 of STREAM-like copies
-(``plan.efficiency.HBM_EFFICIENCY``, used here for prefill's weight read) because decode kernels
-are short and many. Every other calibration row (docs/calibration_serving.md) is a check, not a fit."""
+attention). One of the three decode constants fitted together (least squares in log error) to
+the eight batch-1 latencies marked ``fit`` in data/serving_published.csv: gpt-fast's Llama-2-7B
+and -70B bf16 tensor-parallel sweep (TP 1-8, A100) and vLLM's Llama-3.1-8B on an A100-40GB;
+RMS error 1.7% (``benchmarks/calibrate_serving.py --fit``). The same value as the STREAM-like
+``plan.efficiency.HBM_EFFICIENCY``; it is kept separate because it is fitted to decode."""
 
 LAYER_OVERHEAD_S = 41e-6
 """Fixed seconds per layer per decode step on top of the rooflines: the ~10 kernels of a layer
 each cost a few microseconds of launch, tail and synchronisation however little they move
-(CUDA graphs remove the CPU launch, not the GPU-side gaps). Fitted with ALLREDUCE_FLOOR_S to
-gpt-fast's batch-1 tensor-parallel sweep (benchmarks/calibrate_serving.py --fit)."""
+(CUDA graphs remove the CPU launch, not the GPU-side gaps). Fitted with the other two decode
+constants (see DECODE_HBM_EFFICIENCY); it is what makes TP8 at batch 1 about 3 ms per token for
+a 7B model, not the 1 ms its weight read alone would take."""
 ALLREDUCE_FLOOR_S = 10.5e-6
 """Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
-flag exchange, completion), seconds. Fitted with LAYER_OVERHEAD_S (see above)."""
+flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, comm.Tier] = {}
