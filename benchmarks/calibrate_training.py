@@ -14,7 +14,8 @@ Usage::
 2. Check, with the constants as they are in the code: every Table 1 row predicted to fit in
    80 GB and within +-10% of its published TFLOP/s per GPU; the planner's own best layout for the
    row (same model, cluster, batch, sequence and 2021 software options) predicted at least as
-   fast in tokens/s; and the published MoE runs (plan/data/moe_training.csv, not fitted).
+   fast in tokens/s; the published MoE runs (plan/data/moe_training.csv) and Korthikanti et al.
+   2022's 530B runs (plan/data/korthikanti2022.csv), neither fitted.
 3. Write the table as JSON and as Markdown (docs/calibration_training.md).
 """
 
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from modelcarve.plan import efficiency
-from modelcarve.plan.calibration import Case, megatron_table1, moe_cases
+from modelcarve.plan.calibration import Case, korthikanti2022, megatron_table1, moe_cases
 from modelcarve.plan.search import search
 from modelcarve.plan.train_model import TrainCostModel
 
@@ -91,7 +92,16 @@ def row(case: Case, plan: bool) -> dict:
     return out
 
 
-def markdown(table: list[dict], moe: list[dict], fitted: dict | None) -> str:
+def mfu_row(case: Case) -> dict:
+    est = predict(case)
+    return {
+        "case": case.name, "layout": case.layout.short(), "published_mfu": case.published_mfu,
+        "predicted_mfu": round(est["time"]["mfu"], 4), "error": round(est["time"]["mfu"] / case.published_mfu - 1, 4),
+        "fits": est["fits"], "peak_gib": round(est["memory"]["peak_bytes"] / GIB, 1),
+    }
+
+
+def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[dict] = ()) -> str:
     lines = [
         "# Training cost model: calibration against published runs",
         "",
@@ -125,6 +135,16 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None) -> str:
     lines += ["", "Source: Megatron-Core MoE README (MCore v0.9): 468 TFLOP/s per H100 for Mixtral 8x7B bf16,",
               "TP1 EP8 PP4 VP8, MBS 1, GBS 256, seq 4096 on 64 H100 (8x400 Gb/s IB per node). The load-imbalance",
               "factor is the planner's default (1.25), not tuned to this run."]
+    if sp:
+        lines += ["", "## Korthikanti et al. 2022: 530B GPT on 2240 A100 (held out)", "",
+                  "| run | layout | published MFU | predicted | error | fits (peak GiB) |", "|---|---|---|---|---|---|"]
+        for r in sp:
+            lines.append(f"| {r['case']} | {r['layout']} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | "
+                         f"{r['error']:+.1%} | {'yes' if r['fits'] else 'NO'} ({r['peak_gib']}) |")
+        ratio = sp[1]["predicted_mfu"] / sp[0]["predicted_mfu"]
+        lines += ["", f"Published speed-up of SP + selective over full recomputation: 54.2 / 42.1 = 1.29x; predicted: "
+                      f"{ratio:.2f}x. Layout details the abstract does not state (TP8 PP35, batch 2240, micro-batch 1,",
+                  "3 virtual stages) are taken from Table 1's 530B run (plan/data/korthikanti2022.csv)."]
     if fitted:
         lines += ["", "## Fit", "",
                   f"Grid optimum over Table 1: RAMP_DIM = {fitted['ramp_dim']}, A100 peak fraction = "
@@ -145,15 +165,18 @@ def main() -> None:
     fitted = None if args.no_fit else fit(cases)
     table = [row(c, plan=not args.no_plan) for c in cases]
     moe = [row(c, plan=False) for c in moe_cases()]
+    sp = [mfu_row(c) for c in korthikanti2022()]
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"]},
-              "megatron_table1": table, "moe": moe}
-    for path, text in ((args.json, json.dumps(report, indent=2) + "\n"), (args.doc, markdown(table, moe, fitted))):
+              "megatron_table1": table, "moe": moe, "korthikanti2022": sp}
+    for path, text in ((args.json, json.dumps(report, indent=2) + "\n"), (args.doc, markdown(table, moe, fitted, sp))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     for r in table + moe:
         extra = f"; planner {r['planner_best']} x{r['planner_speedup']}" if "planner_best" in r else ""
         print(f"{r['case']:>26}: published {r['published_tflops']:.0f}, predicted {r['predicted_tflops']:.1f} "
               f"({r['error']:+.1%}), fits={r['fits']} {r['peak_gib']} GiB{extra}")
+    for r in sp:
+        print(f"{r['case']:>26}: published MFU {r['published_mfu']:.1%}, predicted {r['predicted_mfu']:.1%} ({r['error']:+.1%})")
     if fitted:
         print("fit:", fitted)
 
