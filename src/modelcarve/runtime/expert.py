@@ -328,6 +328,33 @@ def reset_moe_counts(chunks: list[nn.Module]) -> None:
                 moe.dispatcher.received.zero_()
 
 
+def exclude_shape_inference(runner) -> None:
+    """Keep torch.distributed.pipelining's first-step shape inference (one forward of each stage
+    on placeholder inputs) out of the MoE counts, which feed the router bias update.
+
+    Wraps the stages' ``_forward_metadata_inference`` (a torch-internal name; if torch renames it
+    nothing breaks, the first step's counts just include that forward again)."""
+    for stage in getattr(runner, "stages", []):
+        infer = getattr(stage, "_forward_metadata_inference", None)
+        if infer is None:
+            continue
+        blocks = [moe for _, moe in moe_blocks(stage.submod)]
+
+        def wrapped(*args, __infer=infer, __blocks=blocks, **kwargs):
+            saved = [(moe.tokens_per_expert.clone(), moe.dropped_tokens.clone(),
+                      moe.dispatcher.received.clone() if moe.dispatcher is not None else None) for moe in __blocks]
+            try:
+                return __infer(*args, **kwargs)
+            finally:
+                for moe, (tokens, dropped, received) in zip(__blocks, saved):
+                    moe.tokens_per_expert.copy_(tokens)
+                    moe.dropped_tokens.copy_(dropped)
+                    if received is not None:
+                        moe.dispatcher.received.copy_(received)
+
+        stage._forward_metadata_inference = wrapped
+
+
 def moe_stats_table(stats: dict, title: str):
     """A rich Table of ``moe_step_stats`` output: one row per MoE layer."""
     from rich.table import Table

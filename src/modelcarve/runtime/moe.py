@@ -75,7 +75,8 @@ class Router(nn.Module):
         # The balancing bias moves in steps of ~1e-3: it stays fp32 whatever dtype the model is cast to.
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        self.e_score_correction_bias = bias.to(device=self.e_score_correction_bias.device)
+        if self.e_score_correction_bias.dtype != bias.dtype:  # a cast: keep the fp32 values
+            self.e_score_correction_bias = bias.to(device=self.e_score_correction_bias.device)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

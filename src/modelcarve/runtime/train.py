@@ -156,6 +156,10 @@ class Trainer:
             from modelcarve.runtime.expert import configure_moe
 
             configure_moe(chunks, layout, capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
+            if self.runner is not None:
+                from modelcarve.runtime.expert import exclude_shape_inference
+
+                exclude_shape_inference(self.runner)
 
     def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor):
         rows = tokens.shape[0] // self.layout.dp
