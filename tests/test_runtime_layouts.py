@@ -12,6 +12,20 @@ from dist import run_distributed
 
 COMMON = "seq=16,mbs=1,param_dtype=fp32"
 
+# Models beyond the catalogue, written as config.json into a temp dir ("@name" in LAYOUTS):
+# qwen3 with biases and tied embeddings exercises the partial-gradient paths of TP (q/k norms,
+# the row-parallel bias under sp) and the vocab-parallel tied head; a dense MLA model
+# (deepseek_v3 without routed experts) exercises MLA's TP split.
+CONFIGS = {
+    "qwen3-tied": dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                       tie_word_embeddings=True, max_position_embeddings=64),
+    "mla-dense": dict(model_type="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                      kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=0,
+                      moe_intermediate_size=16, num_experts_per_tok=0, max_position_embeddings=64),
+}
+
 # world size -> [(model, layout)]; the pipeline / MoE / CP engineers add their rows here.
 LAYOUTS = {
     2: [
@@ -22,11 +36,14 @@ LAYOUTS = {
         ("tiny-llama", f"tp=2,sp,gbs=2,{COMMON}"),
         ("tiny-llama", "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16"),
         ("tiny-llama", "dp=2,fsdp,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
+        ("@qwen3-tied", f"tp=2,sp,gbs=2,{COMMON}"),
+        ("@mla-dense", f"tp=2,gbs=2,{COMMON}"),
     ],
     4: [
         ("tiny-llama", f"dp=4,hsdp=2,gbs=8,{COMMON}"),
         ("tiny-llama", f"tp=2,dp=2,gbs=4,{COMMON}"),
         ("tiny-llama", f"tp=2,sp,dp=2,zero=1,gbs=4,{COMMON}"),
+        ("@qwen3-tied", f"tp=2,dp=2,fsdp,gbs=4,{COMMON}"),
     ],
 }
 
@@ -45,10 +62,22 @@ def _run_cases(cases):
     return out
 
 
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("configs")
+    for name, config in CONFIGS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root
+
+
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def reports(request):
+def reports(request, model_dirs):
     world = request.param
-    results = run_distributed(_run_cases, world, LAYOUTS[world], timeout=400)
+    cases = [(str(model_dirs / m[1:]) if m.startswith("@") else m, layout) for m, layout in LAYOUTS[world]]
+    results = run_distributed(_run_cases, world, cases, timeout=400)
     return world, results[0]
 
 

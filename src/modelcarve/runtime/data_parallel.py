@@ -104,9 +104,10 @@ def build_optimizer(chunks: list[nn.Module], mesh, layout, **adamw) -> torch.opt
     if layout.zero == 1 and layout.dp * layout.cp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, process_group=axis_group(mesh, "dp_cp"), **adamw
-        )
+        group = axis_group(mesh, "dp_cp")
+        if layout.dp_shard and layout.dp_shard < layout.dp:  # shard inside each replica group only
+            group = merged_mesh(mesh, "dp_cp", hsdp_shard=layout.dp_shard * layout.cp).get_group(1)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, **adamw)
     return torch.optim.AdamW(params, **adamw)
 
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from modelcarve.runtime.model import Attention, FeedForward, MLAttention, RMSNorm
+from modelcarve.runtime.model import Attention, FeedForward, MLAttention
 from modelcarve.spec.errors import LayoutError
 
 # --- collectives with autograd ----------------------------------------------------------
@@ -129,23 +129,6 @@ def enter_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
 
 def leave_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
     return _ScatterSequence.apply(x, group) if sp else _ReduceFromRegion.apply(x, group)
-
-
-def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's s/t slice of a replicated [b, s, ...] tensor (no gradient communication:
-    every rank holds the full tensor's gradient only for its slice, which the gather restores)."""
-    return _SplitSequence.apply(x, group)
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
 
 
 # --- vocab-parallel cross-entropy -------------------------------------------------------
@@ -336,6 +319,3 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
     chunk.tp_group = group
     chunk.vocab_parallel = chunk.output is not None
 
-
-def is_norm(mod: nn.Module) -> bool:
-    return isinstance(mod, (RMSNorm, nn.LayerNorm))
