@@ -68,7 +68,8 @@ def check_divisible(seq_len: int, cp: int) -> None:
         hint = f"seq={lower} or seq={upper}" if lower else f"seq={upper}"
         raise LayoutError(
             f"seq={seq_len} is not a multiple of 2 x cp = {2 * cp} (zig-zag ring attention chunks); "
-            f"use {hint}, or pad the batch at the end with ignored targets"
+            f"use {hint}, or pad each sequence at the end (under the causal mask no real token sees a "
+            f"later pad) and leave the pads out of the loss"
         )
 
 
