@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.plan import serve_memory, serve_time
+from modelcarve.plan import serve_goal, serve_memory, serve_time
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
@@ -57,6 +57,21 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
             best = (wall, cpu, result)
     wall, cpu, result = best
     winner = result["layouts"][0] if result["layouts"] else None
+    # How many (layout, batch) decode evaluations the batch search made: counted in a separate,
+    # untimed run (the counter would slow the timed one).
+    calls = [0]
+    original = serve_goal._rates
+
+    def counting(c, batch):
+        calls[0] += 1
+        return original(c, batch)
+
+    serve_goal._rates = counting
+    try:
+        _clear()
+        search(model, cluster, goal, top=5, **options)
+    finally:
+        serve_goal._rates = original
     return {
         "goal": goal,
         "model": model_name,
@@ -67,6 +82,8 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
         "plan_cpu_s": round(cpu, 4),
         "layouts_per_cpu_s": round(result["evaluated"] / cpu),
         "layouts_per_wall_s": round(result["evaluated"] / wall),
+        "batch_evaluations": calls[0],
+        "batch_evaluations_per_cpu_s": round(calls[0] / cpu),
         "winner": winner["name"] if winner else None,
         "winner_serve": winner["serve"] if winner else None,
     }
@@ -93,7 +110,8 @@ def main() -> int:
     for r in results:
         print(
             f"{r['goal']:17s} {r['model']:15s} {r['cluster']:11s} {r['evaluated']:5d} layouts  "
-            f"{r['layouts_per_cpu_s']:8,d}/CPU-s  {r['layouts_per_wall_s']:8,d}/wall-s  plan {r['plan_wall_s']:.3f} s  -> {r['winner']}"
+            f"{r['layouts_per_cpu_s']:8,d}/CPU-s  {r['layouts_per_wall_s']:8,d}/wall-s  plan {r['plan_wall_s']:.3f} s  "
+            f"({r['batch_evaluations_per_cpu_s']:,d} layout x batch evaluations/CPU-s)  -> {r['winner']}"
         )
     return 0
 

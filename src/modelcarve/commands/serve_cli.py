@@ -38,7 +38,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_options_from_args(args: argparse.Namespace) -> dict:
-    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch")
+    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance")
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from modelcarve.plan import goals
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.search import divisors
-from modelcarve.plan.serve_memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve_memory import MOE_IMBALANCE, GiB, max_sequences, memory_from_facts, min_devices, shard_facts
 from modelcarve.plan.serve_time import ServeTime, _context, _rates, _serve_time, decode_tpot_s
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
@@ -60,6 +60,8 @@ class ServeOptions:
     weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES
     kv_dtypes: tuple[str, ...] = KV_DTYPES
     max_batch: int = MAX_BATCH
+    load_imbalance: float = MOE_IMBALANCE
+    """Busiest expert-parallel rank's routed tokens over the mean."""
 
     @property
     def context(self) -> int:
@@ -103,6 +105,7 @@ def serve_options(**options) -> ServeOptions:
         weight_dtypes=_split(options.get("weight_dtypes"), WEIGHT_DTYPES),
         kv_dtypes=_split(options.get("kv_dtypes"), KV_DTYPES),
         max_batch=num("max_batch", int, 1) or MAX_BATCH,
+        load_imbalance=num("load_imbalance", float, 1.0) or MOE_IMBALANCE,
     )
     from modelcarve.plan.quant import KV_FORMATS, WEIGHT_FORMATS
 
@@ -212,7 +215,7 @@ class _ServeGoal:
                 f"{mem.runtime_bytes / GiB:.0f} GiB = {mem.total_bytes / GiB:.1f} GiB > {mem.budget_bytes / GiB:.1f} GiB usable per device"
             )
             return None, mem, FIT, reason
-        c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len)
+        c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
@@ -269,7 +272,7 @@ class _ServeGoal:
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
                 return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
-            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len)
+            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
             if latency and fixed == 1 and opts.ttft_s is None:
                 # The common latency question: one sequence, no TTFT bound; no prefill to cost.
                 tpot = decode_tpot_s(c, 1)
@@ -352,7 +355,7 @@ class _ServeGoal:
             ms = info["s_per_round"] * 1e3
             what = {
                 "tp": f"TP={layout.tp} spans nodes: {2 * model.num_layers} all-reduces per decode step go over {link}",
-                "ep": f"EP={layout.ep} spans nodes: the MoE all-to-alls ({2 * model.num_moe_layers} per step, x{1.3} load imbalance) go over {link}",
+                "ep": f"EP={layout.ep} spans nodes: the MoE all-to-alls ({2 * model.num_moe_layers} per step, x{opts.load_imbalance:g} load imbalance) go over {link}",
                 "pp": f"PP={layout.pp} stage hand-offs cross nodes over {link}",
             }[axis]
             out.append(f"{what}: {ms:.2f} ms of each {t.tpot_s * 1e3:.2f} ms token ({info['bytes_per_round'] / max(t.batch, 1) / 1e3:.1f} kB per token per device)")

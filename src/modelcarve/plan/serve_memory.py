@@ -43,9 +43,11 @@ MEMORY_FRACTION = 0.90
 """Share of device memory the server may use (vLLM's default gpu_memory_utilization)."""
 PREFILL_CHUNK = 8192
 """Tokens per prefill chunk (chunked prefill; vLLM's max_num_batched_tokens for long prompts)."""
-MOE_IMBALANCE = 1.3
-"""Tokens on the busiest expert-parallel rank over the mean (straggler factor; DeepSeek-V3
-reports per-expert loads within about +-30% of the mean with auxiliary-loss-free balancing)."""
+MOE_IMBALANCE = 1.25
+"""Default tokens on the busiest expert-parallel rank over the mean (the straggler factor). An
+assumption, the same default as the training planner's ``load_imbalance``; serving goals take
+``--load-imbalance`` for time (this default sizes the MoE prefill workspace). The runtime
+measures the real per-expert token counts."""
 ACT_BYTES = 2.0
 """Activations and all-to-all payloads are bf16."""
 

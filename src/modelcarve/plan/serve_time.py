@@ -215,6 +215,8 @@ class _Ctx:
     tier_pp: comm.Tier
     input_len: int
     output_len: int
+    imbalance: float
+    """Busiest EP rank's routed tokens over the mean."""
     mean_ctx: float
     """Mean context of a decoding sequence: input + output / 2 tokens."""
     attn_flops_per_ctx: float
@@ -252,8 +254,9 @@ class _Ctx:
 _CTX: dict[tuple, _Ctx] = {}
 
 
-def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len) -> _Ctx:
-    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len)
+def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
+             imbalance: float = MOE_IMBALANCE) -> _Ctx:
+    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
@@ -284,6 +287,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         tier_pp=_tier(cluster, pp, tp * dp),
         input_len=input_len,
         output_len=output_len,
+        imbalance=imbalance,
         mean_ctx=input_len + output_len / 2.0,
         attn_flops_per_ctx=2.0 * model.num_heads / tp * per_head * f.stage_layers,
         weights_fixed=f.weights_bytes - f.embed_bytes - experts_all,
@@ -312,7 +316,7 @@ def _decode_coefficients(c: _Ctx) -> None:
     c.k_gemm = 2.0 * f.matmul_params_per_token
     if c.experts_all:
         # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
-        c.k_gemm += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
+        c.k_gemm += 2.0 * m.top_k * (c.imbalance if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
     c.k_attn = c.mean_ctx * max(f.kv_bytes_per_token / c.hbm, c.attn_flops_per_ctx / c.attn_peak)
     c.k_elem = f.act_traffic_per_token / c.hbm
     c.k_attn_elem = c.k_attn + c.k_elem
@@ -320,7 +324,7 @@ def _decode_coefficients(c: _Ctx) -> None:
     c.eff_key = (c.device.name, c.n_gemm, h, c.compute_dtype)
     c.fixed_s = f.stage_layers * LAYER_OVERHEAD_S
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
-    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S)
+    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S, c.imbalance)
     cached = _LINES.get(key)
     if cached is not None and cached[0] is m:
         c.comm_lines = cached[1]
@@ -338,7 +342,7 @@ def _decode_coefficients(c: _Ctx) -> None:
             algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
         lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), ALLREDUCE_FLOOR_S, gather))
     if c.ep > 1 and f.stage_moe_layers:
-        size = m.top_k * h * ACT_BYTES * MOE_IMBALANCE
+        size = m.top_k * h * ACT_BYTES * c.imbalance
         a2a = _affine(lambda b: comm.all_to_all_s(b * size, c.ep, c.tier_ep))
         lines.append(("ep", 2 * f.stage_moe_layers, (a2a,), 0.0, (0.0, 0.0)))
     if c.pp > 1:
@@ -397,7 +401,7 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     sent = {
         "tp": 2 * f.stage_layers * comm.ring_all_reduce_bytes(act, c.tp)
         + comm.all_gather_bytes(b * m.vocab_size * ACT_BYTES, c.tp),
-        "ep": 2 * f.stage_moe_layers * comm.all_to_all_bytes(b * m.top_k * h * ACT_BYTES * MOE_IMBALANCE, c.ep) if c.ep > 1 else 0.0,
+        "ep": 2 * f.stage_moe_layers * comm.all_to_all_bytes(b * m.top_k * h * ACT_BYTES * c.imbalance, c.ep) if c.ep > 1 else 0.0,
         "pp": act if c.pp > 1 else 0.0,
     }
     return step, parts, weights_read, sent
@@ -413,14 +417,14 @@ def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
     attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / c.tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
     per_tok = 2.0 * f.matmul_params_per_token + attn
     if f.stage_moe_layers:
-        per_tok += 2.0 * m.top_k * (MOE_IMBALANCE if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
+        per_tok += 2.0 * m.top_k * (c.imbalance if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
     eff = gemm_efficiency(c.device, chunk, c.n_gemm, h, c.compute_dtype)
     compute_s = tokens * per_tok / (c.peak * eff)
     read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * HBM_EFFICIENCY)
     act = chunk * h * ACT_BYTES
     comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, c.tp, c.tier_tp)
     if c.ep > 1 and f.stage_moe_layers:
-        size = chunk * m.top_k * h * ACT_BYTES * MOE_IMBALANCE
+        size = chunk * m.top_k * h * ACT_BYTES * c.imbalance
         comm_s += chunks * 2 * f.stage_moe_layers * comm.all_to_all_s(size, c.ep, c.tier_ep)
     stage = max(compute_s, read_s) + comm_s
     hops = (c.pp - 1) * chunks * comm.p2p_s(act, c.tier_pp) if c.pp > 1 else 0.0
@@ -440,9 +444,10 @@ def serve_time(
     batch: int = 1,
     input_len: int = 2048,
     output_len: int = 256,
+    load_imbalance: float = MOE_IMBALANCE,
 ) -> ServeTime:
     """TTFT, TPOT and throughput of one layout with ``batch`` sequences per attention group."""
-    c = _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len)
+    c = _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, load_imbalance)
     return _serve_time(c, batch)
 
 
