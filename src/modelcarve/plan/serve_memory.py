@@ -38,11 +38,12 @@ from modelcarve.spec.model import ModelSpec
 
 GiB = 2**30
 RUNTIME_BYTES = 1 * GiB
-"""CUDA context, cuBLAS workspace, NCCL buffers and CUDA graphs (vLLM profiles ~0.5-1.5 GiB)."""
+"""CUDA context, cuBLAS workspace, NCCL buffers and captured CUDA graphs: an assumption of the
+order serving engines report at startup, not a measurement."""
 MEMORY_FRACTION = 0.90
 """Share of device memory the server may use (vLLM's default gpu_memory_utilization)."""
 PREFILL_CHUNK = 8192
-"""Tokens per prefill chunk (chunked prefill; vLLM's max_num_batched_tokens for long prompts)."""
+"""Tokens per prefill chunk (chunked prefill; TensorRT-LLM's default max_num_tokens per step)."""
 MOE_IMBALANCE = 1.25
 """Default tokens on the busiest expert-parallel rank over the mean (the straggler factor). An
 assumption, the same default as the training planner's ``load_imbalance``; serving goals take
