@@ -120,6 +120,7 @@ LAYOUTS = {
         ("tiny-moe", f"dp=2,ep=2,gbs=4,{COMMON}", None),
         ("tiny-moe", f"dp=2,ep=2,gbs=4,{COMMON}", OPTIONS),
         ("tiny-moe", f"dp=2,gbs=4,{COMMON}", OPTIONS),
+        ("tiny-moe", "dp=2,ep=2,gbs=4,seq=16,mbs=1,param_dtype=bf16", None),
     ],
     4: [
         ("tiny-moe", f"dp=4,ep=4,gbs=8,{COMMON}", None),

@@ -32,9 +32,12 @@ from torch.distributed.tensor import DTensor
 # Tolerances: fp32 from the issue; bf16 measured (tests/test_runtime_layouts.py) with margin:
 # both sides run bf16 autocast, the differences come from reduction order in bf16 matmuls.
 TOLERANCES = {
-    "fp32": dict(logits=1e-4, loss=1e-5, grad=1e-4, param=1e-4),
-    "bf16": dict(logits=5e-2, loss=1e-2, grad=5e-3, param=1e-2),
+    "fp32": dict(logits=1e-4, loss=1e-5, grad=1e-4, param=1e-4, routing=0.0),
+    "bf16": dict(logits=5e-2, loss=1e-2, grad=5e-3, param=1e-2, routing=0.25),
 }
+# routing: MoE tokens per expert, max difference relative to the largest count. fp32 routes
+# exactly as the reference; bf16 flips near-tied choices once the weights drift (measured: up
+# to 2 of ~20 tokens on tiny-moe after 3 steps).
 
 
 @dataclass
@@ -209,7 +212,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                     got = moe_stats[-1].get(fqn, {})
                     for key in ("tokens_per_expert", "dropped"):
                         value = torch.tensor(got[key] if key in got else math.nan, dtype=torch.float64)
-                        checks.append(compare(f"routing/step{step}/{fqn}/{key}", value, torch.tensor(row[key], dtype=torch.float64), 0.0))
+                        checks.append(compare(f"routing/step{step}/{fqn}/{key}", value,
+                                              torch.tensor(row[key], dtype=torch.float64), tol["routing"], "rel"))
     params = gather_full(chunks, "param")
     if not rank0:
         return None
