@@ -10,6 +10,9 @@ Usage::
 One code path (``_evaluate``) serves both: the search screens hundreds of thousands of layouts
 with ``detail=False`` (plain floats, per-model and per-(tp, cp, pp, mbs, ...) constants cached),
 then asks for the breakdown of the finalists with ``detail=True``; the two cannot disagree.
+This module owns the options, the caches and the assembly of a step; one layer's cost is in
+plan/train_layer.py, model states and data-parallel traffic in plan/train_states.py, the JSON
+and its warnings in plan/train_report.py.
 
 What a step costs (per device; see the helpers' docstrings for each formula)
 ---------------------------------------------------------------------------
@@ -42,9 +45,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from modelcarve.plan import comm
-from modelcarve.plan.activations import kv_heads_per_rank, layer_activation_terms
 from modelcarve.plan.efficiency import gemm_time_s, memory_bound_time_s
 from modelcarve.plan.schedule import bubble_time_units, in_flight_microbatches
+from modelcarve.plan.train_layer import layer_cost
+from modelcarve.plan.train_report import build_report
+from modelcarve.plan.train_states import (  # noqa: F401 - re-exported for callers of this module
+    DP_BUCKET_BYTES,
+    FRAGMENTATION,
+    GIB,
+    RESERVED_BYTES,
+    dp_traffic,
+    model_state_bytes_per_param,
+    optimizer_bytes_per_param,
+    state_factors,
+)
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
 
@@ -52,22 +66,15 @@ if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
     from modelcarve.spec.model import ModelSpec
 
-GIB = 2**30
-RESERVED_BYTES = 1.5 * GIB
-"""Memory a device never gives the model: CUDA context, cuBLAS workspaces, NCCL buffers."""
-FRAGMENTATION = 0.05
-"""Caching-allocator fragmentation, as a fraction of activations and buffers (a stated margin)."""
+__all__ = [
+    "FIELDS", "GIB", "RESERVED_BYTES", "FRAGMENTATION", "DP_BUCKET_BYTES", "TrainCostModel", "TrainOptions",
+    "model_state_bytes_per_param", "optimizer_bytes_per_param",
+]
+
 _GROWTH = 1.0 + FRAGMENTATION
 LOGITS_BYTES_PER_ELEM = 10.0
 """Bytes per logit on the last stage: bf16 logits, their fp32 copy in the cross entropy, and the
 fp32 softmax it keeps for backward."""
-DP_BUCKET_BYTES = 2 * 40e6
-"""Gradient-reduction buckets in flight (two of Megatron's 40 MB buckets)."""
-FLASH_EFFICIENCY = 0.85
-"""Flash attention's throughput relative to a plain GEMM of the same shape (FlashAttention-2
-reaches about 70% of A100 peak forward, a large GEMM about 80%)."""
-FLASH_BACKWARD = 2.5
-"""Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
 
 _PER_LAYER_SUMS = (
     "compute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
@@ -188,121 +195,8 @@ class TrainCostModel:
         key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq)
         layer = self._layers.get(key)
         if layer is None:
-            layer = self._layers[key] = self._layer(moe, tp, cp, ep, mbs, sp, recompute, seq)
+            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq)
         return layer
-
-    def _layer(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
-        """Times (s) and bytes of one layer for one micro-batch on one device."""
-        m, o, dev = self.model, self.options, self.device
-        h = m.hidden_size
-        T = mbs * seq / cp
-        s_loc = seq / cp
-        heads = m.num_heads / tp
-        dqk, dv = m.qk_head_dim, m.attn_v_head_dim
-        kvl = kv_heads_per_rank(m, tp)
-        rep = tp if sp else 1
-        g = 0.0  # forward GEMM seconds outside the attention core
-        if m.attention_kind == "mla":
-            rq = m.q_lora_rank or 0
-            if rq:
-                g += self._gemm(T, rq, h) + self._gemm(T, heads * dqk, rq)
-            else:
-                g += self._gemm(T, heads * dqk, h)
-            g += self._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
-            g += self._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
-        else:
-            g += self._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
-        g += self._gemm(T, h, heads * dv)
-        # attention core: QK^T and PV, batch = mbs x local heads
-        batch = mbs * heads
-        core = self._gemm(s_loc, seq, dqk, batch) + self._gemm(s_loc, dv, seq, batch)
-        ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
-        if m.position_kind == "rope":
-            ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
-        if o.attention == "flash":
-            core = core * 0.5 / FLASH_EFFICIENCY  # causal: half the blocks are skipped
-            core_bwd = core * FLASH_BACKWARD
-            core_ew = 0.0
-        else:
-            core_bwd = 2.0 * core
-            core_ew = (9.0 if o.dropout else 4.0) * batch * s_loc * seq  # softmax (+ dropout) traffic
-        a2a_bytes = 0.0
-        if moe:
-            k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
-            n_in = 3 if m.ffn_kind == "swiglu" else 2
-            g += self._gemm(T, E, h)  # router
-            per_expert = T * ep * k * o.load_imbalance / E
-            local = E / ep
-            g += self._gemm(per_expert, (n_in - 1) * fe / tp, h, local) + self._gemm(per_expert, h, fe / tp, local)
-            if m.num_shared_experts:
-                fs = m.num_shared_experts * fe
-                g += self._gemm(T, (n_in - 1) * fs / tp, h) + self._gemm(T, h, fs / tp)
-            routed = T * k * o.load_imbalance
-            ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp + 8.0 * routed * h
-            if m.num_shared_experts:
-                ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * m.num_shared_experts * fe / tp
-            # each TP rank dispatches 1/t of the tokens; the busiest rank receives imbalance x the mean
-            a2a_bytes = 2.0 * T * k * h / tp * o.load_imbalance
-        else:
-            f = m.ffn_size
-            n_in = 2 if m.ffn_kind == "swiglu" else 1
-            g += self._gemm(T, n_in * f / tp, h) + self._gemm(T, h, f / tp)
-            ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
-        ew_s = memory_bound_time_s(dev, ew)
-        core_ew_s = memory_bound_time_s(dev, core_ew)
-        fwd = g + core + ew_s + core_ew_s
-        bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s)
-        # communication per layer (seconds; bytes each device sends)
-        act = 2.0 * T * h
-        tp_tier = self.tier(tp, 1)
-        tp_one = comm.all_reduce_s(act, tp, tp_tier) * (1.0 - o.tp_overlap)
-        tp_bytes_one = comm.ring_all_reduce_bytes(act, tp)
-        cp_tier = self.tier(cp, tp)
-        kv = 2.0 * T * kvl * (dqk + dv)
-        cp_fwd_bytes = (cp - 1) * kv if cp > 1 else 0.0
-        cp_fwd = (cp - 1) * comm.p2p_s(kv, cp_tier) if cp > 1 else 0.0
-        cp_exposed = max(0.0, cp_fwd - core) + max(0.0, 2.0 * cp_fwd - core_bwd)
-        ep_tier = self.tier(ep, tp)
-        ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
-        ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
-        ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
-        n_tp = 4 + (2 if recompute == "full" else 0)
-        n_ep = 4 + (2 if recompute == "full" else 0)
-        if recompute == "full":
-            rc = fwd
-        elif recompute == "selective":
-            rc = core + core_ew_s
-        else:
-            rc = 0.0
-        act_terms = layer_activation_terms(
-            m, tokens=T, seq_ctx=seq, tp=tp, sp=sp, recompute=recompute, moe=moe,
-            attention=o.attention, dropout=o.dropout, expert_tokens_factor=o.load_imbalance,
-        )
-        work = 0.0
-        if recompute == "full":  # the layer being recomputed holds its full activations
-            work = sum(layer_activation_terms(
-                m, tokens=T, seq_ctx=seq, tp=tp, sp=sp, recompute="none", moe=moe,
-                attention=o.attention, dropout=o.dropout, expert_tokens_factor=o.load_imbalance,
-            ).values())
-        return {
-            "compute_s": fwd + bwd + rc,
-            "fwd_s": fwd,
-            "bwd_s": bwd,
-            "tp_s": n_tp * tp_one,
-            "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
-            "cp_s": cp_exposed,
-            "cp_total_s": 3.0 * cp_fwd,
-            "ep_s": n_ep * ep_one,
-            "tp_bytes": n_tp * tp_bytes_one,
-            "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
-            "cp_bytes": 3.0 * cp_fwd_bytes,
-            "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
-            "ep_bytes": n_ep * ep_bytes_one,
-            "ep_nic": n_ep * ep_nic_one,
-            "act_bytes": sum(act_terms.values()),
-            "act_terms": act_terms,
-            "work_bytes": work,
-        }
 
     def _moe_counts(self, nls: int) -> tuple[int, int, int]:
         """MoE layers among the first, the last and the worst middle window of ``nls`` layers."""
@@ -359,7 +253,7 @@ class TrainCostModel:
         key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt)
         floor = self._floors.get(key)
         if floor is None:
-            per_full, per_local, gather = _state_factors(zero, p_dt, g_dt, o_dt)
+            per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
             shard = (dp_shard or dp) if zero else 1
             n_dense, n_exp = (shard * cp, max(1, shard * cp // ep)) if zero else (1, 1)
             floor = self._floors[key] = RESERVED_BYTES + max(
@@ -432,7 +326,7 @@ class TrainCostModel:
         shard = (dp_shard or dp) if zero else 1
         n_dense = shard * cp if zero else 1
         n_exp = max(1, shard * cp // ep) if zero else 1
-        per_full, per_local, gather = _state_factors(zero, *cand[12:15])
+        per_full, per_local, gather = state_factors(zero, *cand[12:15])
         states = [
             per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
             for pd, pe, layer in prof["params_rows"]
@@ -447,7 +341,7 @@ class TrainCostModel:
             "exposed_s": None,
         }
 
-    def _state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
+    def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
         """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
         cp, dp, ep = prof["key"][1], prof["key"][3], prof["key"][4]
         zero, dp_shard = cand[8], cand[9]
@@ -471,7 +365,7 @@ class TrainCostModel:
         the traffic (``_dp_traffic``) set against this profile's compute windows."""
         o = self.options
         slow, n_mb = prof["slow"], prof["n_mb"]
-        r = self._dp_traffic(prof, cand)
+        r = dp_traffic(self, prof, cand)
         win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
         win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
         if cand[8] == 3:
@@ -493,75 +387,6 @@ class TrainCostModel:
             nic=nic,
             tier=r["tier"],
         )
-
-    def _dp_traffic(self, prof: dict, cand: tuple) -> dict:
-        """Data-parallel collectives of the stage with the most parameters: seconds and bytes
-        (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
-        it is shared by every micro-batch size and recomputation mode."""
-        tp, cp, pp, dp, ep = prof["key"][:5]
-        zero, dp_shard = cand[8], cand[9]
-        key = (tp, cp, pp, dp, ep, zero, dp_shard) + cand[12:15]
-        cached = self._traffic.get(key)
-        if cached is not None:
-            return cached
-        p_dt, g_dt, o_dt = cand[12:15]
-        pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
-        ob = optimizer_bytes_per_param(p_dt, o_dt)
-        shard = (dp_shard or dp) if zero else 1
-        n_dense = shard * cp if zero else 1
-        edp = dp * cp // ep
-        n_exp = max(1, shard * cp // ep) if zero else 1
-        big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
-        pd, pe = big["params_dense"], big["params_expert"]
-        dense_t = self.tier(dp * cp, tp)
-        exp_t = self.tier(edp, tp * ep)
-        r = {"tier": dense_t.name, "reduce_s": 0.0, "gather_s": 0.0, "per_mb_s": 0.0, "first_gather_s": 0.0,
-             "replica_s": 0.0, "per_mb_bytes": 0.0, "per_mb_nic": 0.0, "step_bytes": 0.0, "step_nic": 0.0}
-        if zero == 0:
-            r["reduce_s"] = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
-            b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
-            r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
-        elif zero in (1, 2):
-            r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
-            r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
-            b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
-            b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
-            r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
-        else:
-            sd_t = self.tier(shard * cp, tp)
-            r["tier"] = sd_t.name
-            se_n = max(1, shard * cp // ep)
-            se_t = self.tier(se_n, tp * ep)
-            # FSDP gathers and reduces layer by layer: one collective's latency per layer each
-            nl = max(1, big["layers"])
-            per_mb = nl * (
-                2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
-                + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
-            )
-            r["per_mb_s"], r["first_gather_s"] = per_mb, per_mb / (3.0 * nl)
-            b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
-            b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
-            r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
-            replicas = dp // shard
-            if replicas > 1:
-                rep_t = self.tier(replicas, tp * cp * shard)
-                local = gb * (pd / (shard * cp) + pe / se_n)
-                r["replica_s"] = comm.all_reduce_s(local, replicas, rep_t)
-                b3 = comm.ring_all_reduce_bytes(local, replicas)
-                r["step_bytes"], r["step_nic"] = b3, comm.nic_bytes(b3, rep_t)
-                if rep_t.name == "inter":
-                    r["tier"] = "inter"
-        r["tied_s"] = 0.0
-        if pp > 1 and self.model.tied_embeddings:
-            # the first and last stages hold copies of the tied embedding: all-reduce its gradient
-            emb_t = self.tier(2, dp * cp * tp * (pp - 1))
-            r["tied_s"] = comm.all_reduce_s(gb * self.vocab_h / tp, 2, emb_t)
-            b4 = comm.ring_all_reduce_bytes(gb * self.vocab_h / tp, 2)
-            r["step_bytes"] += b4
-            r["step_nic"] += comm.nic_bytes(b4, emb_t)
-        r["optimizer_s"] = memory_bound_time_s(self.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
-        self._traffic[key] = r
-        return r
 
     # --- one layout ------------------------------------------------------------------------------------
     def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
@@ -624,175 +449,7 @@ class TrainCostModel:
                 return tokens_per_s, None, None
             return tokens_per_s, ACTIVATIONS_DO_NOT_FIT, None
 
-        # --- the JSON -------------------------------------------------------------------------------
-        seq, tokens = self.seq, prof["tokens"]
-        p_dt = cand[12]
-        st_w = prof["stages"][worst]
-        inflight = worst_inflight
-        act = inflight * st_w["act_bytes"] + st_w["work_bytes"] + st_w["logits_bytes"]
-        buffers = d["buffers"]
-        breakdown = self._state_parts(prof, cand, worst)
-        breakdown.update({
-            "activations": inflight * st_w["act_bytes"],
-            "recompute_working_layer": st_w["work_bytes"],
-            "logits": st_w["logits_bytes"],
-            "comm_buffers": buffers,
-            "allocator_fragmentation": FRAGMENTATION * (act + buffers),
-            "reserved_runtime": RESERVED_BYTES,
-        })
-        breakdown = {k: int(round(x)) for k, x in breakdown.items()}
-        peak_int = sum(breakdown.values())
-        peak_dev = self.device.flops(p_dt)
-        n_dev = tp * cp * pp * dp
-        model_flops = 3.0 * self.model.forward_flops_per_token(seq) * tokens
-        rc_flops = 0.0
-        if recompute == "full":
-            rc_flops = (self.model.forward_flops_per_token(seq) - self.head_fwd_flops_token) * tokens
-        elif recompute == "selective":
-            rc_flops = self.model.attention_flops_per_token(seq) * tokens
-        slow = prof["slow"]
-        axis_tier = {
-            "tp": self.tier(tp, 1).name, "cp": self.tier(cp, tp).name, "ep": self.tier(ep, tp).name,
-            "pp": self.tier(pp, dp * cp * tp).name if pp > 1 else "intra",
-            "dp": d["tier"],
-        }
-        # per-micro-batch communication in the bubble is part of the bubble, not counted again here
-        exposed_axis = {
-            "tp": n_mb * slow["tp_s"], "cp": n_mb * slow["cp_s"], "ep": n_mb * slow["ep_s"],
-            "pp": p2p, "dp": d["exposed_s"] - d["optimizer_s"],
-        }
-        total_axis = {
-            "tp": n_mb * slow["tp_total_s"], "cp": n_mb * slow["cp_total_s"], "ep": n_mb * slow["ep_s"],
-            "pp": p2p, "dp": d["total_s"],
-        }
-        bytes_axis = {
-            "tp": n_mb * slow["tp_bytes"], "cp": n_mb * slow["cp_bytes"], "ep": n_mb * slow["ep_bytes"],
-            "pp": 2.0 * n_mb * v * prof["p2p_bytes"], "dp": d["bytes"],
-        }
-        nic_axis = {
-            "tp": n_mb * slow["tp_nic"], "cp": n_mb * slow["cp_nic"], "ep": n_mb * slow["ep_nic"],
-            "pp": 2.0 * n_mb * v * prof["p2p_nic"], "dp": d["nic"],
-        }
-        inter = sum(nic_axis.values())
-        by_link = {"intra": int(round(sum(bytes_axis.values()) - inter)), "inter": int(round(inter))}
-        exposed_link = {"intra": 0.0, "inter": 0.0}
-        for axis, seconds in exposed_axis.items():
-            exposed_link[axis_tier[axis]] += seconds
-        layout = self.layout(cand)
-        warnings = self._warnings(layout, exposed_axis, step, idle / (n_mb + idle) if idle else 0.0, fits)
-        reason = None
-        cap = self.capacity / GIB
-        where = "the device" if worst == "only" else f"the {worst} pipeline stage"
-        if not fits and self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:15]) > self.capacity:
-            states_gib = sum(self._state_parts(prof, cand, worst).values()) / GIB
-            reason = (
-                f"weights, gradients and optimizer states alone need {states_gib:.1f} GiB of {cap:.1f} GiB on {where}"
-                + ("" if zero == 3 else "; a higher ZeRO stage, more TP/PP or EP shard them")
-            )
-        elif not fits:
-            reason = (
-                f"needs {peak_int / GIB:.1f} GiB of {cap:.1f} GiB on {where}: activations of "
-                f"{inflight:g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
-                + ("" if cand[7] == "full" else " (recomputation would shrink them)")
-            )
-        return {
-            "goal": "train",
-            "layout": layout.to_dict(),
-            "short": layout.short(),
-            "fits": fits,
-            "memory": {
-                "peak_bytes": peak_int,
-                "capacity_bytes": int(self.capacity),
-                "worst_stage": worst,
-                "breakdown": breakdown,
-            },
-            "time": {
-                "step_s": step,
-                "tokens_per_s": tokens_per_s,
-                "tflops_per_device": (model_flops + rc_flops) / step / n_dev / 1e12,
-                "mfu": model_flops / (step * n_dev * peak_dev),
-                "compute_s": n_mb * (slow["compute_s"]),
-                "bubble_s": idle * t_mb,
-                "optimizer_s": d["optimizer_s"],
-                "microbatches": n_mb,
-            },
-            "comm": {
-                "bytes_per_step_by_link": by_link,
-                "bytes_per_step_by_axis": {k: int(round(x)) for k, x in bytes_axis.items()},
-                "exposed_s": sum(exposed_axis.values()),
-                "exposed_s_by_link": exposed_link,
-                "exposed_s_by_axis": exposed_axis,
-                "total_s_by_axis": total_axis,
-                "hidden_s_by_axis": {k: max(0.0, total_axis[k] - exposed_axis[k]) for k in total_axis},
-                "link_by_axis": axis_tier,
-            },
-            "bubble_fraction": idle / (n_mb + idle) if idle else 0.0,
-            "warnings": warnings,
-            "reject_reason": reason,
-        }
-
-    def _warnings(self, layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
-        """Sentences about what this layout spends its step on, when it is worth saying."""
-        cl = self.cluster
-        per_node = cl.devices_per_node
-        out = []
-        nic = link_words(cl.inter_link.name)
-        if layout.tp > per_node:
-            out.append(
-                f"tp={layout.tp} spans {layout.tp // per_node} nodes: its all-reduces over {nic} take "
-                f"{exposed['tp'] / step:.0%} of the step"
-            )
-        if layout.cp > 1 and layout.cp * layout.tp > per_node:
-            out.append(f"cp={layout.cp} crosses nodes: ring attention over {nic} exposes {exposed['cp'] / step:.0%} of the step")
-        if layout.ep > 1 and layout.ep * layout.tp > per_node:
-            out.append(f"ep={layout.ep} crosses nodes: all-to-all over {nic} takes {exposed['ep'] / step:.0%} of the step")
-        if bubble > 0.15:
-            out.append(f"pipeline bubble is {bubble:.0%} of the step; more micro-batches or interleaving shrink it")
-        if exposed["dp"] / step > 0.10:
-            out.append(f"data-parallel traffic not hidden by compute takes {exposed['dp'] / step:.0%} of the step")
-        if exposed["tp"] / step > 0.25 and layout.tp <= per_node:
-            out.append(f"tensor-parallel all-reduces take {exposed['tp'] / step:.0%} of the step")
-        return out
-
-
-def link_words(name: str) -> str:
-    """A catalogue link name as a sentence says it (``ib-hdr`` -> ``InfiniBand HDR``)."""
-    kind, _, rest = name.partition("-")
-    words = {"ib": "InfiniBand", "eth": "Ethernet", "nvlink3": "NVLink 3", "nvlink4": "NVLink 4",
-             "nvlink5": "NVLink 5", "pcie4": "PCIe 4", "pcie5": "PCIe 5", "xgmi": "Infinity Fabric"}
-    return f"{words.get(kind, kind)} {rest.upper()}".strip() if kind in words else name
-
-
-def _state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
-    """Bytes per parameter held in full, bytes per parameter sharded over the ZeRO group, and
-    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``."""
-    pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
-    ob = optimizer_bytes_per_param(p_dt, o_dt)
-    if zero == 0:
-        return pb + gb + ob, 0.0, 0.0
-    if zero == 1:
-        return pb + gb, ob, 0.0
-    if zero == 2:
-        return pb, gb + ob, 0.0
-    return 0.0, pb + gb + ob, 2 * pb + gb
-
-
-def optimizer_bytes_per_param(param_dtype: str = "bf16", optim_dtype: str = "fp32") -> float:
-    """Adam state per parameter: two moments, plus a master copy when it differs from the
-    compute dtype (mixed precision: 4 + 4 + 4 = 12 bytes)."""
-    o = DTYPE_BYTES[optim_dtype]
-    return 2 * o + (0.0 if param_dtype == optim_dtype else o)
-
-
-def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", grad_dtype: str = "bf16",
-                                optim_dtype: str = "fp32") -> float:
-    """Bytes per parameter of weights + gradients + Adam state with ZeRO stage ``zero`` over
-    ``n`` ranks (Rajbhandari et al. 2020: 16, 4 + 12/N, 2 + 14/N, 16/N for fp16 mixed precision)."""
-    p, g, o = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_dtype], optimizer_bytes_per_param(param_dtype, optim_dtype)
-    if zero == 0:
-        return p + g + o
-    if zero == 1:
-        return p + g + o / n
-    if zero == 2:
-        return p + (g + o) / n
-    return (p + g + o) / n
+        return build_report(
+            self, cand, prof, d, peak=peak, worst=worst, inflight=worst_inflight, fits=fits, n_mb=n_mb,
+            idle=idle, t_mb=t_mb, p2p=p2p, step=step, tokens_per_s=tokens_per_s,
+        )

@@ -1,0 +1,147 @@
+"""One transformer layer's cost for one micro-batch on one device: compute time, per-axis
+communication (seconds and bytes), and the activation bytes it keeps.
+
+Usage (through the cost model, which caches one result per shape)::
+
+    layer = layer_cost(cost_model, moe=False, tp=8, cp=1, ep=1, mbs=1, sp=True, recompute="selective", seq=2048)
+    layer["compute_s"], layer["tp_s"], layer["act_bytes"]
+
+Compute: every GEMM at ``matmul_efficiency`` of its per-device shape, element-wise work (norms,
+residual adds, dropout, rotary, activation functions, MoE permutation; the softmax of
+materialised attention) at HBM speed; backward twice the forward (flash attention 2.5x);
+recomputation adds the forward (full) or the attention core (selective). Communication: TP two
+all-reduces of ``2 T h`` bytes each way (+2 for a full recompute), CP's ring exchange of K/V
+hidden behind the attention core, EP's dispatch and combine all-to-alls scaled by the
+load-imbalance factor. Activations: plan/activations.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.plan import comm
+from modelcarve.plan.activations import kv_heads_per_rank, layer_activation_terms
+from modelcarve.plan.efficiency import memory_bound_time_s
+
+if TYPE_CHECKING:
+    from modelcarve.plan.train_model import TrainCostModel
+
+FLASH_EFFICIENCY = 0.85
+"""Flash attention's throughput relative to a plain GEMM of the same shape (FlashAttention-2
+reaches about 70% of A100 peak forward, a large GEMM about 80%)."""
+FLASH_BACKWARD = 2.5
+"""Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
+
+
+def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
+    """Times (s) and bytes of one layer for one micro-batch on one device."""
+    m, o, dev = cost.model, cost.options, cost.device
+    h = m.hidden_size
+    T = mbs * seq / cp
+    s_loc = seq / cp
+    heads = m.num_heads / tp
+    dqk, dv = m.qk_head_dim, m.attn_v_head_dim
+    kvl = kv_heads_per_rank(m, tp)
+    rep = tp if sp else 1
+    g = 0.0  # forward GEMM seconds outside the attention core
+    if m.attention_kind == "mla":
+        rq = m.q_lora_rank or 0
+        if rq:
+            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
+        else:
+            g += cost._gemm(T, heads * dqk, h)
+        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
+        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
+    else:
+        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
+    g += cost._gemm(T, h, heads * dv)
+    # attention core: QK^T and PV, batch = mbs x local heads
+    batch = mbs * heads
+    core = cost._gemm(s_loc, seq, dqk, batch) + cost._gemm(s_loc, dv, seq, batch)
+    ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
+    if m.position_kind == "rope":
+        ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
+    if o.attention == "flash":
+        core = core * 0.5 / FLASH_EFFICIENCY  # causal: half the blocks are skipped
+        core_bwd = core * FLASH_BACKWARD
+        core_ew = 0.0
+    else:
+        core_bwd = 2.0 * core
+        core_ew = (9.0 if o.dropout else 4.0) * batch * s_loc * seq  # softmax (+ dropout) traffic
+    a2a_bytes = 0.0
+    if moe:
+        k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
+        n_in = 3 if m.ffn_kind == "swiglu" else 2
+        g += cost._gemm(T, E, h)  # router
+        per_expert = T * ep * k * o.load_imbalance / E
+        local = E / ep
+        g += cost._gemm(per_expert, (n_in - 1) * fe / tp, h, local) + cost._gemm(per_expert, h, fe / tp, local)
+        if m.num_shared_experts:
+            fs = m.num_shared_experts * fe
+            g += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
+        routed = T * k * o.load_imbalance
+        ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp + 8.0 * routed * h
+        if m.num_shared_experts:
+            ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * m.num_shared_experts * fe / tp
+        # each TP rank dispatches 1/t of the tokens; the busiest rank receives imbalance x the mean
+        a2a_bytes = 2.0 * T * k * h / tp * o.load_imbalance
+    else:
+        f = m.ffn_size
+        n_in = 2 if m.ffn_kind == "swiglu" else 1
+        g += cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
+        ew += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
+    ew_s = memory_bound_time_s(dev, ew)
+    core_ew_s = memory_bound_time_s(dev, core_ew)
+    fwd = g + core + ew_s + core_ew_s
+    bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s)
+    # communication per layer (seconds; bytes each device sends)
+    act = 2.0 * T * h
+    tp_tier = cost.tier(tp, 1)
+    tp_one = comm.all_reduce_s(act, tp, tp_tier) * (1.0 - o.tp_overlap)
+    tp_bytes_one = comm.ring_all_reduce_bytes(act, tp)
+    cp_tier = cost.tier(cp, tp)
+    kv = 2.0 * T * kvl * (dqk + dv)
+    cp_fwd_bytes = (cp - 1) * kv if cp > 1 else 0.0
+    cp_fwd = (cp - 1) * comm.p2p_s(kv, cp_tier) if cp > 1 else 0.0
+    cp_exposed = max(0.0, cp_fwd - core) + max(0.0, 2.0 * cp_fwd - core_bwd)
+    ep_tier = cost.tier(ep, tp)
+    ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
+    ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
+    ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
+    n_tp = 4 + (2 if recompute == "full" else 0)
+    n_ep = 4 + (2 if recompute == "full" else 0)
+    if recompute == "full":
+        rc = fwd
+    elif recompute == "selective":
+        rc = core + core_ew_s
+    else:
+        rc = 0.0
+    act_terms = layer_activation_terms(
+        m, tokens=T, seq_ctx=seq, tp=tp, sp=sp, recompute=recompute, moe=moe,
+        attention=o.attention, dropout=o.dropout, expert_tokens_factor=o.load_imbalance,
+    )
+    work = 0.0
+    if recompute == "full":  # the layer being recomputed holds its full activations
+        work = sum(layer_activation_terms(
+            m, tokens=T, seq_ctx=seq, tp=tp, sp=sp, recompute="none", moe=moe,
+            attention=o.attention, dropout=o.dropout, expert_tokens_factor=o.load_imbalance,
+        ).values())
+    return {
+        "compute_s": fwd + bwd + rc,
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+        "tp_s": n_tp * tp_one,
+        "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
+        "cp_s": cp_exposed,
+        "cp_total_s": 3.0 * cp_fwd,
+        "ep_s": n_ep * ep_one,
+        "tp_bytes": n_tp * tp_bytes_one,
+        "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
+        "cp_bytes": 3.0 * cp_fwd_bytes,
+        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "ep_bytes": n_ep * ep_bytes_one,
+        "ep_nic": n_ep * ep_nic_one,
+        "act_bytes": sum(act_terms.values()),
+        "act_terms": act_terms,
+        "work_bytes": work,
+    }

@@ -1,0 +1,138 @@
+"""Model states and data-parallel traffic: bytes per parameter by ZeRO stage, the stated memory
+margins, and the data-parallel collectives of one mesh.
+
+Usage::
+
+    from modelcarve.plan.train_states import model_state_bytes_per_param
+    model_state_bytes_per_param(zero=1, n=64)     # 4 + 12/64 bytes for bf16 + fp32 Adam
+
+Mixed-precision Adam keeps bf16/fp16 weights (2 bytes), gradients in ``grad_dtype`` (Megatron's
+fp32 main gradients: 4; the ZeRO paper's fp16: 2) and fp32 master weights and two moments (12):
+Rajbhandari et al. 2020's 16 bytes per parameter, 4 + 12/N with ZeRO-1, 2 + 14/N with ZeRO-2,
+16/N with ZeRO-3, ``N`` the ranks the state is sharded over (dp x cp; for experts, the
+expert-data-parallel group).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.plan import comm
+from modelcarve.plan.efficiency import memory_bound_time_s
+from modelcarve.spec.layout import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from modelcarve.plan.train_model import TrainCostModel
+
+GIB = 2**30
+RESERVED_BYTES = 1.5 * GIB
+"""Memory a device never gives the model: CUDA context, cuBLAS workspaces, NCCL buffers."""
+FRAGMENTATION = 0.05
+"""Caching-allocator fragmentation, as a fraction of activations and buffers (a stated margin)."""
+DP_BUCKET_BYTES = 2 * 40e6
+"""Gradient-reduction buckets in flight (two of Megatron's 40 MB buckets)."""
+
+
+def state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
+    """Bytes per parameter held in full, bytes per parameter sharded over the ZeRO group, and
+    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``."""
+    pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
+    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    if zero == 0:
+        return pb + gb + ob, 0.0, 0.0
+    if zero == 1:
+        return pb + gb, ob, 0.0
+    if zero == 2:
+        return pb, gb + ob, 0.0
+    return 0.0, pb + gb + ob, 2 * pb + gb
+
+
+def optimizer_bytes_per_param(param_dtype: str = "bf16", optim_dtype: str = "fp32") -> float:
+    """Adam state per parameter: two moments, plus a master copy when it differs from the
+    compute dtype (mixed precision: 4 + 4 + 4 = 12 bytes)."""
+    o = DTYPE_BYTES[optim_dtype]
+    return 2 * o + (0.0 if param_dtype == optim_dtype else o)
+
+
+def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", grad_dtype: str = "bf16",
+                                optim_dtype: str = "fp32") -> float:
+    """Bytes per parameter of weights + gradients + Adam state with ZeRO stage ``zero`` over
+    ``n`` ranks (Rajbhandari et al. 2020: 16, 4 + 12/N, 2 + 14/N, 16/N for fp16 mixed precision)."""
+    p, g, o = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_dtype], optimizer_bytes_per_param(param_dtype, optim_dtype)
+    if zero == 0:
+        return p + g + o
+    if zero == 1:
+        return p + g + o / n
+    if zero == 2:
+        return p + (g + o) / n
+    return (p + g + o) / n
+
+
+def dp_traffic(cost: "TrainCostModel", prof: dict, cand: tuple) -> dict:
+    """Data-parallel collectives of the stage with the most parameters: seconds and bytes
+    (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
+    it is shared by every micro-batch size and recomputation mode."""
+    tp, cp, pp, dp, ep = prof["key"][:5]
+    zero, dp_shard = cand[8], cand[9]
+    key = (tp, cp, pp, dp, ep, zero, dp_shard) + cand[12:15]
+    cached = cost._traffic.get(key)
+    if cached is not None:
+        return cached
+    p_dt, g_dt, o_dt = cand[12:15]
+    pb, gb = DTYPE_BYTES[p_dt], DTYPE_BYTES[g_dt]
+    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    shard = (dp_shard or dp) if zero else 1
+    n_dense = shard * cp if zero else 1
+    edp = dp * cp // ep
+    n_exp = max(1, shard * cp // ep) if zero else 1
+    big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
+    pd, pe = big["params_dense"], big["params_expert"]
+    dense_t = cost.tier(dp * cp, tp)
+    exp_t = cost.tier(edp, tp * ep)
+    r = {"tier": dense_t.name, "reduce_s": 0.0, "gather_s": 0.0, "per_mb_s": 0.0, "first_gather_s": 0.0,
+         "replica_s": 0.0, "per_mb_bytes": 0.0, "per_mb_nic": 0.0, "step_bytes": 0.0, "step_nic": 0.0}
+    if zero == 0:
+        r["reduce_s"] = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
+        b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
+        r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+    elif zero in (1, 2):
+        r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
+        r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
+        b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
+        b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
+        r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+    else:
+        sd_t = cost.tier(shard * cp, tp)
+        r["tier"] = sd_t.name
+        se_n = max(1, shard * cp // ep)
+        se_t = cost.tier(se_n, tp * ep)
+        # FSDP gathers and reduces layer by layer: one collective's latency per layer each
+        nl = max(1, big["layers"])
+        per_mb = nl * (
+            2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
+            + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
+        )
+        r["per_mb_s"], r["first_gather_s"] = per_mb, per_mb / (3.0 * nl)
+        b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
+        b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+        r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
+        replicas = dp // shard
+        if replicas > 1:
+            rep_t = cost.tier(replicas, tp * cp * shard)
+            local = gb * (pd / (shard * cp) + pe / se_n)
+            r["replica_s"] = comm.all_reduce_s(local, replicas, rep_t)
+            b3 = comm.ring_all_reduce_bytes(local, replicas)
+            r["step_bytes"], r["step_nic"] = b3, comm.nic_bytes(b3, rep_t)
+            if rep_t.name == "inter":
+                r["tier"] = "inter"
+    r["tied_s"] = 0.0
+    if pp > 1 and cost.model.tied_embeddings:
+        # the first and last stages hold copies of the tied embedding: all-reduce its gradient
+        emb_t = cost.tier(2, dp * cp * tp * (pp - 1))
+        r["tied_s"] = comm.all_reduce_s(gb * cost.vocab_h / tp, 2, emb_t)
+        b4 = comm.ring_all_reduce_bytes(gb * cost.vocab_h / tp, 2)
+        r["step_bytes"] += b4
+        r["step_nic"] += comm.nic_bytes(b4, emb_t)
+    r["optimizer_s"] = memory_bound_time_s(cost.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
+    cost._traffic[key] = r
+    return r
