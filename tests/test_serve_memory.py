@@ -104,3 +104,16 @@ def test_every_weight_dtype_has_a_quality_note():
     for name in WEIGHT_FORMATS:
         assert len(quality_note(name)) > 20
     assert "KV fp8" in quality_note("int4", "fp8")
+
+
+def test_caches_never_mix_two_models_of_one_name():
+    """The per-layout caches key on object identity and hold the object: a spec built later with
+    the same name (and possibly the same id) but other dimensions gets its own figures."""
+    for _ in range(3):
+        small = get_model("qwen3-32b").replace(num_layers=8, name="probe")
+        big = get_model("qwen3-32b").replace(num_layers=16, name="probe")
+        a = shard_facts(small, tp=1).weights_bytes
+        b = shard_facts(big, tp=1).weights_bytes
+        assert b > a
+        assert a == pytest.approx(2 * small.total_params, rel=1e-6)
+        del small, big

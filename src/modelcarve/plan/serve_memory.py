@@ -138,7 +138,7 @@ class ShardFacts:
     ``(10 h + 2 q + 2 kv + 6 ffn) x 2 bytes`` per layer, ffn/q/kv per TP rank."""
 
 
-_FACTS: dict[tuple, ShardFacts] = {}
+_FACTS: dict[tuple, tuple] = {}
 
 
 def stage_sizes(num_layers: int, pp: int) -> list[int]:
@@ -148,14 +148,14 @@ def stage_sizes(num_layers: int, pp: int) -> list[int]:
 
 
 def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> ShardFacts:
-    key = (id(model), model.name, tp, pp, ep, weight_dtype, kv_dtype)
-    facts = _FACTS.get(key)
-    if facts is None:
-        facts = _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    # Keyed by object identity, with the model kept in the entry so the id cannot be reused.
+    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype)
+    held = _FACTS.get(key)
+    if held is None or held[0] is not model:
         if len(_FACTS) > 100_000:
             _FACTS.clear()
-        _FACTS[key] = facts
-    return facts
+        held = _FACTS[key] = (model, _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype))
+    return held[1]
 
 
 class _TpCounts:
@@ -165,15 +165,15 @@ class _TpCounts:
                  "final_p", "kv_elem", "q_out", "act_elems", "traffic_fixed", "ffn_traffic", "moe_ffn_traffic")
 
 
-_TP: dict[tuple, _TpCounts] = {}
+_TP: dict[tuple, tuple] = {}
 _STAGES: dict[tuple, tuple] = {}
 
 
 def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
-    key = (id(model), model.name, tp)
-    c = _TP.get(key)
-    if c is not None:
-        return c
+    key = (id(model), tp)
+    held = _TP.get(key)
+    if held is not None and held[0] is model:
+        return held[1]
     c = _TpCounts()
     h, nh = model.hidden_size, model.num_heads
     if model.attention_kind == "mla":
@@ -212,14 +212,15 @@ def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
     c.traffic_fixed = 10 * h + 2 * c.q_out + 2 * c.kv_elem
     c.ffn_traffic = model.ffn_size / tp
     c.moe_ffn_traffic = (model.top_k + model.num_shared_experts) * model.expert_ffn_size / tp if model.is_moe else 0.0
-    _TP[key] = c
+    _TP[key] = (model, c)
     return c
 
 
 def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
     """Distinct stages of a ``pp``-way split: (layers, MoE layers, holds embedding, holds head)."""
-    key = (id(model), model.name, pp)
-    kinds = _STAGES.get(key)
+    key = (id(model), pp)
+    held = _STAGES.get(key)
+    kinds = held[1] if held is not None and held[0] is model else None
     if kinds is None:
         moe_set = model._moe_set
         found, start = [], 0
@@ -228,7 +229,7 @@ def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
             start += count
             found.append((count, n_moe, stage == 0, stage == pp - 1))
         kinds = tuple(dict.fromkeys(found))
-        _STAGES[key] = kinds
+        _STAGES[key] = (model, kinds)
     return kinds
 
 

@@ -80,7 +80,7 @@ ALLREDUCE_FLOOR_S = 10.5e-6
 flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
 
 _EFF_CACHE: dict[tuple, float] = {}
-_TIER_CACHE: dict[tuple, comm.Tier] = {}
+_TIER_CACHE: dict[tuple, tuple] = {}
 _LINES: dict[tuple, tuple] = {}
 
 
@@ -88,7 +88,7 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
     """Achievable fraction of the ``dtype`` dense peak for an (m x k) @ (k x n) GEMM: the training
     planner's model (``plan.efficiency.matmul_efficiency``), memoised (a plan asks for the same
     shapes thousands of times)."""
-    key = (device.name, m, n, k, dtype)
+    key = (_device_key(device, dtype), m, n, k)
     eff = _EFF_CACHE.get(key)
     if eff is None:
         eff = matmul_efficiency(device, max(1.0, m), max(1.0, n), max(1.0, k), dtype)
@@ -98,22 +98,30 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
     return eff
 
 
-_ATTN_PEAK: dict[str, float] = {}
+def _device_key(device, dtype: str) -> tuple:
+    """What a GEMM's efficiency depends on: a device from a cluster file may reuse a catalogue
+    name with other figures, so the name alone is not a key."""
+    return (device.name, device.hbm_bytes_per_s, device.peak_flops.get(dtype), dtype)
+
+
+_ATTN_PEAK: dict[tuple, float] = {}
 
 
 def _attn_peak(device) -> float:
-    peak = _ATTN_PEAK.get(device.name)
+    key = _device_key(device, "bf16")
+    peak = _ATTN_PEAK.get(key)
     if peak is None:
-        peak = _ATTN_PEAK[device.name] = device.flops("bf16") * peak_fraction(device)
+        peak = _ATTN_PEAK[key] = device.flops("bf16") * peak_fraction(device)
     return peak
 
 
 def _tier(cluster: ClusterSpec, size: int, inner: int) -> comm.Tier:
+    # Keyed by object identity, with the cluster kept in the entry so the id cannot be reused.
     key = (id(cluster), size, inner)
-    tier = _TIER_CACHE.get(key)
-    if tier is None:
-        tier = _TIER_CACHE[key] = comm.group_tier(cluster, size, inner)
-    return tier
+    held = _TIER_CACHE.get(key)
+    if held is None or held[0] is not cluster:
+        held = _TIER_CACHE[key] = (cluster, comm.group_tier(cluster, size, inner))
+    return held[1]
 
 
 def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
@@ -321,13 +329,13 @@ def _decode_coefficients(c: _Ctx) -> None:
     c.k_elem = f.act_traffic_per_token / c.hbm
     c.k_attn_elem = c.k_attn + c.k_elem
     c.expert_miss = 1.0 - m.top_k / m.num_experts if m.num_experts else 1.0
-    c.eff_key = (c.device.name, c.n_gemm, h, c.compute_dtype)
+    c.eff_key = (_device_key(c.device, c.compute_dtype), c.n_gemm, h)
     c.fixed_s = f.stage_layers * LAYER_OVERHEAD_S
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
     key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S, c.imbalance)
     cached = _LINES.get(key)
-    if cached is not None and cached[0] is m:
-        c.comm_lines = cached[1]
+    if cached is not None and cached[0] is m and cached[1] is c.cluster:
+        c.comm_lines = cached[2]
         return
     lines = []
     if c.tp > 1:
@@ -350,7 +358,7 @@ def _decode_coefficients(c: _Ctx) -> None:
     c.comm_lines = tuple(lines)
     if len(_LINES) > 100_000:
         _LINES.clear()
-    _LINES[key] = (m, c.comm_lines)
+    _LINES[key] = (m, c.cluster, c.comm_lines)
 
 
 def _stage_step(c: _Ctx, b: int, detail: bool = False):
