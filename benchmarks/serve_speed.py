@@ -111,7 +111,8 @@ def main() -> int:
         print(
             f"{r['goal']:17s} {r['model']:15s} {r['cluster']:11s} {r['evaluated']:5d} layouts  "
             f"{r['layouts_per_cpu_s']:8,d}/CPU-s  {r['layouts_per_wall_s']:8,d}/wall-s  plan {r['plan_wall_s']:.3f} s  "
-            f"({r['batch_evaluations_per_cpu_s']:,d} layout x batch evaluations/CPU-s)  -> {r['winner']}"
+            + (f"({r['batch_evaluations_per_cpu_s']:,d} layout x batch evaluations/CPU-s)  " if r["batch_evaluations"] else "")
+            + f"-> {r['winner']}"
         )
     return 0
 
