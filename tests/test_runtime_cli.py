@@ -19,16 +19,6 @@ def cli(*argv, timeout=240):
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 
-def test_verify_passes_and_reports_json():
-    code, out, err, _ = cli("verify", "--model", "tiny-llama", "--layout", "tp=2,sp,seq=16,gbs=2",
-                            "--dtype", "fp32", "--steps", "2", "--json")
-    assert code == 0, err
-    report = json.loads(out)
-    assert report["passed"] and report["layout"] == "TP2-SP" and report["steps"] == 2
-    kinds = {c["name"].split("/")[0] for c in report["checks"]}
-    assert kinds == {"logits", "loss", "grad_norm", "grad", "param"}
-
-
 @pytest.mark.parametrize(
     "layout, extra, fragment",
     [
@@ -82,3 +72,23 @@ def test_verify_exit_code_on_failure(monkeypatch, capsys):
     monkeypatch.setattr(run_cmd, "_launch", fake_launch)
     assert main(["verify", "--model", "tiny-llama", "--layout", "tp=2"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_two_nodes_through_torchrun_flags(tmp_path):
+    """verify end to end (JSON report); --nnodes/--node-rank/--master-addr/--master-port reach torchrun: two 'nodes' (two CLI
+    processes on this machine, one rank each) run one tp=2 verify together."""
+    from dist import free_port
+
+    port = str(free_port())
+    args = ["verify", "--model", "tiny-llama", "--layout", "tp=2,seq=16,gbs=2", "--dtype", "fp32", "--steps", "1",
+            "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    other = subprocess.Popen([sys.executable, "-m", "modelcarve.cli", *args, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    code, out, err, _ = cli(*args, "--node-rank", "0", "--json")
+    other_out, other_err = other.communicate(timeout=120)
+    assert code == 0, err
+    assert other.returncode == 0, other_err
+    report = json.loads(out)
+    assert report["passed"] and report["world_size"] == 2 and report["layout"] == "TP2" and report["steps"] == 1
+    kinds = {c["name"].split("/")[0] for c in report["checks"]}
+    assert {"logits", "loss", "grad_norm", "grad", "param"} <= kinds

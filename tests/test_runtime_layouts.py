@@ -44,6 +44,7 @@ LAYOUTS = {
         ("tiny-llama", f"tp=2,dp=2,gbs=4,{COMMON}"),
         ("tiny-llama", f"tp=2,sp,dp=2,zero=1,gbs=4,{COMMON}"),
         ("@qwen3-tied", f"tp=2,dp=2,fsdp,gbs=4,{COMMON}"),
+        ("tiny-llama", f"dp=4,dp_shard=2,zero=1,gbs=4,{COMMON}"),
     ],
 }
 
