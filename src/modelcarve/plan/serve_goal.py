@@ -379,7 +379,10 @@ class _ServeGoal:
                     f"(weights {one.weights_bytes / GiB:.1f} + KV {one.kv_bytes / GiB:.1f}) > {one.budget_bytes / GiB:.1f} GiB usable"
                 )
         if layout.weight_dtype in ("int4", "int8"):
-            out.append(f"quality: {quality_note(layout.weight_dtype, layout.kv_dtype)}")
+            out.append(
+                f"quality: {quality_note(layout.weight_dtype, layout.kv_dtype)} "
+                f"(--weight-dtypes bf16,fp8 keeps the search to near-lossless weights)"
+            )
         return out
 
 
