@@ -58,6 +58,8 @@ def print_serve_plan(plan: dict, *, goal_name: str, why: list[dict] | None = Non
                       f"TTFT {_ms(best['serve']['ttft_s'])} ms, {best['serve']['tokens_per_s_per_device']:,.0f} tokens/s per device "
                       f"at {best['serve']['batch']} sequences per replica ({best['serve']['concurrency']} in the cluster)")
         console.print(f"  quality: {best['quality']}")
+        if best.get("quality_short") in ("small", "noticeable"):
+            console.print("  (--weight-dtypes bf16,fp8 keeps the search to near-lossless weights)")
         for warning in best["warnings"]:
             if not warning.startswith("quality"):
                 console.print(f"  note: {warning}")
