@@ -109,6 +109,8 @@ def serve_options(**options) -> ServeOptions:
     )
     from modelcarve.plan.quant import KV_FORMATS, WEIGHT_FORMATS
 
+    if not opts.weight_dtypes or not opts.kv_dtypes:
+        raise ModelcarveError("--weight-dtypes and --kv-dtypes need at least one dtype each, e.g. --weight-dtypes bf16,fp8")
     for name in opts.weight_dtypes:
         if name not in WEIGHT_FORMATS:
             raise ModelcarveError(f"weight dtype {name!r} unknown; choose from {', '.join(WEIGHT_FORMATS)}")
@@ -337,8 +339,8 @@ class _ServeGoal:
                 model, cluster.device.memory_bytes, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
                 context=opts.context, batch=opts.batch or 1,
             )
-            where = f"{needed} x {cluster.device.name}" if needed else f"more than 1024 x {cluster.device.name}"
-            result["reject_reason"] = f"{reason}; {layout.weight_dtype} weights with this context need at least {where}"
+            where = f"at least {needed} x {cluster.device.name}" if needed else f"more than 1024 x {cluster.device.name}"
+            result["reject_reason"] = f"{reason}; {layout.weight_dtype} weights with this context need {where}"
             return result
         result["serve"] = dict(t.to_dict(), concurrency=t.batch * layout.dp)
         result["comm"] = {axis: dict(info, crosses_nodes=info["tier"] == "inter") for axis, info in t.comm.items()}
