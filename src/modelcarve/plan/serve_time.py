@@ -166,7 +166,7 @@ class ServeTime:
     decode_step_s: float
     """One decode round: every sequence of the batch advances one token (no prefills)."""
     tpot_s: float
-    """Time per output token a user sees: the decode round plus interleaved prefills."""
+    """Time per output token a user sees: the decode round plus the other requests' prefills."""
     tokens_per_s: float
     """Output tokens/s of one model replica (tp x pp x ep devices)."""
     tokens_per_s_per_device: float
@@ -178,7 +178,8 @@ class ServeTime:
     weights_read_bytes: float
     """Weight bytes one device reads per decode step (routed experts: only those touched)."""
     decode_parts: dict
-    """Seconds of one decode round: memory, compute, tp, ep, pp."""
+    """Seconds of one decode round: roofline (with its memory and compute sides), overhead
+    (fixed per-layer cost), tp, ep, pp."""
     comm: dict
     """Per axis: link tier, seconds added to each decode round, bytes per device per round."""
 
@@ -201,7 +202,8 @@ class ServeTime:
 
 @dataclass(kw_only=True, slots=True)
 class _Ctx:
-    """Everything of a layout that does not depend on the batch (mutable only while built)."""
+    """Everything of a layout that does not depend on the batch (filled in by ``_context``; the
+    prefill figures on first use)."""
 
     model: ModelSpec
     cluster: ClusterSpec
