@@ -56,7 +56,10 @@ def apply_data_parallel(chunks: list[nn.Module], mesh, layout) -> None:
 
     dp_mesh = _dp_mesh(mesh, layout)
     for chunk in chunks:
+        expert_mesh = chunk.__dict__.get("_mc_expert_mesh")  # expert.py: EP-split experts shard over expert-dp only
         for block in chunk.layers.values():
+            if expert_mesh is not None and hasattr(block.feed_forward, "experts"):
+                fully_shard(block.feed_forward.experts, mesh=expert_mesh)
             fully_shard(block, mesh=dp_mesh)
         fully_shard(chunk, mesh=dp_mesh)
         for mod in chunk.modules():

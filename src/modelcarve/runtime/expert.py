@@ -142,6 +142,11 @@ def expert_groups(mesh, layout) -> dict:
                 group = new_group(ranks)
                 if dist.get_rank() in ranks:
                     me["edp_group"], me["edp_ranks"] = group, ranks
+    if layout.zero == 3 and ep > 1:  # FSDP2 shards the local experts over expert-dp: it needs a mesh
+        from modelcarve.runtime.mesh import _mesh
+
+        full = _mesh((pp, dpcp // ep, ep, tp), ("_pp", "edp", "_ep", "_tp"))
+        me["edp_mesh"] = full["edp"]
     cache[key] = me
     return me
 
@@ -179,12 +184,14 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
             f"ep={layout.ep} does not divide {spec.num_experts} experts; valid ep: "
             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}"
         )
-    if layout.ep > 1 and layout.zero:
+    if layout.ep > 1 and layout.zero in (1, 2):
         raise LayoutError(
-            f"ep={layout.ep} with zero={layout.zero}: ZeRO/FSDP over dp x cp would mix the different experts of "
-            "the EP ranks; use zero=0 with ep > 1 (expert weights are already split ep ways)"
+            f"ep={layout.ep} with zero={layout.zero}: the ZeRO optimiser partitions over dp x cp and would mix the "
+            "different experts of the EP ranks; use zero=0 or fsdp (zero=3) with ep > 1"
         )
     groups = expert_groups(mesh, layout)
+    if layout.ep > 1 and layout.zero == 3:
+        chunk.__dict__["_mc_expert_mesh"] = groups["edp_mesh"]
     from modelcarve.runtime.data_parallel import record_grad_group
     from modelcarve.runtime.parallelize import record_shard
 
