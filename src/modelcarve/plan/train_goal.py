@@ -117,7 +117,7 @@ class TrainGoal:
         label, seconds = parts[key]
         ratio = result["time"]["tokens_per_s"] / best["time"]["tokens_per_s"]
         return (
-            f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {label} take {seconds / step:.0%} "
+            f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {label} {seconds / step:.0%} "
             f"of its step (winner: {best_parts[key][1] / best_step:.0%})"
         )
 
@@ -127,16 +127,17 @@ _AXIS_NAMES = {"tp": "tensor-parallel all-reduces", "cp": "context-parallel exch
 
 
 def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
-    """Parts of a step by key, each with the words that name it in this layout."""
+    """Parts of a step by key, each with the words (subject and verb) that name it in this layout."""
     t, c = result["time"], result["comm"]
     parts = {
-        "compute": ("compute (GEMMs and element-wise kernels, recomputation included)", t["compute_s"]),
-        "bubble": ("the pipeline bubble", t["bubble_s"]),
-        "optimizer": ("the optimizer step", t["optimizer_s"]),
+        "compute": ("compute (GEMMs and element-wise kernels) takes", t["compute_s"] - t["recompute_s"]),
+        "recompute": ("recomputing activations takes", t["recompute_s"]),
+        "bubble": ("the pipeline bubble takes", t["bubble_s"]),
+        "optimizer": ("the optimizer step takes", t["optimizer_s"]),
     }
     for axis, seconds in c["exposed_s_by_axis"].items():
         link = "across nodes" if c["link_by_axis"][axis] == "inter" else "inside the node"
-        parts[axis] = (f"exposed {_AXIS_NAMES[axis]} {link}", seconds)
+        parts[axis] = (f"exposed {_AXIS_NAMES[axis]} {link} take", seconds)
     return parts
 
 

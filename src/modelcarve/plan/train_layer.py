@@ -128,6 +128,7 @@ def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs
         ).values())
     return {
         "compute_s": fwd + bwd + rc,
+        "recompute_s": rc,
         "fwd_s": fwd,
         "bwd_s": bwd,
         "tp_s": n_tp * tp_one,

@@ -30,7 +30,8 @@ What a step costs (per device; see the helpers' docstrings for each formula)
   load-imbalance factor (the busiest rank sets the pace); exposed.
 * PP: one activation send per micro-batch and chunk boundary each way (``2 T h / t`` bytes with
   Megatron's scatter-gather); on the critical path.
-* DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1/2), or
+* DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1; ZeRO-2
+  keeps only its gradient shard, so it reduce-scatters after every micro-batch), or
   per-micro-batch parameter all-gathers and gradient reduce-scatters (ZeRO-3/FSDP; HSDP adds an
   all-reduce across replicas); gradient reduction hides behind the last micro-batch's backward,
   the parameter all-gather behind the first forward (when ``overlap_grad_reduce`` /
@@ -77,7 +78,7 @@ LOGITS_BYTES_PER_ELEM = 10.0
 fp32 softmax it keeps for backward."""
 
 _PER_LAYER_SUMS = (
-    "compute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
+    "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
     "ep_bytes", "ep_nic", "act_bytes",
 )
 
@@ -374,6 +375,11 @@ class TrainCostModel:
             exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + r["first_gather_s"])
             exposed += max(0.0, r["replica_s"] - win_b)
             total = n_mb * per_mb + r["replica_s"]
+            nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
+        elif cand[8] == 2:
+            # a gradient reduce-scatter per micro-batch (only the shard is kept), each behind its backward
+            exposed = n_mb * max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
+            total = n_mb * r["reduce_s"] + r["gather_s"]
             nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
         else:
             exposed = max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)

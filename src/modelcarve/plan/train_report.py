@@ -2,7 +2,8 @@
 
 Fields: ``fits``; ``memory`` {``peak_bytes``, ``capacity_bytes``, ``worst_stage``, ``breakdown``
 in bytes}; ``time`` {``step_s``, ``tokens_per_s``, ``tflops_per_device`` (Narayanan et al. 2021
-Eq. 3: recomputation counted), ``mfu`` (recomputation not counted), ``compute_s``, ``bubble_s``,
+Eq. 3: recomputation counted), ``mfu`` (recomputation not counted), ``compute_s`` (recomputation
+included), ``recompute_s``, ``bubble_s``,
 ``optimizer_s``, ``microbatches``}; ``comm`` {``bytes_per_step_by_link`` (intra, inter: bytes
 one device sends per step), ``bytes_per_step_by_axis``, ``exposed_s``, ``exposed_s_by_link``,
 ``exposed_s_by_axis``, ``total_s_by_axis``, ``hidden_s_by_axis``, ``link_by_axis``};
@@ -111,7 +112,8 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": (model_flops + rc_flops) / step / n_dev / 1e12,
             "mfu": model_flops / (step * n_dev * peak_dev),
-            "compute_s": n_mb * (slow["compute_s"]),
+            "compute_s": n_mb * slow["compute_s"],
+            "recompute_s": n_mb * slow["recompute_s"],
             "bubble_s": idle * t_mb,
             "optimizer_s": d["optimizer_s"],
             "microbatches": n_mb,

@@ -98,9 +98,16 @@ def dp_traffic(cost: "TrainCostModel", prof: dict, cand: tuple) -> dict:
     elif zero in (1, 2):
         r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
         r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
-        b1 = comm.reduce_scatter_bytes(gb * pd, dp * cp) + comm.all_gather_bytes(pb * pd, dp * cp)
-        b2 = comm.reduce_scatter_bytes(gb * pe, edp) + comm.all_gather_bytes(pb * pe, edp)
-        r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+        rs1, rs2 = comm.reduce_scatter_bytes(gb * pd, dp * cp), comm.reduce_scatter_bytes(gb * pe, edp)
+        ag1, ag2 = comm.all_gather_bytes(pb * pd, dp * cp), comm.all_gather_bytes(pb * pe, edp)
+        reduce_bytes, reduce_nic = rs1 + rs2, comm.nic_bytes(rs1, dense_t) + comm.nic_bytes(rs2, exp_t)
+        gather_bytes, gather_nic = ag1 + ag2, comm.nic_bytes(ag1, dense_t) + comm.nic_bytes(ag2, exp_t)
+        if zero == 1:
+            r["step_bytes"], r["step_nic"] = reduce_bytes + gather_bytes, reduce_nic + gather_nic
+        else:
+            # ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every micro-batch
+            r["per_mb_bytes"], r["per_mb_nic"] = reduce_bytes, reduce_nic
+            r["step_bytes"], r["step_nic"] = gather_bytes, gather_nic
     else:
         sd_t = cost.tier(shard * cp, tp)
         r["tier"] = sd_t.name
