@@ -29,17 +29,22 @@ replicated (its gradient is a partial sum per rank, all-reduced like tensor.py's
 gradients), the block enters/leaves the TP region once (all-reduce, or all-gather/reduce-scatter
 with sp) like a dense MLP.
 
-Gradient normalisation: every rank's gradient is that of its own mean loss, and data_parallel.py
-divides the sum over the ranks holding a copy by ``dp * cp`` (the number of ranks that share
-the global batch). An expert's local gradient already sums the contributions of the whole EP
-group's tokens (the all-to-all backward brought them), so summing it over the expert-data-
-parallel group and dividing by the same ``dp * cp`` gives the global-batch mean; the groups and
-divisor are declared with ``record_grad_group``.
+Gradient normalisation (train.py's contract: each rank back-propagates its token-loss sum
+divided by the global token count, and gradients are SUMMED over the ranks holding a copy): an
+expert's local gradient already holds the contributions of the whole EP group's tokens (the
+all-to-all backward brought them), so it is summed over the expert-data-parallel group only
+(``record_grad_group``; with FSDP2 the local experts are ``fully_shard``-ed over an expert-dp
+mesh instead, see data_parallel.py). ZeRO-1/2 with ep > 1 is refused (parallelize.check_runtime).
+
+Data-dependent options (``configure_moe``, from TrainConfig): capacity factor and aux loss are
+per sequence (moe.py), so they are refused with cp > 1; the aux gradient is averaged over the
+sequences train.py's loss averages over.
 
 Metrics: ``moe_step_stats`` sums the step's router counts over the data-parallel ranks
 (tokens per expert over the global batch, dropped assignments), gathers the rows each rank's
 experts received (tokens per rank) and reports the imbalance max/mean of both (the straggler
 factor); it also applies the aux-loss-free bias update and resets the counters.
+``exclude_shape_inference`` keeps torch.distributed.pipelining's placeholder forward out of them.
 """
 
 from __future__ import annotations
