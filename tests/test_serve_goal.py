@@ -179,3 +179,34 @@ def test_contrasts_explain_in_words_why_tp_stays_inside_the_node(qwen):
     across = why["TP across nodes"]
     assert "slower" in across["verdict"] and "eth-100g" in across["why"] and "all-reduces" in across["why"]
     assert "GB of weights per step" in why["replicas only"]["why"]
+
+
+@pytest.mark.parametrize(
+    "name,cluster,goal,options",
+    [
+        ("qwen3-32b", ETH_2NODES, "serve-latency", {"input_len": 40000}),
+        ("qwen3-32b", ETH_2NODES, "serve-latency", {"ttft_ms": 60, "batch": 4}),
+        ("qwen3-32b", ETH_2NODES, "serve-throughput", {"ttft_ms": 2000, "tpot_ms": 15}),
+        ("mixtral-8x7b", "2x8xH100", "serve-throughput", {"tpot_ms": 30}),
+    ],
+)
+def test_screen_agrees_with_full_evaluation(name, cluster, goal, options):
+    """The search's fast scorer and the full estimate agree on every candidate: same verdict,
+    same rejection category, same score."""
+    from modelcarve.plan.goals import get_goal
+
+    model = get_model(name)
+    cl = cluster_from_dict(cluster) if isinstance(cluster, dict) else parse_cluster(cluster)
+    g = get_goal(goal)
+    opts = dict(SHAPE, **options)
+    screen = g.prepare(model, cl, **opts)
+    verdicts = set()
+    for layout in g.candidates(model, cl, **opts):
+        score, category, _ = screen(layout)
+        result = g.evaluate(model, cl, layout, **opts)
+        assert category == result.get("reject_category"), (layout.short(), category, result.get("reject_reason"))
+        if category is None:
+            assert result["fits"] and result["reject_reason"] is None
+            assert score == pytest.approx(g.score(result), rel=1e-9)
+        verdicts.add(category)
+    assert None in verdicts and len(verdicts) > 1  # both accepted and rejected candidates were compared
