@@ -193,3 +193,14 @@ def test_load_imbalance_scales_the_ep_all_to_all():
     latency = 15 * 5e-6 * 2 * model.num_moe_layers  # the alpha part does not scale
     assert skew.decode_parts["ep"] - latency == pytest.approx(2 * (even.decode_parts["ep"] - latency))
     assert skew.tpot_s > even.tpot_s
+
+
+def test_ep_straggler_cost_is_reported():
+    model = get_model("deepseek-v3")
+    cluster = parse_cluster("2x8xH200")
+    even = serve_time(model, cluster, tp=1, dp=16, ep=16, weight_dtype="fp8", batch=8, load_imbalance=1.0)
+    skew = serve_time(model, cluster, tp=1, dp=16, ep=16, weight_dtype="fp8", batch=8, load_imbalance=1.5)
+    assert even.comm["ep"]["straggler_s_per_round"] == 0.0
+    # What the straggler adds is exactly the difference to a balanced all-to-all.
+    assert skew.comm["ep"]["straggler_s_per_round"] == pytest.approx(skew.decode_parts["ep"] - even.decode_parts["ep"])
+    assert "ep_straggler" not in skew.decode_parts

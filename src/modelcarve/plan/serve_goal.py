@@ -361,6 +361,13 @@ class _ServeGoal:
                 "pp": f"PP={layout.pp} stage hand-offs cross nodes over {link}",
             }[axis]
             out.append(f"{what}: {ms:.2f} ms of each {t.tpot_s * 1e3:.2f} ms token ({info['bytes_per_round'] / max(t.batch, 1) / 1e3:.1f} kB per token per device)")
+        if "ep" in t.comm and t.comm["ep"]["straggler_s_per_round"] > 0:
+            info = t.comm["ep"]
+            out.append(
+                f"EP={layout.ep} straggler: the busiest expert rank receives {opts.load_imbalance:g}x the mean tokens, "
+                f"adding {info['straggler_s_per_round'] * 1e3:.2f} ms of all-to-all to each decode round "
+                f"(--load-imbalance sets it; the runtime measures the real per-expert counts)"
+            )
         if t.bubble > 0:
             out.append(
                 f"pp={layout.pp} with {t.batch} sequence(s) in flight: stages sit idle {t.bubble:.0%} of each decode round; "

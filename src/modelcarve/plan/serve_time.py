@@ -394,10 +394,14 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
             step += count * (best if best > floor else floor) + extra[0] + extra[1] * b
         return step
     comm_s = {}
+    straggler = 0.0
     for axis, count, pieces, floor, extra in c.comm_lines:
         t = count * max(floor, min(a + slope * b for a, slope in pieces)) + extra[0] + extra[1] * b
         comm_s[axis] = t
         step += t
+        if axis == "ep":
+            # The bytes part scales with the busiest rank's share; the rest would be paid anyway.
+            straggler = count * pieces[0][1] * b * (1.0 - 1.0 / c.imbalance)
     m, f = c.model, c.f
     h = m.hidden_size
     roof = step - sum(comm_s.values()) - c.fixed_s
@@ -406,6 +410,7 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     parts = {
         "roofline": roof, "memory": gemm_mem + attn_mem + b * c.k_elem, "compute": gemm_cmp + attn_cmp,
         "overhead": c.fixed_s, "tp": comm_s.get("tp", 0.0), "ep": comm_s.get("ep", 0.0), "pp": comm_s.get("pp", 0.0),
+        "ep_straggler": straggler,
     }
     act = b * h * ACT_BYTES
     sent = {
@@ -513,6 +518,10 @@ def _serve_time(c: _Ctx, batch: int) -> ServeTime:
         for axis, (size, tier) in tiers.items()
         if size > 1
     }
+    if "ep" in comm_info:
+        comm_info["ep"]["straggler_s_per_round"] = round_parts.pop("ep_straggler")
+    else:
+        round_parts.pop("ep_straggler")
     return ServeTime(
         batch=batch,
         prefill_s=c.prefill_s,
