@@ -79,9 +79,11 @@ class Action:
 
 
 class _ActionLog(list):
-    """The actions of one step, in order; ``t0`` is the step's start (perf_counter)."""
+    """The actions of one step, in order; ``t0`` is the step's start (perf_counter);
+    ``sent_bytes`` the activation and gradient bytes this rank sent to other stages."""
 
     t0 = 0.0
+    sent_bytes = 0
 
     def timed(self, stage: int, microbatch: int, kind: str, run):
         start = time.perf_counter()
@@ -113,6 +115,18 @@ class _RecordingStage(PipelineStage):
         parent = super().backward_weight_one_chunk
         return self._log.timed(self.stage_index, bwd_chunk_id, "W", lambda: parent(bwd_chunk_id, last_backward=last_backward))
 
+    # Sends are counted here: the schedules call isend directly (not through a function a
+    # wrapper around torch.distributed could see, metrics.CommCounter).
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _count(self, ops):
+        self._log.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        return ops
+
 
 class PipelineRunner:
     """Runs one training step's forward and backward over all micro-batches of a pipeline."""
@@ -134,6 +148,12 @@ class PipelineRunner:
         self.actions = log
         """Compute actions this rank ran during the last ``step``, in order (``Action``)."""
 
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of activations (forward) and input gradients (backward) this rank sent to
+        other pipeline stages in the last ``step`` (payload, point-to-point)."""
+        return self.actions.sent_bytes
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward + backward of ``tokens``/``targets`` [num_microbatches x mbs, seq] (this
         pipeline's batch; every rank passes it, each stage uses what it needs). Gradients
@@ -148,6 +168,7 @@ class PipelineRunner:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         self.actions.clear()
         self.actions.t0 = time.perf_counter()
+        self.actions.sent_bytes = 0
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         try:
