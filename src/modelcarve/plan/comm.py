@@ -48,6 +48,11 @@ INTRA_EFFICIENCY = 0.77
 """Achieved NCCL bus bandwidth / nominal per-direction link bandwidth inside a node."""
 INTER_EFFICIENCY = 0.86
 """Achieved NCCL bus bandwidth / nominal NIC bandwidth across nodes."""
+OVERLAP_COMPUTE_COST = 0.15
+"""A collective hidden behind compute is not free: NCCL runs one thread block per channel on an
+SM (16-32 channels against 108 SMs on A100, 132 on H100) and streams through HBM, so the GEMMs it
+overlaps lose about that share of the device. Charged as this fraction of the hidden time (a
+stated assumption, not fitted)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -104,6 +104,7 @@ def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs
     cp_fwd_bytes = (cp - 1) * kv if cp > 1 else 0.0
     cp_fwd = (cp - 1) * comm.p2p_s(kv, cp_tier) if cp > 1 else 0.0
     cp_exposed = max(0.0, cp_fwd - core) + max(0.0, 2.0 * cp_fwd - core_bwd)
+    cp_exposed += comm.OVERLAP_COMPUTE_COST * max(0.0, 3.0 * cp_fwd - cp_exposed)  # hidden, yet it slows compute
     ep_tier = cost.tier(ep, tp)
     ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
     ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0

@@ -385,6 +385,7 @@ class TrainCostModel:
             exposed = max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
             total = r["reduce_s"] + r["gather_s"]
             nbytes, nic = r["step_bytes"], r["step_nic"]
+        exposed += comm.OVERLAP_COMPUTE_COST * max(0.0, total - exposed)  # hidden traffic still slows compute
         d.update(
             exposed_s=exposed + r["tied_s"] + r["optimizer_s"],
             optimizer_s=r["optimizer_s"],
