@@ -3,7 +3,10 @@
 Uses ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); all four run on
 CPU/gloo (checked in tests/test_runtime_pipeline.py). What is ours: the split (pipeline_split.py),
-the loss normalisation, the tied-embedding gradient sum, the loss broadcast and clear errors.
+the loss normalisation, the tied-embedding gradient sum, the loss broadcast and clear errors,
+plus two measurements torch does not give: each rank's timed list of compute actions per step
+(``runner.actions``, ``runner.gather_actions()``: the data of a pipeline timeline figure) and
+the point-to-point bytes it sent (``runner.sent_bytes``).
 
 Usage (the order parallelize.py / train.py use)::
 
@@ -281,13 +284,14 @@ def _tied_group(chunks, layout: Layout, mesh):
     """The group joining the first- and last-stage ranks of this rank's (dp, cp, tp) position,
     or None when no chunk anywhere holds a tied copy. Every rank takes part in creating every
     such group (new_group is collective), so all ranks call this with the same layout."""
-    has_copy = torch.tensor([1 if any(tied_copy_names(c) for c in chunks) else 0])
+    # Only the last stage's rank holds the copy; every rank must agree whether groups are made.
+    has_copy = torch.tensor([1 if any(tied_copy_names(c) for c in chunks) else 0], device=_device_of(chunks[0]))
     dist.all_reduce(has_copy, op=dist.ReduceOp.MAX)
     if not has_copy.item():
         return None
     first_rank, last_rank = 0, (num_stages(layout) - 1) % layout.pp
-    if layout.pp == 2 or first_rank == last_rank:
-        return mesh.get_group("pp") if first_rank != last_rank else None
+    if layout.pp == 2:
+        return mesh.get_group("pp")
     # One column per (dp, cp, tp) position: the ranks of one pipeline.
     grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(layout.pp, -1)
     mine = None
