@@ -185,3 +185,25 @@ def test_korthikanti_530b_mfu_with_and_without_full_recomputation():
         assert est["fits"]
         assert est["time"]["mfu"] == pytest.approx(case.published_mfu, rel=0.10)
     assert selective["time"]["tokens_per_s"] > 1.15 * full["time"]["tokens_per_s"]
+
+
+def test_expert_all_to_all_belongs_inside_the_node():
+    # Kimi K2 on 1024 H200: the same layout with EP 8 (one node), 16 and 32 (across nodes)
+    model, cluster = get_model("kimi-k2"), parse_cluster("128x8xH200")
+    goal = get_goal("train")
+    speeds, shares = [], []
+    for ep in (8, 16, 32):
+        layout = Layout.parse(f"pp=16,cp=2,dp=32,ep={ep},zero=1,mbs=1,gbs=4096,seq=4096,schedule=zero-bubble")
+        est = goal.evaluate(model, cluster, layout)
+        assert est["fits"]
+        assert est["comm"]["link_by_axis"]["ep"] == ("intra" if ep == 8 else "inter")
+        speeds.append(est["time"]["tokens_per_s"])
+        shares.append(est["comm"]["exposed_s_by_axis"]["ep"] / est["time"]["step_s"])
+    assert speeds[0] > speeds[1] > speeds[2]
+    assert shares[0] < shares[1] < shares[2]
+    # imbalance is a straggler cost: a busier rank slows the whole all-to-all and expert compute
+    layout = Layout.parse("pp=16,cp=2,dp=32,ep=8,zero=1,mbs=1,gbs=4096,seq=4096,schedule=zero-bubble")
+    even = goal.evaluate(model, cluster, layout, load_imbalance=1.0)
+    skewed = goal.evaluate(model, cluster, layout, load_imbalance=1.5)
+    assert skewed["comm"]["exposed_s_by_axis"]["ep"] == pytest.approx(1.5 * even["comm"]["exposed_s_by_axis"]["ep"], rel=0.05)
+    assert skewed["time"]["step_s"] > even["time"]["step_s"]
