@@ -110,8 +110,40 @@ def build_optimizer(chunks: list[nn.Module], mesh, layout, **adamw) -> torch.opt
         group = axis_group(mesh, "dp_cp")
         if layout.dp_shard and layout.dp_shard < layout.dp:  # shard inside each replica group only
             group = merged_mesh(mesh, "dp_cp", hsdp_shard=layout.dp_shard * layout.cp).get_group(1)
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, **adamw)
+        # parameters reduced over another group (EP experts: expert-dp) partition their state over it
+        by_group: dict = {}
+        for chunk in chunks:
+            overrides = chunk.__dict__.get("_mc_grad_group", {})
+            for fqn, p in chunk.named_parameters():
+                g = overrides.get(fqn, group)
+                by_group.setdefault(id(g), (g, []))[1].append(p)
+        optims = [ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.AdamW, process_group=g, **adamw)
+                  for g, ps in by_group.values()]
+        return optims[0] if len(optims) == 1 else _Optimizers(optims)
     return torch.optim.AdamW(params, **adamw)
+
+
+class _Optimizers:
+    """Several optimisers stepped as one (ZeRO-1 with one partition group per gradient group)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for opt in self.optimizers for k, v in getattr(opt, "optim", opt).state.items()}
 
 
 def _copies(chunk, fqn, param, world_per_stage) -> int:

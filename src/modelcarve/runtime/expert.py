@@ -33,8 +33,8 @@ Gradient normalisation (train.py's contract: each rank back-propagates its token
 divided by the global token count, and gradients are SUMMED over the ranks holding a copy): an
 expert's local gradient already holds the contributions of the whole EP group's tokens (the
 all-to-all backward brought them), so it is summed over the expert-data-parallel group only
-(``record_grad_group``; with FSDP2 the local experts are ``fully_shard``-ed over an expert-dp
-mesh instead, see data_parallel.py). ZeRO-1/2 with ep > 1 is refused (parallelize.check_runtime).
+(``record_grad_group``; ZeRO-1 partitions their AdamW state over that group too; with FSDP2
+the local experts are ``fully_shard``-ed over an expert-dp mesh instead, see data_parallel.py).
 
 Data-dependent options (``configure_moe``, from TrainConfig): capacity factor and aux loss are
 per sequence (moe.py), so they are refused with cp > 1; the aux gradient is averaged over the
@@ -188,11 +188,6 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
         raise LayoutError(
             f"ep={layout.ep} does not divide {spec.num_experts} experts; valid ep: "
             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}"
-        )
-    if layout.ep > 1 and layout.zero in (1, 2):
-        raise LayoutError(
-            f"ep={layout.ep} with zero={layout.zero}: the ZeRO optimiser partitions over dp x cp and would mix the "
-            "different experts of the EP ranks; use zero=0 or fsdp (zero=3) with ep > 1"
         )
     groups = expert_groups(mesh, layout)
     if layout.ep > 1 and layout.zero == 3:

@@ -65,11 +65,6 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
             f"tp={layout.tp} does not divide the {spec.num_kv_heads} kv heads (the runtime shards kv heads, "
             f"it does not replicate them); use tp in {[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}"
         )
-    if layout.ep > 1 and layout.zero in (1, 2):
-        problems.append(
-            f"ep={layout.ep} with zero={layout.zero}: the ZeRO optimiser partitions over dp x cp and would mix "
-            "the different experts of the EP ranks; use zero=0 or fsdp with ep > 1"
-        )
     if spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
     if layout.seq % (layout.tp if layout.sp else 1):
