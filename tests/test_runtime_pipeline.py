@@ -305,16 +305,31 @@ def test_pp2_matches_reference(two_rank_results, name):
     assert two_rank_results[0][name]["losses"] == two_rank_results[1][name]["losses"]
 
 
-def _in_flight(actions):
-    """Most micro-batches forwarded but not yet backwarded at any time (activation memory)."""
+def _in_flight(actions, release=("B", "I")):
+    """Most (stage, micro-batch) chunks forwarded but not yet backwarded at any time (the
+    activations a rank holds); ``release`` is the action that frees them."""
     live, most = set(), 0
     for stage, mb, kind in actions:
         if kind == "F":
             live.add((stage, mb))
-        elif kind in ("B", "I"):
+        elif kind in release:
             live.discard((stage, mb))
         most = max(most, len(live))
     return most
+
+
+def _check_against_planner(results, names, cases):
+    """The schedule torch ran holds, on every rank, exactly the activations the planner's
+    model (plan/schedule.py: in_flight_microbatches, from Narayanan et al. 2021 and the
+    interleaved warm-up) says it holds; units of one micro-batch through the whole stage."""
+    from modelcarve.plan.schedule import in_flight_microbatches
+
+    for name in names:
+        layout = Layout.parse(cases[name]["layout"])
+        for rank, per_rank in enumerate(results):
+            got = _in_flight(per_rank[name]["actions"]) / layout.virtual_stages
+            want = in_flight_microbatches(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, stage=rank)
+            assert got == want, (name, rank, got, want)
 
 
 def test_schedules_run_the_actions_they_promise(two_rank_results):
@@ -331,6 +346,15 @@ def test_schedules_run_the_actions_they_promise(two_rank_results):
         assert sorted(inter) == sorted((s, mb, k) for s in (rank, rank + 2) for mb in range(m) for k in "BF")
         zb = results["pp2 zero-bubble"]["actions"]
         assert sorted(zb) == sorted((rank, mb, k) for mb in range(m) for k in "FIW")
+
+
+def test_executed_schedules_match_the_planners_activation_model(two_rank_results):
+    names = ["pp2 gpipe", "pp2 1f1b", "pp2 interleaved v2", "pp2 zero-bubble", "pp2 1f1b uneven tied"]
+    _check_against_planner(two_rank_results, names, TWO_RANK_CASES)
+    # zero-bubble defers the weight-gradient half (W): counted until W, the last stage holds all
+    # its micro-batches' state where 1F1B holds one (the first stage's peak is unchanged)
+    zb = [r["pp2 zero-bubble"]["actions"] for r in two_rank_results]
+    assert [_in_flight(a, release=("W",)) for a in zb] == [2, 2]
 
 
 def test_actions_are_timed_and_gathered(two_rank_results):
@@ -402,7 +426,7 @@ def test_a_hung_stage_fails_its_peer_within_the_timeout():
 
 FOUR_RANK_CASES = {
     "pp4 1f1b tied": dict(layout=f"pp=4,gbs=4,schedule=1f1b,{BASE}", layers=6, tied=True),
-    "pp4 interleaved v2": dict(layout=f"pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}", layers=8),
+    "pp4 interleaved v2": dict(layout=f"pp=4,gbs=8,schedule=interleaved-1f1b,virtual_stages=2,{BASE}", layers=8),
     "verify: tp2 x pp2 1f1b": dict(model="tiny-llama", layout=f"tp=2,pp=2,gbs=4,schedule=1f1b,{BASE}"),
     "verify: tp2+sp x pp2 interleaved": dict(
         model="tiny-llama", layout=f"tp=2,sp,pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
@@ -433,6 +457,11 @@ def test_four_ranks_match_reference(four_rank_results, name):
         assert res["loss_rel"] <= LOSS_RTOL, (rank, res["loss_rel"])
         assert res["grad"] <= GRAD_ATOL, (rank, res["grad"])
         assert res["param"] <= PARAM_ATOL, (rank, res["param"])
+
+
+def test_pp4_schedules_match_the_planners_activation_model(four_rank_results):
+    # interleaved pp4 v2 m8: 5.5, 4.5, 3.5, 2.5 micro-batches on ranks 0..3 (Megatron's warm-up)
+    _check_against_planner(four_rank_results, [n for n in FOUR_RANK_CASES if n.startswith("pp")], FOUR_RANK_CASES)
 
 
 @pytest.mark.parametrize("name", [n for n in FOUR_RANK_CASES if n.startswith("verify")])
