@@ -157,6 +157,11 @@ def test_nothing_fits_is_explained(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "no layout" in err and "GiB" in err and err.count("\n") == 1
+    # the closest layout's reason is consistent: its model states plus the runtime reserve overflow
+    import re
+
+    need, cap = map(float, re.search(r"alone need ([\d.]+) GiB of ([\d.]+) GiB", err).groups())
+    assert need + 1.5 > cap
 
 
 def test_step_is_the_sum_of_its_parts_and_overlap_hides_dp_traffic():

@@ -172,8 +172,8 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                 eps = [e for e in divisors(math.gcd(model.num_experts, dp * cp))] if moe else [1]
                 shards = [0]
                 if dp > 1:
-                    in_node = max(1, cluster.devices_per_node // (tp * cp))
-                    if in_node < dp and dp % in_node == 0:
+                    in_node = cluster.devices_per_node // (tp * cp)
+                    if 1 < in_node < dp and dp % in_node == 0:  # HSDP: shard inside a node, replicate across
                         shards.append(in_node)
                 zeros = [(z, 0) for z in (0, 1, 2, 3)] + [(3, s) for s in shards[1:]] if dp * cp > 1 else [(0, 0)]
                 for mbs in (b for b in divisors(per_replica) if b <= max_mbs and (b == 1 or b * seq <= MAX_MB_TOKENS)):

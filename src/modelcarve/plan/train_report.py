@@ -85,9 +85,13 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
     if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:15]) > cost.capacity:
-        states_gib = sum(cost.state_parts(prof, cand, worst).values()) / GIB
+        # the stage with the most model state (not necessarily the one with the highest peak)
+        fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
+                              key=lambda kv: kv[1])
+        where = "the device" if fullest == "only" else f"the {fullest} pipeline stage"
         reason = (
-            f"weights, gradients and optimizer states alone need {states_gib:.1f} GiB of {cap:.1f} GiB on {where}"
+            f"weights, gradients and optimizer states alone need {states / GIB:.1f} GiB of {cap:.1f} GiB on {where}"
+            f" (with {RESERVED_BYTES / GIB:.1f} GiB kept for the CUDA context and libraries)"
             + ("" if zero == 3 else "; a higher ZeRO stage, more TP/PP or EP shard them")
         )
     elif not fits:
