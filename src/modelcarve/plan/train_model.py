@@ -136,6 +136,8 @@ class TrainCostModel:
         self._stage_params: dict = {}
         self._floors: dict = {}
         self._last_pkey: tuple | None = None
+        self._last_dtype = "bf16"
+        self._dtype = "bf16"  # compute dtype of the profile being built
         self._last_prof: dict | None = None
         self._params()
 
@@ -185,15 +187,18 @@ class TrainCostModel:
         return tier
 
     # --- per (tp, cp, pp, dp, ep, mbs, sp, recompute): stage compute and memory profile ---------------
-    def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
-        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq)
+    def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                dtype: str = "bf16") -> dict:
+        """Compute and memory of every stage kind for one micro-batch (GEMMs at ``dtype``'s peak)."""
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype)
         prof = self._profiles.get(key)
         if prof is None:
+            self._dtype = dtype
             prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq)
         return prof
 
     def _layer_cached(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int) -> dict:
-        key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq)
+        key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq, self._dtype)
         layer = self._layers.get(key)
         if layer is None:
             layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq)
@@ -210,10 +215,10 @@ class TrainCostModel:
         return counts
 
     def _gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
-        key = (m, n, k, batch)
+        key = (m, n, k, batch, self._dtype)
         t = self._gemms.get(key)
         if t is None:
-            t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch)
+            t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch, self._dtype)
         return t
 
     def stage_params(self, tp: int, pp: int, ep: int) -> list[tuple]:
@@ -415,11 +420,11 @@ class TrainCostModel:
                 # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
                 return -floor, STATES_DO_NOT_FIT, None
         pkey = cand[:8]
-        if pkey == self._last_pkey:
+        if pkey == self._last_pkey and cand[12] == self._last_dtype:
             prof = self._last_prof
         else:
-            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq)
-            self._last_pkey, self._last_prof = pkey, prof
+            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, cand[12])
+            self._last_pkey, self._last_prof, self._last_dtype = pkey, prof, cand[12]
         dkey = (zero, dp_shard) + cand[12:]
         d = prof["dp"].get(dkey)
         if d is None:
