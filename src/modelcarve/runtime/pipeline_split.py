@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from modelcarve.spec.errors import LayoutError
@@ -192,11 +191,10 @@ def _make_chunk(model: nn.Module, keys: list[str], *, first: bool, last: bool) -
     if not last:
         chunk.norm = None
         chunk.output = None
-    elif first is False and _is_tied(model):
+    elif not first and _is_tied(model):
         weight = model.tok_embeddings.weight
-        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+        head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
         chunk.output = head
         setattr(chunk, TIED_COPY_ATTR, {"output.weight": "tok_embeddings.weight"})
     return chunk
