@@ -135,6 +135,7 @@ class TrainCostModel:
         self._traffic: dict = {}
         self._stage_params: dict = {}
         self._floors: dict = {}
+        self._states: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._dtype = "bf16"  # compute dtype of the profile being built
@@ -252,21 +253,31 @@ class TrainCostModel:
         self._stage_params[key] = rows
         return rows
 
-    def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
-                     p_dt: str, g_dt: str, o_dt: str) -> float:
-        """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers) of the fullest stage
-        plus the runtime reserve: no schedule or micro-batch can bring a layout below this."""
+    def stage_states(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
+                     p_dt: str, g_dt: str, o_dt: str) -> list[float]:
+        """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers) per stage kind, bytes,
+        in ``stage_params`` order; independent of micro-batching, so cached per mesh and ZeRO."""
         key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt)
-        floor = self._floors.get(key)
-        if floor is None:
+        states = self._states.get(key)
+        if states is None:
             per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
             shard = (dp_shard or dp) if zero else 1
             n_dense, n_exp = (shard * cp, max(1, shard * cp // ep)) if zero else (1, 1)
-            floor = self._floors[key] = RESERVED_BYTES + max(
+            states = self._states[key] = [
                 per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
                 for _, _, _, pd, pe, layer in self.stage_params(tp, pp, ep)
-            )
-        return floor
+            ]
+            self._floors[key] = RESERVED_BYTES + max(states)
+        return states
+
+    def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
+                     p_dt: str, g_dt: str, o_dt: str) -> float:
+        """Model states of the fullest stage plus the runtime reserve: no schedule or micro-batch
+        can bring a layout below this."""
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt)
+        if key not in self._floors:
+            self.stage_states(*key)
+        return self._floors[key]
 
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq) -> dict:
         m, o = self.model, self.options
@@ -327,16 +338,8 @@ class TrainCostModel:
     def _dp_entry(self, prof: dict, cand: tuple) -> dict:
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
-        cp, dp, ep = prof["key"][1], prof["key"][3], prof["key"][4]
-        zero, dp_shard = cand[8], cand[9]
-        shard = (dp_shard or dp) if zero else 1
-        n_dense = shard * cp if zero else 1
-        n_exp = max(1, shard * cp // ep) if zero else 1
-        per_full, per_local, gather = state_factors(zero, *cand[12:15])
-        states = [
-            per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
-            for pd, pe, layer in prof["params_rows"]
-        ]
+        tp, cp, pp, dp, ep = prof["key"][:5]
+        states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15])
         buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
         base = buffers * (1.0 + FRAGMENTATION) + RESERVED_BYTES
         return {
