@@ -125,3 +125,29 @@ def test_zero3_shards_over_dp_times_cp_and_hsdp_over_its_shard_group():
     bd = hsdp["memory"]["breakdown"]
     assert bd["weights"] + bd["gradients"] + bd["optimizer_states"] == pytest.approx(18 * total / 8, rel=1e-9)
     assert hsdp["comm"]["link_by_axis"]["dp"] == "inter"
+
+
+def test_mla_moe_layer_activations_by_hand():
+    # Kimi K2 (MLA + 384 experts, 8 routed + 1 shared), one MoE layer, tp=1, flash, no dropout
+    from modelcarve.spec.catalog import get_model
+
+    m = get_model("kimi-k2")
+    T, imb = 4096, 1.25
+    h, nh = m.hidden_size, m.num_heads
+    dqk, dv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    expected = (
+        4 * T * h                                             # two norm inputs
+        + 2 * T * h                                           # attention input
+        + 4 * T * (m.q_lora_rank + m.kv_lora_rank) + 2 * T * m.qk_rope_head_dim  # latents and their norms
+        + 2 * T * nh * (2 * dqk + dv)                         # per-head Q, K, V
+        + 4 * T * nh                                          # flash log-sum-exp (fp32)
+        + 2 * T * nh * dv                                     # output projection input
+        + 2 * T * h                                           # MoE input
+        + 4 * T * m.num_experts                               # fp32 router logits
+        + 2 * 2 * T * m.top_k * imb * h                       # token copies out to and back from experts
+        + 6 * T * m.top_k * imb * m.expert_ffn_size           # routed SwiGLU intermediates
+        + 6 * T * m.num_shared_experts * m.expert_ffn_size    # shared expert
+    )
+    got = layer_activation_bytes(m, tokens=T, seq_ctx=T, tp=1, moe=True, attention="flash", dropout=False,
+                                 expert_tokens_factor=imb)
+    assert got == pytest.approx(expected)

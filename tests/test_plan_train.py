@@ -212,3 +212,11 @@ def test_expert_all_to_all_belongs_inside_the_node():
     skewed = goal.evaluate(model, cluster, layout, load_imbalance=1.5)
     assert skewed["comm"]["exposed_s_by_axis"]["ep"] == pytest.approx(1.5 * even["comm"]["exposed_s_by_axis"]["ep"], rel=0.05)
     assert skewed["time"]["step_s"] > even["time"]["step_s"]
+
+
+def test_estimate_of_a_layout_that_does_not_match_the_cluster_is_a_one_line_error(capsys):
+    code = main(["estimate", "--model", "gpt3-175b", "--cluster", "2x8xA100-80GB",
+                 "--layout", "tp=8,pp=2,dp=3,mbs=1,gbs=6"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "48" in err and "16 devices" in err and err.count("\n") == 1
