@@ -113,27 +113,45 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
     return merged
 
 
-def gather_logits(chunks, layout, mesh, tokens) -> torch.Tensor | None:
-    """Logits of the global batch on rank 0, or None where the layout cannot produce them here."""
+def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | None:
+    """Logits of the global batch on rank 0, or None where the layout cannot produce them here
+    (cp > 1). With pp > 1 the pipeline runs forward only (torch's ``schedule.eval``) and the
+    last stage's logits travel to rank 0."""
     from modelcarve.runtime.mesh import axis_group, axis_rank
     from modelcarve.runtime.train import autocast
 
-    if layout.pp > 1:
+    if layout.cp > 1 or (layout.pp > 1 and runner is None):
         return None
-    from modelcarve.runtime.context import shard_batch, unshard_sequence
-
-    model = chunks[0]
     rows = tokens.shape[0] // layout.dp
-    local = tokens[axis_rank(mesh, "dp") * rows : (axis_rank(mesh, "dp") + 1) * rows]
-    local, _, positions = shard_batch(local, None, mesh, layout)  # cp: this rank's zig-zag piece
+    dp_rank = axis_rank(mesh, "dp")
+    local = tokens[dp_rank * rows : (dp_rank + 1) * rows]
+    last = chunks[-1]
     with torch.no_grad(), autocast(layout):
-        logits = model(local, positions).float()
-    if getattr(model, "vocab_parallel", False):
-        logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
-    logits = unshard_sequence(logits, mesh, layout, dim=1)
-    if layout.dp > 1:
-        logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
-    return logits if dist.get_rank() == 0 else None
+        if layout.pp == 1:
+            logits = chunks[0](local)
+        else:
+            args = (local,) if runner.has_first else ()
+            # the schedule computes a loss on the last stage; any valid ids serve as its targets
+            logits = runner.schedule.eval(*args, target=local if runner.has_last else None,
+                                          positions=torch.arange(tokens.shape[1]))
+            if not runner.has_last:
+                logits = None
+    if logits is not None:
+        logits = logits.float()
+        if getattr(last, "vocab_parallel", False):
+            logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+    if layout.pp == 1:
+        if layout.dp > 1:
+            logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
+        return logits if dist.get_rank() == 0 else None
+    # pp > 1: the last stage of each data-parallel replica sends its rows to rank 0
+    send = (dp_rank, logits) if logits is not None and axis_rank(mesh, "tp") == 0 else None
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(send, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    by_dp = dict(p for p in parts if p is not None)
+    return torch.cat([by_dp[i] for i in range(layout.dp)], dim=0)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -179,7 +197,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     for step in range(steps):
         tokens, targets = source.batch(step, layout.global_batch, layout.seq)
         if step == 0:
-            logits = gather_logits(chunks, layout, mesh, tokens)
+            logits = gather_logits(chunks, layout, mesh, tokens, trainer.runner)
             if rank0 and logits is not None:
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     ref_logits = reference(tokens).float()
