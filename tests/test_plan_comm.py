@@ -70,3 +70,11 @@ def test_all_to_all_across_nodes_goes_over_each_devices_own_nic():
     share = 25e9 * comm.INTER_EFFICIENCY
     assert comm.all_to_all_s(S, 16, tier) == pytest.approx(15 * tier.latency_s + S * 8 / 16 / share)
     assert comm.all_to_all_nic_bytes(S, 16, tier) == pytest.approx(S / 2)
+
+
+def test_point_to_point_across_nodes_uses_the_devices_own_nic_share():
+    # PP=4 with TP=2 x DP=2 inside: two members per node, but a send is one device's traffic
+    tier = comm.group_tier(A100, 4, inner=4)
+    assert tier.members_per_node == 2
+    share = 25e9 * comm.INTER_EFFICIENCY
+    assert comm.p2p_s(1e9, tier) == pytest.approx(tier.latency_s + 1e9 / share)

@@ -168,7 +168,10 @@ def all_to_all_s(size_bytes: float, n: int, tier: Tier) -> float:
 
 
 def p2p_s(size_bytes: float, tier: Tier) -> float:
-    """Seconds to send ``size_bytes`` to one neighbour."""
+    """Seconds to send ``size_bytes`` to one neighbour. Across nodes a send gains nothing from
+    the other members' NICs: it goes over the device's own share."""
+    if tier.members_per_node:
+        return tier.latency_s + size_bytes / tier.nic_bytes_per_s
     return _time(1, size_bytes, tier)
 
 
