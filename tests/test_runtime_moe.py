@@ -247,3 +247,18 @@ def test_ep_rank_reads_only_its_experts(world2):
         # each rank holds half the experts and reads the checkpoint less the other half
         assert r["bytes"] <= total - r["expert_bytes"] + 1024, (r, total)
     assert sum(r["bytes"] for r in sharded) >= total
+
+
+def test_cli_verify_prints_expert_table():
+    """``modelcarve verify`` end to end (torchrun) with MoE options: passes, prints the expert table."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["verify", "--model", "tiny-moe", "--layout", f"dp=2,ep=2,gbs=4,{COMMON}",
+            "--moe-capacity-factor", "1.0", "--moe-bias-rate", "0.01"]
+    proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", *argv], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "routing" in out and "experts, last step" in out and "max/mean" in out and "PASS" in out

@@ -33,6 +33,11 @@ def _add_common(p) -> None:
     p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout per rank, seconds")
+    p.add_argument("--moe-capacity-factor", type=float, default=0.0,
+                   help="MoE: per-sequence expert capacity factor; 0 = dropless (default)")
+    p.add_argument("--moe-aux-loss-coef", type=float, default=0.0, help="MoE: load-balancing loss weight (default 0)")
+    p.add_argument("--moe-bias-rate", type=float, default=0.0,
+                   help="MoE: aux-loss-free router bias update per step, DeepSeek-V3 style (default 0: off)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node (default: world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -112,8 +117,9 @@ def _free_port() -> int:
 
 
 def _payload(args, steps_default: int) -> dict:
+    moe = {k: getattr(args, k) for k in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate") if getattr(args, k, 0)}
     return dict(model=args.model, layout=args.layout, steps=args.steps or steps_default, seed=args.seed,
-                data=args.data, lr=args.lr, dtype=args.dtype)
+                data=args.data, lr=args.lr, dtype=args.dtype) | (dict(moe=moe) if moe else {})
 
 
 def _run(args) -> int:

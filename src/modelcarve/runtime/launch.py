@@ -43,7 +43,8 @@ def build(model_name: str, layout, seed: int):
 
 
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
-               lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False) -> dict | None:
+               lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
+               moe: dict | None = None) -> dict | None:
     from modelcarve.runtime.metrics import CommCounter, StepTimer, memory_stats
     from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
     from modelcarve.spec.layout import Layout
@@ -53,7 +54,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         lay = lay.replace(param_dtype=dtype)
     seed_everything(seed)
     chunks, spec, mesh = build(model, lay, seed)
-    trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed))
+    trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed, **(moe or {})))
     source = make_data(data, spec.vocab_size, seed)
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
