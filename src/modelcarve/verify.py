@@ -5,8 +5,8 @@ unsplit copy. The parallel model (runtime/parallelize.py) and the reference then
 global batches. Compared, each against a stated tolerance:
 
 * ``logits``: the first batch's logits before any update (max abs diff; when the layout can
-  produce them on one rank: pp = 1 (cp pieces are reassembled by context.unshard_sequence),
-  else reported as not compared),
+  produce them: cp pieces are reassembled by context.unshard_sequence, pipelined layouts run
+  forward only; cp together with pp is reported as not compared),
 * ``loss``: every step's loss (relative difference),
 * ``grad/<fqn>``: every parameter's gradient of the first step, before clipping (max abs diff),
 * ``grad_norm``: every step's global gradient norm (relative; it sets the clipping, max_norm 1),
@@ -115,20 +115,24 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
 
 def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | None:
     """Logits of the global batch on rank 0, or None where the layout cannot produce them here
-    (cp > 1). With pp > 1 the pipeline runs forward only (torch's ``schedule.eval``) and the
-    last stage's logits travel to rank 0."""
+    (cp > 1 together with pp > 1). cp pieces are reassembled by context.unshard_sequence. With
+    pp > 1 the pipeline runs forward only (torch's ``schedule.eval``) and the last stage's
+    logits travel to rank 0."""
     from modelcarve.runtime.mesh import axis_group, axis_rank
     from modelcarve.runtime.train import autocast
 
-    if layout.cp > 1 or (layout.pp > 1 and runner is None):
+    if (layout.cp > 1 and layout.pp > 1) or (layout.pp > 1 and runner is None):
         return None
+    from modelcarve.runtime.context import shard_batch, unshard_sequence
+
     rows = tokens.shape[0] // layout.dp
     dp_rank = axis_rank(mesh, "dp")
     local = tokens[dp_rank * rows : (dp_rank + 1) * rows]
+    local, _, positions = shard_batch(local, None, mesh, layout)  # cp > 1: this rank's zig-zag piece
     last = chunks[-1]
     with torch.no_grad(), autocast(layout):
         if layout.pp == 1:
-            logits = chunks[0](local)
+            logits = chunks[0](local, positions)
         else:
             args = (local,) if runner.has_first else ()
             # the schedule computes a loss on the last stage; any valid ids serve as its targets
@@ -140,6 +144,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
         logits = logits.float()
         if getattr(last, "vocab_parallel", False):
             logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+        logits = unshard_sequence(logits, mesh, layout, dim=1)
     if layout.pp == 1:
         if layout.dp > 1:
             logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
