@@ -220,3 +220,16 @@ def test_estimate_of_a_layout_that_does_not_match_the_cluster_is_a_one_line_erro
     assert code == 2
     err = capsys.readouterr().err
     assert "48" in err and "16 devices" in err and err.count("\n") == 1
+
+
+def test_tables_render_every_number_with_its_unit(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--cluster", "2x8xH100",
+                 "--layout", "tp=2,pp=2,dp=4,zero=1,mbs=1,gbs=32,seq=4096,recompute=selective"]) == 0
+    out = capsys.readouterr().out
+    for text in ("peak / capacity", "GiB", "tokens/s", "MFU", "pipeline bubble", "exposed", "NVLink/intra"):
+        assert text in out, text
+    assert main(["plan", "--model", "llama-3.1-70b", "--cluster", "2x8xH100", "--global-batch", "32",
+                 "--seq", "4096", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    for text in ("best of", "memory / capacity", "TFLOP/s/dev", "exposed NIC", "why not the others", "rejected", "layouts evaluated"):
+        assert text in out, text
