@@ -8,7 +8,7 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   delivers to each expert exactly the rows the reference router chose (count and content); with
   a capacity factor the dropped count equals the reference's.
 * whole model (``verify_worker``, the ``modelcarve verify`` worker): ep2, ep4, ep2 x dp2 (also
-  with ZeRO-1 and FSDP2: experts' state / weights sharded over expert-dp), ep2 x tp2 (+sp), ep2 x pp2 on tiny-moe (Mixtral-style, 8 experts top-2) and ep2 x tp2 on a
+  with ZeRO-1 and FSDP2: experts' state / weights sharded over expert-dp), ep2 x tp2 (+sp), ep2 x pp2 (1f1b, interleaved, zero-bubble) on tiny-moe (Mixtral-style, 8 experts top-2) and ep2 x tp2 on a
   tiny DeepSeek-V3-style model (MLA, shared expert, group-limited sigmoid routing): logits,
   loss, gradients, global grad norm, parameters after 3 AdamW steps within fp32 tolerances
   (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
@@ -131,6 +131,8 @@ LAYOUTS = {
         ("tiny-moe", f"dp=2,ep=2,tp=2,sp,gbs=4,{COMMON}", OPTIONS),
         ("tiny-moe", f"dp=2,ep=2,pp=2,gbs=4,{COMMON}", None),
         ("tiny-moe", f"dp=2,ep=2,pp=2,gbs=4,{COMMON}", OPTIONS),
+        ("tiny-moe", f"dp=2,ep=2,pp=2,schedule=interleaved-1f1b,virtual_stages=2,gbs=4,{COMMON}", None),
+        ("tiny-moe", f"dp=2,ep=2,pp=2,schedule=zero-bubble,gbs=4,{COMMON}", None),
         ("deepseek", f"dp=2,ep=2,tp=2,gbs=4,{COMMON}", OPTIONS),
     ],
 }
