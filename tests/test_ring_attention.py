@@ -45,14 +45,21 @@ CASES = [
 
 
 # --- single process -----------------------------------------------------------------------
-@pytest.mark.parametrize("hq,hkv,dv", [(4, 2, 8), (4, 1, 8), (3, 3, 5)])
-def test_single_rank_matches_sdpa_and_gradcheck(hq, hkv, dv):
+@pytest.mark.parametrize("kernel", ["math", "flash"])
+@pytest.mark.parametrize("hq,hkv,dv", [(4, 2, 8), (4, 1, 8), (3, 3, 5), (2, 2, 11)])
+def test_single_rank_matches_sdpa_and_gradcheck(hq, hkv, dv, kernel):
     torch.manual_seed(0)
     q = torch.randn(2, hq, 6, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, hkv, 6, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, hkv, 6, dv, dtype=torch.float64, requires_grad=True)
-    torch.testing.assert_close(ring_attention(q, k, v), _reference(q, k, v), rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c), (q, k, v))
+    torch.testing.assert_close(ring_attention(q, k, v, kernel=kernel), _reference(q, k, v), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b, c: ring_attention(a, b, c, kernel=kernel), (q, k, v))
+
+
+def test_unknown_kernel_is_refused():
+    q = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="kernel 'fast' is not one of auto, math, flash"):
+        ring_attention(q, q, q, kernel="fast")
 
 
 def test_zigzag_layout():
@@ -90,7 +97,7 @@ def _ring_worker() -> dict:
     results = {}
     for case in CASES:
         b, hq, hkv, s, d, dv = case
-        for dtype in (torch.float32, torch.float64):
+        for dtype, kernel in ((torch.float32, "flash"), (torch.float32, "math"), (torch.float64, "flash"), (torch.float64, "math")):
             gen = torch.Generator().manual_seed(hash(case) % 1000)
             q = torch.randn(b, hq, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
             k = torch.randn(b, hkv, s, d, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -104,8 +111,8 @@ def _ring_worker() -> dict:
 
             ql, kl, vl = (piece(t).requires_grad_() for t in (q, k, v))
             # two calls in a row, as two layers would make them
-            out_l = ring_attention(ql, kl, vl, group)
-            out_l2 = ring_attention(ql, kl, vl, group)
+            out_l = ring_attention(ql, kl, vl, group, kernel=kernel)
+            out_l2 = ring_attention(ql, kl, vl, group, kernel=kernel)
             (out_l * piece(dout)).sum().backward()
             errors = {
                 "out": (out_l.double() - piece(out).double()).abs().max().item(),
@@ -114,7 +121,7 @@ def _ring_worker() -> dict:
                 "dk": (kl.grad.double() - piece(k.grad).double()).abs().max().item(),
                 "dv": (vl.grad.double() - piece(v.grad).double()).abs().max().item(),
             }
-            results[(case, str(dtype))] = errors
+            results[(case, f"{dtype} {kernel}")] = errors
     # the way around the refusal: pad at the end; causal, so no real token sees a pad
     gen = torch.Generator().manual_seed(7)
     real, padded = 4 * world_size - 1, 4 * world_size
@@ -154,7 +161,7 @@ def test_ring_attention_matches_full_causal_attention(world_size):
             if key in ("refusal", "timeout", "padded"):
                 continue
             case, dtype = key
-            tol = 1e-12 if dtype == "torch.float64" else 1e-5
+            tol = 1e-12 if dtype.startswith("torch.float64") else 1e-5
             assert errors["repeat"] == 0, (rank, case, dtype, errors)
             for name in ("out", "dq", "dk", "dv"):
                 assert errors[name] <= tol, (world_size, rank, case, dtype, name, errors)

@@ -38,9 +38,16 @@ a block belong to the rank that owns it, so an fp32 accumulator travels the ring
 K/V: after ``cp`` hops it is back home holding the sum over all query ranks. Both the next
 K/V block and the accumulator of the block being worked on are in flight during the compute.
 
-GQA/MQA: queries are viewed as ``[b, kv_heads, group, s, d]`` so K/V travel unexpanded and
-dK/dV come out summed over each group. ``d_v`` may differ from ``d_qk`` (MLA). Math runs in
-fp32 (fp64 for fp64 inputs) whatever the input dtype; the output is cast back.
+Tiles are computed by one of two kernels with the same contract (out and log-sum-exp forward;
+dQ, dK, dV backward from the final out and lse): ``math`` writes the formulas above out (any
+device; the reference), ``flash`` calls torch's fused CPU flash-attention kernel
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward; several times faster,
+see benchmarks/ring_attention.py). ``auto`` picks flash on CPU.
+
+GQA/MQA: K/V travel the ring with their kv heads only; each step expands the received block to
+the query heads and folds dK/dV back by summing over each group. ``d_v`` may differ from
+``d_qk`` (MLA). Tiles run in fp32 (fp64 for fp64 inputs) whatever the input dtype, also under
+autocast; the output is cast back.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from modelcarve.spec.errors import LayoutError
 
@@ -139,40 +147,72 @@ class _Transfer:
         return self.recv
 
 
-# --- one block ----------------------------------------------------------------------------
-def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """q5 [b, hkv, g, sq, d] x k [b, hkv, sk, d] -> scores [b, hkv, g, sq, sk], causal-masked."""
-    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1 + sk - sq)
+# --- one tile: q [b, h, sq, d] against k [b, h, sk, d], v [b, h, sk, dv] --------------------
+def _math_forward(q, k, v, scale, causal):
+    """(out, lse) of one tile, written out (any device and dtype; the reference for the kernel)."""
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _math_backward(q, k, v, dout, out, lse, scale, causal):
+    """(dq, dk, dv) of one tile given the FINAL out and lse of its query rows."""
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    delta = (dout * out).sum(dim=-1, keepdim=True)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta)
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, torch.matmul(p.transpose(-1, -2), dout)
+
+
+def _scores(q, k, scale, causal):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:  # tiles on the diagonal are square: plain lower-triangular mask
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1)
         s = s.masked_fill(mask, float("-inf"))
     return s
 
 
-def _block_forward(q5, k, v, scale, causal):
-    s = _scores(q5, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
-    return out, lse
+def _same_head_dim(*tensors):
+    """The CPU flash kernel wants one head size for q, k and v: zero-pad the smaller ones (MLA has
+    d_v < d_qk). Zero columns change no score and give zero output columns, sliced off after."""
+    size = max(t.shape[-1] for t in tensors)
+    return [t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1])) for t in tensors]
+
+
+def _flash_forward(q, k, v, scale, causal):
+    """(out, lse) of one tile by torch's fused CPU flash-attention kernel (several times faster
+    than the written-out math; same results to rounding, tests/test_ring_attention.py)."""
+    dv = v.shape[-1]
+    q, k, v = _same_head_dim(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out[..., :dv], lse
+
+
+def _flash_backward(q, k, v, dout, out, lse, scale, causal):
+    dqk, dv = q.shape[-1], v.shape[-1]
+    q, k, v, dout, out = _same_head_dim(q, k, v, dout, out)
+    dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+    return dq[..., :dqk], dk[..., :dqk], dvv[..., :dv]
+
+
+KERNELS = {"math": (_math_forward, _math_backward), "flash": (_flash_forward, _flash_backward)}
+
+
+def _kernel(name: str, x: torch.Tensor):
+    if name == "auto":
+        fused = x.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        name = "flash" if fused else "math"
+    if name not in KERNELS:
+        raise ValueError(f"ring attention kernel {name!r} is not one of auto, {', '.join(KERNELS)}")
+    return KERNELS[name]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """Online-softmax merge of a block result into the running (out, lse), in place."""
+    """Online-softmax merge of a tile result into the running (out, lse), in place."""
     new = torch.logaddexp(lse, lse_b)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - new).unsqueeze(-1))
     lse.copy_(new)
-
-
-def _block_backward(q5, k, v, dout, lse, delta, scale, causal):
-    """Gradients of one block given the FINAL lse and delta = rowsum(dO * O) of its query rows."""
-    p = torch.exp(_scores(q5, k, scale, causal) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(dim=2)
-    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q5).sum(dim=2) * scale
-    return dq, dk, dv
 
 
 def _tiles(src: int, rank: int, c: int):
@@ -194,34 +234,44 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # --- autograd -----------------------------------------------------------------------------
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """kv heads -> query heads (query head j reads kv head j // groups)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Gradient w.r.t. expanded kv heads -> per kv head (sum over each group)."""
+    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(dim=2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, scale: float):
+    def forward(ctx, q, k, v, ring: _Ring, scale: float, kernel: str):
         with torch.autocast(q.device.type, enabled=False):  # our fp32 math, not autocast's bf16
-            return _RingAttention._forward(ctx, q, k, v, ring, scale)
+            return _RingAttention._forward(ctx, q, k, v, ring, scale, kernel)
 
     @staticmethod
-    def _forward(ctx, q, k, v, ring: _Ring, scale: float):
+    def _forward(ctx, q, k, v, ring: _Ring, scale: float, kernel: str):
         b, hq, s, dqk = q.shape
-        hkv, dv = k.shape[1], v.shape[-1]
-        c = s // 2
+        groups, dv, c = hq // k.shape[1], v.shape[-1], s // 2
         acc = _acc_dtype(q)
-        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, dqk)
+        tile_forward, _ = _kernel(kernel, q)
+        qa = q.to(acc)
         kv = torch.cat([k, v], dim=-1)  # one message per hop; d_v may differ from d_qk
-        out = torch.zeros(b, hkv, hq // hkv, s, dv, dtype=acc, device=q.device)
-        lse = torch.full((b, hkv, hq // hkv, s), float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros(b, hq, s, dv, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
-            kf, vf = kv.to(acc).split([dqk, dv], dim=-1)
+            kf, vf = _expand(kv.to(acc), groups).split([dqk, dv], dim=-1)
             for rows, cols, causal in _tiles(src, ring.rank, c):
-                out_b, lse_b = _block_forward(q5[..., rows, :], kf[..., cols, :], vf[..., cols, :], scale, causal)
+                out_b, lse_b = tile_forward(qa[..., rows, :], kf[..., cols, :], vf[..., cols, :], scale, causal)
                 _merge(out[..., rows, :], lse[..., rows], out_b, lse_b)
             if transfer is not None:
                 kv = transfer.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
-        return out.reshape(b, hq, s, dv).to(q.dtype)
+        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -232,14 +282,12 @@ class _RingAttention(torch.autograd.Function):
     def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        b, hq, s, dqk = q.shape
-        hkv, dv = k.shape[1], v.shape[-1]
-        c = s // 2
+        s, dqk = q.shape[2:]
+        groups, dv, c = q.shape[1] // k.shape[1], v.shape[-1], s // 2
         acc = _acc_dtype(q)
-        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, dqk)
-        dout = grad_out.to(acc).reshape(b, hkv, hq // hkv, s, dv)
-        delta = (dout * out).sum(dim=-1)
-        dq = torch.zeros_like(q5)
+        _, tile_backward = _kernel(ctx.kernel, q)
+        qa, dout = q.to(acc), grad_out.to(acc)
+        dq = torch.zeros_like(qa)
         kv = torch.cat([k, v], dim=-1)
         # The dK/dV accumulator of a block travels the ring with it (cp hops in all, so it ends
         # at the block's owner); the one for this step's block arrives while we compute.
@@ -247,16 +295,17 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
-            kf, vf = kv.to(acc).split([dqk, dv], dim=-1)
-            grad_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            kf, vf = _expand(kv.to(acc), groups).split([dqk, dv], dim=-1)
+            grad_kv = torch.zeros(kf.shape[:-1] + (dqk + dv,), dtype=acc, device=kv.device)
             for rows, cols, causal in _tiles(src, ring.rank, c):
-                dq_b, dk_b, dv_b = _block_backward(
-                    q5[..., rows, :], kf[..., cols, :], vf[..., cols, :],
-                    dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal,
+                dq_b, dk_b, dv_b = tile_backward(
+                    qa[..., rows, :], kf[..., cols, :], vf[..., cols, :],
+                    dout[..., rows, :], out[..., rows, :], lse[..., rows], scale, causal,
                 )
                 dq[..., rows, :] += dq_b
                 grad_kv[..., cols, :dqk] += dk_b
                 grad_kv[..., cols, dqk:] += dv_b
+            grad_kv = _fold(grad_kv, groups)
             # step 0 is our own block's first contribution; later ones add to the arriving sum
             dkv = grad_kv if dkv_transfer is None else dkv_transfer.wait().add_(grad_kv)
             if ring.size > 1:
@@ -266,7 +315,7 @@ class _RingAttention(torch.autograd.Function):
         if dkv_transfer is not None:
             dkv = dkv_transfer.wait()
         dk, dvv = dkv.split([dqk, dv], dim=-1)
-        return dq.reshape(b, hq, s, dqk).to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None
 
 
 def ring_attention(
@@ -277,6 +326,7 @@ def ring_attention(
     *,
     scale: float | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag piece of the sequence against the whole sequence.
 
@@ -284,6 +334,8 @@ def ring_attention(
     each this cp rank's zig-zag piece (``zigzag_shard``); ``group`` the cp process group (None:
     one rank, plain causal attention). Returns [b, heads, s_local, d_v]. Every rank of the
     group must call it the same number of times, in the same order (forward and backward).
+    ``kernel``: how each tile is computed: "math" (written out, any device), "flash" (torch's
+    fused CPU kernel), "auto" (flash on CPU, else math).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"ring_attention wants [b, heads, s, d] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
@@ -299,4 +351,5 @@ def ring_attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, scale)
+    _kernel(kernel, q)  # an unknown name fails here, not inside autograd
+    return _RingAttention.apply(q, k, v, ring, scale, kernel)
