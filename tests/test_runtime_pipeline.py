@@ -130,6 +130,23 @@ def test_split_errors_say_what_to_do():
         split_model(build_model(spec), Layout.parse("pp=2"), 2)
 
 
+def test_unrunnable_pipelines_are_refused_before_any_rank_starts():
+    from modelcarve.runtime.parallelize import check_runtime
+    from modelcarve.runtime.pipeline_split import pipeline_problems
+
+    assert pipeline_problems(Layout.parse("pp=2,gbs=4,schedule=1f1b"), 4) == []
+    assert pipeline_problems(Layout.parse("pp=2,gbs=1,schedule=gpipe"), 4) == []
+    (problem,) = pipeline_problems(Layout.parse("pp=4,gbs=2,schedule=1f1b"), 8)
+    assert "needs at least pp=4 micro-batches, got 2; raise gbs to 4" in problem
+    (problem,) = pipeline_problems(Layout.parse("pp=2,gbs=3,schedule=zero-bubble"), 4)
+    assert "multiple of pp=2" in problem
+    (problem,) = pipeline_problems(Layout.parse("pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2"), 6)
+    assert "8 stages but the model has 6 layers" in problem
+    # the CLI's pre-launch check (parallelize.check_runtime) includes these rules
+    with pytest.raises(LayoutError, match="needs at least pp=2 micro-batches"):
+        check_runtime(Layout.parse("pp=2,gbs=1,seq=16,schedule=1f1b"), _spec(4), world_size=2)
+
+
 # --- schedules in real processes -----------------------------------------------------------
 
 

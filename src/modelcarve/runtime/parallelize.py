@@ -72,6 +72,10 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     for axis, size, module in (("pp", layout.pp, "pipeline"), ("cp", layout.cp, "context"), ("ep", layout.ep, "expert")):
         if size > 1 and not _have(module):
             problems.append(f"{axis}={size} needs runtime/{module}.py, which is not in this build; use {axis}=1")
+    if layout.pp > 1 and _have("pipeline_split"):  # schedule/micro-batch/stage-count rules (pipeline engineer)
+        from modelcarve.runtime.pipeline_split import pipeline_problems
+
+        problems += pipeline_problems(layout, spec.num_layers)
     if problems:
         raise LayoutError("; ".join(problems))
 

@@ -54,6 +54,7 @@ from modelcarve.runtime.mesh import new_group
 from modelcarve.runtime.pipeline_split import (
     balance_layers,
     num_stages,
+    pipeline_problems,
     split_model,
     stage_ids,
     tied_copy_names,
@@ -244,7 +245,9 @@ def build_pipeline(
             f"pass the chunks split_model(model, layout, pp_rank={pp_rank}) returned"
         )
     n, stages_total = layout.num_microbatches, num_stages(layout)
-    _check_schedule(layout, n)
+    problems = pipeline_problems(layout, stages_total)  # layer counts were checked by split_model
+    if problems:
+        raise LayoutError("; ".join(problems))
     group = mesh.get_group("pp")
     device = _device_of(chunks[0])
     log = _ActionLog()
@@ -261,23 +264,6 @@ def build_pipeline(
     except ValueError as err:  # torch's own schedule checks, e.g. micro-batch counts
         raise LayoutError(f"schedule {layout.schedule} with pp={layout.pp}, {n} micro-batches: {err}") from None
     return PipelineRunner(chunks, stages, schedule, layout, mesh, _tied_group(chunks, layout, mesh), log)
-
-
-def _check_schedule(layout: Layout, n: int) -> None:
-    if layout.schedule not in _SINGLE_STAGE and layout.schedule not in _MULTI_STAGE:
-        raise LayoutError(f"schedule={layout.schedule!r} is not supported; use one of gpipe, 1f1b, interleaved-1f1b, zero-bubble")
-    if layout.virtual_stages > 1 and layout.schedule in _SINGLE_STAGE:
-        raise LayoutError(f"virtual_stages={layout.virtual_stages} needs schedule=interleaved-1f1b or zero-bubble")
-    if layout.schedule != "gpipe" and n < layout.pp:
-        raise LayoutError(
-            f"schedule {layout.schedule} needs at least pp={layout.pp} micro-batches, got {n}; "
-            f"raise gbs to {layout.pp * layout.mbs * layout.dp} or use schedule=gpipe"
-        )
-    if layout.schedule in _MULTI_STAGE and n % layout.pp:
-        raise LayoutError(
-            f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={layout.pp}; "
-            f"set gbs to a multiple of {layout.pp * layout.mbs * layout.dp}"
-        )
 
 
 def _tied_group(chunks, layout: Layout, mesh):
