@@ -76,7 +76,7 @@ def row(case: Case, plan: bool) -> dict:
     }
     if plan:
         opts = {k: getattr(case.options, k) for k in ("global_batch", "seq", "attention", "dropout",
-                                                       "overlap_grad_reduce", "overlap_param_gather")}
+                                                       "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p")}
         t0 = time.perf_counter()
         result = search(case.model, case.cluster, "train", top=1, **opts)
         best = result["layouts"][0]

@@ -71,3 +71,11 @@ def test_train_candidates_are_valid_unique_layouts():
     assert (2, 1, 2, 2, 2) in axes  # tp=2 cp=1 pp=2 dp=2 ep=2
     assert {c[10] for c in cands} >= {"1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"}
     assert {c[8] for c in cands} == {0, 1, 2, 3}
+
+
+def test_every_builtin_goal_is_found_even_after_one_goal_module_was_imported():
+    import modelcarve.plan.train_goal  # noqa: F401  registers "train" on import
+
+    names = goals.goal_names()
+    assert "train" in names
+    assert {"serve-latency", "serve-throughput"} <= set(names)

@@ -47,7 +47,7 @@ def test_planner_finds_a_layout_at_least_as_fast_as_the_published_one(index):
     o = case.options
     result = search(case.model, case.cluster, "train", top=1, global_batch=o.global_batch, seq=o.seq,
                     attention=o.attention, dropout=o.dropout, overlap_grad_reduce=o.overlap_grad_reduce,
-                    overlap_param_gather=o.overlap_param_gather)
+                    overlap_param_gather=o.overlap_param_gather, overlap_p2p=o.overlap_p2p)
     best = result["layouts"][0]
     assert best["fits"]
     assert best["time"]["tokens_per_s"] >= published["time"]["tokens_per_s"]

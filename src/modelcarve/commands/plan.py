@@ -46,6 +46,8 @@ def _common(p) -> None:
     p.add_argument("--dropout", action="store_true", default=None, help="training: dropout layers present")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None,
                    help="training: gradient reduction runs after the backward, not during it")
+    p.add_argument("--no-overlap-p2p", dest="overlap_p2p", action="store_false", default=None,
+                   help="training: pipeline sends of the interleaved schedule stay on the critical path")
     p.add_argument("--load-imbalance", type=float, help="MoE: busiest expert rank's tokens / mean (default 1.25)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     from modelcarve.commands.serve_cli import add_serve_arguments
@@ -55,7 +57,7 @@ def _common(p) -> None:
 
 def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
-    names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "load_imbalance")
+    names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -13,7 +13,8 @@ Data (package files under ``plan/data/``, each citing its source in its header):
   32-3072 A100-80GB), with the micro-batch size, virtual stages and DDP flavour of each row from
   the authors' run script. Reproduced as run: fp16, full recomputation, materialised attention
   with dropout (2021 Megatron had no flash attention), interleaved schedule where the script
-  sets virtual stages, and gradient all-reduce overlapped only with torch DDP.
+  sets virtual stages, gradient all-reduce overlapped only with torch DDP, pipeline sends not
+  overlapped (Megatron-Core's p2p overlap came later).
 * ``moe_training.csv``: published MoE runs (Mixtral 8x7B on 64 H100, Megatron-Core), a held-out
   check: nothing is fitted to it.
 * ``korthikanti2022.csv``: the 530B GPT on 2240 A100 with full recomputation (42.1% MFU) and with
@@ -81,7 +82,7 @@ def megatron_table1() -> list[Case]:
         )
         options = TrainOptions(
             global_batch=int(row["gbs"]), seq=2048, attention="materialized", dropout=True,
-            overlap_grad_reduce=row["ddp"] == "torch", overlap_param_gather=False,
+            overlap_grad_reduce=row["ddp"] == "torch", overlap_param_gather=False, overlap_p2p=False,
         )
         cases.append(Case(
             name=f"GPT {row['params_b']}B", model=model, cluster=parse_cluster(f"{gpus // 8}x8xA100-80GB"),
@@ -122,7 +123,7 @@ def korthikanti2022() -> list[Case]:
             virtual_stages=v, param_dtype="fp16",
         )
         options = TrainOptions(global_batch=int(row["gbs"]), seq=2048, attention="materialized", dropout=True,
-                               overlap_grad_reduce=False, overlap_param_gather=False)
+                               overlap_grad_reduce=False, overlap_param_gather=False, overlap_p2p=False)
         cases.append(Case(
             name=row["name"], model=megatron_gpt(int(row["hidden"]), int(row["layers"]), int(row["heads"]), name="gpt-530b"),
             cluster=parse_cluster(f"{gpus // 8}x8xA100-80GB"), layout=layout, options=options,

@@ -62,8 +62,16 @@ BUILTIN_GOAL_MODULES = ("train_goal", "serve_goal")
 """Modules under modelcarve.plan that register goals when imported."""
 
 
+_builtin_loaded = False
+
+
 def _load_builtin() -> None:
-    # Imported here, not at module top, so goal modules can import this one to register.
+    # Imported here, not at module top, so goal modules can import this one to register. Loaded
+    # once, whatever is registered already (importing one goal module must not hide the others).
+    global _builtin_loaded
+    if _builtin_loaded:
+        return
+    _builtin_loaded = True
     import importlib
 
     for module in BUILTIN_GOAL_MODULES:
@@ -75,14 +83,12 @@ def _load_builtin() -> None:
 
 
 def get_goal(name: str) -> Goal:
-    if not GOALS:
-        _load_builtin()
+    _load_builtin()
     if name not in GOALS:
         raise ModelcarveError(f"unknown goal {name!r}; known goals: {', '.join(sorted(GOALS))}")
     return GOALS[name]
 
 
 def goal_names() -> list[str]:
-    if not GOALS:
-        _load_builtin()
+    _load_builtin()
     return sorted(GOALS)

@@ -29,7 +29,8 @@ What a step costs (per device; see the helpers' docstrings for each formula)
 * EP: dispatch + combine all-to-all per MoE layer forward, twice backward, times the
   load-imbalance factor (the busiest rank sets the pace); exposed.
 * PP: one activation send per micro-batch and chunk boundary each way (``2 T h / t`` bytes with
-  Megatron's scatter-gather); on the critical path.
+  Megatron's scatter-gather); on the critical path, except that the interleaved schedule's
+  steady-state sends overlap compute when ``overlap_p2p`` (Megatron-Core).
 * DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1; ZeRO-2
   keeps only its gradient shard, so it reduce-scatters after every micro-batch), or
   per-micro-batch parameter all-gathers and gradient reduce-scatters (ZeRO-3/FSDP; HSDP adds an
@@ -114,6 +115,9 @@ class TrainOptions:
     """Tokens on the busiest expert rank / the mean (MoE): scales expert compute and all-to-all."""
     scatter_gather_p2p: bool = True
     """Pipeline sends carry 1/t of the activation and all-gather over NVLink (Megatron)."""
+    overlap_p2p: bool = True
+    """Interleaved-schedule pipeline sends overlap compute (Megatron-Core with virtual stages);
+    False: every send is on the critical path (Megatron 2021)."""
 
 
 class TrainCostModel:
@@ -456,7 +460,14 @@ class TrainCostModel:
         # --- time ------------------------------------------------------------------------------------
         t_mb = prof["t_mb"]
         idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
-        p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"] if pp > 1 else 0.0
+        p2p_total = p2p = 0.0
+        if pp > 1:
+            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
+            if v > 1 and self.options.overlap_p2p:
+                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
+                # warm-up and cool-down sends stay on the critical path
+                edge = 2.0 * (pp - 1) * prof["p2p_s"]
+                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
         step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
         tokens_per_s = prof["tokens"] / step
         if not detail:
@@ -466,5 +477,5 @@ class TrainCostModel:
 
         return build_report(
             self, cand, prof, d, peak=peak, worst=worst, inflight=worst_inflight, fits=fits, n_mb=n_mb,
-            idle=idle, t_mb=t_mb, p2p=p2p, step=step, tokens_per_s=tokens_per_s,
+            idle=idle, t_mb=t_mb, p2p=p2p, p2p_total=p2p_total, step=step, tokens_per_s=tokens_per_s,
         )

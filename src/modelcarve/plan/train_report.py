@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, peak: float, worst: str,
-                 inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, step: float,
+                 inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, p2p_total: float, step: float,
                  tokens_per_s: float) -> dict:
     """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
     tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
@@ -64,7 +64,7 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
     }
     total_axis = {
         "tp": n_mb * slow["tp_total_s"], "cp": n_mb * slow["cp_total_s"], "ep": n_mb * slow["ep_s"],
-        "pp": p2p, "dp": d["total_s"],
+        "pp": p2p_total, "dp": d["total_s"],
     }
     bytes_axis = {
         "tp": n_mb * slow["tp_bytes"], "cp": n_mb * slow["cp_bytes"], "ep": n_mb * slow["ep_bytes"],
