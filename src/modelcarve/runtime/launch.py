@@ -145,6 +145,14 @@ def _print_memory(result: dict) -> None:
     Console().print(table)
 
 
+def _lost_peer(err: Exception) -> bool:
+    """A collective failed because a peer is gone or silent (not a bug on this rank)."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "gloo"))
+
+
 def main(argv: list[str] | None = None) -> int:
     from modelcarve.runtime.mesh import destroy, init_distributed
 
@@ -170,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump(report, f, indent=2)
     except Exception as err:  # one line per failing rank; the full trace only with MODELCARVE_DEBUG
         rank = os.environ.get("RANK", "?")
-        sys.stderr.write(f"modelcarve: rank {rank}: {type(err).__name__}: {' '.join(str(err).split())[:600]}\n")
+        text = " ".join(str(err).split())
+        if _lost_peer(err):
+            text = (f"lost contact with another rank (it died or stalled; collective timeout {timeout_s:g}s), "
+                    f"see the other ranks' errors; detail: {text[:300]}")
+        else:
+            text = f"{type(err).__name__}: {text[:600]}"
+        sys.stderr.write(f"modelcarve: rank {rank}: {text}\n")
         if os.environ.get("MODELCARVE_DEBUG"):
             traceback.print_exc()
         code = 1
