@@ -9,7 +9,8 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   a capacity factor the dropped count equals the reference's.
 * whole model (``verify_worker``, the ``modelcarve verify`` worker): ep2, ep4, ep2 x dp2 (also
   with ZeRO-1 and FSDP2: experts' state / weights sharded over expert-dp), ep2 x tp2 (+sp), ep2 x pp2 (1f1b, interleaved, zero-bubble) on tiny-moe (Mixtral-style, 8 experts top-2) and ep2 x tp2 on a
-  tiny DeepSeek-V3-style model (MLA, shared expert, group-limited sigmoid routing): logits,
+  tiny DeepSeek-V3-style model (MLA, shared expert, group-limited sigmoid routing), and ep2 x dp2
+  FSDP on a DeepSeek-V3 checkpoint whose router bias leaves EP rank 1 without tokens: logits,
   loss, gradients, global grad norm, parameters after 3 AdamW steps within fp32 tolerances
   (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
   and drops per layer and step exactly equal to the reference's; also with a capacity factor,
@@ -48,13 +49,19 @@ def _block_cases():
     x_all = torch.randn(world * b, s, h, generator=gen)
     g_all = torch.randn(world * b, s, h, generator=gen)
     results = {}
-    for ep, capacity in ((world, None), (2, None), (2, 0.75)):
+    # "skewed": a router bias sends every token to experts 0 and 1 (EP rank 0): the other ranks
+    # send and receive nothing for those experts and their experts run on empty batches
+    for ep, capacity in ((world, None), (2, None), (2, 0.75), (2, "skewed")):
         layout = Layout(dp=world, ep=ep)
         mesh = build_mesh(layout)
         groups = expert_groups(mesh, layout)
         ref = build_model(spec, seed=3).layers["1"].feed_forward
         moe = build_model(spec, seed=3).layers["1"].feed_forward
-        ref.capacity_factor = moe.capacity_factor = capacity
+        if capacity == "skewed":
+            for block in (ref, moe):
+                block.router.e_score_correction_bias[:2] = 100.0
+        else:
+            ref.capacity_factor = moe.capacity_factor = capacity
         x_ref = x_all.clone().requires_grad_()
         y_ref = ref(x_ref)
         y_ref.backward(g_all)
@@ -85,7 +92,7 @@ def _block_cases():
         # EP group's tokens (kept ones only), and their sum is the sum of those tokens
         (counts, rows), = moe.dispatcher.record
         group_seqs = torch.cat([torch.arange(r * b, (r + 1) * b) for r in groups["ep_ranks"]])
-        ref_keep = ref._capacity_mask(ref_idx) if capacity else torch.ones_like(ref_idx, dtype=torch.bool)
+        ref_keep = ref._capacity_mask(ref_idx) if ref.capacity_factor else torch.ones_like(ref_idx, dtype=torch.bool)
         expected_counts, expected_sums = [], []
         for e in range(experts.start, experts.stop):
             hit = (ref_idx[group_seqs] == e) & ref_keep[group_seqs]  # [seqs, s, k]
@@ -100,6 +107,7 @@ def _block_cases():
             "counts": counts.tolist() == expected_counts,
             "rows": max((a - e).abs().max().item() for a, e in zip(got_sums, expected_sums)),
             "dropped": (int(dropped), int(ref.dropped_tokens)),
+            "received": (groups["ep_rank"], int(counts.sum())),
         }
     return results
 
@@ -134,11 +142,12 @@ LAYOUTS = {
         ("tiny-moe", f"dp=2,ep=2,pp=2,schedule=interleaved-1f1b,virtual_stages=2,gbs=4,{COMMON}", None),
         ("tiny-moe", f"dp=2,ep=2,pp=2,schedule=zero-bubble,gbs=4,{COMMON}", None),
         ("deepseek", f"dp=2,ep=2,tp=2,gbs=4,{COMMON}", OPTIONS),
+        ("deepseek-skewed", f"dp=4,ep=2,fsdp,gbs=8,{COMMON}", None),
     ],
 }
 
 
-def _group_worker(world, deepseek_dir, checkpoint_dir):
+def _group_worker(world, dirs, checkpoint_dir):
     import torch.distributed as dist
 
     from modelcarve.verify import verify_worker
@@ -146,7 +155,7 @@ def _group_worker(world, deepseek_dir, checkpoint_dir):
     out = {"block": _block_cases() if world == 4 else None, "layouts": []}
     dist.barrier()
     for model, layout, options in LAYOUTS[world]:
-        name = deepseek_dir if model == "deepseek" else model
+        name = dirs.get(model, model)
         out["layouts"].append(verify_worker(name, layout, steps=3, moe=options))
         dist.barrier()
     if checkpoint_dir:
@@ -183,19 +192,28 @@ def _sharded_load(path, layout_text):
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
+    """{"deepseek": config-only dir (random weights), "deepseek-skewed": a DeepSeek-V3 checkpoint
+    whose router bias sends every token to experts 0 and 1 (EP rank 1's experts get nothing),
+    "mixtral": a Mixtral checkpoint}."""
     transformers = pytest.importorskip("transformers")
-    deepseek = tmp_path_factory.mktemp("deepseek")
-    transformers.DeepseekV3Config(**DEEPSEEK).save_pretrained(deepseek)  # config only: random weights
-    mixtral = tmp_path_factory.mktemp("mixtral")
     from test_moe_layer import save_tiny_moe
 
-    save_tiny_moe("mixtral", mixtral)
-    return str(deepseek), str(mixtral)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("deepseek", "deepseek-skewed", "mixtral")}
+    transformers.DeepseekV3Config(**DEEPSEEK).save_pretrained(dirs["deepseek"])
+    hf = save_tiny_moe("deepseek_v3", dirs["deepseek-skewed"])
+    with torch.no_grad():
+        for name, bias in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.zero_()
+                bias[:2] = 100.0
+    hf.save_pretrained(dirs["deepseek-skewed"])
+    save_tiny_moe("mixtral", dirs["mixtral"])
+    return {name: str(path) for name, path in dirs.items()}
 
 
 def _group(world, model_dirs):
-    deepseek, mixtral = model_dirs
-    return run_distributed(_group_worker, world, world, deepseek, mixtral if world == 2 else None, timeout=400)
+    mixtral = model_dirs["mixtral"] if world == 2 else None
+    return run_distributed(_group_worker, world, world, model_dirs, mixtral, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +236,8 @@ def _check_layouts(world, results):
             failures.append((model, layout, options, bad[:5]))
         if options:  # the capacity factor did drop assignments (and the drops matched: routing checks)
             assert sum(row["dropped"] for step in report["moe"] for row in step.values()) > 0, layout
+        if model == "deepseek-skewed":  # all routed tokens on EP rank 0: the straggler factor is 2
+            assert all(row["rank_imbalance"] == 2.0 for step in report["moe"] for row in step.values())
     assert not failures, failures
 
 
@@ -239,6 +259,8 @@ def test_block_level(world4):
         got, expected = res[(2, 0.75)]["dropped"]
         assert expected > 0 and got == expected  # capacity: the same drops as the reference
         assert res[(2, None)]["dropped"] == (0, 0)
+        ep_rank, received = res[(2, "skewed")]["received"]
+        assert (received == 0) == (ep_rank == 1), (rank, ep_rank, received)  # experts 0, 1 live on EP rank 0
 
 
 def test_ep_rank_reads_only_its_experts(world2):
