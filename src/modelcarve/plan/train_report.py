@@ -97,7 +97,7 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
     elif not fits:
         reason = (
             f"needs {peak_int / GIB:.1f} GiB of {cap:.1f} GiB on {where}: activations of "
-            f"{inflight:g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
+            f"{inflight:.3g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
             + ("" if cand[7] == "full" else " (recomputation would shrink them)")
         )
     return {
