@@ -101,11 +101,11 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv, send, group=self.group)  # recv[src, e] = rows src sends to my expert e
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = all_to_all(x_sorted, send_splits, recv_splits, self.group)  # grouped by src, then expert
-        local_expert = torch.arange(self.num_local).repeat(self.ep).repeat_interleave(recv.flatten())
-        by_expert = torch.argsort(local_expert, stable=True).to(rows.device)
+        local_expert = torch.arange(self.num_local, device=recv.device).repeat(self.ep).repeat_interleave(recv.flatten())
+        by_expert = torch.argsort(local_expert, stable=True)
         local_counts = recv.sum(0)
         with torch.no_grad():
-            self.received += local_counts
+            self.received += local_counts.to(self.received.device)
         grouped = rows[by_expert]
         if self.record is not None:
             self.record.append((local_counts.clone(), grouped.detach().clone()))
@@ -291,8 +291,8 @@ def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate
         for fqn, moe in moe_blocks(chunk):
             counts = moe.tokens_per_expert.clone()
             dropped = moe.dropped_tokens.clone()
-            if moe.dispatcher is not None:
-                received = moe.dispatcher.received.sum().reshape(1)
+            if moe.dispatcher is not None:  # on the counts' device: NCCL reduces CUDA tensors only
+                received = moe.dispatcher.received.sum().reshape(1).to(counts.device)
             else:
                 received = counts.sum().reshape(1)
             if dpcp_group is not None:
