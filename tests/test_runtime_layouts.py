@@ -52,7 +52,6 @@ LAYOUTS = {
 def _run_cases(cases):
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import destroy, init_distributed
     from modelcarve.verify import verify_worker
 
     out = []
@@ -77,9 +76,22 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def reports(request, model_dirs):
     world = request.param
-    cases = [(str(model_dirs / m[1:]) if m.startswith("@") else m, layout) for m, layout in LAYOUTS[world]]
-    results = run_distributed(_run_cases, world, cases, timeout=400)
-    return world, results[0]
+    return world, _cached(world, model_dirs)
+
+
+@pytest.fixture(scope="module")
+def two_rank_reports(model_dirs):
+    return _cached(2, model_dirs)
+
+
+_CACHE: dict = {}
+
+
+def _cached(world, model_dirs):
+    if world not in _CACHE:
+        cases = [(str(model_dirs / m[1:]) if m.startswith("@") else m, layout) for m, layout in LAYOUTS[world]]
+        _CACHE[world] = run_distributed(_run_cases, world, cases, timeout=400)[0]
+    return _CACHE[world]
 
 
 def test_layouts_match_reference(reports):
@@ -92,3 +104,17 @@ def test_layouts_match_reference(reports):
         if bad:
             failures.append((layout, bad[:5]))
     assert not failures, failures
+
+
+def test_sharding_shrinks_what_each_rank_holds(two_rank_reports):
+    """ZeRO-1 halves the optimiser state per rank, FSDP the parameters, TP the parameters."""
+    world, rank0 = 2, two_rank_reports
+    by = {layout.split(",gbs")[0]: r["memory"] for (model, layout), r in zip(LAYOUTS[world], rank0) if model == "tiny-llama" and "fp32" in layout}
+    plain, zero1, fsdp, tp = by["dp=2"], by["dp=2,zero=1"], by["dp=2,fsdp"], by["tp=2"]
+    for rank in range(2):
+        # AdamW: two moments per parameter (plus a 4-byte step counter per tensor)
+        assert abs(plain[rank]["optim_bytes"] / (2 * plain[rank]["param_bytes"]) - 1) < 0.01
+        assert 0.3 < zero1[rank]["optim_bytes"] / plain[rank]["optim_bytes"] < 0.7
+        assert 0.45 < fsdp[rank]["param_bytes"] / plain[rank]["param_bytes"] < 0.55
+        assert 0.45 < tp[rank]["param_bytes"] / plain[rank]["param_bytes"] < 0.6  # norms stay whole
+    assert abs(sum(z["optim_bytes"] for z in zero1) / plain[0]["optim_bytes"] - 1) < 0.01

@@ -237,6 +237,10 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                         value = torch.tensor(got[key] if key in got else math.nan, dtype=torch.float64)
                         checks.append(compare(f"routing/step{step}/{fqn}/{key}", value,
                                               torch.tensor(row[key], dtype=torch.float64), tol["routing"], "rel"))
+    from modelcarve.runtime.metrics import memory_stats
+
+    memory = [None] * dist.get_world_size()
+    dist.all_gather_object(memory, memory_stats(chunks, trainer.optimizer))
     params = gather_full(chunks, "param")
     if not rank0:
         return None
@@ -255,6 +259,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         checks=[c.to_dict() for c in checks],
         passed=all(c.passed for c in checks),
         moe=moe_stats,
+        memory=memory,
     )
 
 
