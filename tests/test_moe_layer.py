@@ -284,3 +284,14 @@ def test_bad_ep_is_refused_before_launch():
     check_runtime(Layout.parse("dp=2,ep=2,fsdp,seq=16"), spec, world_size=2)
     with pytest.raises(LayoutError, match="divide 8 experts"):
         check_runtime(Layout.parse("dp=3,ep=3,seq=16"), spec, world_size=3)
+
+
+def test_router_is_fp32_under_autocast():
+    spec = get_model("tiny-moe")
+    router = build_model(spec, seed=0).layers["0"].feed_forward.router
+    x = torch.randn(16, spec.hidden_size)
+    want = torch.nn.functional.linear(x, router.weight).softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        indices, weights, scores = router(x)
+    assert scores.dtype == torch.float32 and weights.dtype == torch.float32
+    torch.testing.assert_close(scores, want, atol=1e-6, rtol=0)

@@ -2,7 +2,7 @@
 
 Plain PyTorch, no torch.distributed: ``expert.py`` makes it expert-parallel by shrinking
 ``experts`` to the local ones and installing a ``dispatcher`` (all-to-all), without touching this
-file. What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the
+file (``MoE.apply_tensor_parallel``, which tensor.py calls, hands over to expert.py too). What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the
 same weights (tests/test_moe_layer.py compares logits with transformers).
 
 Structure (names are checkpoint FQNs under ``layers.<i>.feed_forward``)::
@@ -13,8 +13,8 @@ Structure (names are checkpoint FQNs under ``layers.<i>.feed_forward``)::
       experts         GroupedExperts: w1 (gate) [E, F, H], w3 (up) [E, F, H], w2 (down) [E, H, F]
       shared_experts  FeedForward of size num_shared_experts * expert_ffn_size, or None
 
-Routing (the router always runs in fp32, as DeepSeek-V3 does; Mixtral/Qwen3-MoE compute the
-router matmul in the input dtype, which differs only in bf16):
+Routing (the router always runs in fp32, autocast off, as DeepSeek-V3 stores its router; Mixtral
+and Qwen3-MoE compute the router matmul in the input dtype, which differs only in bf16):
 
 1. ``scores = softmax(x W^T)`` or ``sigmoid(x W^T)`` (``spec.router_scoring``).
 2. Choice: ``scores + e_score_correction_bias`` (the aux-loss-free balancing bias; zero unless
@@ -81,7 +81,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (indices [T, k] int64, weights [T, k] in x's dtype, scores [T, E] fp32)."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # fp32 even under bf16 autocast
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         choice = scores.detach() + self.e_score_correction_bias
         if self.num_groups > 1:
