@@ -58,7 +58,7 @@ class Check:
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float, metric: str = "abs") -> Check:
-    got, ref = got.detach().double(), ref.detach().double()
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     if got.shape != ref.shape:
         return Check(name, float("inf"), float("inf"), tol, metric)
     diff = (got - ref).abs()
@@ -128,6 +128,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
     rows = tokens.shape[0] // layout.dp
     dp_rank = axis_rank(mesh, "dp")
     local = tokens[dp_rank * rows : (dp_rank + 1) * rows]
+    local = local.to(next((p.device for c in chunks for p in c.parameters()), local.device))
     local, _, positions = shard_batch(local, None, mesh, layout)  # cp > 1: this rank's zig-zag piece
     last = chunks[-1]
     with torch.no_grad(), autocast(layout):
@@ -137,7 +138,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
             args = (local,) if runner.has_first else ()
             # the schedule computes a loss on the last stage; any valid ids serve as its targets
             logits = runner.schedule.eval(*args, target=local if runner.has_last else None,
-                                          positions=torch.arange(tokens.shape[1]))
+                                          positions=torch.arange(tokens.shape[1], device=local.device))
             if not runner.has_last:
                 logits = None
     if logits is not None:
@@ -181,7 +182,9 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         layout = layout.replace(param_dtype=dtype)
     seed_everything(seed)
     mesh = build_mesh(layout)
-    model, spec = load_model(model_name, seed=seed)
+    from modelcarve.runtime.mesh import device_type
+
+    model, spec = load_model(model_name, seed=seed, device=device_type())
     config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     rank0 = dist.get_rank() == 0
     reference = copy.deepcopy(model) if rank0 else None
@@ -204,8 +207,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         if step == 0:
             logits = gather_logits(chunks, layout, mesh, tokens, trainer.runner)
             if rank0 and logits is not None:
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    ref_logits = reference(tokens).float()
+                with torch.no_grad(), torch.autocast(device_type(), dtype=torch.bfloat16, enabled=bf16):
+                    ref_logits = reference(tokens.to(device_type())).float()
                 checks.append(compare("logits", logits, ref_logits, tol["logits"]))
             if spec.is_moe:  # count the training step only
                 reset_moe_counts(chunks + ([reference] if rank0 else []))

@@ -163,7 +163,8 @@ def grad_norm(chunks: list[nn.Module], mesh, layout) -> torch.Tensor:
     squares of its local slices weighted by 1/(ranks holding the same slice), one all-reduce
     over the world adds them."""
     world_per_stage = dist.get_world_size() // layout.pp
-    total = torch.zeros((), dtype=torch.float64)
+    device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     for chunk in chunks:
         copies = set()
         if layout.pp > 1:  # a tied LM head's copy of the embedding (pipeline.py) is not counted twice
@@ -188,5 +189,5 @@ def clip_gradients(chunks: list[nn.Module], max_norm: float, mesh, layout) -> fl
             for p in chunk.parameters():
                 if p.grad is not None:
                     g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    g.mul_(coef.to(g.dtype))
+                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return float(norm)

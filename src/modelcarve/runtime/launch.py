@@ -28,16 +28,16 @@ def _rank0() -> bool:
 def build(model_name: str, layout, seed: int):
     """Parallelized chunks of ``model_name`` (a checkpoint is read slice by slice, per rank)."""
     from modelcarve.runtime.checkpoint import is_checkpoint, load_model, load_sharded
-    from modelcarve.runtime.mesh import build_mesh
+    from modelcarve.runtime.mesh import build_mesh, device_type
     from modelcarve.runtime.parallelize import parallelize
 
     mesh = build_mesh(layout)
     if is_checkpoint(model_name):
         meta, spec = load_model(model_name, device="meta")
         chunks = parallelize(meta, layout, mesh)
-        load_sharded(chunks, model_name)
+        load_sharded(chunks, model_name, device=device_type())
     else:
-        model, spec = load_model(model_name, seed=seed)
+        model, spec = load_model(model_name, seed=seed, device=device_type())
         chunks = parallelize(model, layout, mesh)
     return chunks, spec, mesh
 

@@ -151,6 +151,9 @@ class Trainer:
             self.loss_fn = make_loss_fn(chunks[-1], layout.mbs * layout.seq // layout.cp)
             self.runner = build_pipeline(chunks, layout, mesh, self.loss_fn)
         self.dp_rank = axis_rank(mesh, "dp")
+        self.device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+        if self.device.type == "meta":
+            raise ModelcarveError("the model is still on the meta device; load its weights (checkpoint.load_sharded) first")
         self.is_moe = chunks[0].spec.is_moe
         if self.is_moe:
             from modelcarve.runtime.expert import configure_moe
@@ -174,6 +177,7 @@ class Trainer:
                 f"batch of shape {tuple(tokens.shape)} does not match gbs x seq = {layout.global_batch} x {layout.seq}"
             )
         tokens, targets = self.local_batch(tokens, targets)
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         with autocast(layout):
             if self.runner is not None:
                 positions = None
@@ -185,7 +189,7 @@ class Trainer:
                 loss = torch.as_tensor(self.runner.step(tokens, targets, positions), dtype=torch.float32)
                 loss = loss.detach().clone()
             else:
-                loss = torch.zeros((), dtype=torch.float32)
+                loss = torch.zeros((), dtype=torch.float32, device=self.device)
                 model = self.chunks[0]
                 for tok, tgt in zip(tokens.split(layout.mbs), targets.split(layout.mbs)):
                     positions = None
@@ -241,7 +245,9 @@ def scale_gradients(chunks: list[nn.Module], factor: float) -> None:
 
 def reference_step(model: nn.Module, optimizer, tokens, targets, config: TrainConfig, bf16: bool = False) -> dict:
     """What every layout must reproduce: mean CE over the whole batch, clip, AdamW."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    device = next(model.parameters()).device
+    tokens, targets = tokens.to(device), targets.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(tokens)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
     loss.backward()
