@@ -15,8 +15,9 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
   and drops per layer and step exactly equal to the reference's; also with a capacity factor,
   the aux loss and the aux-loss-free bias update switched on.
-* checkpoint (world 2): under ep2 each rank reads only its experts' slices of a Mixtral
-  safetensors checkpoint (load_sharded) and the pieces reassemble it exactly.
+* checkpoints (load_sharded): under ep2 each rank reads only its experts' slices of a Mixtral
+  checkpoint; a DeepSeek-V3 checkpoint under ep2 x fsdp / x tp2 / x pp2 reassembles exactly,
+  router bias included.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ LAYOUTS = {
 }
 
 
-def _group_worker(world, dirs, checkpoint_dir):
+def _group_worker(world, dirs):
     import torch.distributed as dist
 
     from modelcarve.verify import verify_worker
@@ -158,8 +159,11 @@ def _group_worker(world, dirs, checkpoint_dir):
         name = dirs.get(model, model)
         out["layouts"].append(verify_worker(name, layout, steps=3, moe=options))
         dist.barrier()
-    if checkpoint_dir:
-        out["sharded"] = _sharded_load(checkpoint_dir, f"dp=2,ep=2,{COMMON}")
+    if world == 2:
+        out["sharded"] = [_sharded_load(dirs["mixtral"], f"dp=2,ep=2,{COMMON}")]
+    else:
+        out["sharded"] = [_sharded_load(dirs["deepseek-skewed"], f"{layout},{COMMON}")
+                          for layout in ("dp=4,ep=2,fsdp", "dp=2,ep=2,tp=2", "dp=2,ep=2,pp=2,gbs=4")]
     return out
 
 
@@ -181,13 +185,16 @@ def _sharded_load(path, layout_text):
     whole = CheckpointReader(path)
     total = sum(whole.read(name).numel() * 4 for name in whole.files)
     diff = None
+    full, _ = load_model(path)
     if dist.get_rank() == 0:
-        full, _ = load_model(path)
         ref = dict(full.named_parameters())
         assert set(params) == set(ref), set(params) ^ set(ref)
         diff = max((params[k] - ref[k]).abs().max().item() for k in ref)
-    experts = sum(p.numel() * 4 for n, p in chunks[0].named_parameters() if ".experts." in n)
-    return dict(bytes=reader.bytes_read, total=total, diff=diff, expert_bytes=experts)
+    # buffers a checkpoint holds (DeepSeek's router bias) are loaded too; counters start at zero
+    ref_buffers = dict(full.named_buffers())
+    buffers_ok = all(torch.equal(b, ref_buffers[n]) for c in chunks for n, b in c.named_buffers())
+    experts = sum(p.numel() * 4 for c in chunks for n, p in c.named_parameters() if ".experts." in n)
+    return dict(bytes=reader.bytes_read, total=total, diff=diff, expert_bytes=experts, buffers_ok=buffers_ok)
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +219,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _group(world, model_dirs):
-    mixtral = model_dirs["mixtral"] if world == 2 else None
-    return run_distributed(_group_worker, world, world, model_dirs, mixtral, timeout=400)
+    return run_distributed(_group_worker, world, world, model_dirs, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -264,13 +270,23 @@ def test_block_level(world4):
 
 
 def test_ep_rank_reads_only_its_experts(world2):
-    sharded = [r["sharded"] for r in world2]
-    assert sharded[0]["diff"] == 0.0
+    """Mixtral checkpoint, ep2: each rank reads the checkpoint less the other rank's experts."""
+    sharded = [r["sharded"][0] for r in world2]
+    assert sharded[0]["diff"] == 0.0 and all(r["buffers_ok"] for r in sharded)
     total = sharded[0]["total"]
     for r in sharded:
-        # each rank holds half the experts and reads the checkpoint less the other half
         assert r["bytes"] <= total - r["expert_bytes"] + 1024, (r, total)
     assert sum(r["bytes"] for r in sharded) >= total
+
+
+def test_sharded_deepseek_checkpoint_reassembles(world4):
+    """DeepSeek-V3 checkpoint (MLA, shared experts, router bias) under ep2 x fsdp, ep2 x tp2,
+    ep2 x pp2: the slices reassemble it exactly and no rank reads more than half of it."""
+    for i in range(3):
+        per_rank = [r["sharded"][i] for r in world4]
+        assert per_rank[0]["diff"] == 0.0 and all(r["buffers_ok"] for r in per_rank), i
+        total = per_rank[0]["total"]
+        assert max(r["bytes"] for r in per_rank) < 0.6 * total, (i, [r["bytes"] for r in per_rank], total)
 
 
 def test_cli_verify_prints_expert_table():
