@@ -51,7 +51,11 @@ def test_logits_equal_transformers(family, tmp_path):
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def _sharded_load(path, layouts):
+def _sharded_load(jobs):
+    return [row for path, layouts in jobs for row in _sharded_load_one(path, layouts)]
+
+
+def _sharded_load_one(path, layouts):
     import torch.distributed as dist
 
     from modelcarve.runtime.checkpoint import CheckpointReader, load_model, load_sharded
@@ -80,9 +84,15 @@ def _sharded_load(path, layouts):
 
 
 def test_each_rank_reads_only_its_slices(tmp_path):
-    save_tiny("llama", tmp_path, shard=True)
-    layouts = ["tp=2,seq=16,param_dtype=fp32", "dp=2,fsdp,seq=16,param_dtype=fp32", "pp=2,seq=16,gbs=2,param_dtype=fp32"]
-    results = run_distributed(_sharded_load, 2, str(tmp_path), layouts, timeout=300)
+    save_tiny("llama", tmp_path / "llama", shard=True)
+    save_tiny("qwen2", tmp_path / "qwen2", shard=True)  # tied embeddings: the head shares the slice
+    jobs = [
+        (str(tmp_path / "llama"), ["tp=2,seq=16,param_dtype=fp32", "dp=2,fsdp,seq=16,param_dtype=fp32",
+                                   "pp=2,seq=16,gbs=2,param_dtype=fp32"]),
+        (str(tmp_path / "qwen2"), ["tp=2,sp,seq=16,param_dtype=fp32", "dp=2,fsdp,seq=16,param_dtype=fp32"]),
+    ]
+    layouts = [text for _, texts in jobs for text in texts]
+    results = run_distributed(_sharded_load, 2, jobs, timeout=300)
     for i, text in enumerate(layouts):
         per_rank = [r[i]["bytes"] for r in results]
         total = results[0][i]["total"]

@@ -230,6 +230,20 @@ def _slices_for(chunk: nn.Module, fqn: str, param: torch.Tensor, full_shape: lis
     return start, length
 
 
+def _to_empty_keeping_ties(chunk: nn.Module, device) -> None:
+    """``to_empty`` converts each module's parameters separately, so a tied LM head would get its
+    own storage; re-point every alias at the first name's new parameter."""
+    names: dict[int, list[str]] = {}
+    for name, p in chunk.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    chunk.to_empty(device=device)
+    for group in names.values():
+        keep = chunk.get_parameter(group[0])
+        for alias in group[1:]:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(chunk.get_submodule(owner) if owner else chunk, leaf, keep)
+
+
 @torch.no_grad()
 def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu") -> CheckpointReader:
     """Materialise ``chunks`` (parallelized on the meta device) with this rank's checkpoint slices."""
@@ -237,7 +251,7 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
 
     reader = CheckpointReader(path)
     for chunk in chunks:
-        chunk.to_empty(device=device)
+        _to_empty_keeping_ties(chunk, device)
         for mod in chunk.modules():  # buffers the checkpoint does not hold (MoE counters) start clean
             if hasattr(mod, "init_buffers"):
                 mod.init_buffers()
