@@ -25,7 +25,7 @@ def cli(*argv, timeout=240):
         ("tp=3", [], "tp=3 does not divide 4 attention heads; valid tp: 1, 2, 4"),
         ("tp=2", ["--nproc-per-node", "4"], "use --nproc-per-node 2"),
         ("dp=2,zero=2", [], "zero=2 is not implemented by the runtime"),
-        ("tp=4", [], "does not divide the 2 kv heads"),
+        ("dp=2,sp", [], "sequence parallelism (sp) needs tp > 1"),
     ],
 )
 def test_bad_layout_refused_before_any_process(layout, extra, fragment):

@@ -45,6 +45,8 @@ LAYOUTS = {
         ("tiny-llama", f"tp=2,sp,dp=2,zero=1,gbs=4,{COMMON}"),
         ("@qwen3-tied", f"tp=2,dp=2,fsdp,gbs=4,{COMMON}"),
         ("tiny-llama", f"dp=4,dp_shard=2,zero=1,gbs=4,{COMMON}"),
+        ("tiny-llama", f"tp=4,sp,gbs=2,{COMMON}"),  # 2 kv heads: each replicated over 2 ranks
+        ("@qwen3-tied", f"tp=4,gbs=2,{COMMON}"),
     ],
 }
 

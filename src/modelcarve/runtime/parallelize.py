@@ -60,11 +60,6 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     problems = []
     if layout.zero == 2:
         problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
-    if layout.tp > 1 and spec.attention_kind == "gqa" and spec.num_kv_heads % layout.tp:
-        problems.append(
-            f"tp={layout.tp} does not divide the {spec.num_kv_heads} kv heads (the runtime shards kv heads, "
-            f"it does not replicate them); use tp in {[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}"
-        )
     if spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
     if layout.seq % (layout.tp if layout.sp else 1):

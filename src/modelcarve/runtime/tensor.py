@@ -16,7 +16,10 @@ baseline on the same model.
 What is sharded over the ``tp`` mesh axis (size t):
 
 * attention: ``wq/wk/wv`` column-parallel by heads (bias too), ``wo`` row-parallel; the model's
-  ``n_heads/n_kv_heads`` become local counts (needs t | kv heads). MLA: ``wq``/``wq_b`` and
+  ``n_heads/n_kv_heads`` become local counts. When t exceeds the kv heads (t = kv x r), each
+  rank keeps the single kv head its query heads use: ``wk/wv`` are replicated over the r ranks
+  sharing a head (their gradients are partial sums over those r ranks) and sharded over the kv
+  ranks holding different heads. MLA: ``wq``/``wq_b`` and
   ``wkv_b`` column-parallel, ``wq_a``/``wkv_a`` and their norms replicated, ``wo`` row-parallel.
 * MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
 * embedding: vocab-parallel (rows ``[r V/t, (r+1) V/t)``; other ids give zero, then a sum);
@@ -212,6 +215,29 @@ def _shard_column(linear: nn.Linear, rank: int, size: int) -> None:
     linear.out_features = linear.weight.shape[0]
 
 
+def _kv_replica_groups(mesh, t: int, kv: int):
+    """For t = kv x r (r > 1) ranks per TP group: (the kv ranks holding different kv heads,
+    the r ranks sharing ours). Every rank creates every such group, in the same order
+    (new_group is collective over the world); cached on the mesh."""
+    from modelcarve.runtime.mesh import new_group
+
+    key = f"_mc_kv_groups_{t}_{kv}"
+    if key not in mesh.__dict__:
+        me, r = dist.get_rank(), t // kv
+        heads = replicas = None
+        for row in mesh.mesh.reshape(-1, t).tolist():  # TP is innermost: rows are TP groups
+            for j in range(r):
+                ranks = [row[j + r * i] for i in range(kv)]
+                g = new_group(ranks)
+                heads = g if me in ranks else heads
+            for i in range(kv):
+                ranks = row[i * r : (i + 1) * r]
+                g = new_group(ranks)
+                replicas = g if me in ranks else replicas
+        mesh.__dict__[key] = (heads, replicas)
+    return mesh.__dict__[key]
+
+
 def _region_hook(group, sp):
     def hook(module, args, kwargs):
         return (enter_region(args[0], group, sp), *args[1:]), kwargs
@@ -229,11 +255,10 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
         return
     group, rank, sp = axis_group(mesh, "tp"), axis_rank(mesh, "tp"), layout.sp
     spec = chunk.spec
-    if spec.num_kv_heads % t and spec.attention_kind == "gqa":
-        raise LayoutError(
-            f"tp={t} exceeds or does not divide the {spec.num_kv_heads} kv heads; the runtime shards kv heads "
-            f"and does not replicate them: use tp in {[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}"
-        )
+    kv = spec.num_kv_heads
+    if spec.attention_kind == "gqa" and kv % t and t % kv:
+        raise LayoutError(f"tp={t} and {kv} kv heads: one must divide the other (to shard or to replicate kv heads)")
+    kv_groups = _kv_replica_groups(mesh, t, kv) if spec.attention_kind == "gqa" and kv % t else None
     if spec.vocab_size % t:
         raise LayoutError(f"tp={t} does not divide the vocabulary ({spec.vocab_size}); pad the vocabulary or change tp")
     if sp and chunk.pos_embeddings is not None:
@@ -262,10 +287,21 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
         base = f"layers.{key}"
         attn = block.attention
         if isinstance(attn, Attention):
-            for name in ("wq", "wk", "wv"):
-                column(getattr(attn, name), f"{base}.attention.{name}")
+            column(attn.wq, f"{base}.attention.wq")
+            if kv_groups is None:
+                column(attn.wk, f"{base}.attention.wk")
+                column(attn.wv, f"{base}.attention.wv")
+                attn.n_kv_heads //= t
+            else:  # t > kv heads: each rank keeps the one kv head its query heads use
+                heads_group, replica_group = kv_groups
+                for name in ("wk", "wv"):
+                    mod = getattr(attn, name)
+                    _shard_column(mod, rank // (t // kv), kv)
+                    for pname, _ in mod.named_parameters():
+                        record_shard(chunk, f"{base}.attention.{name}.{pname}", heads_group, 0)
+                        record_partial_grad(chunk, f"{base}.attention.{name}.{pname}", replica_group)
+                attn.n_kv_heads = 1
             attn.n_heads //= t
-            attn.n_kv_heads //= t
             replicated_partial(attn.q_norm, f"{base}.attention.q_norm")
             replicated_partial(attn.k_norm, f"{base}.attention.k_norm")
         elif isinstance(attn, MLAttention):
