@@ -34,9 +34,11 @@ with ``lse_b = logsumexp`` of its scores per query row; the running ``(out, lse)
 Backward (exact, not approximated): with the final ``out`` and ``lse`` saved, each block's
 softmax is recomputed as ``p = exp(s - lse)``; ``dV_b = p^T dO``, ``dS = p (dO V_b^T - D)``
 with ``D = rowsum(dO * O)``, ``dQ += dS K_b * scale``, ``dK_b = dS^T Q * scale``. The dK/dV of
-a block belong to the rank that owns it, so an fp32 accumulator travels the ring with the
-K/V: after ``cp`` hops it is back home holding the sum over all query ranks. Both the next
-K/V block and the accumulator of the block being worked on are in flight during the compute.
+a block belong to the rank that owns it, so an fp32 accumulator follows the K/V round the
+ring, from the first rank after the owner to the last, and then hops home (``cp - 1`` hops),
+where the owner adds its own part. Both the next K/V block and the accumulator of the block
+being worked on are in flight during the compute. Sent per rank and attention call: forward
+``cp - 1`` K/V blocks; backward ``cp - 1`` K/V blocks and ``cp - 1`` fp32 dK/dV blocks.
 
 Tiles are computed by one of two kernels with the same contract (out and log-sum-exp forward;
 dQ, dK, dV backward from the final out and lse): ``math`` writes the formulas above out (any
@@ -289,9 +291,10 @@ class _RingAttention(torch.autograd.Function):
         qa, dout = q.to(acc), grad_out.to(acc)
         dq = torch.zeros_like(qa)
         kv = torch.cat([k, v], dim=-1)
-        # The dK/dV accumulator of a block travels the ring with it (cp hops in all, so it ends
-        # at the block's owner); the one for this step's block arrives while we compute.
-        dkv_transfer = None
+        # The dK/dV accumulator of a block follows it round the ring from its first non-owner to
+        # its last, then hops home (cp - 1 hops); the owner adds its own part at the end. The
+        # accumulator for this step's block arrives while we compute.
+        own = dkv_transfer = None
         for step in range(ring.size):
             transfer = ring.start(kv, _TAG_KV) if step < ring.size - 1 else None
             src = (ring.rank - step) % ring.size
@@ -306,14 +309,14 @@ class _RingAttention(torch.autograd.Function):
                 grad_kv[..., cols, :dqk] += dk_b
                 grad_kv[..., cols, dqk:] += dv_b
             grad_kv = _fold(grad_kv, groups)
-            # step 0 is our own block's first contribution; later ones add to the arriving sum
-            dkv = grad_kv if dkv_transfer is None else dkv_transfer.wait().add_(grad_kv)
-            if ring.size > 1:
+            if step == 0:
+                own = grad_kv
+            else:
+                dkv = grad_kv if dkv_transfer is None else dkv_transfer.wait().add_(grad_kv)
                 dkv_transfer = ring.start(dkv, _TAG_DKV)
             if transfer is not None:
                 kv = transfer.wait()
-        if dkv_transfer is not None:
-            dkv = dkv_transfer.wait()
+        dkv = own if dkv_transfer is None else dkv_transfer.wait().add_(own)
         dk, dvv = dkv.split([dqk, dv], dim=-1)
         return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None, None
 
