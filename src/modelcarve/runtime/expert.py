@@ -172,10 +172,9 @@ def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int)
 
 
 def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
-    """Spread the experts of every MoE block of ``chunk`` over the EP group, in place.
-
-    Also sets what every MoE model needs under any layout (even ep=1): the aux-loss averaging
-    and the expert gradient groups for data_parallel.py."""
+    """Spread the experts of every MoE block of ``chunk`` over the EP group, in place, and declare
+    their shards (dim 0 over EP) and gradient group (expert-dp) for verify.py / data_parallel.py.
+    parallelize.py calls it when ep > 1 (with ep = 1 the experts are ordinary replicated weights)."""
     blocks = moe_blocks(chunk)
     if not blocks:
         if layout.ep > 1 and chunk.spec.is_moe:
@@ -233,6 +232,8 @@ def shard_experts_tp(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: b
         record_shard(chunk, f"{fqn}.experts.{name}", group, dim)
     shared = moe.shared_experts
     if shared is not None:
+        if any(getattr(shared, name).bias is not None for name in ("w1", "w3", "w2")):
+            raise LayoutError(f"{fqn}: tensor parallelism of shared experts with MLP biases is not supported; use tp=1")
         for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
             _slice_param(getattr(shared, name), "weight", dim, r, t)
             record_shard(chunk, f"{fqn}.shared_experts.{name}.weight", group, dim)
