@@ -94,13 +94,14 @@ def _one_process_seconds(seq: int, reps: int) -> dict:
 
 
 def expected_bytes(seq: int, cp: int) -> int:
-    """Per rank and step: forward sends and receives the K/V block (cp - 1) times; backward the
-    K/V block (cp - 1) times and the fp32 dK/dV accumulator cp times (each hop counted as the
-    send plus the receive buffer, as CommCounter counts them)."""
+    """Per rank and step: forward passes the K/V block on (cp - 1) times; backward the K/V block
+    (cp - 1) times and the fp32 dK/dV accumulator (cp - 1) times; each hop counted as the send
+    plus the receive buffer, as CommCounter counts them. (With fp32 inputs the accumulator is as
+    large as the K/V block; with bf16 it is twice as large.)"""
     if cp == 1:
         return 0
     block = KV_HEADS * (seq // cp) * 2 * HEAD_DIM * 4  # K and V of one rank, fp32
-    return 2 * block * ((cp - 1) + (cp - 1) + cp)
+    return 2 * block * 3 * (cp - 1)
 
 
 def main() -> None:
