@@ -38,6 +38,8 @@ LAYOUTS = {
         ("tiny-llama", "dp=2,fsdp,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
         ("@qwen3-tied", f"tp=2,sp,gbs=2,{COMMON}"),
         ("@mla-dense", f"tp=2,gbs=2,{COMMON}"),
+        ("tiny-llama", f"dp=2,fsdp,recompute=full,gbs=4,{COMMON}"),
+        ("tiny-llama", f"tp=2,sp,recompute=selective,gbs=2,{COMMON}"),
     ],
     4: [
         ("tiny-llama", f"dp=4,hsdp=2,gbs=8,{COMMON}"),

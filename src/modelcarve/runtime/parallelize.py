@@ -1,7 +1,14 @@
 """The one place the parallelisms are applied, in this order:
 
     pipeline split (pipeline.py)  ->  TP / SP (tensor.py)  ->  EP (expert.py)
-      ->  CP (context.py)  ->  DP / ZeRO-1 / FSDP2 / HSDP (data_parallel.py)
+      ->  CP (context.py)  ->  activation recomputation (below)
+      ->  DP / ZeRO-1 / FSDP2 / HSDP (data_parallel.py)
+
+Recomputation (``layout.recompute``): ``full`` re-runs each transformer block's forward in the
+backward pass, ``selective`` only the attention core (``core_attention``: the s^2 part), with
+``torch.utils.checkpoint`` (non-reentrant). It is applied by replacing the module's ``forward``
+on the instance, so FQNs do not change, and before FSDP2, whose hooks then wrap the
+recomputed forward (the parameters are gathered again before the block's backward).
 
 ``parallelize(model, layout, mesh)`` takes the unchanged reference model (runtime/model.py) and
 returns this rank's model chunks (one, or ``virtual_stages`` for an interleaved pipeline).
@@ -100,5 +107,30 @@ def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
 
         for chunk in chunks:
             apply_context_parallel(chunk, mesh, layout)
+    for chunk in chunks:
+        apply_recompute(chunk, layout.recompute)
     apply_data_parallel(chunks, mesh, layout)
     return chunks
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def recomputed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed
+
+
+def apply_recompute(chunk: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    for block in chunk.layers.values():
+        if mode == "full":
+            _checkpoint_forward(block)
+        elif mode == "selective":
+            _checkpoint_forward(block.attention.core_attention)
+        else:
+            raise LayoutError(f"recompute={mode!r} is not one of: none, selective, full")
