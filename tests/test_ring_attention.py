@@ -4,7 +4,8 @@ Single-process tests check the block math and the hand-written backward (gradche
 group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
 and 4) checks outputs and q/k/v gradients of every rank's piece against unsharded causal
 attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, the refusal of lengths that
-do not divide by 2 x cp (and that padding at the end is exact instead), and (cp=2) a clear error within the timeout when a peer never joins.
+do not divide by 2 x cp (and that padding at the end is exact instead), the bytes each rank
+sends and receives per call, and (cp=2) a clear error within the timeout when a peer never joins.
 """
 
 from __future__ import annotations
@@ -122,6 +123,16 @@ def _ring_worker() -> dict:
                 "dv": (vl.grad.double() - piece(v.grad).double()).abs().max().item(),
             }
             results[(case, f"{dtype} {kernel}")] = errors
+    # traffic of one forward + backward (fp32): (cp-1) K/V blocks forward, (cp-1) K/V blocks and
+    # (cp-1) dK/dV blocks backward; CommCounter counts each hop's send and receive buffers
+    from modelcarve.runtime.metrics import CommCounter
+
+    x = torch.randn(2, 4, 8, 16, requires_grad=True)
+    kv = torch.randn(2, 2, 8, 16, requires_grad=True)
+    with CommCounter() as comm:
+        ring_attention(x, kv, kv, group).sum().backward()
+    block = 2 * 2 * 8 * (16 + 16) * 4
+    results["bytes"] = (comm.bytes["batch_isend_irecv"], 2 * block * 3 * (world_size - 1))
     # the way around the refusal: pad at the end; causal, so no real token sees a pad
     gen = torch.Generator().manual_seed(7)
     real, padded = 4 * world_size - 1, 4 * world_size
@@ -155,10 +166,11 @@ def test_ring_attention_matches_full_causal_attention(world_size):
     for rank, results in enumerate(per_rank):
         assert results["refusal"] is not None and f"2 x cp = {2 * world_size}" in results["refusal"]
         assert results["padded"] <= 1e-12, results["padded"]
+        assert results["bytes"][0] == results["bytes"][1], results["bytes"]
         if world_size == 2 and rank == 0:
             assert "did not complete within 2s" in results.get("timeout", ""), results.get("timeout")
         for key, errors in results.items():
-            if key in ("refusal", "timeout", "padded"):
+            if key in ("refusal", "timeout", "padded", "bytes"):
                 continue
             case, dtype = key
             tol = 1e-12 if dtype.startswith("torch.float64") else 1e-5
