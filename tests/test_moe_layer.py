@@ -295,3 +295,20 @@ def test_router_is_fp32_under_autocast():
         indices, weights, scores = router(x)
     assert scores.dtype == torch.float32 and weights.dtype == torch.float32
     torch.testing.assert_close(scores, want, atol=1e-6, rtol=0)
+
+
+def test_recomputed_forward_is_counted_once():
+    from torch.utils.checkpoint import checkpoint
+
+    spec = get_model("tiny-moe")
+    moe = build_model(spec, seed=0).layers["0"].feed_forward
+    moe.capacity_factor = 0.75
+    x = torch.randn(2, 12, spec.hidden_size, requires_grad=True)
+    moe(x).sum().backward()
+    plain = (moe.tokens_per_expert.clone(), int(moe.dropped_tokens))
+    grad = x.grad.clone()
+    moe.reset_counts()
+    x.grad = None
+    checkpoint(moe, x, use_reentrant=False).sum().backward()  # the forward runs again in backward
+    assert torch.equal(moe.tokens_per_expert, plain[0]) and int(moe.dropped_tokens) == plain[1] > 0
+    torch.testing.assert_close(x.grad, grad)

@@ -14,7 +14,7 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   loss, gradients, global grad norm, parameters after 3 AdamW steps within fp32 tolerances
   (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
   and drops per layer and step exactly equal to the reference's; also with a capacity factor,
-  the aux loss and the aux-loss-free bias update switched on.
+  the aux loss and the aux-loss-free bias update switched on (also with full recomputation).
 * checkpoints (load_sharded): under ep2 each rank reads only its experts' slices of a Mixtral
   checkpoint; a DeepSeek-V3 checkpoint under ep2 x fsdp / x tp2 / x pp2 reassembles exactly,
   router bias included.
@@ -130,6 +130,7 @@ LAYOUTS = {
         ("tiny-moe", f"dp=2,ep=2,gbs=4,{COMMON}", OPTIONS),
         ("tiny-moe", f"dp=2,gbs=4,{COMMON}", OPTIONS),
         ("tiny-moe", "dp=2,ep=2,gbs=4,seq=16,mbs=1,param_dtype=bf16", None),
+        ("tiny-moe", f"dp=2,ep=2,recompute=full,gbs=4,{COMMON}", OPTIONS),
     ],
     4: [
         ("tiny-moe", f"dp=4,ep=4,gbs=8,{COMMON}", None),

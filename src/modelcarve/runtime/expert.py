@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelcarve.runtime.moe import in_backward
 from modelcarve.spec.errors import LayoutError
 
 # --- autograd all-to-all ----------------------------------------------------------------
@@ -104,7 +105,7 @@ class AllToAllDispatcher:
         local_expert = torch.arange(self.num_local, device=recv.device).repeat(self.ep).repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
         local_counts = recv.sum(0)
-        with torch.no_grad():
+        if not in_backward():  # not again when activation recomputation re-runs the forward
             self.received += local_counts.to(self.received.device)
         grouped = rows[by_expert]
         if self.record is not None:

@@ -41,7 +41,8 @@ stages need no extra loss plumbing); ``aux_loss_sequences`` is the number of seq
 training objective averages over (default: this forward's batch).
 
 Bookkeeping for metrics: ``tokens_per_expert`` (int64 [E], routed assignments, kept ones only)
-and ``dropped_tokens`` accumulate over forwards until :meth:`MoE.reset_counts`.
+and ``dropped_tokens`` accumulate over forwards until :meth:`MoE.reset_counts`; a forward re-run
+by activation recomputation (inside backward) is not counted again.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ from torch import nn
 
 from modelcarve.runtime.model import FeedForward, _activation
 from modelcarve.spec.model import ModelSpec
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass, where activation recomputation re-runs forwards."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 class Router(nn.Module):
@@ -188,9 +195,10 @@ class MoE(nn.Module):
             expert_of = expert_of.masked_fill(~keep.reshape(-1), e)  # dropped: a bin past the last expert
         order = torch.argsort(expert_of, stable=True)
         counts = torch.bincount(expert_of, minlength=e + 1)[:e]
-        with torch.no_grad():
-            self.tokens_per_expert += counts
-            self.dropped_tokens += tokens * k - counts.sum()
+        if not in_backward():  # activation recomputation re-runs this forward: count once
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+                self.dropped_tokens += tokens * k - counts.sum()
         order = order[: int(counts.sum())]
         x_sorted = flat[order // k]
         if self.dispatcher is None:
