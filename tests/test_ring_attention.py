@@ -3,9 +3,10 @@
 Single-process tests check the block math and the hand-written backward (gradcheck in fp64,
 group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
 and 4) checks outputs and q/k/v gradients of every rank's piece against unsharded causal
-attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, the refusal of lengths that
-do not divide by 2 x cp (and that padding at the end is exact instead), the bytes each rank
-sends and receives per call, and (cp=2) a clear error within the timeout when a peer never joins.
+attention for MHA, GQA, MQA and d_v != d_qk, in fp32 and fp64, with both tile kernels (math
+and flash); the refusal of lengths that do not divide by 2 x cp (and that padding at the end
+is exact instead); the bytes each rank sends and receives per call; and (cp=2) a clear error
+within the timeout when a peer never joins.
 """
 
 from __future__ import annotations
