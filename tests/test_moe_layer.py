@@ -312,3 +312,10 @@ def test_recomputed_forward_is_counted_once():
     checkpoint(moe, x, use_reentrant=False).sum().backward()  # the forward runs again in backward
     assert torch.equal(moe.tokens_per_expert, plain[0]) and int(moe.dropped_tokens) == plain[1] > 0
     torch.testing.assert_close(x.grad, grad)
+
+
+def test_cli_refuses_moe_options_with_cp_before_launch(capsys):
+    from modelcarve.cli import main
+
+    code = main(["verify", "--model", "tiny-moe", "--layout", "cp=2,seq=16", "--moe-capacity-factor", "1"])
+    assert code == 2 and "cp > 1 splits sequences" in capsys.readouterr().err
