@@ -2,8 +2,8 @@
 
 One spawned group per world size (2 and 4) loops over the cases of that size (``_cases``):
 cp2, cp4, cp2 x tp2 (with and without sp), cp2 x dp2 on tiny-llama, plus compositions: cp2
-bf16, cp2 x pp2, tiny-moe cp2 x ep2 (experts sharded over the cp ranks) and a tiny MLA
-(deepseek_v3-style) model.
+bf16, cp2 with selective recomputation (the ring itself re-runs in backward), cp2 x pp2,
+tiny-moe cp2 x ep2 (experts sharded over the cp ranks) and a tiny MLA (deepseek_v3-style) model.
 
 Two drivers:
 * "verify": the whole runtime (parallelize -> Trainer with clipping -> verify.py gathering by
@@ -159,6 +159,7 @@ def _cases(world_size: int, tmp_path) -> list[tuple[str, str, str, str]]:
             (llama, "cp=2", "fp32", "manual"),
             (llama, "cp=2,gbs=2", "fp32", "verify"),
             (llama, "cp=2,gbs=2", "bf16", "verify"),
+            (llama, "cp=2,gbs=2,recompute=selective", "fp32", "verify"),  # the ring re-runs in backward
             ("tiny-moe", "cp=2,ep=2,gbs=2", "fp32", "verify"),  # experts sharded over the cp ranks
             (str(mla), "cp=2,gbs=2", "fp32", "verify"),  # MLA through ring attention
         ]
