@@ -73,6 +73,9 @@ def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
             pass
 
 
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
 def run_distributed(
     fn,
     world_size: int,
@@ -83,7 +86,20 @@ def run_distributed(
     grace_s: float | None = None,
     env: dict | None = None,
 ) -> list:
-    """Run ``fn(*args)`` on ``world_size`` ranks; return the list of results by rank."""
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the list of results by rank.
+
+    The free port is picked before the ranks start, so another process on this shared machine
+    can take it meanwhile: that (and only that) failure is retried with a new port."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout, collective_s, init, grace_s, env)
+        except DistError as err:
+            if attempt == 2 or not any(k in text for text in err.errors.values() for k in _PORT_TAKEN):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, timeout, collective_s, init, grace_s, env) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
