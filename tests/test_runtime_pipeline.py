@@ -179,6 +179,8 @@ def _run_case(case):
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2)
     runner = build_pipeline(chunks, layout, mesh, _loss_fn)
     out = dict(loss_rel=0.0, grad=0.0, param=0.0, losses=[], actions=None)
+    logits = runner.forward(tokens[0])  # forward only, before any update
+    out["logits"] = None if logits is None else (logits - reference(tokens[0])).abs().max().item()
     for step in range(STEPS):
         ref_loss = _loss_fn(reference(tokens[step]), targets[step])
         ref_loss.backward()
@@ -320,6 +322,9 @@ def test_pp2_matches_reference(two_rank_results, name):
         assert res["param"] <= PARAM_ATOL, (rank, res["param"])
     # the loss is the same number on every rank
     assert two_rank_results[0][name]["losses"] == two_rank_results[1][name]["losses"]
+    # forward-only logits come out on the last stage's rank only
+    assert two_rank_results[0][name]["logits"] is None
+    assert two_rank_results[1][name]["logits"] <= 1e-5
 
 
 def _in_flight(actions, release=("B", "I")):
@@ -471,6 +476,7 @@ def four_rank_results(tied_checkpoint):
 def test_four_ranks_match_reference(four_rank_results, name):
     for rank, results in enumerate(four_rank_results):
         res = results[name]
+        assert (res["logits"] is None) == (rank != 3) and (rank != 3 or res["logits"] <= 1e-5), (rank, res["logits"])
         assert res["loss_rel"] <= LOSS_RTOL, (rank, res["loss_rel"])
         assert res["grad"] <= GRAD_ATOL, (rank, res["grad"])
         assert res["param"] <= PARAM_ATOL, (rank, res["param"])

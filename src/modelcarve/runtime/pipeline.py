@@ -188,6 +188,23 @@ class PipelineRunner:
         self._sync_tied_grads()
         return self._reduce_loss(losses, tokens.device)
 
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only (no loss, no gradients) of ``tokens`` through the schedule: the logits
+        [batch, seq, V(/tp)] on the rank holding the last stage, None on the others."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        self.actions.clear()
+        self.actions.t0 = time.perf_counter()
+        self.actions.sent_bytes = 0
+        args = (tokens,) if self.has_first else ()
+        try:
+            # the schedule evaluates loss_fn on the last stage: the ids serve as stand-in targets
+            logits = self.schedule.eval(*args, target=tokens if self.has_last else None, positions=positions)
+        except RuntimeError as err:
+            raise self._step_error(err) from err
+        return logits if self.has_last else None
+
     def gather_actions(self) -> dict[int, list[Action]]:
         """Every pipeline rank's actions of the last step, ``{pp_rank: [Action, ...]}`` (for the
         timeline figure). Collective over the pp group: all its ranks must call it."""
