@@ -78,6 +78,9 @@ def test_validate_names_every_factor_that_disagrees():
 def test_validate_pipeline_and_context():
     with pytest.raises(LayoutError, match="exceeds the model's 32 layers"):
         Layout.parse("pp=16,schedule=interleaved-1f1b,virtual=4,gbs=16").validate(LLAMA8, world_size=16)
+    with pytest.raises(LayoutError, match=r"seq/cp = 12 tokens per rank divisible by tp=8"):
+        Layout.parse("cp=2,tp=8,sp,seq=24").validate(LLAMA8, world_size=16)
+    Layout.parse("cp=2,tp=4,sp,seq=24").validate(LLAMA8, world_size=8)
     with pytest.raises(LayoutError, match=r"multiple of 2 x cp = 8"):
         Layout.parse("cp=4,seq=1001").validate(LLAMA8, world_size=4)
 

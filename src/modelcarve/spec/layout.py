@@ -298,8 +298,11 @@ class Layout:
             problems.append(
                 f"seq={self.seq} is not a multiple of 2 x cp = {2 * self.cp} (zig-zag ring attention chunks)"
             )
-        if self.sp and self.seq % self.tp:
-            problems.append(f"sequence parallelism needs seq={self.seq} divisible by tp={self.tp}")
+        if self.sp and (self.seq // self.cp) % self.tp:
+            # each context-parallel rank's chunk is what SP splits over the TP group
+            problems.append(
+                f"sequence parallelism needs seq/cp = {self.seq // self.cp} tokens per rank divisible by tp={self.tp}"
+            )
         if problems:
             raise LayoutError("; ".join(problems))
 
