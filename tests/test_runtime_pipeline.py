@@ -297,6 +297,9 @@ TWO_RANK_CASES = {
     "verify: pp2 interleaved tied checkpoint": dict(
         model="TIED_CKPT", layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"
     ),
+    "verify: pp2 zero-bubble recompute=full": dict(
+        model="tiny-llama", layout=f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{BASE}"
+    ),
     "verify: pp2 1f1b bf16": dict(model="tiny-llama", layout="pp=2,gbs=4,schedule=1f1b,seq=16,mbs=1,param_dtype=bf16"),
     "error: 1f1b too few micro-batches": dict(layout=f"pp=2,gbs=1,schedule=1f1b,{BASE}", error=True),
     "error: wrong chunks": dict(layout=f"pp=2,gbs=4,{BASE}", error=True, swap=True),
