@@ -2,8 +2,15 @@
 single-device reference in real gloo processes (one spawned group per world size, many
 layouts inside it).
 
+Two levels of end-to-end cases, both against the reference on the same weights and data:
+* runner cases (``_run_case``): split_model + build_pipeline alone, plain AdamW (lr 1e-2, no
+  clipping) on the chunks; every rank compares its own parameters and gradients by FQN,
+  including a tied head's copy; also forward-only logits, the executed actions, bytes sent;
+* verify cases (``_verify_case``): the whole train step through parallelize -> Trainer ->
+  verify.py (TP/DP/FSDP reductions, global-norm clipping, lr 1e-3), for the compositions.
+
 Tolerances (fp32, the issue's): loss relative 1e-5, gradients 1e-4 abs, parameters after 3
-AdamW steps 1e-4 abs.
+AdamW steps 1e-4 abs; bf16 runs use verify.TOLERANCES["bf16"].
 """
 
 from __future__ import annotations
