@@ -78,9 +78,9 @@ def _prepare(args):
     from modelcarve.runtime.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
-    if layout.cp > 1 and (getattr(args, "moe_capacity_factor", 0) or getattr(args, "moe_aux_loss_coef", 0)):
-        raise LayoutError("the MoE capacity factor and aux loss are per sequence and cp > 1 splits sequences; "
-                          "drop --moe-capacity-factor/--moe-aux-loss-coef or use cp=1")
+    if layout.cp > 1 and getattr(args, "moe_capacity_factor", 0):
+        raise LayoutError("the MoE capacity factor is per sequence and cp > 1 splits sequences; "
+                          "drop --moe-capacity-factor or use cp=1")
     return layout, spec, per_node, under_torchrun
 
 

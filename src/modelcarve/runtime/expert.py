@@ -36,9 +36,10 @@ all-to-all backward brought them), so it is summed over the expert-data-parallel
 (``record_grad_group``; ZeRO-1 partitions their AdamW state over that group too; with FSDP2
 the local experts are ``fully_shard``-ed over an expert-dp mesh instead, see data_parallel.py).
 
-Data-dependent options (``configure_moe``, from TrainConfig): capacity factor and aux loss are
-per sequence (moe.py), so they are refused with cp > 1; the aux gradient is averaged over the
-sequences train.py's loss averages over.
+Data-dependent options (``configure_moe``, from TrainConfig): the capacity factor is per
+sequence (moe.py), so it is refused with cp > 1; the aux loss sums the expert loads of a
+sequence over the cp group; its gradient is averaged over the sequences train.py's loss
+averages over.
 
 Metrics: ``moe_step_stats`` sums the step's router counts over the data-parallel ranks
 (tokens per expert over the global batch, dropped assignments), gathers the rows each rank's
@@ -196,10 +197,10 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
     from modelcarve.runtime.parallelize import record_shard
 
     for fqn, moe in blocks:
-        if layout.cp > 1 and (moe.capacity_factor or moe.aux_loss_coef):
+        if layout.cp > 1 and moe.capacity_factor:
             raise LayoutError(
-                "capacity_factor and the aux loss are per sequence, and context parallelism splits sequences; "
-                "use cp=1 with them, or a dropless MoE without aux loss"
+                "the MoE capacity factor is per sequence and context parallelism splits sequences; "
+                "use cp=1 with it, or a dropless MoE"
             )
         if layout.ep > 1:
             shard_experts_ep(moe, groups["ep_group"])
@@ -251,25 +252,41 @@ def shard_experts_tp(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: b
     moe.register_forward_hook(leave)
 
 
-def configure_moe(chunks: list[nn.Module], layout=None, *, capacity_factor: float | None = None,
+def configure_moe(chunks: list[nn.Module], layout=None, mesh=None, *, capacity_factor: float | None = None,
                   aux_loss_coef: float = 0.0) -> None:
     """Set the MoE training options on every MoE block of ``chunks`` (the reference: layout=None).
 
     ``aux_loss_sequences`` follows train.py's loss normalisation: with pp == 1 each rank's
     micro-batch loss is divided by the global token count, so the aux gradient is averaged over
-    the global batch's ``gbs`` sequences; the pipeline runner takes per-micro-batch means and
-    divides by the micro-batch count and dp x cp afterwards, so there it is ``mbs``."""
-    if layout is not None and layout.cp > 1 and (capacity_factor or aux_loss_coef):
+    the global batch's ``gbs`` sequences; the pipeline runner takes per-micro-batch means over
+    its ``mbs x seq / cp`` tokens and divides by the micro-batch count and dp x cp afterwards, so
+    there it is ``mbs / cp``. With cp > 1 the aux loss sums expert loads over the cp group."""
+    if layout is not None and layout.cp > 1 and capacity_factor:
         raise LayoutError(
-            "the MoE capacity factor and aux loss are per sequence, and cp > 1 splits sequences over ranks; "
-            "use cp=1 with them, or a dropless MoE without aux loss"
+            "the MoE capacity factor is per sequence and cp > 1 splits sequences over ranks; "
+            "use cp=1 with it, or a dropless MoE"
         )
+    cp_sum = None
+    if layout is not None and layout.cp > 1 and aux_loss_coef:
+        from modelcarve.runtime.mesh import axis_group
+
+        cp_sum = _summer(axis_group(mesh, "cp"))
     for chunk in chunks:
         for _, moe in moe_blocks(chunk):
             moe.capacity_factor = capacity_factor or None
             moe.aux_loss_coef = aux_loss_coef
             if layout is not None:
-                moe.aux_loss_sequences = layout.global_batch if layout.pp == 1 else layout.mbs
+                moe.aux_loss_sequences = layout.global_batch if layout.pp == 1 else layout.mbs / layout.cp
+                moe.sequence_shards, moe.sequence_sum = layout.cp, cp_sum
+
+
+def _summer(group):
+    def sequence_sum(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    return sequence_sum
 
 
 # --- metrics ------------------------------------------------------------------------------

@@ -29,12 +29,13 @@ Dropless by default. With ``capacity_factor`` set, each expert takes at most
 ``ceil(capacity_factor * s * top_k / E)`` assignments *per sequence* (GShard priority: all first
 choices, in token order, before any second choice); the rest are dropped (the token keeps only
 its residual and shared-expert path) and counted in ``dropped_tokens``. Per sequence, so the drop
-pattern does not depend on how a batch is split over data-parallel ranks or micro-batches.
+pattern does not depend on how a batch is split over data-parallel ranks or micro-batches (a
+sequence split by context parallelism is not supported: expert.py refuses it).
 
 Auxiliary load-balancing loss (Switch/Mixtral form, per sequence as DeepSeek-V3's sequence-wise
 loss): ``aux = E * sum_e (n_e / s) * mean_t p_e``, with ``n_e`` the assignments to expert e in the
 sequence and ``p`` the router probabilities (sigmoid scores normalised per token); ``top_k`` at
-perfect balance. Its value (mean over the forward's sequences) is kept in ``aux_loss``. With
+perfect balance. Context parallelism: see ``_aux_loss``. Its value (mean over the forward's sequences) is kept in ``aux_loss``. With
 ``aux_loss_coef > 0`` its gradient ``coef * d(sum_seq aux) / aux_loss_sequences`` is injected in
 backward (Megatron's trick: the model output and the training loss stay unchanged, so pipeline
 stages need no extra loss plumbing); ``aux_loss_sequences`` is the number of sequences the
@@ -160,9 +161,15 @@ class MoE(nn.Module):
         self.capacity_factor: float | None = None
         """None: dropless; else per-sequence expert capacity factor (see module doc)."""
         self.aux_loss_coef = 0.0
-        self.aux_loss_sequences: int | None = None
+        self.aux_loss_sequences: float | None = None
         """Sequences the training objective averages over (None: this forward's batch size)."""
         self.aux_loss: torch.Tensor | None = None
+        """The last forward's aux loss, mean over its sequences (under context parallelism: this
+        rank's share of it, the shares add up)."""
+        self.sequence_shards = 1
+        """Ranks each sequence is split over (context parallelism); this block sees 1/shards of it."""
+        self.sequence_sum = None
+        """With sequence_shards > 1: a callable summing a tensor over those ranks (expert.py)."""
         self.aux_grad_share = 1.0
         """Fraction of the aux gradient this rank injects (1/tp: TP ranks route the same tokens)."""
         self.dispatcher = None
@@ -180,6 +187,8 @@ class MoE(nn.Module):
         out = self._routed(flat, indices, weights, keep).view(b, s, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.sequence_sum is not None and not self.aux_loss_coef:
+            return out  # under context parallelism the aux loss costs a collective: only when used
         aux = self._aux_loss(scores.view(b, s, -1), indices.view(b, s, -1))
         self.aux_loss = aux.detach() / b
         if self.aux_loss_coef and torch.is_grad_enabled():
@@ -218,11 +227,18 @@ class MoE(nn.Module):
         return (position <= capacity).view(b, k, s).transpose(1, 2)
 
     def _aux_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sum over sequences of E * sum_e (n_e / s) * mean_t p_e (scores [b, s, E], fp32)."""
+        """Sum over sequences of E * sum_e (n_e / S) * (sum_t p_e / S) (scores [b, s, E], fp32).
+
+        With a sequence split over ``sequence_shards`` ranks (S = s x shards), ``n_e`` is summed
+        over them (``sequence_sum``; counts carry no gradient) and the probability sum is this
+        rank's tokens only: the ranks' results add up to the whole sequences' loss and gradient."""
         b, s, e = scores.shape
+        full = s * self.sequence_shards
         probs = scores if self.router.scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-        load = F.one_hot(indices.reshape(b, -1), e).sum(dim=1).to(probs.dtype) / s  # [b, E]
-        return e * (load * probs.mean(dim=1)).sum()
+        load = F.one_hot(indices.reshape(b, -1), e).sum(dim=1).to(probs.dtype)  # [b, E]
+        if self.sequence_sum is not None:
+            load = self.sequence_sum(load)
+        return e * (load / full * probs.sum(dim=1) / full).sum()
 
     def apply_tensor_parallel(self, **kwargs) -> None:
         """Expert TP = TP: tensor.py calls this; the distributed work lives in expert.py."""

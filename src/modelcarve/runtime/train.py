@@ -158,7 +158,8 @@ class Trainer:
         if self.is_moe:
             from modelcarve.runtime.expert import configure_moe
 
-            configure_moe(chunks, layout, capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
+            configure_moe(chunks, layout, mesh, capacity_factor=config.moe_capacity_factor,
+                          aux_loss_coef=config.moe_aux_loss_coef)
             if self.runner is not None:
                 from modelcarve.runtime.expert import exclude_shape_inference
 
