@@ -7,8 +7,8 @@ Usage::
 For each case, a whole ``search`` (candidates enumerated, every one screened, the best evaluated
 in full with their JSON) from cold caches, as a fresh ``modelcarve plan`` runs; best of
 ``--repeat`` runs by CPU time. A candidate is one layout (tp x pp x dp x ep) with one weight dtype
-and one KV dtype; for serve-throughput its screening includes choosing the batch (a bracketed
-search over the batch, ~6 decode-step evaluations). The load average is recorded because the
+and one KV dtype; for serve-throughput its screening includes choosing the batch (a Newton
+search over bands of batches, 1-4 decode-step evaluations; ``batch_evaluations`` counts them). The load average is recorded because the
 machine these figures come from is shared. Targets from issue #4: at least 50,000 layouts/s and
 under 2 s per plan.
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.plan import serve_goal, serve_memory, serve_time
+from modelcarve.plan import serve_goal, serve_time
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
@@ -39,9 +39,7 @@ BOUNDS = {"serve-latency": {}, "serve-throughput": {"ttft_ms": 2000, "tpot_ms": 
 
 
 def _clear() -> None:
-    for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, serve_time._CTX,
-                  serve_time._EFF_CACHE, serve_time._LINES, serve_time._TIER_CACHE):
-        cache.clear()
+    serve_time.clear_caches()
 
 
 def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat: int) -> dict:
@@ -57,21 +55,22 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
             best = (wall, cpu, result)
     wall, cpu, result = best
     winner = result["layouts"][0] if result["layouts"] else None
-    # How many (layout, batch) decode evaluations the batch search made: counted in a separate,
-    # untimed run (the counter would slow the timed one).
+    # How many decode-step evaluations the batch search made (one per band of batches it tried;
+    # see serve_goal._largest_batch): counted in a separate, untimed run (the counter would slow
+    # the timed one).
     calls = [0]
-    original = serve_goal._rates
+    original = serve_goal._step_slope
 
     def counting(c, batch):
         calls[0] += 1
         return original(c, batch)
 
-    serve_goal._rates = counting
+    serve_goal._step_slope = counting
     try:
         _clear()
         search(model, cluster, goal, top=5, **options)
     finally:
-        serve_goal._rates = original
+        serve_goal._step_slope = original
     return {
         "goal": goal,
         "model": model_name,
@@ -111,7 +110,7 @@ def main() -> int:
         print(
             f"{r['goal']:17s} {r['model']:15s} {r['cluster']:11s} {r['evaluated']:5d} layouts  "
             f"{r['layouts_per_cpu_s']:8,d}/CPU-s  {r['layouts_per_wall_s']:8,d}/wall-s  plan {r['plan_wall_s']:.3f} s  "
-            + (f"({r['batch_evaluations_per_cpu_s']:,d} layout x batch evaluations/CPU-s)  " if r["batch_evaluations"] else "")
+            + (f"({r['batch_evaluations'] / r['evaluated']:.1f} decode steps/layout)  " if r["batch_evaluations"] else "")
             + f"-> {r['winner']}"
         )
     return 0

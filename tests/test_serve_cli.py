@@ -66,3 +66,16 @@ def test_estimate_fills_the_cluster_with_replicas(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["layout"]["dp"] == 4
     assert result["serve"]["tokens_per_s_cluster"] == pytest.approx(4 * result["serve"]["tokens_per_s_per_device"] * 2)
+
+
+def test_piped_plan_table_keeps_its_width(capsys, monkeypatch):
+    """Not a terminal (a pipe, capsys): the table is laid out at a readable width, not squeezed
+    into 80 columns with wrapped headers."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
+                 "--input-len", "2048", "--output-len", "256"])
+    out = capsys.readouterr().out
+    assert code == 0
+    header = next(line for line in out.splitlines() if "layout w/kv" in line)
+    assert "crosses nodes" in header and "tok/s/dev" in header and len(header) > 80
+    assert any("TP2 int4/fp8" in line and "noticeable" in line for line in out.splitlines())

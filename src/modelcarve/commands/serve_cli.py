@@ -61,11 +61,10 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
             + (f"; the closest: {closest}" if closest else "")
         )
     else:
-        from rich.console import Console
-
         from modelcarve.report.serve_tables import print_serve_plan
+        from modelcarve.report.tables import console as make_console
 
-        console = Console()
+        console = make_console()  # readable width when piped, not rich's 80 columns
         console.print(f"{model.name} on {cluster.describe()}")
         print_serve_plan(plan, goal_name=args.goal, why=why, console=console)
         console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
@@ -95,9 +94,8 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2, default=str))
     else:
-        from rich.console import Console
-
         from modelcarve.report.serve_tables import print_serve_estimate
+        from modelcarve.report.tables import console as make_console
 
-        print_serve_estimate(result, Console())
+        print_serve_estimate(result, make_console())
     return 0 if result["fits"] and not result["reject_reason"] else 1

@@ -169,7 +169,6 @@ def fit_decode_constants(path: str | Path, *, grid: int = 41) -> dict:
 
 
 def _clear_caches() -> None:
-    from modelcarve.plan import serve_memory, serve_time
+    from modelcarve.plan import serve_time
 
-    for cache in (serve_memory._FACTS, serve_time._CTX, serve_time._LINES):
-        cache.clear()
+    serve_time.clear_caches()

@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 
 from modelcarve.plan import comm
-from modelcarve.plan.efficiency import HBM_EFFICIENCY, TILE, matmul_efficiency, peak_fraction
+from modelcarve.plan.efficiency import HBM_EFFICIENCY, RAMP_DIM, TILE, matmul_efficiency, peak_fraction
 from modelcarve.plan.quant import weight_format
 from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, shard_facts
 from modelcarve.spec.hardware import ClusterSpec
@@ -95,6 +95,29 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
         if len(_EFF_CACHE) > 200_000:
             _EFF_CACHE.clear()
         _EFF_CACHE[key] = eff
+    return eff
+
+
+_EFF_PARTS: dict[tuple, tuple] = {}
+
+
+def _decode_gemm_efficiency(c: "_Ctx", m: int) -> float:
+    """``gemm_efficiency(c.device, m, c.n_gemm, hidden, c.compute_dtype)`` for the decode GEMM at
+    ``m >= TILE`` rows, with the factors that do not depend on ``m`` computed once per shape: the
+    batch search asks for a new ``m`` at almost every step. The same operations in the same order
+    as ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
+    parts = _EFF_PARTS.get(c.eff_key)
+    if parts is None:
+        device, dtype, n, k = c.device, c.compute_dtype, c.n_gemm, c.model.hidden_size
+        parts = _EFF_PARTS[c.eff_key] = (
+            peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
+            device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 2.0, device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
+        )
+    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k = parts
+    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (math.ceil(m / TILE) * TILE)) * pad_n
+    memory_s = elem * (m * k + k * n + m * n) / hbm
+    if memory_s > 2.0 * m * n * k / (peak * eff):
+        eff = 2.0 * m * n * k / (peak * memory_s)
     return eff
 
 
@@ -259,9 +282,52 @@ class _Ctx:
     """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
     prefill_token_s: float = -1.0
     """Seconds of batched prefill per prompt token through all stages (not pipelined)."""
+    mesh: "_Mesh | None" = None
+    """The dtype-independent costs this layout shares with its other dtype variants."""
 
 
 _CTX: dict[tuple, _Ctx] = {}
+
+
+@dataclass(kw_only=True, slots=True)
+class _Mesh:
+    """What a layout's costs share with every weight/KV dtype variant of the same mesh, request
+    shape and fullest stage (the search scores eight dtype variants per mesh): link tiers,
+    per-token FLOPs, collectives, and the dtype-independent half of both prefills."""
+
+    tier_tp: comm.Tier
+    tier_ep: comm.Tier
+    tier_pp: comm.Tier
+    hbm: float
+    attn_peak: float
+    mean_ctx: float
+    attn_flops_per_ctx: float
+    n_gemm: float
+    k_gemm: float
+    """2 x non-expert matmul params per token (the dense part of ``_Ctx.k_gemm``)."""
+    k_gemm_experts: float
+    """What the routed experts add to ``k_gemm`` (when the stage holds any)."""
+    k_elem: float
+    expert_miss: float
+    fixed_s: float
+    comm_lines: tuple
+    prefill_parts: tuple
+    """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
+    token, collective seconds, pipeline hop seconds); see ``_prefill_s``."""
+    prefill_eff: dict
+    """compute dtype -> GEMM efficiency at each prefill's chunk size."""
+
+
+_MESH: dict[tuple, _Mesh] = {}
+
+
+def clear_caches() -> None:
+    """Forget every memoised serving cost (after changing a fitted constant; benchmarks start cold)."""
+    from modelcarve.plan import serve_memory
+
+    for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, _CTX, _MESH, _EFF_CACHE,
+                  _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_PARTS):
+        cache.clear()
 
 
 def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
@@ -271,14 +337,15 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
-    if model.attention_kind == "mla":
-        # vLLM/SGLang decode MLA in the absorbed form: scores and values over the latent.
-        per_head = (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
-    else:
-        per_head = model.qk_head_dim + model.attn_v_head_dim
     compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
     experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
+    k_gemm = mesh.k_gemm
+    if experts_all:
+        # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
+        k_gemm += mesh.k_gemm_experts
+    k_attn = mesh.mean_ctx * max(f.kv_bytes_per_token / mesh.hbm, mesh.attn_flops_per_ctx / mesh.attn_peak)
     ctx = _Ctx(
         model=model,
         cluster=cluster,
@@ -287,28 +354,83 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         pp=pp,
         ep=ep,
         dp=dp,
-        hbm=device.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY,
+        hbm=mesh.hbm,
         peak=device.flops(compute_dtype),
         device=device,
         compute_dtype=compute_dtype,
-        attn_peak=_attn_peak(device),
-        tier_tp=_tier(cluster, tp, 1),
-        tier_ep=_tier(cluster, ep, tp),
-        tier_pp=_tier(cluster, pp, tp * dp),
+        attn_peak=mesh.attn_peak,
+        tier_tp=mesh.tier_tp,
+        tier_ep=mesh.tier_ep,
+        tier_pp=mesh.tier_pp,
         input_len=input_len,
         output_len=output_len,
         imbalance=imbalance,
-        mean_ctx=input_len + output_len / 2.0,
-        attn_flops_per_ctx=2.0 * model.num_heads / tp * per_head * f.stage_layers,
+        mean_ctx=mesh.mean_ctx,
+        attn_flops_per_ctx=mesh.attn_flops_per_ctx,
         weights_fixed=f.weights_bytes - f.embed_bytes - experts_all,
         experts_all=experts_all,
-        n_gemm=4 * model.hidden_size // tp,
+        n_gemm=mesh.n_gemm,
+        k_gemm=k_gemm,
+        k_attn=k_attn,
+        k_elem=mesh.k_elem,
+        k_attn_elem=k_attn + mesh.k_elem,
+        expert_miss=mesh.expert_miss,
+        eff_key=(_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size),
+        comm_lines=mesh.comm_lines,
+        fixed_s=mesh.fixed_s,
+        mesh=mesh,
     )
-    _decode_coefficients(ctx)
     if len(_CTX) > 100_000:
         _CTX.clear()
     _CTX[key] = ctx
     return ctx
+
+
+def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, imbalance) -> _Mesh:
+    """The dtype-independent costs of a layout (see ``_Mesh``), memoised. Keyed by the facts of
+    the fullest stage too (which stage is fullest can depend on the dtypes) and by the fitted
+    constants (the calibration refits them)."""
+    key = (id(model), id(cluster), tp, pp, ep, dp, input_len, output_len, imbalance, f.stage_layers,
+           f.stage_moe_layers, f.matmul_params_per_token, f.act_traffic_per_token,
+           DECODE_HBM_EFFICIENCY, LAYER_OVERHEAD_S, ALLREDUCE_FLOOR_S)
+    held = _MESH.get(key)
+    if held is not None and held[0] is model and held[1] is cluster:
+        return held[2]
+    device = cluster.device
+    if model.attention_kind == "mla":
+        # vLLM/SGLang decode MLA in the absorbed form: scores and values over the latent.
+        per_head = (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+    else:
+        per_head = model.qk_head_dim + model.attn_v_head_dim
+    hbm = device.hbm_bytes_per_s * DECODE_HBM_EFFICIENCY
+    mesh = _Mesh(
+        tier_tp=_tier(cluster, tp, 1),
+        tier_ep=_tier(cluster, ep, tp),
+        tier_pp=_tier(cluster, pp, tp * dp),
+        hbm=hbm,
+        attn_peak=_attn_peak(device),
+        mean_ctx=input_len + output_len / 2.0,
+        attn_flops_per_ctx=2.0 * model.num_heads / tp * per_head * f.stage_layers,
+        n_gemm=4 * model.hidden_size // tp,
+        k_gemm=2.0 * f.matmul_params_per_token,
+        k_gemm_experts=2.0 * model.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers,
+        k_elem=f.act_traffic_per_token / hbm,
+        expert_miss=1.0 - model.top_k / model.num_experts if model.num_experts else 1.0,
+        fixed_s=f.stage_layers * LAYER_OVERHEAD_S,
+        comm_lines=(),
+        prefill_parts=(),
+        prefill_eff={},
+    )
+    mesh.comm_lines = _comm_lines(model, cluster, mesh, tp, pp, ep, dp, f, imbalance)
+    batch_tokens = max(input_len, PREFILL_CHUNK)
+    mesh.prefill_parts = (
+        _prefill_fixed(model, mesh, tp, pp, ep, f, imbalance, input_len, input_len),
+        _prefill_fixed(model, mesh, tp, pp, ep, f, imbalance, batch_tokens, input_len),
+    )
+    if len(_MESH) > 100_000:
+        _MESH.clear()
+    _MESH[key] = (model, cluster, mesh)
+    return mesh
 
 
 def _affine(fn) -> tuple[float, float]:
@@ -317,31 +439,18 @@ def _affine(fn) -> tuple[float, float]:
     return one - (two - one), two - one
 
 
-def _decode_coefficients(c: _Ctx) -> None:
-    """Every decode cost of the layout as a function of the micro-batch ``b``: the GEMM roofline
-    (weights vs FLOPs, with the batch's expert coverage and GEMM efficiency) is evaluated per
-    ``b``; attention, element-wise traffic and the collectives are affine in ``b``."""
-    m, f = c.model, c.f
-    h = m.hidden_size
-    c.k_gemm = 2.0 * f.matmul_params_per_token
-    if c.experts_all:
-        # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
-        c.k_gemm += 2.0 * m.top_k * (c.imbalance if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
-    c.k_attn = c.mean_ctx * max(f.kv_bytes_per_token / c.hbm, c.attn_flops_per_ctx / c.attn_peak)
-    c.k_elem = f.act_traffic_per_token / c.hbm
-    c.k_attn_elem = c.k_attn + c.k_elem
-    c.expert_miss = 1.0 - m.top_k / m.num_experts if m.num_experts else 1.0
-    c.eff_key = (_device_key(c.device, c.compute_dtype), c.n_gemm, h)
-    c.fixed_s = f.stage_layers * LAYER_OVERHEAD_S
+def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalance) -> tuple:
+    """The decode collectives of a mesh as functions of the micro-batch ``b`` (see
+    ``_Ctx.comm_lines``): all affine in ``b`` (alpha-beta), TP taking the cheapest algorithm."""
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
-    key = (id(c.cluster), id(m), c.tp, c.pp, c.ep, c.dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S, c.imbalance)
+    key = (id(cluster), id(m), tp, pp, ep, dp, f.stage_layers, f.stage_moe_layers, ALLREDUCE_FLOOR_S, imbalance)
     cached = _LINES.get(key)
-    if cached is not None and cached[0] is m and cached[1] is c.cluster:
-        c.comm_lines = cached[2]
-        return
+    if cached is not None and cached[0] is m and cached[1] is cluster:
+        return cached[2]
+    h = m.hidden_size
     lines = []
-    if c.tp > 1:
-        n, tier = c.tp, c.tier_tp
+    if tp > 1:
+        n, tier = tp, mesh.tier_tp
         gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, tier))
         algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
         bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
@@ -351,16 +460,17 @@ def _decode_coefficients(c: _Ctx) -> None:
         else:
             algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
         lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), ALLREDUCE_FLOOR_S, gather))
-    if c.ep > 1 and f.stage_moe_layers:
-        size = m.top_k * h * ACT_BYTES * c.imbalance
-        a2a = _affine(lambda b: comm.all_to_all_s(b * size, c.ep, c.tier_ep))
+    if ep > 1 and f.stage_moe_layers:
+        size = m.top_k * h * ACT_BYTES * imbalance
+        a2a = _affine(lambda b: comm.all_to_all_s(b * size, ep, mesh.tier_ep))
         lines.append(("ep", 2 * f.stage_moe_layers, (a2a,), 0.0, (0.0, 0.0)))
-    if c.pp > 1:
-        lines.append(("pp", 1, (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, c.tier_pp)),), 0.0, (0.0, 0.0)))
-    c.comm_lines = tuple(lines)
+    if pp > 1:
+        lines.append(("pp", 1, (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, mesh.tier_pp)),), 0.0, (0.0, 0.0)))
+    lines = tuple(lines)
     if len(_LINES) > 100_000:
         _LINES.clear()
-    _LINES[key] = (m, c.cluster, c.comm_lines)
+    _LINES[key] = (m, cluster, lines)
+    return lines
 
 
 def _stage_step(c: _Ctx, b: int, detail: bool = False):
@@ -381,7 +491,7 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     m_tile = b if b > TILE else TILE
     eff = _EFF_CACHE.get((c.eff_key, m_tile))
     if eff is None:
-        eff = _EFF_CACHE[(c.eff_key, m_tile)] = gemm_efficiency(c.device, m_tile, c.n_gemm, c.model.hidden_size, c.compute_dtype)
+        eff = _EFF_CACHE[(c.eff_key, m_tile)] = _decode_gemm_efficiency(c, m_tile)
     gemm_cmp = b * c.k_gemm / (c.peak * eff)
     step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * c.k_attn_elem + c.fixed_s
     if not detail:
@@ -422,27 +532,84 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     return step, parts, weights_read, sent
 
 
-def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
-    """Prefill of ``tokens`` tokens of prompts ``prompt_len`` long, through all stages in turn."""
-    m, f = c.model, c.f
+def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float]:
+    """(``_stage_step(c, b)``, its rate of change per sequence, and the same two for the other
+    side of the GEMM roofline). The step is computed exactly as ``_stage_step`` computes it (same
+    operations, same order); the slopes come from the pieces active at ``b`` (the cheapest
+    collective algorithm; GEMM efficiency held constant). Only the step decides anything; the
+    slopes aim the batch search, which must see where the roofline turns from memory to compute."""
+    weights_read = c.weights_fixed
+    slope = c.k_attn_elem
+    mem_slope = 0.0
+    if c.experts_all:
+        tail = c.expert_miss ** (b * c.ep)
+        weights_read += c.experts_all * (1.0 - tail)
+        if tail > 0.0:
+            # d/db of experts_all (1 - miss^(b ep)) / hbm
+            mem_slope = c.experts_all * tail * c.ep * -math.log(c.expert_miss) / c.hbm
+    gemm_mem = weights_read / c.hbm
+    m_tile = b if b > TILE else TILE
+    eff = _EFF_CACHE.get((c.eff_key, m_tile))
+    if eff is None:
+        eff = _EFF_CACHE[(c.eff_key, m_tile)] = _decode_gemm_efficiency(c, m_tile)
+    cmp_slope = c.k_gemm / (c.peak * eff)
+    gemm_cmp = b * c.k_gemm / (c.peak * eff)
+    if gemm_mem > gemm_cmp:
+        step = gemm_mem + b * c.k_attn_elem + c.fixed_s
+        other, other_slope = gemm_cmp - gemm_mem, slope + cmp_slope
+        slope += mem_slope
+    else:
+        step = gemm_cmp + b * c.k_attn_elem + c.fixed_s
+        other, other_slope = gemm_mem - gemm_cmp, slope + mem_slope
+        slope += cmp_slope
+    for _, count, pieces, floor, extra in c.comm_lines:
+        best = None
+        for a, s in pieces:
+            t = a + s * b
+            if best is None or t < best:
+                best, best_s = t, s
+        step += count * (best if best > floor else floor) + extra[0] + extra[1] * b
+        add = (count * best_s if best > floor else 0.0) + extra[1]
+        slope += add
+        other_slope += add
+    return step, slope, step + other, other_slope
+
+
+def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens: int, prompt_len: int) -> tuple:
+    """The dtype-independent half of ``_prefill_s``: (tokens, chunk, chunks, FLOPs per token,
+    collective seconds per stage, pipeline hop seconds)."""
     h = m.hidden_size
     chunk = min(tokens, PREFILL_CHUNK)
     chunks = math.ceil(tokens / chunk)
     # Per-token FLOPs on one device of a stage (causal attention: half the prompt on average).
-    attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / c.tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
+    attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
     per_tok = 2.0 * f.matmul_params_per_token + attn
     if f.stage_moe_layers:
-        per_tok += 2.0 * m.top_k * (c.imbalance if c.ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
-    eff = gemm_efficiency(c.device, chunk, c.n_gemm, h, c.compute_dtype)
+        per_tok += 2.0 * m.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
+    act = chunk * h * ACT_BYTES
+    comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, tp, mesh.tier_tp)
+    if ep > 1 and f.stage_moe_layers:
+        size = chunk * m.top_k * h * ACT_BYTES * imbalance
+        comm_s += chunks * 2 * f.stage_moe_layers * comm.all_to_all_s(size, ep, mesh.tier_ep)
+    hops = (pp - 1) * chunks * comm.p2p_s(act, mesh.tier_pp) if pp > 1 else 0.0
+    return tokens, chunk, chunks, per_tok, comm_s, hops
+
+
+def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
+    """Prefill of ``tokens`` tokens of prompts ``prompt_len`` long, through all stages in turn:
+    compute-bound (FLOPs over the achievable GEMM rate), not below one read of the weights per
+    chunk, plus the stage's TP/EP collectives, then the pipeline hops."""
+    part = _prefill_fixed(c.model, c.mesh, c.tp, c.pp, c.ep, c.f, c.imbalance, tokens, prompt_len)
+    eff = gemm_efficiency(c.device, part[1], c.n_gemm, c.model.hidden_size, c.compute_dtype)
+    return _prefill_from(c, part, eff)
+
+
+def _prefill_from(c: _Ctx, part: tuple, eff: float) -> float:
+    tokens, _, chunks, per_tok, comm_s, hops = part
+    f = c.f
     compute_s = tokens * per_tok / (c.peak * eff)
     read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * HBM_EFFICIENCY)
-    act = chunk * h * ACT_BYTES
-    comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, c.tp, c.tier_tp)
-    if c.ep > 1 and f.stage_moe_layers:
-        size = chunk * m.top_k * h * ACT_BYTES * c.imbalance
-        comm_s += chunks * 2 * f.stage_moe_layers * comm.all_to_all_s(size, c.ep, c.tier_ep)
     stage = max(compute_s, read_s) + comm_s
-    hops = (c.pp - 1) * chunks * comm.p2p_s(act, c.tier_pp) if c.pp > 1 else 0.0
     return c.pp * stage + hops
 
 
@@ -469,9 +636,16 @@ def serve_time(
 def _ensure_prefill(c: _Ctx) -> None:
     """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
     if c.prefill_s < 0:
-        c.prefill_s = _prefill_s(c, c.input_len, c.input_len)
-        batch_tokens = max(c.input_len, PREFILL_CHUNK)
-        c.prefill_token_s = _prefill_s(c, batch_tokens, c.input_len) / batch_tokens
+        alone, batched = c.mesh.prefill_parts
+        effs = c.mesh.prefill_eff.get(c.compute_dtype)
+        if effs is None:
+            h = c.model.hidden_size
+            effs = c.mesh.prefill_eff[c.compute_dtype] = (
+                gemm_efficiency(c.device, alone[1], c.n_gemm, h, c.compute_dtype),
+                gemm_efficiency(c.device, batched[1], c.n_gemm, h, c.compute_dtype),
+            )
+        c.prefill_s = _prefill_from(c, alone, effs[0])
+        c.prefill_token_s = _prefill_from(c, batched, effs[1]) / batched[0]
 
 
 def decode_tpot_s(c: _Ctx, batch: int) -> float:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from modelcarve.report.tables import console as _default_console
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f}" if seconds < 10 else f"{seconds:,.1f} s"
@@ -48,7 +50,7 @@ def serve_plan_table(layouts: list[dict], title: str) -> Table:
 
 
 def print_serve_plan(plan: dict, *, goal_name: str, why: list[dict] | None = None, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _default_console()  # wide enough when piped
     layouts = plan["layouts"]
     title = f"{goal_name}: {len(layouts)} best of {plan['evaluated']} candidates"
     if layouts:
@@ -77,7 +79,7 @@ def print_serve_plan(plan: dict, *, goal_name: str, why: list[dict] | None = Non
 
 def print_serve_estimate(result: dict, console: Console | None = None) -> None:
     """One layout's serving figures, or why it does not qualify."""
-    console = console or Console()
+    console = console or _default_console()  # wide enough when piped
     if result.get("serve"):
         console.print(serve_plan_table([result], f"{result['goal']}: {result['name']}"))
         parts = result["serve"]["decode_parts_s"]
