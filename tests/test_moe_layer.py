@@ -314,8 +314,8 @@ def test_recomputed_forward_is_counted_once():
     torch.testing.assert_close(x.grad, grad)
 
 
-def test_cli_refuses_moe_options_with_cp_before_launch(capsys):
+def test_cli_refuses_bad_ep_before_launch(capsys):
     from modelcarve.cli import main
 
-    code = main(["verify", "--model", "tiny-moe", "--layout", "cp=2,seq=16", "--moe-capacity-factor", "1"])
-    assert code == 2 and "cp > 1 splits sequences" in capsys.readouterr().err
+    code = main(["verify", "--model", "tiny-moe", "--layout", "dp=2,ep=4,seq=16", "--moe-capacity-factor", "1"])
+    assert code == 2 and "ep=4 must divide dp x cp = 2" in capsys.readouterr().err

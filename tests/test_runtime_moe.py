@@ -15,7 +15,8 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
   and drops per layer and step exactly equal to the reference's; also with a capacity factor,
   the aux loss and the aux-loss-free bias update switched on (also with full recomputation, and
-  the aux loss with cp2 x ep2 and cp2 x pp2, where a sequence's expert loads are summed over cp).
+  with cp2 x ep2 and cp2 x pp2 x ep2, where a sequence is split over cp: capacity decided on the
+  gathered routing, expert loads summed over cp).
 * checkpoints (load_sharded): under ep2 each rank reads only its experts' slices of a Mixtral
   checkpoint; a DeepSeek-V3 checkpoint under ep2 x fsdp / x tp2 / x pp2 reassembles exactly,
   router bias included.
@@ -118,7 +119,6 @@ def _block_cases():
 
 COMMON = "seq=16,mbs=1,param_dtype=fp32"
 OPTIONS = dict(moe_capacity_factor=1.0, moe_aux_loss_coef=0.05, moe_bias_rate=0.01)
-AUX = dict(moe_aux_loss_coef=0.05, moe_bias_rate=0.01)  # with cp > 1 (no capacity factor there)
 DEEPSEEK = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
@@ -147,8 +147,8 @@ LAYOUTS = {
         ("tiny-moe", f"dp=2,ep=2,pp=2,schedule=zero-bubble,gbs=4,{COMMON}", None),
         ("deepseek", f"dp=2,ep=2,tp=2,gbs=4,{COMMON}", OPTIONS),
         ("deepseek-skewed", f"dp=4,ep=2,fsdp,gbs=8,{COMMON}", None),
-        ("tiny-moe", f"cp=2,dp=2,ep=2,gbs=4,{COMMON}", AUX),
-        ("tiny-moe", f"cp=2,pp=2,ep=2,gbs=2,{COMMON}", AUX),
+        ("tiny-moe", f"cp=2,dp=2,ep=2,gbs=4,{COMMON}", OPTIONS),
+        ("tiny-moe", f"cp=2,pp=2,ep=2,gbs=2,{COMMON}", OPTIONS),
     ],
 }
 

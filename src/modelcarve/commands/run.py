@@ -78,9 +78,6 @@ def _prepare(args):
     from modelcarve.runtime.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
-    if layout.cp > 1 and getattr(args, "moe_capacity_factor", 0):
-        raise LayoutError("the MoE capacity factor is per sequence and cp > 1 splits sequences; "
-                          "drop --moe-capacity-factor or use cp=1")
     return layout, spec, per_node, under_torchrun
 
 

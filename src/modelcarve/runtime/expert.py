@@ -36,10 +36,10 @@ all-to-all backward brought them), so it is summed over the expert-data-parallel
 (``record_grad_group``; ZeRO-1 partitions their AdamW state over that group too; with FSDP2
 the local experts are ``fully_shard``-ed over an expert-dp mesh instead, see data_parallel.py).
 
-Data-dependent options (``configure_moe``, from TrainConfig): the capacity factor is per
-sequence (moe.py), so it is refused with cp > 1; the aux loss sums the expert loads of a
-sequence over the cp group; its gradient is averaged over the sequences train.py's loss
-averages over.
+Data-dependent options (``configure_moe``, from TrainConfig): both are per sequence (moe.py);
+with cp > 1 the capacity decision all-gathers the routing of the sequence over the cp group
+(zig-zag order, context.py) and the aux loss sums its expert loads there; the aux gradient is
+averaged over the sequences train.py's loss averages over.
 
 Metrics: ``moe_step_stats`` sums the step's router counts over the data-parallel ranks
 (tokens per expert over the global batch, dropped assignments), gathers the rows each rank's
@@ -197,11 +197,6 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
     from modelcarve.runtime.parallelize import record_shard
 
     for fqn, moe in blocks:
-        if layout.cp > 1 and moe.capacity_factor:
-            raise LayoutError(
-                "the MoE capacity factor is per sequence and context parallelism splits sequences; "
-                "use cp=1 with it, or a dropless MoE"
-            )
         if layout.ep > 1:
             shard_experts_ep(moe, groups["ep_group"])
             for name in ("w1", "w3", "w2"):
@@ -261,23 +256,20 @@ def configure_moe(chunks: list[nn.Module], layout=None, mesh=None, *, capacity_f
     the global batch's ``gbs`` sequences; the pipeline runner takes per-micro-batch means over
     its ``mbs x seq / cp`` tokens and divides by the micro-batch count and dp x cp afterwards, so
     there it is ``mbs / cp``. With cp > 1 the aux loss sums expert loads over the cp group."""
-    if layout is not None and layout.cp > 1 and capacity_factor:
-        raise LayoutError(
-            "the MoE capacity factor is per sequence and cp > 1 splits sequences over ranks; "
-            "use cp=1 with it, or a dropless MoE"
-        )
-    cp_sum = None
-    if layout is not None and layout.cp > 1 and aux_loss_coef:
+    cp_sum = cp_gather = None
+    if layout is not None and layout.cp > 1:
         from modelcarve.runtime.mesh import axis_group
 
-        cp_sum = _summer(axis_group(mesh, "cp"))
+        group = axis_group(mesh, "cp")
+        cp_sum = _summer(group) if aux_loss_coef else None
+        cp_gather = _zigzag_gather(group) if capacity_factor else None
     for chunk in chunks:
         for _, moe in moe_blocks(chunk):
             moe.capacity_factor = capacity_factor or None
             moe.aux_loss_coef = aux_loss_coef
             if layout is not None:
                 moe.aux_loss_sequences = layout.global_batch if layout.pp == 1 else layout.mbs / layout.cp
-                moe.sequence_shards, moe.sequence_sum = layout.cp, cp_sum
+                moe.sequence_shards, moe.sequence_sum, moe.sequence_gather = layout.cp, cp_sum, cp_gather
 
 
 def _summer(group):
@@ -287,6 +279,22 @@ def _summer(group):
         return t
 
     return sequence_sum
+
+
+def _zigzag_gather(group):
+    """Routing [b, s/cp, k] of this cp rank -> (the whole sequences' [b, s, k], this rank's positions),
+    for context.py's zig-zag split (chunks r and 2cp-1-r)."""
+    from modelcarve.runtime.ring_attention import zigzag_indices, zigzag_unshard
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def sequence_gather(local: torch.Tensor):
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        full = zigzag_unshard(parts, dim=1)
+        return full, zigzag_indices(full.shape[1], cp, rank, device=local.device)
+
+    return sequence_gather
 
 
 # --- metrics ------------------------------------------------------------------------------

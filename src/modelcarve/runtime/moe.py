@@ -29,8 +29,8 @@ Dropless by default. With ``capacity_factor`` set, each expert takes at most
 ``ceil(capacity_factor * s * top_k / E)`` assignments *per sequence* (GShard priority: all first
 choices, in token order, before any second choice); the rest are dropped (the token keeps only
 its residual and shared-expert path) and counted in ``dropped_tokens``. Per sequence, so the drop
-pattern does not depend on how a batch is split over data-parallel ranks or micro-batches (a
-sequence split by context parallelism is not supported: expert.py refuses it).
+pattern does not depend on how a batch is split over data-parallel ranks or micro-batches; a
+sequence split by context parallelism is decided on its gathered routing (``sequence_gather``).
 
 Auxiliary load-balancing loss (Switch/Mixtral form, per sequence as DeepSeek-V3's sequence-wise
 loss): ``aux = E * sum_e (n_e / s) * mean_t p_e``, with ``n_e`` the assignments to expert e in the
@@ -170,6 +170,9 @@ class MoE(nn.Module):
         """Ranks each sequence is split over (context parallelism); this block sees 1/shards of it."""
         self.sequence_sum = None
         """With sequence_shards > 1: a callable summing a tensor over those ranks (expert.py)."""
+        self.sequence_gather = None
+        """With sequence_shards > 1 and a capacity factor: a callable taking this rank's routing
+        [b, s, k] to (the whole sequences' [b, S, k], the positions of this rank's tokens)."""
         self.aux_grad_share = 1.0
         """Fraction of the aux gradient this rank injects (1/tp: TP ranks route the same tokens)."""
         self.dispatcher = None
@@ -183,7 +186,14 @@ class MoE(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(-1, h)
         indices, weights, scores = self.router(flat)
-        keep = self._capacity_mask(indices.view(b, s, self.top_k)) if self.capacity_factor else None
+        keep = None
+        if self.capacity_factor:
+            local = indices.view(b, s, self.top_k)
+            if self.sequence_gather is None:
+                keep = self._capacity_mask(local)
+            else:  # the queue order runs over whole sequences: decide on the gathered routing
+                full, positions = self.sequence_gather(local)
+                keep = self._capacity_mask(full)[:, positions]
         out = self._routed(flat, indices, weights, keep).view(b, s, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
