@@ -83,7 +83,7 @@ def test_decode_gemm_efficiency_is_matmul_efficiency_exactly(device_cluster, wei
     for name, tp in [("qwen3-32b", 1), ("qwen3-32b", 8), ("deepseek-v3", 4)]:
         model = get_model(name)
         c = _context(model, cluster, tp, 1, 1, 8 // tp, weight_dtype, "bf16", 2048, 256)
-        for m in range(TILE, 1100, 7):
+        for m in list(range(1, TILE, 3)) + list(range(TILE, 1100, 7)) + [2048, 4096, 8192]:  # decode rows, prefill chunks
             assert _decode_gemm_efficiency(c, m) == matmul_efficiency(c.device, m, c.n_gemm, model.hidden_size, c.compute_dtype)
 
 
@@ -119,3 +119,27 @@ def test_throughput_plan_equals_costing_every_batch(name, cluster, input_len, ou
     for key, value in t.to_dict().items():
         if isinstance(value, float):
             assert winner["serve"][key] == pytest.approx(value, rel=1e-9, abs=0.0), key
+
+
+def test_candidates_are_the_layouts_the_constructor_builds():
+    """The enumeration copies one Layout per mesh into its dtype variants instead of constructing
+    each: equal, equally hashed, and independent of one another."""
+    from modelcarve.spec.layout import Layout
+
+    model, cl = get_model("deepseek-v3"), parse_cluster("2x8xH200")
+    shape = {"input_len": 1000, "output_len": 100}
+    seen = list(serve_goal.SERVE_THROUGHPUT.candidates(model, cl, **shape))
+    assert len({(c.weight_dtype, c.kv_dtype) for c in seen}) == 8
+    for c in seen:
+        built = Layout(tp=c.tp, pp=c.pp, dp=c.dp, ep=c.ep, weight_dtype=c.weight_dtype, kv_dtype=c.kv_dtype, seq=1100)
+        assert c == built and hash(c) == hash(built) and vars(c) == vars(built) and c.short() == built.short()
+    assert len(set(seen)) == len(seen)
+
+
+def test_layout_dict_is_to_dict():
+    from modelcarve.spec.layout import Layout
+
+    for layout in (Layout(), Layout(tp=2, pp=4, dp=8, ep=2, weight_dtype="int4", kv_dtype="fp8", seq=9000),
+                   Layout.parse("tp=8,pp=4,dp=2,zero=1,mbs=1")):
+        fast = serve_goal._layout_dict(layout)
+        assert fast == layout.to_dict() and list(fast) == list(layout.to_dict())

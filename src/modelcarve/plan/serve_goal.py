@@ -24,6 +24,7 @@ carries the quality note of its weight and KV dtypes (``plan.quant``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ MAX_BATCH = 1024
 """Largest batch per replica the throughput goal considers (a typical max_num_seqs ceiling)."""
 
 _QUALITY_RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "int8": 3, "int4": 4}
+
+_INF = float("inf")
 
 FIT = "does not fit in memory"
 TTFT = "TTFT above the bound"
@@ -134,6 +137,37 @@ def _tp_values(model, n: int) -> list[int]:
     return out
 
 
+_PLAIN_LAYOUT = not any(hasattr(Layout, name) for name in ("__post_init__", "__slots__"))
+
+
+def _with_dtypes(base: Layout, weight_dtype: str, kv_dtype: str) -> Layout:
+    """``dataclasses.replace(base, weight_dtype=..., kv_dtype=...)``, a quarter of the cost: the
+    frozen constructor's twenty ``object.__setattr__`` calls are most of what enumerating the
+    candidates costs (eight dtype variants per mesh). Layout's constructor only assigns fields
+    (no ``__post_init__``), so copying them is the same object; otherwise, the constructor."""
+    if not _PLAIN_LAYOUT:
+        return dataclasses.replace(base, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    layout = object.__new__(Layout)
+    fields = layout.__dict__  # frozen blocks setattr, not the instance's own dict
+    fields.update(base.__dict__)
+    fields["weight_dtype"] = weight_dtype
+    fields["kv_dtype"] = kv_dtype
+    return layout
+
+
+_LAYOUT_FIELDS = tuple(field.name for field in dataclasses.fields(Layout))
+_FLAT_LAYOUT = all(str(field.type) in ("int", "float", "str", "bool") for field in dataclasses.fields(Layout))
+
+
+def _layout_dict(layout: Layout) -> dict:
+    """``layout.to_dict()`` (``dataclasses.asdict``) without asdict's recursive deep copy, which
+    is a fifth of the cost of evaluating a serving layout in full; the same dict while every
+    Layout field is a plain scalar (otherwise asdict itself)."""
+    if not _FLAT_LAYOUT:
+        return layout.to_dict()
+    return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
+
+
 def _name(layout: Layout) -> str:
     return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
 
@@ -172,12 +206,12 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
     lo_round = 0.0
     tries = 0
+    rise_pp = pp * per_pp  # what each band adds to TPOT through the prefill share
     while True:
         b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
         per_seq = drain / (pp if pp < b else b) / out
         tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
-        ttft_slack = ttft_bound - (prefill + (round_s if b > 1 else 0.0))
-        if tpot_slack >= 0 and ttft_slack >= 0:
+        if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
             lo, lo_round = q, round_s
         else:
             hi = q
@@ -189,17 +223,27 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
             # Where each bound is met on the tangent of each roofline side; the step is the
             # larger side, so the answer is the nearest of the two sides' crossings.
             ttft_slack = ttft_bound - (prefill + round_s)
-            aim = float("inf")
-            for value, rise in ((step, slope), (other, other_slope)):
-                gap = pp * (value - step)  # this side's round minus the actual round
-                d = pp * (rise + per_pp)
-                if d > 0:
-                    aim = min(aim, q + (tpot_slack - gap) / d)
-                if rise > 0:
-                    aim = min(aim, q + (ttft_slack - gap) / (pp * rise))
+            aim = _INF
+            d = pp * slope + rise_pp
+            if d > 0:
+                aim = q + tpot_slack / d
+            if slope > 0:
+                x = q + ttft_slack / (pp * slope)
+                if x < aim:
+                    aim = x
+            gap = pp * (other - step)  # the other side's round minus the actual round (<= 0)
+            d = pp * other_slope + rise_pp
+            if d > 0:
+                x = q + (tpot_slack - gap) / d
+                if x < aim:
+                    aim = x
+            if other_slope > 0:
+                x = q + (ttft_slack - gap) / (pp * other_slope)
+                if x < aim:
+                    aim = x
             if aim == aim:  # not NaN
-                nq = hi - 1 if aim >= hi else (math.floor(aim) if aim > lo else lo + 1)
-        q = min(max(nq, lo + 1), hi - 1)
+                nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
+        q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
         step, slope, other, other_slope = _step_slope(c, q)
         round_s = pp * step
     if lo == 0:
@@ -242,9 +286,10 @@ class _ServeGoal:
                 if model.is_moe:
                     eps += [e for e in divisors(dp) if e > 1 and model.num_experts % e == 0]
                 for ep in eps:
+                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, seq=seq)
                     for wd in opts.weight_dtypes:
                         for kd in opts.kv_dtypes:
-                            yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, weight_dtype=wd, kv_dtype=kd, seq=seq)
+                            yield _with_dtypes(base, wd, kd)
 
     # --- the core: batch choice, bounds ------------------------------------------------------
     def _solve(self, model, cluster, layout: Layout, opts: ServeOptions):
@@ -318,7 +363,7 @@ class _ServeGoal:
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
                 return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
-            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
+            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f)
             if latency and fixed == 1 and opts.ttft_s is None:
                 # The common latency question: one sequence, no TTFT bound; no prefill to cost.
                 tpot = decode_tpot_s(c, 1)
@@ -352,7 +397,7 @@ class _ServeGoal:
         layout = candidate if isinstance(candidate, Layout) else Layout.parse(str(candidate))
         result = {
             "goal": self.name,
-            "layout": layout.to_dict(),
+            "layout": _layout_dict(layout),
             "name": _name(layout),
             "fits": False,
             "memory": {},

@@ -102,9 +102,9 @@ _EFF_PARTS: dict[tuple, tuple] = {}
 
 
 def _decode_gemm_efficiency(c: "_Ctx", m: int) -> float:
-    """``gemm_efficiency(c.device, m, c.n_gemm, hidden, c.compute_dtype)`` for the decode GEMM at
-    ``m >= TILE`` rows, with the factors that do not depend on ``m`` computed once per shape: the
-    batch search asks for a new ``m`` at almost every step. The same operations in the same order
+    """``gemm_efficiency(c.device, m, c.n_gemm, hidden, c.compute_dtype)`` (the decode GEMM at
+    ``m >= 1`` rows, or a prefill chunk of ``m`` tokens), with the factors that do not depend on
+    ``m`` computed once per shape: the batch search asks for a new ``m`` at almost every step. The same operations in the same order
     as ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
     parts = _EFF_PARTS.get(c.eff_key)
     if parts is None:
@@ -314,8 +314,8 @@ class _Mesh:
     prefill_parts: tuple
     """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
     token, collective seconds, pipeline hop seconds); see ``_prefill_s``."""
-    prefill_eff: dict
-    """compute dtype -> GEMM efficiency at each prefill's chunk size."""
+    gemm: dict
+    """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key)."""
 
 
 _MESH: dict[tuple, _Mesh] = {}
@@ -331,15 +331,24 @@ def clear_caches() -> None:
 
 
 def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
-             imbalance: float = MOE_IMBALANCE) -> _Ctx:
+             imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None) -> _Ctx:
+    """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
+    caller has them already)."""
     key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
-    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    if f is None:
+        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
     mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
-    compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
+    gemm = mesh.gemm.get(weight_dtype)
+    if gemm is None:
+        compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
+        gemm = mesh.gemm[weight_dtype] = (
+            compute_dtype, device.flops(compute_dtype), (_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size),
+        )
+    compute_dtype, peak, eff_key = gemm
     experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
     k_gemm = mesh.k_gemm
     if experts_all:
@@ -355,7 +364,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         ep=ep,
         dp=dp,
         hbm=mesh.hbm,
-        peak=device.flops(compute_dtype),
+        peak=peak,
         device=device,
         compute_dtype=compute_dtype,
         attn_peak=mesh.attn_peak,
@@ -375,7 +384,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         k_elem=mesh.k_elem,
         k_attn_elem=k_attn + mesh.k_elem,
         expert_miss=mesh.expert_miss,
-        eff_key=(_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size),
+        eff_key=eff_key,
         comm_lines=mesh.comm_lines,
         fixed_s=mesh.fixed_s,
         mesh=mesh,
@@ -419,7 +428,7 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         fixed_s=f.stage_layers * LAYER_OVERHEAD_S,
         comm_lines=(),
         prefill_parts=(),
-        prefill_eff={},
+        gemm={},
     )
     mesh.comm_lines = _comm_lines(model, cluster, mesh, tp, pp, ep, dp, f, imbalance)
     batch_tokens = max(input_len, PREFILL_CHUNK)
@@ -637,13 +646,12 @@ def _ensure_prefill(c: _Ctx) -> None:
     """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
     if c.prefill_s < 0:
         alone, batched = c.mesh.prefill_parts
-        effs = c.mesh.prefill_eff.get(c.compute_dtype)
-        if effs is None:
-            h = c.model.hidden_size
-            effs = c.mesh.prefill_eff[c.compute_dtype] = (
-                gemm_efficiency(c.device, alone[1], c.n_gemm, h, c.compute_dtype),
-                gemm_efficiency(c.device, batched[1], c.n_gemm, h, c.compute_dtype),
-            )
+        effs = []
+        for part in (alone, batched):  # the GEMM efficiency at each prefill's chunk size
+            eff = _EFF_CACHE.get((c.eff_key, part[1]))
+            if eff is None:
+                eff = _EFF_CACHE[(c.eff_key, part[1])] = _decode_gemm_efficiency(c, part[1])
+            effs.append(eff)
         c.prefill_s = _prefill_from(c, alone, effs[0])
         c.prefill_token_s = _prefill_from(c, batched, effs[1]) / batched[0]
 
