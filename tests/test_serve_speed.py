@@ -143,3 +143,23 @@ def test_layout_dict_is_to_dict():
                    Layout.parse("tp=8,pp=4,dp=2,zero=1,mbs=1")):
         fast = serve_goal._layout_dict(layout)
         assert fast == layout.to_dict() and list(fast) == list(layout.to_dict())
+
+
+def test_step_growth_bound_holds():
+    """The bound the batch search uses to skip a band: where ``_step_slope`` promises growth, the
+    next batch's step is at least that much larger."""
+    promised = 0
+    for name, cluster, tp, pp, ep, dp, wd, kd in [
+        ("qwen3-32b", "2x8xH100", 1, 1, 1, 16, "int4", "bf16"),
+        ("qwen3-32b", "2x8xH100", 2, 2, 1, 4, "fp8", "fp8"),
+        ("kimi-k2", "4x8xH200", 8, 2, 2, 2, "fp8", "bf16"),
+        ("deepseek-v3", "128x8xH200", 1, 32, 16, 32, "int4", "fp8"),
+        ("llama-2-7b", "4xA100-40GB", 1, 1, 1, 4, "bf16", "bf16"),
+    ]:
+        c = _context(get_model(name), parse_cluster(cluster), tp, pp, ep, dp, wd, kd, 2048, 256)
+        for b in range(1, 1100):
+            grows = _step_slope(c, b)[4]
+            if grows >= 0:
+                promised += 1
+                assert _stage_step(c, b + 1) >= (_stage_step(c, b) + grows) * (1 - 1e-12), (name, b)
+    assert promised > 1000

@@ -199,7 +199,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
     top = -(-max_b // (pp if pp < max_b else max_b))
     lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
-    step, slope, other, other_slope = _step_slope(c, top)
+    step, slope, other, other_slope, grows = _step_slope(c, top)
     round_s = pp * step
     per_seq = drain / (pp if pp < max_b else max_b) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
@@ -207,12 +207,20 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     lo_round = 0.0
     tries = 0
     rise_pp = pp * per_pp  # what each band adds to TPOT through the prefill share
+    # A band that a lower bound proves to fail needs no evaluation; the margin covers rounding.
+    tpot_over, ttft_over = tpot_bound * (1 + 1e-12), ttft_bound * (1 + 1e-12)
     while True:
         b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
         per_seq = drain / (pp if pp < b else b) / out
         tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
         if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
             lo, lo_round = q, round_s
+            if grows >= 0 and q + 1 < hi:
+                # The next band's round is at least this one's plus what the step surely grows
+                # by (see _step_slope).
+                least = round_s + pp * grows
+                if least + q * rise_pp > tpot_over or prefill + least > ttft_over:
+                    hi = q + 1
         else:
             hi = q
         if hi - lo <= 1:
@@ -244,7 +252,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
             if aim == aim:  # not NaN
                 nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
         q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
-        step, slope, other, other_slope = _step_slope(c, q)
+        step, slope, other, other_slope, grows = _step_slope(c, q)
         round_s = pp * step
     if lo == 0:
         round_s = pp * _step_slope(c, 1)[0] if q != 1 else round_s

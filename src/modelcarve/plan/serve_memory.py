@@ -233,7 +233,17 @@ def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
     return kinds
 
 
-def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
+_WEIGHTS: dict[tuple, tuple] = {}
+
+
+def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str) -> tuple:
+    """What ``_compute_facts`` needs that does not depend on the KV dtype, memoised (the search
+    asks for both KV dtypes of every weight dtype): the TP counts, per-layer bytes, and each
+    distinct stage's weights."""
+    key = (id(model), tp, pp, ep, weight_dtype)
+    held = _WEIGHTS.get(key)
+    if held is not None and held[0] is model:
+        return held[1]
     c = _tp_counts(model, tp)
     q = weight_format(weight_dtype).bytes_per_param(model.hidden_size)
     pb = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router, biases)
@@ -246,12 +256,24 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     embed = pb * c.embed_p
     head = pb * c.head_p if (not model.tied_embeddings or pp > 1) else 0.0
     final_norm = pb * c.final_p
-    kv_layer = c.kv_elem * kv_bytes(kv_dtype)
-
-    best = None
+    stages = []
     for count, n_moe, first, last in _stage_kinds(model, pp):
         extra = (embed if first else 0.0) + (head + final_norm if last else 0.0)
         weights = (count - n_moe) * dense_layer + n_moe * moe_layer + extra
+        stages.append((weights, count, n_moe, extra, first, last))
+    side = (c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, tuple(stages))
+    if len(_WEIGHTS) > 100_000:
+        _WEIGHTS.clear()
+    _WEIGHTS[key] = (model, side)
+    return side
+
+
+def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
+    c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(model, tp, pp, ep, weight_dtype)
+    kv_layer = c.kv_elem * kv_bytes(kv_dtype)
+
+    best = None
+    for weights, count, n_moe, extra, first, last in stages:
         # The fullest stage bounds memory; ties broken by KV (the part that grows with batch).
         rank = weights + count * kv_layer * 4096
         if best is None or rank > best[0]:

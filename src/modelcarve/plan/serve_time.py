@@ -325,7 +325,7 @@ def clear_caches() -> None:
     """Forget every memoised serving cost (after changing a fitted constant; benchmarks start cold)."""
     from modelcarve.plan import serve_memory
 
-    for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, _CTX, _MESH, _EFF_CACHE,
+    for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, serve_memory._WEIGHTS, _CTX, _MESH, _EFF_CACHE,
                   _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_PARTS):
         cache.clear()
 
@@ -541,9 +541,15 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     return step, parts, weights_read, sent
 
 
-def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float]:
-    """(``_stage_step(c, b)``, its rate of change per sequence, and the same two for the other
-    side of the GEMM roofline). The step is computed exactly as ``_stage_step`` computes it (same
+def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
+    """(``_stage_step(c, b)``, its rate of change per sequence, the same two for the other side of
+    the GEMM roofline, the least the step is sure to grow by at ``b + 1`` (-1: no such bound)).
+
+    The growth bound: attention and element-wise time add ``k_attn_elem`` per sequence exactly;
+    the collectives and the weights read (experts touched) never shrink; the GEMMs' compute side
+    grows by its slope while the batch stays inside the first ``TILE`` rows (one efficiency);
+    past them its efficiency steps with the tile padding, so a compute-bound step has no bound.
+    The step is computed exactly as ``_stage_step`` computes it (same
     operations, same order); the slopes come from the pieces active at ``b`` (the cheapest
     collective algorithm; GEMM efficiency held constant). Only the step decides anything; the
     slopes aim the batch search, which must see where the roofline turns from memory to compute."""
@@ -581,7 +587,11 @@ def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float]:
         add = (count * best_s if best > floor else 0.0) + extra[1]
         slope += add
         other_slope += add
-    return step, slope, step + other, other_slope
+    if gemm_mem > gemm_cmp:
+        grows = c.k_attn_elem
+    else:
+        grows = c.k_attn_elem + cmp_slope if b < TILE else -1.0
+    return step, slope, step + other, other_slope, grows
 
 
 def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens: int, prompt_len: int) -> tuple:
@@ -646,14 +656,17 @@ def _ensure_prefill(c: _Ctx) -> None:
     """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
     if c.prefill_s < 0:
         alone, batched = c.mesh.prefill_parts
-        effs = []
-        for part in (alone, batched):  # the GEMM efficiency at each prefill's chunk size
-            eff = _EFF_CACHE.get((c.eff_key, part[1]))
-            if eff is None:
-                eff = _EFF_CACHE[(c.eff_key, part[1])] = _decode_gemm_efficiency(c, part[1])
-            effs.append(eff)
-        c.prefill_s = _prefill_from(c, alone, effs[0])
-        c.prefill_token_s = _prefill_from(c, batched, effs[1]) / batched[0]
+        # The GEMM efficiency at each prefill's chunk size.
+        key = (c.eff_key, alone[1])
+        eff = _EFF_CACHE.get(key)
+        if eff is None:
+            eff = _EFF_CACHE[key] = _decode_gemm_efficiency(c, alone[1])
+        c.prefill_s = _prefill_from(c, alone, eff)
+        key = (c.eff_key, batched[1])
+        eff = _EFF_CACHE.get(key)
+        if eff is None:
+            eff = _EFF_CACHE[key] = _decode_gemm_efficiency(c, batched[1])
+        c.prefill_token_s = _prefill_from(c, batched, eff) / batched[0]
 
 
 def decode_tpot_s(c: _Ctx, batch: int) -> float:
