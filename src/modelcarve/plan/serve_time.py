@@ -316,6 +316,8 @@ class _Mesh:
     token, collective seconds, pipeline hop seconds); see ``_prefill_s``."""
     gemm: dict
     """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key)."""
+    prefills: dict
+    """(compute dtype, weight bytes read per chunk) -> (prefill_s, prefill_token_s)."""
 
 
 _MESH: dict[tuple, _Mesh] = {}
@@ -429,6 +431,7 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         comm_lines=(),
         prefill_parts=(),
         gemm={},
+        prefills={},
     )
     mesh.comm_lines = _comm_lines(model, cluster, mesh, tp, pp, ep, dp, f, imbalance)
     batch_tokens = max(input_len, PREFILL_CHUNK)
@@ -655,7 +658,14 @@ def serve_time(
 def _ensure_prefill(c: _Ctx) -> None:
     """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
     if c.prefill_s < 0:
-        alone, batched = c.mesh.prefill_parts
+        # The KV dtype plays no part: both KV variants of a weight dtype share their prefills.
+        mesh = c.mesh
+        shared = (c.compute_dtype, c.f.weights_bytes - c.f.embed_bytes)
+        held = mesh.prefills.get(shared)
+        if held is not None:
+            c.prefill_s, c.prefill_token_s = held
+            return
+        alone, batched = mesh.prefill_parts
         # The GEMM efficiency at each prefill's chunk size.
         key = (c.eff_key, alone[1])
         eff = _EFF_CACHE.get(key)
@@ -667,6 +677,7 @@ def _ensure_prefill(c: _Ctx) -> None:
         if eff is None:
             eff = _EFF_CACHE[key] = _decode_gemm_efficiency(c, batched[1])
         c.prefill_token_s = _prefill_from(c, batched, eff) / batched[0]
+        mesh.prefills[shared] = (c.prefill_s, c.prefill_token_s)
 
 
 def decode_tpot_s(c: _Ctx, batch: int) -> float:
