@@ -31,7 +31,8 @@ def _add_common(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype (a layout string defaults to bf16; verify's fp32 "
+                   "tolerances are the tight ones: loss 1e-5 rel, grads and params 1e-4)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout per rank, seconds")
     p.add_argument("--moe-capacity-factor", type=float, default=0.0,
                    help="MoE: per-sequence expert capacity factor; 0 = dropless (default)")
