@@ -163,3 +163,17 @@ def test_step_growth_bound_holds():
                 promised += 1
                 assert _stage_step(c, b + 1) >= (_stage_step(c, b) + grows) * (1 - 1e-12), (name, b)
     assert promised > 1000
+
+
+def test_context_and_facts_builders_set_every_field():
+    """``_context`` and ``_compute_facts`` fill their records without the dataclass constructor
+    (for speed): a field added to either must be assigned there too."""
+    import dataclasses
+
+    from modelcarve.plan.serve_memory import ShardFacts
+    from modelcarve.plan.serve_time import _Ctx
+
+    c = _context(get_model("kimi-k2"), parse_cluster("4x8xH200"), 8, 2, 2, 2, "fp8", "bf16", 2048, 256)
+    for record, cls in ((c, _Ctx), (c.f, ShardFacts)):
+        missing = [field.name for field in dataclasses.fields(cls) if not hasattr(record, field.name)]
+        assert not missing, (cls.__name__, missing)

@@ -357,40 +357,42 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
         k_gemm += mesh.k_gemm_experts
     k_attn = mesh.mean_ctx * max(f.kv_bytes_per_token / mesh.hbm, mesh.attn_flops_per_ctx / mesh.attn_peak)
-    ctx = _Ctx(
-        model=model,
-        cluster=cluster,
-        f=f,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        dp=dp,
-        hbm=mesh.hbm,
-        peak=peak,
-        device=device,
-        compute_dtype=compute_dtype,
-        attn_peak=mesh.attn_peak,
-        tier_tp=mesh.tier_tp,
-        tier_ep=mesh.tier_ep,
-        tier_pp=mesh.tier_pp,
-        input_len=input_len,
-        output_len=output_len,
-        imbalance=imbalance,
-        mean_ctx=mesh.mean_ctx,
-        attn_flops_per_ctx=mesh.attn_flops_per_ctx,
-        weights_fixed=f.weights_bytes - f.embed_bytes - experts_all,
-        experts_all=experts_all,
-        n_gemm=mesh.n_gemm,
-        k_gemm=k_gemm,
-        k_attn=k_attn,
-        k_elem=mesh.k_elem,
-        k_attn_elem=k_attn + mesh.k_elem,
-        expert_miss=mesh.expert_miss,
-        eff_key=eff_key,
-        comm_lines=mesh.comm_lines,
-        fixed_s=mesh.fixed_s,
-        mesh=mesh,
-    )
+    # Every field assigned here, without the generated __init__: matching 34 keyword
+    # arguments costs more than the rest of this function (once per candidate layout).
+    ctx = object.__new__(_Ctx)
+    ctx.model = model
+    ctx.cluster = cluster
+    ctx.f = f
+    ctx.tp = tp
+    ctx.pp = pp
+    ctx.ep = ep
+    ctx.dp = dp
+    ctx.hbm = mesh.hbm
+    ctx.peak = peak
+    ctx.device = device
+    ctx.compute_dtype = compute_dtype
+    ctx.attn_peak = mesh.attn_peak
+    ctx.tier_tp = mesh.tier_tp
+    ctx.tier_ep = mesh.tier_ep
+    ctx.tier_pp = mesh.tier_pp
+    ctx.input_len = input_len
+    ctx.output_len = output_len
+    ctx.imbalance = imbalance
+    ctx.mean_ctx = mesh.mean_ctx
+    ctx.attn_flops_per_ctx = mesh.attn_flops_per_ctx
+    ctx.weights_fixed = f.weights_bytes - f.embed_bytes - experts_all
+    ctx.experts_all = experts_all
+    ctx.n_gemm = mesh.n_gemm
+    ctx.k_gemm = k_gemm
+    ctx.k_attn = k_attn
+    ctx.k_elem = mesh.k_elem
+    ctx.k_attn_elem = k_attn + mesh.k_elem
+    ctx.expert_miss = mesh.expert_miss
+    ctx.eff_key = eff_key
+    ctx.comm_lines = mesh.comm_lines
+    ctx.fixed_s = mesh.fixed_s
+    ctx.mesh = mesh
+    ctx.prefill_s = ctx.prefill_token_s = -1.0
     if len(_CTX) > 100_000:
         _CTX.clear()
     _CTX[key] = ctx
