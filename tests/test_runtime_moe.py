@@ -8,15 +8,16 @@ One spawned group per world size (2 and 4), looping over cases inside it:
   delivers to each expert exactly the rows the reference router chose (count and content); with
   a capacity factor the dropped count equals the reference's.
 * whole model (``verify_worker``, the ``modelcarve verify`` worker): ep2, ep4, ep2 x dp2 (also
-  with ZeRO-1 and FSDP2: experts' state / weights sharded over expert-dp), ep2 x tp2 (+sp), ep2 x pp2 (1f1b, interleaved, zero-bubble) on tiny-moe (Mixtral-style, 8 experts top-2) and ep2 x tp2 on a
-  tiny DeepSeek-V3-style model (MLA, shared expert, group-limited sigmoid routing), and ep2 x dp2
-  FSDP on a DeepSeek-V3 checkpoint whose router bias leaves EP rank 1 without tokens: logits,
-  loss, gradients, global grad norm, parameters after 3 AdamW steps within fp32 tolerances
-  (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters 1e-4), and tokens per expert
-  and drops per layer and step exactly equal to the reference's; also with a capacity factor,
-  the aux loss and the aux-loss-free bias update switched on (also with full recomputation, and
-  with cp2 x ep2 and cp2 x pp2 x ep2, where a sequence is split over cp: capacity decided on the
-  gathered routing, expert loads summed over cp).
+  with ZeRO-1 and FSDP2: experts' state / weights sharded over expert-dp), ep2 x tp2 (+sp),
+  ep2 x pp2 (1f1b, interleaved, zero-bubble) on tiny-moe (Mixtral-style, 8 experts top-2) and
+  ep2 x tp2 on a tiny DeepSeek-V3-style model (MLA, shared expert, group-limited sigmoid
+  routing), and ep2 x dp2 FSDP on a DeepSeek-V3 checkpoint whose router bias leaves EP rank 1
+  without tokens: logits, loss, gradients, global grad norm, parameters after 3 AdamW steps
+  within fp32 tolerances (verify.TOLERANCES: loss 1e-5 relative, gradients and parameters
+  1e-4), and tokens per expert and drops per layer and step exactly equal to the reference's;
+  also with a capacity factor, the aux loss and the aux-loss-free bias update switched on
+  (also with full recomputation, and with cp2 x ep2 and cp2 x pp2 x ep2, where a sequence is
+  split over cp: capacity decided on the gathered routing, expert loads summed over cp).
 * checkpoints (load_sharded): under ep2 each rank reads only its experts' slices of a Mixtral
   checkpoint; a DeepSeek-V3 checkpoint under ep2 x fsdp / x tp2 / x pp2 reassembles exactly,
   router bias included.

@@ -103,7 +103,8 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv, send, group=self.group)  # recv[src, e] = rows src sends to my expert e
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = all_to_all(x_sorted, send_splits, recv_splits, self.group)  # grouped by src, then expert
-        local_expert = torch.arange(self.num_local, device=recv.device).repeat(self.ep).repeat_interleave(recv.flatten())
+        local_expert = torch.arange(self.num_local, device=recv.device).repeat(self.ep)
+        local_expert = local_expert.repeat_interleave(recv.flatten())
         by_expert = torch.argsort(local_expert, stable=True)
         local_counts = recv.sum(0)
         if not in_backward():  # not again when activation recomputation re-runs the forward
@@ -130,7 +131,8 @@ def expert_groups(mesh, layout) -> dict:
         return cache[key]
     pp, dpcp, tp, ep = layout.pp, layout.dp * layout.cp, layout.tp, layout.ep
     if dpcp % ep:
-        raise LayoutError(f"ep={ep} must divide dp x cp = {dpcp}; valid ep: {[d for d in range(1, dpcp + 1) if dpcp % d == 0]}")
+        valid = [d for d in range(1, dpcp + 1) if dpcp % d == 0]
+        raise LayoutError(f"ep={ep} must divide dp x cp = {dpcp}; valid ep: {valid}")
     f = axis_rank(mesh, "dp") * layout.cp + axis_rank(mesh, "cp")
     me = {"ep_rank": f % ep, "ep": ep, "edp": dpcp // ep, "edp_rank": f // ep}
     # every rank creates every group, in the same order (new_group is collective)
@@ -170,7 +172,8 @@ def moe_blocks(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
     old = getattr(module, name)
-    setattr(module, name, nn.Parameter(old.detach().chunk(parts, dim=dim)[index].clone(), requires_grad=old.requires_grad))
+    piece = old.detach().chunk(parts, dim=dim)[index].clone()
+    setattr(module, name, nn.Parameter(piece, requires_grad=old.requires_grad))
 
 
 def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
@@ -300,7 +303,8 @@ def _zigzag_gather(group):
 # --- metrics ------------------------------------------------------------------------------
 
 
-def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate: float = 0.0, reset: bool = True) -> dict:
+def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate: float = 0.0,
+                   reset: bool = True) -> dict:
     """Per MoE layer, for the step since the last call: ``tokens_per_expert`` (global batch),
     ``tokens_per_rank`` (rows the experts of each dp x cp rank of this pp/tp slice received),
     ``expert_imbalance`` and ``rank_imbalance`` (max / mean), ``dropped``.

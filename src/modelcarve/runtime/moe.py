@@ -1,9 +1,10 @@
 """The mixture-of-experts block of the reference model: router, routed SwiGLU experts, shared experts.
 
 Plain PyTorch, no torch.distributed: ``expert.py`` makes it expert-parallel by shrinking
-``experts`` to the local ones and installing a ``dispatcher`` (all-to-all), without touching this
-file (``MoE.apply_tensor_parallel``, which tensor.py calls, hands over to expert.py too). What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the
-same weights (tests/test_moe_layer.py compares logits with transformers).
+``experts`` to the local ones and installing a ``dispatcher`` (all-to-all), without touching
+this file (``MoE.apply_tensor_parallel``, which tensor.py calls, hands over to expert.py too).
+What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the same
+weights (tests/test_moe_layer.py compares logits with transformers).
 
 Structure (names are checkpoint FQNs under ``layers.<i>.feed_forward``)::
 
@@ -33,13 +34,14 @@ pattern does not depend on how a batch is split over data-parallel ranks or micr
 sequence split by context parallelism is decided on its gathered routing (``sequence_gather``).
 
 Auxiliary load-balancing loss (Switch/Mixtral form, per sequence as DeepSeek-V3's sequence-wise
-loss): ``aux = E * sum_e (n_e / s) * mean_t p_e``, with ``n_e`` the assignments to expert e in the
-sequence and ``p`` the router probabilities (sigmoid scores normalised per token); ``top_k`` at
-perfect balance. Context parallelism: see ``_aux_loss``. Its value (mean over the forward's sequences) is kept in ``aux_loss``. With
-``aux_loss_coef > 0`` its gradient ``coef * d(sum_seq aux) / aux_loss_sequences`` is injected in
-backward (Megatron's trick: the model output and the training loss stay unchanged, so pipeline
-stages need no extra loss plumbing); ``aux_loss_sequences`` is the number of sequences the
-training objective averages over (default: this forward's batch).
+loss): ``aux = E * sum_e (n_e / s) * mean_t p_e``, with ``n_e`` the assignments to expert e in
+the sequence and ``p`` the router probabilities (sigmoid scores normalised per token); ``top_k``
+at perfect balance. Context parallelism: see ``_aux_loss``. Its value (mean over the forward's
+sequences) is kept in ``aux_loss``. With ``aux_loss_coef > 0`` its gradient ``coef * d(sum_seq
+aux) / aux_loss_sequences`` is injected in backward (Megatron's trick: the model output and the
+training loss stay unchanged, so pipeline stages need no extra loss plumbing);
+``aux_loss_sequences`` is the number of sequences the training objective averages over (default:
+this forward's batch).
 
 Bookkeeping for metrics: ``tokens_per_expert`` (int64 [E], routed assignments, kept ones only)
 and ``dropped_tokens`` accumulate over forwards until :meth:`MoE.reset_counts`; a forward re-run
@@ -151,7 +153,9 @@ class MoE(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         if spec.ffn_kind != "swiglu":
-            raise ValueError(f"model {spec.name!r}: MoE experts are SwiGLU; ffn_kind={spec.ffn_kind!r} is not supported")
+            raise ValueError(
+                f"model {spec.name!r}: MoE experts are SwiGLU; ffn_kind={spec.ffn_kind!r} is not supported"
+            )
         self.num_experts, self.top_k = spec.num_experts, spec.top_k
         self.router = Router(spec)
         self.experts = GroupedExperts(spec.num_experts, spec.hidden_size, spec.expert_ffn_size, spec.activation)
