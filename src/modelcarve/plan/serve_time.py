@@ -99,6 +99,7 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
 
 
 _EFF_PARTS: dict[tuple, tuple] = {}
+_EFF_BY_SHAPE: dict[tuple, dict] = {}
 
 
 def _decode_gemm_efficiency(c: "_Ctx", m: int) -> float:
@@ -272,6 +273,8 @@ class _Ctx:
     """Probability one routed token misses a given expert: 1 - top_k / experts."""
     eff_key: tuple = ()
     """(device, n, k, dtype) of the representative GEMM, for the efficiency memo."""
+    effs: dict | None = None
+    """That GEMM's efficiency by rows m (shared by every layout with the same ``eff_key``)."""
     comm_lines: tuple = ()
     """Per axis ('tp', 'ep', 'pp'): (count, pieces, floor, extra): ``count`` collectives per
     step, each taking the cheapest of the affine ``pieces`` (latency s, s per sequence) but no
@@ -315,7 +318,8 @@ class _Mesh:
     """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
     token, collective seconds, pipeline hop seconds); see ``_prefill_s``."""
     gemm: dict
-    """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key)."""
+    """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key and
+    its efficiency-by-rows memo)."""
     prefills: dict
     """(compute dtype, weight bytes read per chunk) -> (prefill_s, prefill_token_s)."""
 
@@ -328,7 +332,7 @@ def clear_caches() -> None:
     from modelcarve.plan import serve_memory
 
     for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, serve_memory._WEIGHTS, _CTX, _MESH, _EFF_CACHE,
-                  _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_PARTS):
+                  _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_PARTS, _EFF_BY_SHAPE):
         cache.clear()
 
 
@@ -347,10 +351,12 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     gemm = mesh.gemm.get(weight_dtype)
     if gemm is None:
         compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
-        gemm = mesh.gemm[weight_dtype] = (
-            compute_dtype, device.flops(compute_dtype), (_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size),
-        )
-    compute_dtype, peak, eff_key = gemm
+        eff_key = (_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size)
+        effs = _EFF_BY_SHAPE.get(eff_key)
+        if effs is None:
+            effs = _EFF_BY_SHAPE[eff_key] = {}
+        gemm = mesh.gemm[weight_dtype] = (compute_dtype, device.flops(compute_dtype), eff_key, effs)
+    compute_dtype, peak, eff_key, effs = gemm
     experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
     k_gemm = mesh.k_gemm
     if experts_all:
@@ -389,6 +395,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     ctx.k_attn_elem = k_attn + mesh.k_elem
     ctx.expert_miss = mesh.expert_miss
     ctx.eff_key = eff_key
+    ctx.effs = effs
     ctx.comm_lines = mesh.comm_lines
     ctx.fixed_s = mesh.fixed_s
     ctx.mesh = mesh
@@ -503,9 +510,9 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
         weights_read += c.experts_all * (1.0 - c.expert_miss ** (b * c.ep))
     gemm_mem = weights_read / c.hbm
     m_tile = b if b > TILE else TILE
-    eff = _EFF_CACHE.get((c.eff_key, m_tile))
+    eff = c.effs.get(m_tile)
     if eff is None:
-        eff = _EFF_CACHE[(c.eff_key, m_tile)] = _decode_gemm_efficiency(c, m_tile)
+        eff = c.effs[m_tile] = _decode_gemm_efficiency(c, m_tile)
     gemm_cmp = b * c.k_gemm / (c.peak * eff)
     step = (gemm_mem if gemm_mem > gemm_cmp else gemm_cmp) + b * c.k_attn_elem + c.fixed_s
     if not detail:
@@ -569,9 +576,9 @@ def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
             mem_slope = c.experts_all * tail * c.ep * -math.log(c.expert_miss) / c.hbm
     gemm_mem = weights_read / c.hbm
     m_tile = b if b > TILE else TILE
-    eff = _EFF_CACHE.get((c.eff_key, m_tile))
+    eff = c.effs.get(m_tile)
     if eff is None:
-        eff = _EFF_CACHE[(c.eff_key, m_tile)] = _decode_gemm_efficiency(c, m_tile)
+        eff = c.effs[m_tile] = _decode_gemm_efficiency(c, m_tile)
     cmp_slope = c.k_gemm / (c.peak * eff)
     gemm_cmp = b * c.k_gemm / (c.peak * eff)
     if gemm_mem > gemm_cmp:
@@ -669,15 +676,13 @@ def _ensure_prefill(c: _Ctx) -> None:
             return
         alone, batched = mesh.prefill_parts
         # The GEMM efficiency at each prefill's chunk size.
-        key = (c.eff_key, alone[1])
-        eff = _EFF_CACHE.get(key)
+        eff = c.effs.get(alone[1])
         if eff is None:
-            eff = _EFF_CACHE[key] = _decode_gemm_efficiency(c, alone[1])
+            eff = c.effs[alone[1]] = _decode_gemm_efficiency(c, alone[1])
         c.prefill_s = _prefill_from(c, alone, eff)
-        key = (c.eff_key, batched[1])
-        eff = _EFF_CACHE.get(key)
+        eff = c.effs.get(batched[1])
         if eff is None:
-            eff = _EFF_CACHE[key] = _decode_gemm_efficiency(c, batched[1])
+            eff = c.effs[batched[1]] = _decode_gemm_efficiency(c, batched[1])
         c.prefill_token_s = _prefill_from(c, batched, eff) / batched[0]
         mesh.prefills[shared] = (c.prefill_s, c.prefill_token_s)
 
