@@ -98,6 +98,7 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
     return eff
 
 
+_INF = float("inf")
 _EFF_PARTS: dict[tuple, tuple] = {}
 _EFF_BY_SHAPE: dict[tuple, dict] = {}
 
@@ -558,16 +559,17 @@ def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
     the GEMM roofline, the least the step is sure to grow by at ``b + 1`` (-1: no such bound)).
 
     The growth bound: attention and element-wise time add ``k_attn_elem`` per sequence exactly;
-    the collectives and the weights read (experts touched) never shrink; the GEMMs' compute side
-    grows by its slope while the batch stays inside the first ``TILE`` rows (one efficiency);
-    past them its efficiency steps with the tile padding, so a compute-bound step has no bound.
+    each collective at least its cheapest algorithm's slope (unless its floor binds); the weights
+    read, the experts the next sequence touches; the GEMMs' compute side grows by its slope while
+    the batch stays inside the first ``TILE`` rows (one efficiency); past them its efficiency
+    steps with the tile padding, so a compute-bound step has no bound.
     The step is computed exactly as ``_stage_step`` computes it (same
     operations, same order); the slopes come from the pieces active at ``b`` (the cheapest
     collective algorithm; GEMM efficiency held constant). Only the step decides anything; the
     slopes aim the batch search, which must see where the roofline turns from memory to compute."""
     weights_read = c.weights_fixed
     slope = c.k_attn_elem
-    mem_slope = 0.0
+    mem_slope = tail = 0.0
     if c.experts_all:
         tail = c.expert_miss ** (b * c.ep)
         weights_read += c.experts_all * (1.0 - tail)
@@ -589,20 +591,29 @@ def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
         step = gemm_cmp + b * c.k_attn_elem + c.fixed_s
         other, other_slope = gemm_mem - gemm_cmp, slope + mem_slope
         slope += cmp_slope
+    comm_grows = 0.0
     for _, count, pieces, floor, extra in c.comm_lines:
         best = None
+        least = _INF
         for a, s in pieces:
             t = a + s * b
             if best is None or t < best:
                 best, best_s = t, s
+            if s < least:
+                least = s
         step += count * (best if best > floor else floor) + extra[0] + extra[1] * b
         add = (count * best_s if best > floor else 0.0) + extra[1]
         slope += add
         other_slope += add
+        # At b + 1 every algorithm costs at least its slope more, so the cheapest one does.
+        comm_grows += (count * least if best > floor else 0.0) + extra[1]
     if gemm_mem > gemm_cmp:
-        grows = c.k_attn_elem
+        grows = c.k_attn_elem + comm_grows
+        if tail > 0.0:
+            # The experts the next sequence touches: experts_all (miss^(b ep) - miss^((b+1) ep)).
+            grows += c.experts_all * tail * (1.0 - c.expert_miss ** c.ep) / c.hbm
     else:
-        grows = c.k_attn_elem + cmp_slope if b < TILE else -1.0
+        grows = c.k_attn_elem + cmp_slope + comm_grows if b < TILE else -1.0
     return step, slope, step + other, other_slope, grows
 
 
