@@ -99,24 +99,26 @@ def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
 
 
 _INF = float("inf")
-_EFF_PARTS: dict[tuple, tuple] = {}
-_EFF_BY_SHAPE: dict[tuple, dict] = {}
+_EFF_BY_SHAPE: dict[tuple, tuple] = {}
+"""Decode GEMM shape -> (efficiency by rows m, ``_eff_parts``)."""
+
+
+def _eff_parts(device, dtype: str, n: int, k: int) -> tuple:
+    """The factors of ``matmul_efficiency(device, m, n, k, dtype)`` that do not depend on ``m``."""
+    return (
+        peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
+        device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 2.0, device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
+    )
 
 
 def _decode_gemm_efficiency(c: "_Ctx", m: int) -> float:
     """``gemm_efficiency(c.device, m, c.n_gemm, hidden, c.compute_dtype)`` (the decode GEMM at
     ``m >= 1`` rows, or a prefill chunk of ``m`` tokens), with the factors that do not depend on
-    ``m`` computed once per shape: the batch search asks for a new ``m`` at almost every step. The same operations in the same order
-    as ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
-    parts = _EFF_PARTS.get(c.eff_key)
-    if parts is None:
-        device, dtype, n, k = c.device, c.compute_dtype, c.n_gemm, c.model.hidden_size
-        parts = _EFF_PARTS[c.eff_key] = (
-            peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
-            device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 2.0, device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
-        )
-    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k = parts
-    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (math.ceil(m / TILE) * TILE)) * pad_n
+    ``m`` computed once per shape (``_eff_parts``): the batch search asks for a new ``m`` at
+    almost every step. The same operations in the same order as
+    ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
+    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k = c.eff_parts
+    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (-(-m // TILE) * TILE)) * pad_n
     memory_s = elem * (m * k + k * n + m * n) / hbm
     if memory_s > 2.0 * m * n * k / (peak * eff):
         eff = 2.0 * m * n * k / (peak * memory_s)
@@ -276,6 +278,8 @@ class _Ctx:
     """(device, n, k, dtype) of the representative GEMM, for the efficiency memo."""
     effs: dict | None = None
     """That GEMM's efficiency by rows m (shared by every layout with the same ``eff_key``)."""
+    eff_parts: tuple = ()
+    """Its efficiency's factors that do not depend on m (``_eff_parts``)."""
     comm_lines: tuple = ()
     """Per axis ('tp', 'ep', 'pp'): (count, pieces, floor, extra): ``count`` collectives per
     step, each taking the cheapest of the affine ``pieces`` (latency s, s per sequence) but no
@@ -333,7 +337,7 @@ def clear_caches() -> None:
     from modelcarve.plan import serve_memory
 
     for cache in (serve_memory._FACTS, serve_memory._TP, serve_memory._STAGES, serve_memory._WEIGHTS, _CTX, _MESH, _EFF_CACHE,
-                  _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_PARTS, _EFF_BY_SHAPE):
+                  _LINES, _TIER_CACHE, _ATTN_PEAK, _EFF_BY_SHAPE):
         cache.clear()
 
 
@@ -353,11 +357,11 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     if gemm is None:
         compute_dtype = device_dtype(device, weight_format(weight_dtype).compute_dtype)
         eff_key = (_device_key(device, compute_dtype), mesh.n_gemm, model.hidden_size)
-        effs = _EFF_BY_SHAPE.get(eff_key)
-        if effs is None:
-            effs = _EFF_BY_SHAPE[eff_key] = {}
-        gemm = mesh.gemm[weight_dtype] = (compute_dtype, device.flops(compute_dtype), eff_key, effs)
-    compute_dtype, peak, eff_key, effs = gemm
+        held = _EFF_BY_SHAPE.get(eff_key)
+        if held is None:
+            held = _EFF_BY_SHAPE[eff_key] = ({}, _eff_parts(device, compute_dtype, mesh.n_gemm, model.hidden_size))
+        gemm = mesh.gemm[weight_dtype] = (compute_dtype, device.flops(compute_dtype), eff_key) + held
+    compute_dtype, peak, eff_key, effs, eff_parts = gemm
     experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
     k_gemm = mesh.k_gemm
     if experts_all:
@@ -397,6 +401,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     ctx.expert_miss = mesh.expert_miss
     ctx.eff_key = eff_key
     ctx.effs = effs
+    ctx.eff_parts = eff_parts
     ctx.comm_lines = mesh.comm_lines
     ctx.fixed_s = mesh.fixed_s
     ctx.mesh = mesh
