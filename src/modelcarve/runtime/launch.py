@@ -134,13 +134,13 @@ def _print_memory(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"memory per rank (MiB) — {result['tokens_per_s']:,.0f} tokens/s mean after the first step")
-    for col in ("rank", "peak RSS", "params", "grads", "optimiser", "comm/step"):
+    table = Table(title=f"{result['tokens_per_s']:,.0f} tokens/s (mean after step 1); per rank, MiB")
+    for col in ("rank", "peak RSS", "params", "optimiser", "comm/step"):
         table.add_column(col, justify="right")
     mib = 1024 * 1024
     for rank, m in enumerate(result["memory"]):
         table.add_row(str(rank), f"{m['peak_rss_bytes'] / mib:.0f}", f"{m.get('param_bytes', 0) / mib:.2f}",
-                      f"{m.get('grad_bytes', 0) / mib:.2f}", f"{m.get('optim_bytes', 0) / mib:.2f}",
+                      f"{m.get('optim_bytes', 0) / mib:.2f}",
                       f"{m['comm_bytes_per_step'] / mib:.2f}")
     Console().print(table)
 

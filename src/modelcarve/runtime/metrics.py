@@ -25,6 +25,7 @@ _COMM_FUNCS = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "reduce_scatter_single",
@@ -67,8 +68,10 @@ class CommCounter(contextlib.ContextDecorator):
                 # the *_into_tensor / reduce_scatter forms: count the larger of the first two)
                 if __name == "batch_isend_irecv":
                     self.bytes[__name] += sum(_nbytes(op.tensor) for op in args[0])
-                else:
-                    tensors = [a for a in args[:2] if isinstance(a, (torch.Tensor, list, tuple))]
+                else:  # positional or keyword (FSDP2 passes output=/input=)
+                    tensors = [a for a in (*args[:2], kwargs.get("input"), kwargs.get("output"),
+                                           kwargs.get("tensor"), kwargs.get("input_tensor"))
+                               if isinstance(a, (torch.Tensor, list, tuple))]
                     self.bytes[__name] += max((_nbytes(t) for t in tensors), default=0)
                 self.calls[__name] += 1
                 return __fn(*args, **kwargs)
