@@ -26,6 +26,7 @@ def cli(*argv, timeout=240):
         ("tp=2", ["--nproc-per-node", "4"], "use --nproc-per-node 2"),
         ("dp=2,zero=2", [], "zero=2 is not implemented by the runtime"),
         ("dp=2,sp", [], "sequence parallelism (sp) needs tp > 1"),
+        ("dp=2,grad_dtype=bf16", [], "grad_dtype=bf16 is not implemented by the runtime"),
     ],
 )
 def test_bad_layout_refused_before_any_process(layout, extra, fragment):

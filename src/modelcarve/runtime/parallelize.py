@@ -67,6 +67,12 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     problems = []
     if layout.zero == 2:
         problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
+    if layout.param_dtype not in ("fp32", "bf16"):
+        problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
+    for name in ("grad_dtype", "optim_dtype"):
+        if getattr(layout, name) != "fp32":
+            problems.append(f"{name}={getattr(layout, name)} is not implemented by the runtime (fp32 master state); "
+                            f"use {name}=fp32")
     if spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
     if layout.seq % (layout.tp if layout.sp else 1):

@@ -14,12 +14,17 @@ gets rows [i gbs/dp, (i+1) gbs/dp)); each block into ``num_microbatches`` micro-
 ``mbs`` rows. CP splits each micro-batch along the sequence (context.py: ``shard_batch``).
 
 Hooks: pp > 1 calls ``pipeline.build_pipeline(chunks, layout, mesh, loss_fn)`` whose runner's
-``step(tokens, targets) -> loss`` runs forward+backward over this replica's micro-batches and
-returns, on every rank, the sum of ``loss_fn`` over them. cp > 1 calls
+``step(tokens, targets, positions) -> loss`` runs forward+backward over this replica's
+micro-batches. The pipeline keeps torch's own convention instead: its ``loss_fn`` is the
+micro-batch MEAN (``sum / (mbs x seq / cp)``), torch's ``scale_grads`` divides the accumulated
+gradients by the micro-batch count, and the returned loss is already the global mean; so the
+step divides the summed gradients by ``dp x cp`` afterwards and does not reduce the loss again.
+Both paths yield the gradient of the global-batch mean. cp > 1 calls
 ``context.shard_batch(tokens, targets, mesh, layout) -> (tokens, targets, positions)``.
 
 Mixed precision: ``param_dtype=bf16`` runs forward and backward under ``torch.autocast`` (bf16
-matmuls) with fp32 master weights, fp32 gradients, fp32 reductions and fp32 AdamW state.
+matmuls) with fp32 master weights, fp32 gradients, fp32 reductions and fp32 AdamW state
+(``grad_dtype``/``optim_dtype`` other than fp32, and fp16, are refused by check_runtime).
 """
 
 from __future__ import annotations
