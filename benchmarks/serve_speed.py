@@ -6,11 +6,13 @@ Usage::
 
 For each case, a whole ``search`` (candidates enumerated, every one screened, the best evaluated
 in full with their JSON) from cold caches, as a fresh ``modelcarve plan`` runs; best of
-``--repeat`` runs by CPU time. A candidate is one layout (tp x pp x dp x ep) with one weight dtype
-and one KV dtype; for serve-throughput its screening includes choosing the batch (a Newton
-search over bands of batches, 1-4 decode-step evaluations; ``batch_evaluations`` counts them). The load average is recorded because the
-machine these figures come from is shared. Targets from issue #4: at least 50,000 layouts/s and
-under 2 s per plan.
+``--repeat`` runs by CPU time (``layouts_per_cpu_s``; the wall-clock rate is recorded too, but
+the machine these figures come from is shared, so its load average is recorded as well). A
+candidate is one layout (tp x pp x dp x ep) with one weight dtype and one KV dtype; for
+serve-throughput its screening includes choosing the batch (serve_goal._largest_batch: a Newton
+search over bands of batches, typically 1-3 decode-step evaluations per layout;
+``batch_evaluations`` counts them over a whole search). Targets from issue #4: at least 50,000
+layouts/s and under 2 s per plan.
 """
 
 from __future__ import annotations
