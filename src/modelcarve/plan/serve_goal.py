@@ -184,9 +184,13 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     the batch, the GEMMs affine on either side of their roofline, so the aim lands on the answer
     or next to it), kept inside the bracket of bands known to pass and to fail, bisecting if it
     stalls; then a bisection inside the last passing band, with no further step evaluations.
-    A band passes or fails on the exact figures (the same operations as ``_rates``); the slopes
-    only choose which band to try next, so a poor aim costs evaluations, never a wrong batch.
-    Typically 2-3 decode-step evaluations per layout, where trying every batch takes max_b."""
+    A band passes or fails on the exact figures (the same operations as ``_rates``), or fails
+    without an evaluation when the step's proven growth (``_step_slope``) already breaks a bound
+    with a margin; the slopes only choose which band to try next, so a poor aim costs
+    evaluations, never a different batch (given, as any bracketing search assumes, that the
+    bounds' slack falls with the batch; tests/test_serve_speed.py compares with trying every
+    batch). Typically 2-3 decode-step evaluations per layout, where trying every batch takes
+    max_b."""
     if c.prefill_s < 0:
         _ensure_prefill(c)
     pp = c.pp
