@@ -100,3 +100,16 @@ def test_each_rank_reads_only_its_slices(tmp_path):
         # no rank reads the whole model; together they read it about once (norms/biases replicated)
         assert max(per_rank) < 0.6 * total, (text, per_rank, total)
         assert sum(per_rank) >= total * 0.99, (text, per_rank, total)
+
+
+def test_sliced_load_composes_tp_with_fsdp_and_kv_replication(tmp_path):
+    """4 ranks: TP slices inside FSDP2 shards (offsets compose), and tp=4 over 2 kv heads (each kv
+    head read by the two ranks that replicate it)."""
+    save_tiny("llama", tmp_path / "llama", shard=True)
+    layouts = ["tp=2,dp=2,fsdp,seq=16,gbs=2,param_dtype=fp32", "tp=4,seq=16,param_dtype=fp32"]
+    results = run_distributed(_sharded_load, 4, [(str(tmp_path / "llama"), layouts)], timeout=300)
+    for i, text in enumerate(layouts):
+        per_rank = [r[i]["bytes"] for r in results]
+        total = results[0][i]["total"]
+        assert results[0][i]["diff"] == 0.0, text
+        assert max(per_rank) < 0.4 * total, (text, per_rank, total)
