@@ -13,6 +13,13 @@ serve-throughput its screening includes choosing the batch (serve_goal._largest_
 search over bands of batches, typically 1-3 decode-step evaluations per layout;
 ``batch_evaluations`` counts them over a whole search). Targets from issue #4: at least 50,000
 layouts/s and under 2 s per plan.
+
+``evaluated`` (and ``layouts_per_cpu_s``) counts every candidate the search screened, as before.
+Once its top is full, the throughput screen prunes a candidate it proves would be accepted below
+the top (``serve_goal._group_ceiling``: a ceiling on its tokens/s, and batch 1 meeting the bounds)
+without choosing its batch; ``pruned`` counts those, and ``scored_per_cpu_s`` is the rate of the
+candidates that were not pruned (``evaluated - pruned``: every rejected one and every one that
+got a score), the same CPU time over the work not skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 from modelcarve.plan import serve_goal, serve_time
+from modelcarve.plan.goals import get_goal
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
@@ -42,6 +50,7 @@ BOUNDS = {"serve-latency": {}, "serve-throughput": {"ttft_ms": 2000, "tpot_ms": 
 
 def _clear() -> None:
     serve_time.clear_caches()
+    serve_goal._COMM_FLOORS.clear()
 
 
 def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat: int) -> dict:
@@ -61,18 +70,44 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
     # see serve_goal._largest_batch): counted in a separate, untimed run (the counter would slow
     # the timed one).
     calls = [0]
-    original = serve_goal._step_slope
+    original, original_step = serve_goal._step_slope, serve_goal._stage_step
 
     def counting(c, batch):
         calls[0] += 1
         return original(c, batch)
 
-    serve_goal._step_slope = counting
+    def counting_step(c, batch, detail=False):  # the pruning check's batch-1 step
+        calls[0] += not detail
+        return original_step(c, batch, detail)
+
+    # And how many candidates the screen pruned (search.py's ``screen.above``), in the same run.
+    pruned = [0]
+    goal_obj = get_goal(goal)
+    prepare = goal_obj.prepare
+
+    def counting_prepare(*args, **kwargs):
+        screen = prepare(*args, **kwargs)
+        if not hasattr(screen, "above"):
+            return screen
+
+        def above(candidate, floor):
+            answer = screen.above(candidate, floor)
+            pruned[0] += answer is None
+            return answer
+
+        wrapped = lambda candidate: screen(candidate)  # noqa: E731
+        wrapped.above = above
+        return wrapped
+
+    serve_goal._step_slope, serve_goal._stage_step = counting, counting_step
+    goal_obj.prepare = counting_prepare
     try:
         _clear()
-        search(model, cluster, goal, top=5, **options)
+        again = search(model, cluster, goal, top=5, **options)
     finally:
-        serve_goal._step_slope = original
+        serve_goal._step_slope, serve_goal._stage_step = original, original_step
+        del goal_obj.prepare
+    assert again["layouts"] == result["layouts"] and again["rejected"] == result["rejected"]
     return {
         "goal": goal,
         "model": model_name,
@@ -83,6 +118,8 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
         "plan_cpu_s": round(cpu, 4),
         "layouts_per_cpu_s": round(result["evaluated"] / cpu),
         "layouts_per_wall_s": round(result["evaluated"] / wall),
+        "pruned": pruned[0],
+        "scored_per_cpu_s": round((result["evaluated"] - pruned[0]) / cpu),
         "batch_evaluations": calls[0],
         "batch_evaluations_per_cpu_s": round(calls[0] / cpu),
         "winner": winner["name"] if winner else None,
@@ -112,7 +149,8 @@ def main() -> int:
         print(
             f"{r['goal']:17s} {r['model']:15s} {r['cluster']:11s} {r['evaluated']:5d} layouts  "
             f"{r['layouts_per_cpu_s']:8,d}/CPU-s  {r['layouts_per_wall_s']:8,d}/wall-s  plan {r['plan_wall_s']:.3f} s  "
-            + (f"({r['batch_evaluations'] / r['evaluated']:.1f} decode steps/layout)  " if r["batch_evaluations"] else "")
+            + (f"({r['batch_evaluations'] / r['evaluated']:.1f} decode steps/layout, {r['pruned']} pruned, "
+               f"{r['scored_per_cpu_s']:,d} scored/CPU-s)  " if r["batch_evaluations"] else "")
             + f"-> {r['winner']}"
         )
     return 0

@@ -20,6 +20,10 @@ Optionally, for speed, ``prepare(model, cluster, **options) -> screen`` where
 JSON, which the search runs over every candidate before it evaluates the best few in full.
 ``reject_category`` is a short stable phrase the search counts (``"does not fit in memory"``);
 ``reject_reason`` is the sentence about this candidate. Both are None when it is accepted.
+A screen may carry ``screen.above(candidate, floor)``: the same answer as ``screen(candidate)``,
+or None when the candidate would certainly be accepted with a score ``<= floor`` (a proven upper
+bound, cheaper than the score). The search asks it once its top is full, with the top's lowest
+score, for goals without a ``family`` (a pruned candidate's score is never seen).
 
 Goals register themselves here by name; the serving goals live in ``plan/serve_goal.py``.
 """

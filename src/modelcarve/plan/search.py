@@ -15,7 +15,11 @@ it ranks below the winner (from the goal's ``compare``), then the best-scoring r
 candidate of each reason, with its ``reject_reason`` in words.
 
 Goals with a ``prepare`` (see goals.py) are screened with their cheap scorer and only the
-finalists go through ``evaluate``; the others are evaluated in full. This module also holds the
+finalists go through ``evaluate``; the others are evaluated in full. A screen with an ``above``
+(goals.py) is asked, once the top is full, to screen a candidate only if it can beat the
+``top``-th score so far: it may answer None instead, for a candidate it proves would be accepted
+with a score no higher (the search's answer is then the same as without asking; the candidate
+counts as evaluated, since it was screened). This module also holds the
 shared helpers that factorise a device count over mesh axes.
 """
 
@@ -97,9 +101,17 @@ def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
     best_family: dict[str, tuple[float, Any]] = {}
     evaluated = 0
     counter = itertools.count()
+    # Pruning skips a candidate entirely, so only where nothing but the top reads accepted scores.
+    above = getattr(screen, "above", None) if family_of is None else None
     for candidate in goal.candidates(model, cluster, **options):
         evaluated += 1
-        score, category, reason = screen(candidate)
+        if above is not None and len(best) == top:
+            screened = above(candidate, best[0][0])
+            if screened is None:  # accepted, and provably not above the top's last: no change
+                continue
+            score, category, reason = screened
+        else:
+            score, category, reason = screen(candidate)
         if category is None:
             item = (score, next(counter), candidate)
             if len(best) < top:

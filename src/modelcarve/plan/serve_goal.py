@@ -32,7 +32,7 @@ from modelcarve.plan import goals
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.search import divisors
 from modelcarve.plan.serve_memory import MOE_IMBALANCE, GiB, max_sequences, memory_from_facts, min_devices, shard_facts
-from modelcarve.plan.serve_time import ServeTime, _context, _ensure_prefill, _rates, _serve_time, _step_slope, decode_tpot_s
+from modelcarve.plan.serve_time import ServeTime, _context, _ensure_prefill, _rates, _serve_time, _stage_step, _step_slope, decode_tpot_s
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 
@@ -276,6 +276,87 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
 
 
+_CEILING_MARGIN = 1.0 + 1e-9
+"""Relative slack on ``_group_ceiling``: its arithmetic and the exact figures' round differently
+(by ~1e-16 relative), and a bound must not fall below the figure it bounds."""
+
+
+_COMM_FLOORS: dict[tuple, tuple] = {}
+"""(id of a mesh's comm lines, micro-batch) -> (those lines, ``_comm_floor``): shared by the dtype
+variants of a mesh (the lines are kept in the entry so their id cannot be reused)."""
+
+
+def _comm_floor(lines: tuple, q: int) -> tuple[float, float]:
+    """(a, s): the collectives of a step (``_Ctx.comm_lines``) take at least ``a + s x b`` seconds at
+    every micro-batch ``b >= 0``. Each line, ``count x max(floor, cheapest piece) + extra``, is at
+    least ``count x floor + extra`` and at least ``count x (least intercept + least slope x b) +
+    extra``; the one larger at ``q`` is taken."""
+    a_sum = s_sum = 0.0
+    for _, count, pieces, floor, extra in lines:
+        a_min = min(a for a, _ in pieces)
+        s_min = min(s for _, s in pieces)
+        if count * floor >= count * (a_min + s_min * q):
+            a_sum += count * floor + extra[0]
+            s_sum += extra[1]
+        else:
+            a_sum += count * a_min + extra[0]
+            s_sum += count * s_min + extra[1]
+    return a_sum, s_sum
+
+
+def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float) -> float:
+    """An upper bound on the output tokens/s of the attention group (``_rates``' last figure) at
+    every batch ``b`` in 1..max_b that meets both bounds (and at ``b = 1``), without a decode step.
+
+    The decode round is at least ``pp S0 + b K`` seconds: a stage step is at least an affine
+    ``S0 + q K`` in its micro-batch ``q`` (fixed overhead, dense weights read, attention and
+    element-wise time exactly; the routed experts read, above its chord; each collective, above an
+    affine lower bound), and ``pp`` steps of ``ceil(b / min(pp, b))`` sequences hold at
+    least ``b`` of them. Each sequence's prefill share is at least ``D = drain / pp`` per output
+    token. So tokens/s <= ``b / (pp S0 + b (K + D))``, which grows with ``b``; the bounds cap ``b``
+    (TPOT >= ``pp S0 + b K + (b - 1) D``, TTFT >= prefill + ``pp S0 + b K`` when ``b > 1``), so the
+    ceiling is that at the largest ``b`` they allow (GEMM compute time, ignored, only adds).
+    Returns inf when it cannot prove a bound (a negative slope)."""
+    pp = c.pp
+    q = -(-max_b // pp)  # the micro-batch the memory allows: where to choose each collective's bound
+    s0 = c.fixed_s + c.weights_fixed / c.hbm
+    k = c.k_attn_elem
+    if c.experts_all:
+        # The experts read, E(q) = experts_all (1 - miss^(q ep)) / hbm, is concave in q, so on
+        # 1 <= q <= the largest micro-batch it lies above its chord: an affine lower bound.
+        one = c.experts_all * (1.0 - c.expert_miss ** c.ep) / c.hbm
+        chord = 0.0
+        if q > 1:
+            chord = (c.experts_all * (1.0 - c.expert_miss ** (q * c.ep)) / c.hbm - one) / (q - 1)
+        s0 += one - chord
+        k += chord
+    lines = c.comm_lines
+    if lines:
+        key = (id(lines), q)
+        held = _COMM_FLOORS.get(key)
+        if held is None or held[0] is not lines:
+            if len(_COMM_FLOORS) > 100_000:
+                _COMM_FLOORS.clear()
+            held = _COMM_FLOORS[key] = (lines,) + _comm_floor(lines, q)
+        s0 += held[1]
+        k += held[2]
+    if k < 0.0 or s0 < 0.0:
+        return _INF
+    d = c.input_len * c.prefill_token_s / pp / c.output_len
+    b = float(max_b)
+    if k + d > 0.0:
+        limit = (tpot_bound - pp * s0 + d) / (k + d)
+        if limit < b:
+            b = limit
+    if k > 0.0:
+        limit = (ttft_bound - c.prefill_s - pp * s0) / k
+        if limit < b:
+            b = limit
+    if b < 1.0:
+        b = 1.0
+    return b / (pp * s0 + b * (k + d)) * _CEILING_MARGIN
+
+
 class _ServeGoal:
     """Shared machinery of the two serving goals; ``latency`` says which one."""
 
@@ -367,7 +448,7 @@ class _ServeGoal:
         tpot_bound = opts.tpot_s if opts.tpot_s is not None else float("inf")
         latency = self.latency
 
-        def screen(layout: Layout):
+        def screen(layout: Layout, floor: float | None = None):
             f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
             fit = max_sequences(f, memory_bytes, ctx_len)
             fixed = opts.batch or (1 if latency else None)
@@ -383,7 +464,21 @@ class _ServeGoal:
                     return -tpot, TPOT, f"{_name(layout)}: TPOT {tpot * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
                 return -tpot - tpot * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
             if fixed is None:
-                _, (_, tpot, ttft, group) = _largest_batch(c, min(fit, opts.max_batch), ttft_bound, tpot_bound)
+                max_b = fit if fit < opts.max_batch else opts.max_batch
+                if floor is not None:
+                    # Pruning (``screen.above``): a candidate whose batch 1 meets both bounds is
+                    # accepted whatever batch the search picks (it never returns a failing one
+                    # when 1 passes), so if its ceiling is no higher than ``floor``, it cannot
+                    # change the top and its batch search can be skipped.
+                    if c.prefill_s < 0:
+                        _ensure_prefill(c)
+                    if (
+                        c.prefill_s <= ttft_bound
+                        and _group_ceiling(c, max_b, ttft_bound, tpot_bound) / (layout.tp * layout.pp) <= floor
+                        and c.pp * _stage_step(c, 1) <= tpot_bound
+                    ):
+                        return None
+                _, (_, tpot, ttft, group) = _largest_batch(c, max_b, ttft_bound, tpot_bound)
             else:
                 _, tpot, ttft, group = _rates(c, fixed)
             raw = -tpot if latency else group / (layout.tp * layout.pp)
@@ -394,6 +489,8 @@ class _ServeGoal:
             # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
             return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
 
+        if not latency and opts.batch is None:
+            screen.above = screen  # the throughput screen can prune (see search.py, goals.py)
         return screen
 
     def score(self, result: dict) -> float:
