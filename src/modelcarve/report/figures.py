@@ -26,7 +26,8 @@ def plot_plan(result: dict, path: str | Path, title: str = "") -> Path:
     layouts = [r for r in result["layouts"] if r.get("goal") == "train"]
     if not layouts:
         raise ValueError("plot_plan draws training plans; this result has no training layouts")
-    names = [r["short"] for r in layouts]
+    # rank + short form + what short() leaves out: two layouts may differ only in mbs/recompute
+    names = [f"#{i} {r['short']}\nmbs={r['layout']['mbs']} rc={r['layout']['recompute']}" for i, r in enumerate(layouts, 1)]
     parts = list(layouts[0]["memory"]["breakdown"])
     fig, (mem_ax, link_ax) = plt.subplots(1, 2, figsize=(6 + 1.4 * len(layouts), 5))
     bottom = [0.0] * len(layouts)
@@ -34,13 +35,14 @@ def plot_plan(result: dict, path: str | Path, title: str = "") -> Path:
         values = [r["memory"]["breakdown"].get(part, 0) / GIB for r in layouts]
         if not any(values):
             continue
-        mem_ax.bar(names, values, bottom=bottom, label=part.replace("_", " "))
+        mem_ax.bar(range(len(names)), values, bottom=bottom, label=part.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, values)]
     capacity = layouts[0]["memory"]["capacity_bytes"] / GIB
     mem_ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"capacity {capacity:.0f} GiB")
+    mem_ax.set_xticks(range(len(names)), names)
     mem_ax.set_ylabel("GiB on the worst device")
     mem_ax.set_title("memory")
-    mem_ax.legend(fontsize=7)
+    mem_ax.legend(fontsize=7, loc="lower right")
     width = 0.4
     xs = range(len(layouts))
     for offset, link, label in ((-width / 2, "intra", "inside a node"), (width / 2, "inter", "across nodes")):
