@@ -168,6 +168,8 @@ def print_report(report: dict) -> None:
         table.add_column(col, justify="right" if col not in ("compared", "worst") else "left")
     for row in summarise(report):
         if not row["count"]:
+            if row["kind"] == "routing" and not report.get("moe"):
+                continue  # a dense model has no routing to compare
             table.add_row(row["kind"], "0", "-", "-", "-", "[dim]not compared for this layout[/]", "")
             continue
         tol = f"{row['tol']:.0e} {row['metric']}"
