@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from modelcarve.report.tables import console
 from modelcarve.spec.catalog import catalog_entry, get_model, model_names
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.hardware import get_device, get_link, device_names, link_names, parse_cluster
@@ -23,15 +24,6 @@ def register(sub) -> None:
     hardware.set_defaults(func=_hardware)
 
 
-def _console():
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    return console
-
-
 def _human(count: float, unit: str = "") -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "K")):
         if count >= scale:
@@ -44,7 +36,6 @@ def _gb(n: float) -> str:
 
 
 def _models(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     if args.action == "show":
@@ -55,7 +46,7 @@ def _models(args) -> int:
         if args.json:
             print(json.dumps(data, indent=2))
             return 0
-        console = _console()
+        out = console()
         table = Table(title=f"{spec.name} ({spec.family})", show_header=False)
         for key, value in data.items():
             if key == "moe_layers" and value:
@@ -63,7 +54,7 @@ def _models(args) -> int:
             if key in ("total_params", "active_params"):
                 value = f"{value:,} ({_human(value)})"
             table.add_row(key, str(value))
-        console.print(table)
+        out.print(table)
         return 0
 
     rows = []
@@ -100,12 +91,11 @@ def _models(args) -> int:
             _gb(r["weights_fp8_bytes"]),
             _gb(r["weights_int4_bytes"]),
         )
-    _console().print(table)
+    console().print(table)
     return 0
 
 
 def _hardware(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     if args.cluster:
@@ -124,7 +114,7 @@ def _hardware(args) -> int:
 
         print(json.dumps({"devices": [asdict(d) for d in devices], "links": [asdict(l) for l in links]}, indent=2))
         return 0
-    console = _console()
+    out = console()
     table = Table(title="Devices (dense peaks)")
     for col in ("device", "memory", "HBM", "bf16", "fp8", "int8", "node links", "source"):
         table.add_column(col, overflow="fold")
@@ -140,11 +130,11 @@ def _hardware(args) -> int:
             f"{d.devices_per_node}x {d.intra_link}, {d.nics_per_node}x {d.inter_link}",
             d.source,
         )
-    console.print(table)
+    out.print(table)
     table = Table(title="Links (per direction per device)")
     for col in ("link", "bandwidth", "latency", "source"):
         table.add_column(col, overflow="fold")
     for l in links:
         table.add_row(l.name, f"{l.bytes_per_s / 1e9:.1f} GB/s", f"{l.latency_s * 1e6:.0f} us", l.source)
-    console.print(table)
+    out.print(table)
     return 0

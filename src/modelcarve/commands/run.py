@@ -156,12 +156,12 @@ def _verify(args) -> int:
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from modelcarve.report.tables import console as wide_console
     from modelcarve.verify import summarise
 
-    console = Console()
+    console = wide_console()
     table = Table(title=f"verify {report['model']} {report['layout']} ({report['world_size']} ranks, "
                         f"{report['steps']} AdamW steps, {report['dtype']}) against the single-device reference")
     for col in ("compared", "n", "max abs diff", "max rel diff", "tolerance", "result", "worst"):
