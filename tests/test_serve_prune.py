@@ -59,6 +59,25 @@ def test_ceiling_bounds_every_admissible_batch(name, cluster, input_len, output_
     assert checked > 50
 
 
+@pytest.mark.parametrize("name,cluster,input_len,output_len,ttft_ms,tpot_ms", CASES + [("llama-3.1-405b", "16x8xH100", 2048, 256, 2000, 50)])
+def test_pruning_answers_agree_with_the_screen_on_every_candidate(name, cluster, input_len, output_len, ttft_ms, tpot_ms):
+    """With no floor at all (inf) the pruning path decides every candidate it can: None only for
+    one the screen accepts, and otherwise exactly the screen's answer (batch-1 TPOT rejections)."""
+    model, cl = get_model(name), parse_cluster(cluster)
+    opts = dict(input_len=input_len, output_len=output_len, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+    screen = serve_goal.SERVE_THROUGHPUT.prepare(model, cl, **opts)
+    kinds = set()
+    for layout in serve_goal.SERVE_THROUGHPUT.candidates(model, cl, **opts):
+        answer, full = screen.above(layout, float("inf")), screen(layout)
+        if answer is None:
+            assert full[1] is None, layout
+            kinds.add("pruned")
+        else:
+            assert answer == full, layout
+            kinds.add(full[1])
+    assert "pruned" in kinds
+
+
 def _unpruned(monkeypatch, goal):
     """Make ``goal`` screen without ``above`` (the search then never prunes)."""
     prepare = goal.prepare

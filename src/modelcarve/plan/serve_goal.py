@@ -279,6 +279,8 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
 _CEILING_MARGIN = 1.0 + 1e-9
 """Relative slack on ``_group_ceiling``: its arithmetic and the exact figures' round differently
 (by ~1e-16 relative), and a bound must not fall below the figure it bounds."""
+_FLOOR_MARGIN = 1.0 - 1e-9
+"""The same slack on a lower bound."""
 
 
 _COMM_FLOORS: dict[tuple, tuple] = {}
@@ -304,21 +306,19 @@ def _comm_floor(lines: tuple, q: int) -> tuple[float, float]:
     return a_sum, s_sum
 
 
-def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float) -> float:
-    """An upper bound on the output tokens/s of the attention group (``_rates``' last figure) at
-    every batch ``b`` in 1..max_b that meets both bounds (and at ``b = 1``), without a decode step.
+def _round_floor(c, max_b: int) -> tuple[float, float, float]:
+    """(S0, K, D): at every batch ``b`` in 1..max_b the decode round is at least ``pp S0 + b K``
+    seconds and each sequence's prefill share at least ``D`` seconds per output token; ``S0`` and
+    ``K`` are not negative (otherwise ``K`` is returned as -1: no bound).
 
-    The decode round is at least ``pp S0 + b K`` seconds: a stage step is at least an affine
-    ``S0 + q K`` in its micro-batch ``q`` (fixed overhead, dense weights read, attention and
-    element-wise time exactly; the routed experts read, above its chord; each collective, above an
-    affine lower bound), and ``pp`` steps of ``ceil(b / min(pp, b))`` sequences hold at
-    least ``b`` of them. Each sequence's prefill share is at least ``D = drain / pp`` per output
-    token. So tokens/s <= ``b / (pp S0 + b (K + D))``, which grows with ``b``; the bounds cap ``b``
-    (TPOT >= ``pp S0 + b K + (b - 1) D``, TTFT >= prefill + ``pp S0 + b K`` when ``b > 1``), so the
-    ceiling is that at the largest ``b`` they allow (GEMM compute time, ignored, only adds).
-    Returns inf when it cannot prove a bound (a negative slope)."""
+    A stage step is at least an affine ``S0 + q K`` in its micro-batch ``q`` (fixed overhead and
+    dense weights read; attention and element-wise time, exactly ``k_attn_elem`` per sequence; the
+    routed experts read, above its chord; each collective, above an affine lower bound, see
+    ``_comm_floor``; the GEMMs' compute side, left out, only adds), and ``pp`` steps of
+    ``ceil(b / min(pp, b))`` sequences hold at least ``b`` of them. The prefill share is
+    ``drain / min(pp, b)``, at least ``D = drain / pp``."""
     pp = c.pp
-    q = -(-max_b // pp)  # the micro-batch the memory allows: where to choose each collective's bound
+    q = -(-max_b // pp)  # the largest micro-batch
     s0 = c.fixed_s + c.weights_fixed / c.hbm
     k = c.k_attn_elem
     if c.experts_all:
@@ -341,8 +341,23 @@ def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float) -> float
         s0 += held[1]
         k += held[2]
     if k < 0.0 or s0 < 0.0:
+        k = -1.0
+    return s0, k, c.input_len * c.prefill_token_s / pp / c.output_len
+
+
+def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: tuple | None = None) -> float:
+    """An upper bound on the output tokens/s of the attention group (``_rates``' last figure) at
+    every batch ``b`` in 1..max_b that meets both bounds, and at ``b = 1``, without a decode step
+    (``floor``: ``_round_floor(c, max_b)``, when the caller has it).
+
+    With ``_round_floor``'s S0, K, D: tokens/s <= ``b / (pp S0 + b (K + D))``, which grows with
+    ``b``; the bounds cap ``b`` (TPOT >= ``pp S0 + b K + (b - 1) D``; TTFT >= prefill + ``pp S0 + b
+    K`` when ``b > 1``), so the ceiling is that at the largest ``b`` they allow (real, not rounded
+    down). inf when there is no bound."""
+    s0, k, d = floor or _round_floor(c, max_b)
+    if k < 0.0:
         return _INF
-    d = c.input_len * c.prefill_token_s / pp / c.output_len
+    pp = c.pp
     b = float(max_b)
     if k + d > 0.0:
         limit = (tpot_bound - pp * s0 + d) / (k + d)
@@ -355,6 +370,30 @@ def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float) -> float
     if b < 1.0:
         b = 1.0
     return b / (pp * s0 + b * (k + d)) * _CEILING_MARGIN
+
+
+def _prune(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: float) -> float | None:
+    """What the throughput screen can say about a layout (prefills costed) without its batch
+    search, given that only a group tokens/s above ``floor`` matters: 0.0 when it is accepted
+    whatever batch the search would choose and its ceiling is no higher than ``floor``; the decode
+    round at batch 1 when it is rejected for TPOT at batch 1 (the search then returns batch 1);
+    None when the batch search must run.
+
+    Accepted: batch 1 meets both bounds, and then the search never returns a batch that fails
+    (see ``_largest_batch``). Rejected: batch 1 misses the TPOT bound and the round's floor proves
+    every larger batch does too (TPOT >= ``pp S0 + 2 K + D`` from ``b = 2`` on)."""
+    if c.prefill_s > ttft_bound:  # the search answers after one step (batch 1, TTFT)
+        return None
+    bounds = _round_floor(c, max_b)
+    if _group_ceiling(c, max_b, ttft_bound, tpot_bound, bounds) > floor:
+        return None
+    round_1 = c.pp * _stage_step(c, 1)  # the search's round at batch 1, the same operations
+    if round_1 <= tpot_bound:
+        return 0.0
+    s0, k, d = bounds
+    if max_b == 1 or (k >= 0.0 and (c.pp * s0 + 2.0 * k + d) * _FLOOR_MARGIN > tpot_bound):
+        return round_1
+    return None
 
 
 class _ServeGoal:
@@ -466,18 +505,17 @@ class _ServeGoal:
             if fixed is None:
                 max_b = fit if fit < opts.max_batch else opts.max_batch
                 if floor is not None:
-                    # Pruning (``screen.above``): a candidate whose batch 1 meets both bounds is
-                    # accepted whatever batch the search picks (it never returns a failing one
-                    # when 1 passes), so if its ceiling is no higher than ``floor``, it cannot
-                    # change the top and its batch search can be skipped.
+                    # Pruning (``screen.above``): skip the batch search of a candidate that is
+                    # accepted below ``floor`` (it cannot change the top) or that batch 1 alone
+                    # decides is rejected (the same answer, from one step).
                     if c.prefill_s < 0:
                         _ensure_prefill(c)
-                    if (
-                        c.prefill_s <= ttft_bound
-                        and _group_ceiling(c, max_b, ttft_bound, tpot_bound) / (layout.tp * layout.pp) <= floor
-                        and c.pp * _stage_step(c, 1) <= tpot_bound
-                    ):
-                        return None
+                    round_1 = _prune(c, max_b, ttft_bound, tpot_bound, floor * (layout.tp * layout.pp))
+                    if round_1 is not None:
+                        if not round_1:
+                            return None
+                        group = 1 / (round_1 + c.input_len * c.prefill_token_s / 1 / c.output_len)
+                        return group / (layout.tp * layout.pp), TPOT, f"{_name(layout)}: TPOT {round_1 * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
                 _, (_, tpot, ttft, group) = _largest_batch(c, max_b, ttft_bound, tpot_bound)
             else:
                 _, tpot, ttft, group = _rates(c, fixed)
