@@ -50,7 +50,7 @@ BOUNDS = {"serve-latency": {}, "serve-throughput": {"ttft_ms": 2000, "tpot_ms": 
 
 def _clear() -> None:
     serve_time.clear_caches()
-    serve_goal._COMM_FLOORS.clear()
+    serve_goal._MESH_FLOORS.clear()
 
 
 def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat: int) -> dict:

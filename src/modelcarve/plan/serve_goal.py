@@ -283,9 +283,10 @@ _FLOOR_MARGIN = 1.0 - 1e-9
 """The same slack on a lower bound."""
 
 
-_COMM_FLOORS: dict[tuple, tuple] = {}
-"""(id of a mesh's comm lines, micro-batch) -> (those lines, ``_comm_floor``): shared by the dtype
-variants of a mesh (the lines are kept in the entry so their id cannot be reused)."""
+_MESH_FLOORS: dict[tuple, tuple] = {}
+"""(id of a ``_Mesh``, micro-batch q) -> (that mesh, experts touched by 1 and by q sequences (as
+fractions), ``_comm_floor``): what ``_round_floor`` shares across a mesh's dtype variants (the
+mesh is kept in the entry so its id cannot be reused)."""
 
 
 def _comm_floor(lines: tuple, q: int) -> tuple[float, float]:
@@ -319,27 +320,26 @@ def _round_floor(c, max_b: int) -> tuple[float, float, float]:
     ``drain / min(pp, b)``, at least ``D = drain / pp``."""
     pp = c.pp
     q = -(-max_b // pp)  # the largest micro-batch
-    s0 = c.fixed_s + c.weights_fixed / c.hbm
-    k = c.k_attn_elem
-    if c.experts_all:
+    mesh = c.mesh
+    key = (id(mesh), q)
+    held = _MESH_FLOORS.get(key)
+    if held is None or held[0] is not mesh:
+        if len(_MESH_FLOORS) > 100_000:
+            _MESH_FLOORS.clear()
         # The experts read, E(q) = experts_all (1 - miss^(q ep)) / hbm, is concave in q, so on
         # 1 <= q <= the largest micro-batch it lies above its chord: an affine lower bound.
-        one = c.experts_all * (1.0 - c.expert_miss ** c.ep) / c.hbm
-        chord = 0.0
-        if q > 1:
-            chord = (c.experts_all * (1.0 - c.expert_miss ** (q * c.ep)) / c.hbm - one) / (q - 1)
+        touched_1 = 1.0 - c.expert_miss ** c.ep
+        touched_q = 1.0 - c.expert_miss ** (q * c.ep)
+        held = _MESH_FLOORS[key] = (mesh, touched_1, touched_q) + _comm_floor(c.comm_lines, q)
+    _, touched_1, touched_q, comm_s0, comm_k = held
+    s0 = c.fixed_s + c.weights_fixed / c.hbm + comm_s0
+    k = c.k_attn_elem + comm_k
+    experts = c.experts_all
+    if experts:
+        one = experts * touched_1 / c.hbm
+        chord = (experts * touched_q / c.hbm - one) / (q - 1) if q > 1 else 0.0
         s0 += one - chord
         k += chord
-    lines = c.comm_lines
-    if lines:
-        key = (id(lines), q)
-        held = _COMM_FLOORS.get(key)
-        if held is None or held[0] is not lines:
-            if len(_COMM_FLOORS) > 100_000:
-                _COMM_FLOORS.clear()
-            held = _COMM_FLOORS[key] = (lines,) + _comm_floor(lines, q)
-        s0 += held[1]
-        k += held[2]
     if k < 0.0 or s0 < 0.0:
         k = -1.0
     return s0, k, c.input_len * c.prefill_token_s / pp / c.output_len
