@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.plan import serve_goal, serve_time
+from modelcarve.plan import serve_goal, serve_prune, serve_time
 from modelcarve.plan.goals import get_goal
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
@@ -50,7 +50,7 @@ BOUNDS = {"serve-latency": {}, "serve-throughput": {"ttft_ms": 2000, "tpot_ms": 
 
 def _clear() -> None:
     serve_time.clear_caches()
-    serve_goal._MESH_FLOORS.clear()
+    serve_prune._MESH_FLOORS.clear()
 
 
 def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat: int) -> dict:

@@ -1,6 +1,7 @@
-"""Pruning in the search (``screen.above``, search.py): the throughput screen's ceiling is an upper
-bound on every candidate's score, a pruned search returns exactly what an unpruned one returns,
-and the search's hook leaves goals that do not prune (training) as they were."""
+"""Pruning in the search (``screen.above``, search.py; plan/serve_prune.py): the throughput
+screen's ceiling is an upper bound on every candidate's score, a pruned search returns exactly
+what an unpruned one returns, and the search's hook leaves goals that do not prune (training) as
+they were."""
 
 import json
 
@@ -8,7 +9,8 @@ import pytest
 
 from modelcarve.plan import goals, serve_goal
 from modelcarve.plan.search import search
-from modelcarve.plan.serve_goal import _group_ceiling, _largest_batch
+from modelcarve.plan.serve_goal import _largest_batch
+from modelcarve.plan.serve_prune import group_ceiling
 from modelcarve.plan.serve_memory import max_sequences, shard_facts
 from modelcarve.plan.serve_time import _context, _ensure_prefill, _rates
 from modelcarve.spec.catalog import get_model
@@ -40,13 +42,15 @@ def test_ceiling_bounds_every_admissible_batch(name, cluster, input_len, output_
     ttft_s, tpot_s = _bounds(ttft_ms, tpot_ms)
     checked = 0
     for layout in serve_goal.SERVE_THROUGHPUT.candidates(model, cl, input_len=input_len, output_len=output_len):
-        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                        weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
         fit = min(max_sequences(f, cl.device.memory_bytes, input_len + output_len), serve_goal.MAX_BATCH)
         if fit < 1:
             continue
-        c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, input_len, output_len)
+        c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
+                     input_len, output_len)
         _ensure_prefill(c)
-        ceiling = _group_ceiling(c, fit, ttft_s, tpot_s)
+        ceiling = group_ceiling(c, fit, ttft_s, tpot_s)
         batch, (_, _, _, group) = _largest_batch(c, fit, ttft_s, tpot_s)
         assert group <= ceiling, (layout, batch)
         for b in sorted(set(range(1, fit + 1, 5)) | {fit}):
@@ -55,12 +59,16 @@ def test_ceiling_bounds_every_admissible_batch(name, cluster, input_len, output_
                 assert group <= ceiling, (layout, b)
                 checked += 1
         # Without bounds, the ceiling bounds every batch the memory allows.
-        assert _rates(c, fit)[3] <= _group_ceiling(c, fit, float("inf"), float("inf")), layout
+        assert _rates(c, fit)[3] <= group_ceiling(c, fit, float("inf"), float("inf")), layout
     assert checked > 50
 
 
-@pytest.mark.parametrize("name,cluster,input_len,output_len,ttft_ms,tpot_ms", CASES + [("llama-3.1-405b", "16x8xH100", 2048, 256, 2000, 50)])
-def test_pruning_answers_agree_with_the_screen_on_every_candidate(name, cluster, input_len, output_len, ttft_ms, tpot_ms):
+@pytest.mark.parametrize(
+    "name,cluster,input_len,output_len,ttft_ms,tpot_ms", CASES + [("llama-3.1-405b", "16x8xH100", 2048, 256, 2000, 50)]
+)
+def test_pruning_answers_agree_with_the_screen_on_every_candidate(
+    name, cluster, input_len, output_len, ttft_ms, tpot_ms
+):
     """With no floor at all (inf) the pruning path decides every candidate it can: None only for
     one the screen accepts, and otherwise exactly the screen's answer (batch-1 TPOT rejections)."""
     model, cl = get_model(name), parse_cluster(cluster)
@@ -91,9 +99,13 @@ def _unpruned(monkeypatch, goal):
 
 @pytest.mark.parametrize(
     "name,cluster,input_len,output_len,ttft_ms,tpot_ms,top",
-    [case + (5,) for case in CASES] + [("deepseek-v3", "32x8xH200", 4096, 1024, 2000, 50, 3), ("qwen3-32b", "2x8xH100", 2048, 256, 2000, 15, 1)],
+    [case + (5,) for case in CASES]
+    + [("deepseek-v3", "32x8xH200", 4096, 1024, 2000, 50, 3), ("qwen3-32b", "2x8xH100", 2048, 256, 2000, 15, 1),
+       ("llama-3.1-405b", "16x8xH100", 2048, 256, 2000, 50, 5)],
 )
-def test_pruned_search_returns_what_the_unpruned_search_returns(monkeypatch, name, cluster, input_len, output_len, ttft_ms, tpot_ms, top):
+def test_pruned_search_returns_what_the_unpruned_search_returns(
+    monkeypatch, name, cluster, input_len, output_len, ttft_ms, tpot_ms, top
+):
     model, cl = get_model(name), parse_cluster(cluster)
     goal = serve_goal.SERVE_THROUGHPUT
     opts = dict(input_len=input_len, output_len=output_len, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
@@ -107,7 +119,9 @@ def test_pruned_search_returns_what_the_unpruned_search_returns(monkeypatch, nam
 
     fast = search(model, cl, "serve-throughput", top=top, **opts)
     with monkeypatch.context() as m:
-        m.setattr(goal, "prepare", lambda *a, **k: type("S", (), {"__call__": staticmethod(screen), "above": staticmethod(counting)})())
+        counted_screen = lambda candidate: screen(candidate)  # noqa: E731
+        counted_screen.above = counting
+        m.setattr(goal, "prepare", lambda *a, **k: counted_screen)
         counted = search(model, cl, "serve-throughput", top=top, **opts)
     _unpruned(monkeypatch, goal)
     slow = search(model, cl, "serve-throughput", top=top, **opts)

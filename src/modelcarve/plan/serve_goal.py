@@ -32,7 +32,8 @@ from modelcarve.plan import goals
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.search import divisors
 from modelcarve.plan.serve_memory import MOE_IMBALANCE, GiB, max_sequences, memory_from_facts, min_devices, shard_facts
-from modelcarve.plan.serve_time import ServeTime, _context, _ensure_prefill, _rates, _serve_time, _stage_step, _step_slope, decode_tpot_s
+from modelcarve.plan.serve_prune import prune
+from modelcarve.plan.serve_time import ServeTime, _context, _ensure_prefill, _rates, _serve_time, _step_slope, decode_tpot_s
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 
@@ -276,126 +277,6 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
 
 
-_CEILING_MARGIN = 1.0 + 1e-9
-"""Relative slack on ``_group_ceiling``: its arithmetic and the exact figures' round differently
-(by ~1e-16 relative), and a bound must not fall below the figure it bounds."""
-_FLOOR_MARGIN = 1.0 - 1e-9
-"""The same slack on a lower bound."""
-
-
-_MESH_FLOORS: dict[tuple, tuple] = {}
-"""(id of a ``_Mesh``, micro-batch q) -> (that mesh, experts touched by 1 and by q sequences (as
-fractions), ``_comm_floor``): what ``_round_floor`` shares across a mesh's dtype variants (the
-mesh is kept in the entry so its id cannot be reused)."""
-
-
-def _comm_floor(lines: tuple, q: int) -> tuple[float, float]:
-    """(a, s): the collectives of a step (``_Ctx.comm_lines``) take at least ``a + s x b`` seconds at
-    every micro-batch ``b >= 0``. Each line, ``count x max(floor, cheapest piece) + extra``, is at
-    least ``count x floor + extra`` and at least ``count x (least intercept + least slope x b) +
-    extra``; the one larger at ``q`` is taken."""
-    a_sum = s_sum = 0.0
-    for _, count, pieces, floor, extra in lines:
-        a_min = min(a for a, _ in pieces)
-        s_min = min(s for _, s in pieces)
-        if count * floor >= count * (a_min + s_min * q):
-            a_sum += count * floor + extra[0]
-            s_sum += extra[1]
-        else:
-            a_sum += count * a_min + extra[0]
-            s_sum += count * s_min + extra[1]
-    return a_sum, s_sum
-
-
-def _round_floor(c, max_b: int) -> tuple[float, float, float]:
-    """(S0, K, D): at every batch ``b`` in 1..max_b the decode round is at least ``pp S0 + b K``
-    seconds and each sequence's prefill share at least ``D`` seconds per output token; ``S0`` and
-    ``K`` are not negative (otherwise ``K`` is returned as -1: no bound).
-
-    A stage step is at least an affine ``S0 + q K`` in its micro-batch ``q`` (fixed overhead and
-    dense weights read; attention and element-wise time, exactly ``k_attn_elem`` per sequence; the
-    routed experts read, above its chord; each collective, above an affine lower bound, see
-    ``_comm_floor``; the GEMMs' compute side, left out, only adds), and ``pp`` steps of
-    ``ceil(b / min(pp, b))`` sequences hold at least ``b`` of them. The prefill share is
-    ``drain / min(pp, b)``, at least ``D = drain / pp``."""
-    pp = c.pp
-    q = -(-max_b // pp)  # the largest micro-batch
-    mesh = c.mesh
-    key = (id(mesh), q)
-    held = _MESH_FLOORS.get(key)
-    if held is None or held[0] is not mesh:
-        if len(_MESH_FLOORS) > 100_000:
-            _MESH_FLOORS.clear()
-        # The experts read, E(q) = experts_all (1 - miss^(q ep)) / hbm, is concave in q, so on
-        # 1 <= q <= the largest micro-batch it lies above its chord: an affine lower bound.
-        touched_1 = 1.0 - c.expert_miss ** c.ep
-        touched_q = 1.0 - c.expert_miss ** (q * c.ep)
-        held = _MESH_FLOORS[key] = (mesh, touched_1, touched_q) + _comm_floor(c.comm_lines, q)
-    _, touched_1, touched_q, comm_s0, comm_k = held
-    s0 = c.fixed_s + c.weights_fixed / c.hbm + comm_s0
-    k = c.k_attn_elem + comm_k
-    experts = c.experts_all
-    if experts:
-        one = experts * touched_1 / c.hbm
-        chord = (experts * touched_q / c.hbm - one) / (q - 1) if q > 1 else 0.0
-        s0 += one - chord
-        k += chord
-    if k < 0.0 or s0 < 0.0:
-        k = -1.0
-    return s0, k, c.input_len * c.prefill_token_s / pp / c.output_len
-
-
-def _group_ceiling(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: tuple | None = None) -> float:
-    """An upper bound on the output tokens/s of the attention group (``_rates``' last figure) at
-    every batch ``b`` in 1..max_b that meets both bounds, and at ``b = 1``, without a decode step
-    (``floor``: ``_round_floor(c, max_b)``, when the caller has it).
-
-    With ``_round_floor``'s S0, K, D: tokens/s <= ``b / (pp S0 + b (K + D))``, which grows with
-    ``b``; the bounds cap ``b`` (TPOT >= ``pp S0 + b K + (b - 1) D``; TTFT >= prefill + ``pp S0 + b
-    K`` when ``b > 1``), so the ceiling is that at the largest ``b`` they allow (real, not rounded
-    down). inf when there is no bound."""
-    s0, k, d = floor or _round_floor(c, max_b)
-    if k < 0.0:
-        return _INF
-    pp = c.pp
-    b = float(max_b)
-    if k + d > 0.0:
-        limit = (tpot_bound - pp * s0 + d) / (k + d)
-        if limit < b:
-            b = limit
-    if k > 0.0:
-        limit = (ttft_bound - c.prefill_s - pp * s0) / k
-        if limit < b:
-            b = limit
-    if b < 1.0:
-        b = 1.0
-    return b / (pp * s0 + b * (k + d)) * _CEILING_MARGIN
-
-
-def _prune(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: float) -> float | None:
-    """What the throughput screen can say about a layout (prefills costed) without its batch
-    search, given that only a group tokens/s above ``floor`` matters: 0.0 when it is accepted
-    whatever batch the search would choose and its ceiling is no higher than ``floor``; the decode
-    round at batch 1 when it is rejected for TPOT at batch 1 (the search then returns batch 1);
-    None when the batch search must run.
-
-    Accepted: batch 1 meets both bounds, and then the search never returns a batch that fails
-    (see ``_largest_batch``). Rejected: batch 1 misses the TPOT bound and the round's floor proves
-    every larger batch does too (TPOT >= ``pp S0 + 2 K + D`` from ``b = 2`` on)."""
-    if c.prefill_s > ttft_bound:  # the search answers after one step (batch 1, TTFT)
-        return None
-    bounds = _round_floor(c, max_b)
-    if _group_ceiling(c, max_b, ttft_bound, tpot_bound, bounds) > floor:
-        return None
-    round_1 = c.pp * _stage_step(c, 1)  # the search's round at batch 1, the same operations
-    if round_1 <= tpot_bound:
-        return 0.0
-    s0, k, d = bounds
-    if max_b == 1 or (k >= 0.0 and (c.pp * s0 + 2.0 * k + d) * _FLOOR_MARGIN > tpot_bound):
-        return round_1
-    return None
-
-
 class _ServeGoal:
     """Shared machinery of the two serving goals; ``latency`` says which one."""
 
@@ -479,7 +360,9 @@ class _ServeGoal:
 
     # --- the Goal protocol ------------------------------------------------------------------
     def prepare(self, model, cluster, **options):
-        """The search's cheap scorer: floats only; the reasons are written for rejections."""
+        """The search's cheap scorer: floats only; the reasons are written for rejections. The
+        throughput screen (batch chosen) also answers ``screen.above(layout, floor)``: None for a
+        layout it proves accepted at no more than ``floor`` (plan/serve_prune.py)."""
         opts = serve_options(**options)
         memory_bytes = cluster.device.memory_bytes
         ctx_len = opts.context
@@ -505,17 +388,19 @@ class _ServeGoal:
             if fixed is None:
                 max_b = fit if fit < opts.max_batch else opts.max_batch
                 if floor is not None:
-                    # Pruning (``screen.above``): skip the batch search of a candidate that is
-                    # accepted below ``floor`` (it cannot change the top) or that batch 1 alone
-                    # decides is rejected (the same answer, from one step).
+                    # Pruning (``screen.above``, plan/serve_prune.py): skip the batch search of a
+                    # candidate accepted below ``floor`` (it cannot change the top) or one that
+                    # batch 1 alone proves rejected (the same answer, from one step).
                     if c.prefill_s < 0:
                         _ensure_prefill(c)
-                    round_1 = _prune(c, max_b, ttft_bound, tpot_bound, floor * (layout.tp * layout.pp))
+                    round_1 = prune(c, max_b, ttft_bound, tpot_bound, floor * (layout.tp * layout.pp))
                     if round_1 is not None:
                         if not round_1:
                             return None
+                        # _largest_batch's batch-1 answer, the same operations.
                         group = 1 / (round_1 + c.input_len * c.prefill_token_s / 1 / c.output_len)
-                        return group / (layout.tp * layout.pp), TPOT, f"{_name(layout)}: TPOT {round_1 * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
+                        reason = f"{_name(layout)}: TPOT {round_1 * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
+                        return group / (layout.tp * layout.pp), TPOT, reason
                 _, (_, tpot, ttft, group) = _largest_batch(c, max_b, ttft_bound, tpot_bound)
             else:
                 _, tpot, ttft, group = _rates(c, fixed)
