@@ -70,7 +70,7 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
     # see serve_goal._largest_batch): counted in a separate, untimed run (the counter would slow
     # the timed one).
     calls = [0]
-    original, original_step = serve_goal._step_slope, serve_goal._stage_step
+    original, original_step = serve_goal._step_slope, serve_prune._stage_step
 
     def counting(c, batch):
         calls[0] += 1
@@ -99,13 +99,13 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
         wrapped.above = above
         return wrapped
 
-    serve_goal._step_slope, serve_goal._stage_step = counting, counting_step
+    serve_goal._step_slope, serve_prune._stage_step = counting, counting_step
     goal_obj.prepare = counting_prepare
     try:
         _clear()
         again = search(model, cluster, goal, top=5, **options)
     finally:
-        serve_goal._step_slope, serve_goal._stage_step = original, original_step
+        serve_goal._step_slope, serve_prune._stage_step = original, original_step
         del goal_obj.prepare
     assert again["layouts"] == result["layouts"] and again["rejected"] == result["rejected"]
     return {

@@ -26,28 +26,21 @@ _FLOOR_MARGIN = 1.0 - 1e-9
 """The same slack on a lower bound."""
 
 
-_MESH_FLOORS: dict[tuple, tuple] = {}
-"""(id of a ``_Mesh``, micro-batch q) -> (that mesh, experts touched by 1 and by q sequences (as
-fractions), ``_comm_floor``): what ``_round_floor`` shares across a mesh's dtype variants (the
-mesh is kept in the entry so its id cannot be reused)."""
+_MESH_FLOORS: dict[int, tuple] = {}
+"""id of a ``_Mesh`` -> (that mesh, the experts one sequence touches (a fraction), ``_comm_pieces``):
+what ``_round_floor`` shares across a mesh's dtype variants (the mesh is kept in the entry so its
+id cannot be reused)."""
 
 
-def _comm_floor(lines: tuple, q: int) -> tuple[float, float]:
-    """(a, s): the collectives of a step (``_Ctx.comm_lines``) take at least ``a + s x b`` seconds at
-    every micro-batch ``b >= 0``. Each line, ``count x max(floor, cheapest piece) + extra``, is at
-    least ``count x floor + extra`` and at least ``count x (least intercept + least slope x b) +
-    extra``; the one larger at ``q`` is taken."""
-    a_sum = s_sum = 0.0
-    for _, count, pieces, floor, extra in lines:
-        a_min = min(a for a, _ in pieces)
-        s_min = min(s for _, s in pieces)
-        if count * floor >= count * (a_min + s_min * q):
-            a_sum += count * floor + extra[0]
-            s_sum += extra[1]
-        else:
-            a_sum += count * a_min + extra[0]
-            s_sum += count * s_min + extra[1]
-    return a_sum, s_sum
+def _comm_pieces(lines: tuple) -> tuple:
+    """Per collective line of a step (``_Ctx.comm_lines``, ``count x max(floor, cheapest piece) +
+    extra`` at micro-batch ``b``): (count x floor, count x least intercept, count x least slope,
+    extra intercept, extra slope). The line is at least ``count x floor + extra`` and at least
+    ``count x (least intercept + least slope x b) + extra``: two affine lower bounds."""
+    return tuple(
+        (count * floor, count * min(a for a, _ in pieces), count * min(s for _, s in pieces), extra[0], extra[1])
+        for _, count, pieces, floor, extra in lines
+    )
 
 
 def _round_floor(c, max_b: int) -> tuple[float, float, float]:
@@ -58,29 +51,34 @@ def _round_floor(c, max_b: int) -> tuple[float, float, float]:
     A stage step is at least an affine ``S0 + q K`` in its micro-batch ``q`` (fixed overhead and
     dense weights read; attention and element-wise time, exactly ``k_attn_elem`` per sequence; the
     routed experts read, above its chord; each collective, above an affine lower bound, see
-    ``_comm_floor``; the GEMMs' compute side, left out, only adds), and ``pp`` steps of
+    ``_comm_pieces``; the GEMMs' compute side, left out, only adds), and ``pp`` steps of
     ``ceil(b / min(pp, b))`` sequences hold at least ``b`` of them. The prefill share is
     ``drain / min(pp, b)``, at least ``D = drain / pp``."""
     pp = c.pp
     q = -(-max_b // pp)  # the largest micro-batch
     mesh = c.mesh
-    key = (id(mesh), q)
-    held = _MESH_FLOORS.get(key)
+    held = _MESH_FLOORS.get(id(mesh))
     if held is None or held[0] is not mesh:
         if len(_MESH_FLOORS) > 100_000:
             _MESH_FLOORS.clear()
-        # The experts read, E(q) = experts_all (1 - miss^(q ep)) / hbm, is concave in q, so on
-        # 1 <= q <= the largest micro-batch it lies above its chord: an affine lower bound.
-        touched_1 = 1.0 - c.expert_miss ** c.ep
-        touched_q = 1.0 - c.expert_miss ** (q * c.ep)
-        held = _MESH_FLOORS[key] = (mesh, touched_1, touched_q) + _comm_floor(c.comm_lines, q)
-    _, touched_1, touched_q, comm_s0, comm_k = held
-    s0 = c.fixed_s + c.weights_fixed / c.hbm + comm_s0
-    k = c.k_attn_elem + comm_k
+        held = _MESH_FLOORS[id(mesh)] = (mesh, 1.0 - c.expert_miss ** c.ep, _comm_pieces(c.comm_lines))
+    _, touched_1, pieces = held
+    s0 = c.fixed_s + c.weights_fixed / c.hbm
+    k = c.k_attn_elem
+    for at_floor, a_min, s_min, e0, e1 in pieces:
+        # Of each collective's two affine lower bounds, the larger at the largest micro-batch.
+        if at_floor >= a_min + s_min * q:
+            s0 += at_floor + e0
+            k += e1
+        else:
+            s0 += a_min + e0
+            k += s_min + e1
     experts = c.experts_all
     if experts:
+        # The experts read, E(q) = experts_all (1 - miss^(q ep)) / hbm, is concave in q, so on
+        # 1 <= q <= the largest micro-batch it lies above its chord: an affine lower bound.
         one = experts * touched_1 / c.hbm
-        chord = (experts * touched_q / c.hbm - one) / (q - 1) if q > 1 else 0.0
+        chord = (experts * (1.0 - c.expert_miss ** (q * c.ep)) / c.hbm - one) / (q - 1) if q > 1 else 0.0
         s0 += one - chord
         k += chord
     if k < 0.0 or s0 < 0.0:
