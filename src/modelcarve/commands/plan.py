@@ -107,6 +107,15 @@ def _estimate(args) -> int:
     return 0
 
 
+def nothing_qualifies(result: dict, headline: str) -> ModelcarveError:
+    """The one-line error for a search with no winner: counts per reason and the closest miss."""
+    reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
+    closest = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
+    return ModelcarveError(
+        f"{headline} ({result['evaluated']} evaluated: {reasons})" + (f"; the closest: {closest}" if closest else "")
+    )
+
+
 def _plan(args) -> int:
     from modelcarve.plan.search import search
 
@@ -120,12 +129,7 @@ def _plan(args) -> int:
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
     result = search(model, cluster, goal.name, top=args.top, **options)
     if not result["layouts"]:
-        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
-        best = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
-        raise ModelcarveError(
-            f"no layout of {model.name} fits on {cluster.name} ({result['evaluated']} evaluated: {reasons})"
-            + (f"; the closest: {best}" if best else "")
-        )
+        raise nothing_qualifies(result, f"no layout of {model.name} fits on {cluster.name}")
     if args.emit:
         from modelcarve.spec.layout import Layout
 

@@ -46,7 +46,6 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     from modelcarve.plan.search import search
     from modelcarve.plan.serve_goal import contrasts
 
-    from modelcarve.spec.errors import ModelcarveError
 
     options = serve_options_from_args(args)
     plan = search(model, cluster, args.goal, top=top, **options)
@@ -54,12 +53,9 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     if getattr(args, "json", False):
         print(json.dumps(dict(plan, why=why), indent=2, default=str))
     elif not plan["layouts"]:
-        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(plan["rejected"].items(), key=lambda kv: -kv[1]))
-        closest = plan["alternatives"][0].get("reject_reason") if plan["alternatives"] else None
-        raise ModelcarveError(
-            f"no layout of {model.name} qualifies for {args.goal} on {cluster.name} ({plan['evaluated']} evaluated: {reasons})"
-            + (f"; the closest: {closest}" if closest else "")
-        )
+        from modelcarve.commands.plan import nothing_qualifies
+
+        raise nothing_qualifies(plan, f"no layout of {model.name} qualifies for {args.goal} on {cluster.name}")
     else:
         from modelcarve.report.serve_tables import print_serve_plan
         from modelcarve.report.tables import console as make_console
