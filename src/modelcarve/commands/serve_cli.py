@@ -46,7 +46,6 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     from modelcarve.plan.search import search
     from modelcarve.plan.serve_goal import contrasts
 
-
     options = serve_options_from_args(args)
     plan = search(model, cluster, args.goal, top=top, **options)
     why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
