@@ -32,8 +32,6 @@ records alone (plus FSDP2's own DTensor placements), so a new parallelism needs 
 
 from __future__ import annotations
 
-import importlib.util
-
 from torch import nn
 
 from modelcarve.spec.errors import LayoutError
@@ -57,10 +55,6 @@ def partial_grads_of(chunk: nn.Module) -> dict:
     return chunk.__dict__.get("_mc_partial", {})
 
 
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(f"modelcarve.runtime.{module}") is not None
-
-
 def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:
     """Raise LayoutError if this runtime cannot execute ``layout`` on ``spec`` (and ``world_size``)."""
     layout.validate(spec, world_size=world_size)
@@ -75,12 +69,8 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
                             f"use {name}=fp32")
     if spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
-    if layout.seq % (layout.tp if layout.sp else 1):
-        problems.append(f"seq={layout.seq} must be a multiple of tp={layout.tp} with sp")
-    for axis, size, module in (("pp", layout.pp, "pipeline"), ("cp", layout.cp, "context"), ("ep", layout.ep, "expert")):
-        if size > 1 and not _have(module):
-            problems.append(f"{axis}={size} needs runtime/{module}.py, which is not in this build; use {axis}=1")
-    if layout.pp > 1 and _have("pipeline_split"):  # schedule/micro-batch/stage-count rules (pipeline engineer)
+    # (sequence parallelism's seq/cp divisible by tp is Layout.validate's)
+    if layout.pp > 1:  # schedule / micro-batch / stage-count rules of torch's schedules
         from modelcarve.runtime.pipeline_split import pipeline_problems
 
         problems += pipeline_problems(layout, spec.num_layers)
