@@ -111,3 +111,13 @@ def test_spec_plan_and_catalogue_commands_import_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_run_without_torch_is_one_line_with_the_fix(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    code, _, err = run(capsys, "run", "--model", "tiny-llama", "--layout", "tp=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "need PyTorch" in err and "pip install torch==2.13.0" in err

@@ -76,10 +76,21 @@ def _prepare(args):
         )
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun and "WORLD_SIZE" in os.environ else layout.world_size
+    _require_torch()
     from modelcarve.runtime.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
     return layout, spec, per_node, under_torchrun
+
+
+def _require_torch() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ModelcarveError(
+            "run and verify need PyTorch, which is not installed: pip install torch==2.13.0 (CPU) or a CUDA "
+            "build, then pip install 'modelcarve[runtime]'"
+        )
 
 
 def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
