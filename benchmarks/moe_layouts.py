@@ -24,22 +24,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _dirs() -> dict:
-    import torch
-    import transformers
-    from test_moe_layer import save_tiny_moe
-    from test_runtime_moe import DEEPSEEK
+    from test_runtime_moe import write_moe_checkpoints
 
-    dirs = {name: tempfile.mkdtemp(prefix=f"{name}-") for name in ("deepseek", "deepseek-skewed", "mixtral")}
-    transformers.DeepseekV3Config(**DEEPSEEK).save_pretrained(dirs["deepseek"])
-    hf = save_tiny_moe("deepseek_v3", dirs["deepseek-skewed"])
-    with torch.no_grad():
-        for name, bias in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                bias.zero_()
-                bias[:2] = 100.0
-    hf.save_pretrained(dirs["deepseek-skewed"])
-    save_tiny_moe("mixtral", dirs["mixtral"])
-    return dirs
+    return write_moe_checkpoints(lambda name: tempfile.mkdtemp(prefix=f"{name}-"))
 
 
 def _worst(report: dict) -> dict:

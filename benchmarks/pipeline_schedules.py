@@ -18,55 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
+import sys
 import time
-import traceback
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from dist import run_distributed  # noqa: E402 - the shared multi-process harness (tests/dist.py)
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)]
 
 
-def _child(fn, args, rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        from modelcarve.runtime.mesh import destroy, init_distributed
-
-        init_distributed(300)
-        out.put((rank, "ok", fn(*args)))
-        destroy()
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        out.put((rank, "error", traceback.format_exc()))
-
-
-def spawn(fn, world, *args, timeout=1800):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_child, args=(fn, args, r, world, port, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        while len(results) < world:
-            rank, status, value = out.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+def spawn(fn, world, *args):
+    """``fn(*args)`` on ``world`` gloo ranks, collective timeout 300 s; one result per rank."""
+    return run_distributed(fn, world, *args, timeout=1800, collective_s=300)
 
 
 def measure(model_name, cases, seq, steps):

@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from runtime_tokens import spawn  # the benchmark-side launcher (benchmarks/ is the script's dir)
+from runtime_tokens import spawn  # the shared harness (tests/dist.py) via runtime_tokens
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 

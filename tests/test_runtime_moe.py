@@ -203,15 +203,14 @@ def _sharded_load(path, layout_text):
     return dict(bytes=reader.bytes_read, total=total, diff=diff, expert_bytes=experts, buffers_ok=buffers_ok)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
+def write_moe_checkpoints(make_dir) -> dict[str, str]:
     """{"deepseek": config-only dir (random weights), "deepseek-skewed": a DeepSeek-V3 checkpoint
     whose router bias sends every token to experts 0 and 1 (EP rank 1's experts get nothing),
-    "mixtral": a Mixtral checkpoint}."""
-    transformers = pytest.importorskip("transformers")
+    "mixtral": a Mixtral checkpoint}; ``make_dir(name)`` makes each empty folder."""
+    import transformers
     from test_moe_layer import save_tiny_moe
 
-    dirs = {name: tmp_path_factory.mktemp(name) for name in ("deepseek", "deepseek-skewed", "mixtral")}
+    dirs = {name: make_dir(name) for name in ("deepseek", "deepseek-skewed", "mixtral")}
     transformers.DeepseekV3Config(**DEEPSEEK).save_pretrained(dirs["deepseek"])
     hf = save_tiny_moe("deepseek_v3", dirs["deepseek-skewed"])
     with torch.no_grad():
@@ -222,6 +221,12 @@ def model_dirs(tmp_path_factory):
     hf.save_pretrained(dirs["deepseek-skewed"])
     save_tiny_moe("mixtral", dirs["mixtral"])
     return {name: str(path) for name, path in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return write_moe_checkpoints(tmp_path_factory.mktemp)
 
 
 def _group(world, model_dirs):
