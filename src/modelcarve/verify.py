@@ -79,13 +79,13 @@ def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
     """{fqn: full tensor} of every parameter (``which="param"``) or gradient (``"grad"``), on rank 0.
     Collective: every rank must call it."""
-    from modelcarve.runtime.parallelize import shards_of
+    from modelcarve.runtime.shards import shards_of
 
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         copies = set()
         try:
-            from modelcarve.runtime.pipeline_split import tied_copy_names
+            from modelcarve.runtime.shards import tied_copy_names
 
             copies = set(tied_copy_names(chunk))
         except ImportError:
