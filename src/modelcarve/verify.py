@@ -12,7 +12,7 @@ global batches. Compared, each against a stated tolerance:
 * ``grad_norm``: every step's global gradient norm (relative; it sets the clipping, max_norm 1),
 * ``param/<fqn>``: every parameter after ``steps`` AdamW steps (max abs diff).
 
-Full tensors are gathered by FQN from the shard registry (parallelize.py) and FSDP2's DTensor
+Full tensors are gathered by FQN from the shard records (runtime/shards.py) and FSDP2's DTensor
 placements, so any layout's pieces (pp/tp/fsdp/ep/cp) reassemble without per-axis code here.
 
 ``verify_worker(...)`` runs on every rank (under torchrun or the test harness) and returns the

@@ -1,4 +1,4 @@
-"""Expert parallelism (and expert tensor parallelism) for the MoE blocks of the reference model.
+"""Expert parallelism for the MoE blocks of the reference model: groups, all-to-all dispatch, options, stats.
 
 Hand-written on ``torch.distributed.all_to_all_single``: PyTorch has no MoE token dispatcher,
 and the expert weights stay plain local tensors so TP, the pipeline and FSDP/DDP see ordinary
