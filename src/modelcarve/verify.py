@@ -17,7 +17,7 @@ global batches. Compared, each against a stated tolerance:
   a gradient is near zero, so a 1e-9 reassociation difference there may move a parameter by
   ~lr. Elsewhere the allowance is a few ulps, so the check stays as tight as the tolerance.
 
-Full tensors are gathered by FQN from the shard registry (parallelize.py) and FSDP2's DTensor
+Full tensors are gathered by FQN from the shard records (runtime/shards.py) and FSDP2's DTensor
 placements, so any layout's pieces (pp/tp/fsdp/ep/cp) reassemble without per-axis code here.
 
 ``verify_worker(...)`` runs on every rank (under torchrun or the test harness) and returns the
@@ -123,13 +123,13 @@ def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
     """{fqn: full tensor} of every parameter (``which="param"``) or gradient (``"grad"``), on rank 0.
     Collective: every rank must call it."""
-    from modelcarve.runtime.parallelize import shards_of
+    from modelcarve.runtime.shards import shards_of
 
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         copies = set()
         try:
-            from modelcarve.runtime.pipeline_split import tied_copy_names
+            from modelcarve.runtime.shards import tied_copy_names
 
             copies = set(tied_copy_names(chunk))
         except ImportError:
