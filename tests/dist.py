@@ -56,9 +56,20 @@ def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
 
         torch.set_num_threads(1)
         if init:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
             from modelcarve.runtime.mesh import init_distributed
 
-            init_distributed(timeout_s=collective_s)
+            # Joining waits up to JOIN_S for the other ranks, whatever collective_s is: on a
+            # loaded machine importing torch can take one rank many seconds longer than another,
+            # and a test of a 5 s collective timeout must not fail at the rendezvous instead.
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=max(JOIN_S, collective_s)))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=collective_s))
+            init_distributed(timeout_s=collective_s)  # already joined: sets the sub-groups' timeout
         result = fn(*args)
         out.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
@@ -74,6 +85,8 @@ def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
 
 
 _PORT_TAKEN = ("EADDRINUSE", "address already in use")
+JOIN_S = 300.0
+"""How long a rank waits at start-up for the others to join (not a collective timeout)."""
 
 
 def run_distributed(
