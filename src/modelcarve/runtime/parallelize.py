@@ -70,6 +70,12 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     if spec.vocab_size % layout.tp:
         problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
     # (sequence parallelism's seq/cp divisible by tp is Layout.validate's)
+    if layout.cp > 1 and spec.sliding_layers and spec.sliding_window < layout.seq:
+        problems.append(f"cp={layout.cp}: ring attention has no sliding window ({spec.sliding_window} tokens < "
+                        f"seq {layout.seq}); use cp=1 or seq <= {spec.sliding_window}")
+    if layout.cp > 1 and spec.rope_parameters.get("rope_type") == "dynamic" and layout.seq > spec.max_position:
+        problems.append(f"cp={layout.cp}: dynamic rope past max_position {spec.max_position} needs the whole "
+                        f"sequence's length on every rank; use cp=1 or seq <= {spec.max_position}")
     if layout.pp > 1:  # schedule / micro-batch / stage-count rules of torch's schedules
         from modelcarve.runtime.pipeline_split import pipeline_problems
 
