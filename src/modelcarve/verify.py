@@ -91,6 +91,9 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
         except ImportError:
             pass
         shards = shards_of(chunk)
+        from modelcarve.runtime.tensor import padding_of
+
+        padding = padding_of(chunk)
         for fqn, p in chunk.named_parameters():
             t = p if which == "param" else p.grad
             if t is None:
@@ -100,6 +103,9 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
                 t = t.full_tensor()
             for group, dim in reversed(shards.get(fqn, [])):
                 t = _gather_dim(t, dim, group)
+            if fqn in padding:  # vocabulary padding: the full tensor is the true vocabulary's
+                dim, size, _ = padding[fqn]
+                t = t.narrow(dim, 0, size)
             if fqn not in copies:
                 local[fqn] = t.float().cpu()
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -145,6 +151,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
         logits = logits.float()
         if getattr(last, "vocab_parallel", False):
             logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+        logits = logits[..., : last.spec.vocab_size]  # vocabulary padding cut off
         logits = unshard_sequence(logits, mesh, layout, dim=1)
     if layout.pp == 1:
         if layout.dp > 1:

@@ -80,6 +80,10 @@ def _prepare(args):
     from modelcarve.runtime.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
+    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint
+
+    if is_checkpoint(args.model):
+        check_checkpoint(args.model, spec)
     return layout, spec, per_node, under_torchrun
 
 

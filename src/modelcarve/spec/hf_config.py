@@ -221,6 +221,9 @@ def _deepseek_v3(cfg: _Config) -> dict:
 
 def _gpt2(cfg: _Config) -> dict:
     hidden, heads = cfg.req("n_embd"), cfg.req("n_head")
+    if cfg.get("scale_attn_by_inverse_layer_idx", False) or not cfg.get("scale_attn_weights", True):
+        raise SpecError(f"{cfg.name}: gpt2 attention scaling other than 1/sqrt(head_dim) (scale_attn_weights, "
+                        "scale_attn_by_inverse_layer_idx) is not supported")
     return dict(
         family="gpt2",
         vocab_size=cfg.req("vocab_size"),
