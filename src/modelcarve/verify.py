@@ -276,7 +276,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
 def summarise(report: dict) -> list[dict]:
     """One row per kind (logits, loss, grad, param): worst case and pass/fail."""
     rows = []
-    for kind in ("logits", "loss", "grad_norm", "grad", "param", "routing"):
+    for kind in report.get("kinds", ("logits", "loss", "grad_norm", "grad", "param", "routing")):
         group = [c for c in report["checks"] if c["name"].split("/")[0] == kind]
         if not group:
             rows.append(dict(kind=kind, count=0, worst="-", max_abs=float("nan"), max_rel=float("nan"), tol=None, passed=None))

@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             from modelcarve.verify import verify_worker
 
             report_path = args.pop("report", None)
+            if args.pop("reference", "ours") == "transformers":
+                from modelcarve.verify_transformers import verify_transformers_worker as verify_worker
             report = verify_worker(**args)
             if report is not None and report_path:
                 with open(report_path, "w") as f:
