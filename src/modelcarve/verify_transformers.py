@@ -40,6 +40,7 @@ def _transformers_rows(path: str, vocab: int, gbs: int, seq: int, new_tokens: in
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # else generate falls back to the checkpoint's end-of-sequence id
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
                               repetition_penalty=1.0)
     gen = torch.Generator().manual_seed(seed)
@@ -49,7 +50,9 @@ def _transformers_rows(path: str, vocab: int, gbs: int, seq: int, new_tokens: in
         for i, n in enumerate(lengths):
             prompt = torch.randint(0, vocab, (1, n), generator=gen)
             out = hf.generate(prompt, generation_config=config, attention_mask=torch.ones_like(prompt))
-            rows[i, : out.shape[1]] = out[0]
+            if out.shape[1] != n + new_tokens:
+                raise RuntimeError(f"transformers generated {out.shape[1] - n} tokens, not {new_tokens}")
+            rows[i] = torch.cat([out[0], rows.new_zeros(seq - out.shape[1])])
     return hf, rows, lengths
 
 
