@@ -74,6 +74,34 @@ def test_resident_bytes_match_planner_single_device():
         assert weight_bytes(model) - measured["int4"] == pytest.approx(matrices * 2.5 * (1 / group - 1 / 128))
 
 
+def test_moe_experts_quantised_bytes_match_planner():
+    """Routed and shared experts are quantised as the planner counts them (router and head not)."""
+    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.quant import QuantExperts, quantize_model, weight_bytes
+    from modelcarve.spec.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config(CONFIG | dict(model_type="mixtral", intermediate_size=256, num_local_experts=4,
+                                             num_experts_per_tok=2), name="quant-moe")
+    x = torch.randn(10, 256, generator=torch.Generator().manual_seed(4))
+    counts = [3, 0, 5, 2]  # rows grouped by expert, one expert without tokens
+    for kind in ("int8", "int4", "fp8"):
+        model = quantize_model(build_model(spec, dtype=torch.bfloat16, seed=1), kind)
+        assert all(isinstance(b.feed_forward.experts, QuantExperts) for b in model.layers.values())
+        planned = shard_facts(spec, tp=1, weight_dtype=kind).weights_bytes
+        assert abs(weight_bytes(model) / planned - 1) <= 0.02, (kind, weight_bytes(model), planned)
+        # the experts compute with exactly their stored weights (fp32 model)
+        experts = quantize_model(build_model(spec, seed=1), kind).layers["0"].feed_forward.experts
+        with torch.no_grad():
+            got = experts(x, counts)
+            want = []
+            for e, rows in enumerate(torch.split(x, counts)):
+                w1, w3, w2 = (getattr(experts, n)[e].dequantize() for n in ("w1", "w3", "w2"))
+                want.append(torch.nn.functional.linear(experts.act(rows @ w1.t()) * (rows @ w3.t()), w2))
+        want = torch.cat(want)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), kind
+
+
 def test_bad_quantisation_requests_are_clear():
     from modelcarve.runtime.model import build_model
     from modelcarve.runtime.quant import quantize_model

@@ -8,9 +8,10 @@ Usage::
     print(weight_bytes(model))                              # resident bytes of weights on this rank
 
 What is quantised is what the planner (plan/quant.py) counts as quantised: the matrices of the
-attention and MLP of every layer (nn.Linear, and tensor.py's RowParallelLinear after TP). The
-embedding, the LM head, norms, biases and the MoE router keep the model's dtype. MoE routed
-experts (3-D tensors, moe.py) are not quantised by this module (yet).
+attention and MLP of every layer (nn.Linear, and tensor.py's RowParallelLinear after TP), MoE
+shared experts, and the routed experts (moe.GroupedExperts, swapped for ``QuantExperts``: one
+QuantLinear per expert matrix, whatever EP / expert TP left on this rank). The embedding, the
+LM head, norms, biases and the MoE router keep the model's dtype.
 
 Storage per quantised matrix W [out, in] (bytes per weight; the planner's figure beside it):
 
@@ -164,6 +165,26 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}{group}"
 
 
+class QuantExperts(nn.Module):
+    """Drop-in for moe.GroupedExperts (same ``forward(x, counts)``) with quantised expert matrices."""
+
+    def __init__(self, experts: nn.Module, kind: str, group_size: int):
+        super().__init__()
+        self.num_experts, self.act = experts.num_experts, experts.act
+        for name in ("w1", "w3", "w2"):
+            stacked = getattr(experts, name).detach()
+            setattr(self, name, nn.ModuleList(QuantLinear(w, None, kind, group_size) for w in stacked))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts)):
+            if rows.shape[0]:
+                outs.append(self.w2[e](self.act(self.w1[e](rows)) * self.w3[e](rows)))
+            else:
+                outs.append(rows)
+        return torch.cat(outs) if outs else x[:0]
+
+
 # --- swapping a model's layers ------------------------------------------------------------------
 
 
@@ -188,7 +209,11 @@ def quantize_model(model: nn.Module, kind: str, group_size: int = 128) -> nn.Mod
     if kind not in WEIGHT_KINDS:
         raise LayoutError(f"weight_dtype={kind!r} cannot be executed by the runtime; use one of "
                           f"fp32, bf16, {', '.join(WEIGHT_KINDS)}")
+    from modelcarve.runtime.moe import GroupedExperts
+
     for block in model.layers.values():
+        if isinstance(getattr(block.feed_forward, "experts", None), GroupedExperts):
+            block.feed_forward.experts = QuantExperts(block.feed_forward.experts, kind, group_size)
         for part in (block.attention, block.feed_forward):
             for name, mod in list(part.named_modules()):
                 if not name or "router" in name.split("."):
