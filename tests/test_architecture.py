@@ -180,7 +180,7 @@ def test_import_graph_is_acyclic():
 def test_the_reference_model_knows_no_parallelism():
     """runtime/model.py and its layers import nothing of the runtime but each other."""
     graph, _ = import_graph()
-    model_layers = {"modelcarve.runtime.model", "modelcarve.runtime.moe", "modelcarve.runtime.mlp"}
+    model_layers = {"modelcarve.runtime.model", "modelcarve.runtime.moe", "modelcarve.runtime.mlp", "modelcarve.runtime.rope"}
     for name in sorted(model_layers & set(graph)):
         runtime = {m for m in graph[name] if m.startswith("modelcarve.runtime.")}
         assert runtime <= model_layers, f"{name} imports {sorted(runtime - model_layers)}"

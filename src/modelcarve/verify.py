@@ -136,6 +136,9 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
         except ImportError:
             pass
         shards = shards_of(chunk)
+        from modelcarve.runtime.tensor import padding_of
+
+        padding = padding_of(chunk)
         for fqn, p in chunk.named_parameters():
             t = p if which == "param" else p.grad
             if t is None:
@@ -145,6 +148,9 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
                 t = t.full_tensor()
             for group, dim in reversed(shards.get(fqn, [])):
                 t = _gather_dim(t, dim, group)
+            if fqn in padding:  # vocabulary padding: the full tensor is the true vocabulary's
+                dim, size, _ = padding[fqn]
+                t = t.narrow(dim, 0, size)
             if fqn not in copies:
                 local[fqn] = t.float().cpu()
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -190,6 +196,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
         logits = logits.float()
         if getattr(last, "vocab_parallel", False):
             logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+        logits = logits[..., : last.spec.vocab_size]  # vocabulary padding cut off
         logits = unshard_sequence(logits, mesh, layout, dim=1)
     if layout.pp == 1:
         if layout.dp > 1:
@@ -336,7 +343,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
 def summarise(report: dict) -> list[dict]:
     """One row per kind (logits, loss, grad, param): worst case and pass/fail."""
     rows = []
-    for kind in ("logits", "loss", "grad_norm", "grad", "grad_max", "param", "routing"):
+    for kind in report.get("kinds", ("logits", "loss", "grad_norm", "grad", "grad_max", "param", "routing")):
         group = [c for c in report["checks"] if c["name"].split("/")[0] == kind]
         if not group:
             rows.append(dict(kind=kind, count=0, worst="-", max_abs=float("nan"), max_rel=float("nan"), tol=None, passed=None))

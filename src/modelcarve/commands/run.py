@@ -54,6 +54,11 @@ def register(sub) -> None:
     v = sub.add_parser("verify", help="compare a layout with the single-device reference (logits, loss, grads, params)")
     _add_common(v)
     v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.add_argument("--reference", choices=("ours", "transformers"), default="ours",
+                   help="ours: the split layout vs our single-device model (logits, loss, grads, params after "
+                        "--steps); transformers: our single-device model and the split layout vs transformers' "
+                        "logits and greedy generations on the same checkpoint (--model must be a checkpoint)")
+    v.add_argument("--new-tokens", type=int, default=8, help="--reference transformers: greedy tokens per prompt")
     v.set_defaults(func=_verify)
 
 
@@ -80,6 +85,10 @@ def _prepare(args):
     from modelcarve.runtime.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
+    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint
+
+    if is_checkpoint(args.model):
+        check_checkpoint(args.model, spec)
     return layout, spec, per_node, under_torchrun
 
 
@@ -147,11 +156,28 @@ def _run(args) -> int:
     return 0
 
 
+def _require_transformers(model: str) -> None:
+    import importlib.util
+
+    from modelcarve.runtime.checkpoint import is_checkpoint
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ModelcarveError("verify --reference transformers needs transformers, which is not installed: "
+                              "pip install transformers")
+    if not is_checkpoint(model):
+        raise ModelcarveError(f"verify --reference transformers needs a checkpoint directory (config.json and "
+                              f"model.safetensors), not {model!r}")
+
+
 def _verify(args) -> int:
+    extra = {}
+    if getattr(args, "reference", "ours") == "transformers":
+        _require_transformers(args.model)
+        extra = dict(reference="transformers", new_tokens=args.new_tokens)
     layout, spec, per_node, under = _prepare(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "verify.json")
-        code = _launch("verify", args, _payload(args, 3) | dict(report=path), per_node, under)
+        code = _launch("verify", args, _payload(args, 3) | dict(report=path) | extra, per_node, under)
         if not code and not os.path.exists(path) and (under and os.environ.get("RANK") != "0" or args.node_rank):
             return 0  # only global rank 0 holds the report
         if code or not os.path.exists(path):
@@ -173,8 +199,15 @@ def print_report(report: dict) -> None:
     from modelcarve.verify import summarise
 
     console = wide_console()
-    table = Table(title=f"verify {report['model']} {report['layout']} ({report['world_size']} ranks, "
-                        f"{report['steps']} AdamW steps, {report['dtype']}) against the single-device reference")
+    if report.get("reference") == "transformers":
+        title = (f"verify {report['model']} {report['layout']} ({report['world_size']} ranks, {report['dtype']}): "
+                 f"our reference and the split layout against transformers ({len(report['prompt_lengths'])} "
+                 f"prompts of {min(report['prompt_lengths'])}-{max(report['prompt_lengths'])} tokens, "
+                 f"{report['new_tokens']} greedy tokens each)")
+    else:
+        title = (f"verify {report['model']} {report['layout']} ({report['world_size']} ranks, "
+                 f"{report['steps']} AdamW steps, {report['dtype']}) against the single-device reference")
+    table = Table(title=title)
     for col in ("compared", "n", "max abs diff", "max rel diff", "tolerance", "result", "worst"):
         table.add_column(col, justify="right" if col not in ("compared", "worst") else "left")
     for row in summarise(report):

@@ -25,6 +25,8 @@ def _verify(args: dict) -> None:
     from modelcarve.verify import verify_worker
 
     report_path = args.pop("report", None)
+    if args.pop("reference", "ours") == "transformers":
+        from modelcarve.verify_transformers import verify_transformers_worker as verify_worker
     report = verify_worker(**args)
     if report is not None and report_path:
         with open(report_path, "w") as f:

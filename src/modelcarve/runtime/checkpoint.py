@@ -73,7 +73,29 @@ _DEEPSEEK_V3 = [  # MLA attention, shared experts, the router's balancing bias; 
     (_MOE + r"shared_experts\.w2\.weight", r"model.layers.\1.mlp.shared_experts.down_proj.weight"),
 ]
 
+# gpt2's Conv1D stores weights [in, out] (nn.Linear's transposed) and c_attn holds q|k|v side by side.
+# A template may end in "@T" (our tensor is the checkpoint's transposed) and/or ":i/n" (part i of n
+# along the checkpoint's last dim); CheckpointReader reads only the slice a rank needs either way.
+_H = r"transformer.h.\1."
+_GPT2 = [
+    (r"tok_embeddings\.weight", r"transformer.wte.weight"),
+    (r"pos_embeddings\.weight", r"transformer.wpe.weight"),
+    (r"layers\.(\d+)\.attention_norm\.(weight|bias)", _H + r"ln_1.\2"),
+    (r"layers\.(\d+)\.ffn_norm\.(weight|bias)", _H + r"ln_2.\2"),
+    *[(rf"layers\.(\d+)\.attention\.w{w}\.weight", _H + f"attn.c_attn.weight@T:{i}/3") for i, w in enumerate("qkv")],
+    *[(rf"layers\.(\d+)\.attention\.w{w}\.bias", _H + f"attn.c_attn.bias@:{i}/3") for i, w in enumerate("qkv")],
+    (r"layers\.(\d+)\.attention\.wo\.weight", _H + r"attn.c_proj.weight@T"),
+    (r"layers\.(\d+)\.attention\.wo\.bias", _H + r"attn.c_proj.bias"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.weight", _H + r"mlp.c_fc.weight@T"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.bias", _H + r"mlp.c_fc.bias"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", _H + r"mlp.c_proj.weight@T"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.bias", _H + r"mlp.c_proj.bias"),
+    (r"norm\.(weight|bias)", r"transformer.ln_f.\1"),
+    (r"output\.weight", r"lm_head.weight"),
+]
+
 NAME_RULES: dict[str, list[tuple[str, str]]] = {
+    "gpt2": _GPT2,
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
@@ -95,6 +117,15 @@ def hf_name(family: str, fqn: str) -> str:
         if match:
             return match.expand(template)
     raise ModelcarveError(f"no Hugging Face name for parameter {fqn!r} of a {family} model (add a rule to NAME_RULES)")
+
+
+def _view(name: str) -> tuple[str, bool, tuple[int, int] | None]:
+    """(stored name, transposed?, (part i, of n) along the stored last dim) of a NAME_RULES name."""
+    if "@" not in name:
+        return name, False, None
+    base, how = name.split("@", 1)
+    transpose, _, part = how.partition(":")
+    return base, transpose == "T", tuple(int(x) for x in part.split("/")) if part else None
 
 
 class CheckpointReader:
@@ -124,7 +155,7 @@ class CheckpointReader:
         return self._open[file]
 
     def has(self, name: str) -> bool:
-        return name.replace("{e}", "0") in self.files
+        return _view(name)[0].replace("{e}", "0") in self.files
 
     def _num_stacked(self, name: str) -> int:
         count = 0
@@ -134,6 +165,18 @@ class CheckpointReader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor ``name``, or only ``index`` of it (one slice per leading dim)."""
+        base, transpose, part = _view(name)
+        if base != name:  # a transposed and/or partial view of a stored tensor (gpt2's Conv1D)
+            index = tuple(index or ()) + (slice(None),) * (len(self.shape(name)) - len(index or ()))
+            if part is not None:
+                i, n = part
+                size = self.shape(base)[-1] // n
+                mine = index[0] if transpose or len(index) == 1 else index[-1]
+                start, stop, _ = mine.indices(size)
+                mine = slice(i * size + start, i * size + stop)
+                index = (mine,) + index[1:] if transpose or len(index) == 1 else index[:-1] + (mine,)
+            t = self.read(base, tuple(reversed(index)) if transpose else index)
+            return t.t().contiguous() if transpose else t
         if "{e}" in name:  # per-expert tensors stacked on dim 0; read only the experts asked for
             experts = range(self._num_stacked(name))[index[0]] if index else range(self._num_stacked(name))
             return torch.stack([self.read(name.replace("{e}", str(e)), index[1:] if index else None) for e in experts])
@@ -145,6 +188,12 @@ class CheckpointReader:
         return t
 
     def shape(self, name: str) -> list[int]:
+        base, transpose, part = _view(name)
+        if base != name:
+            shape = self.shape(base)
+            if part is not None:
+                shape[-1] //= part[1]
+            return shape[::-1] if transpose else shape
         if "{e}" in name:
             return [self._num_stacked(name)] + self.shape(name.replace("{e}", "0"))
         return list(self._handle(self.files[name]).get_slice(name).get_shape())
@@ -175,6 +224,29 @@ def load_full(model: nn.Module, path: str | Path) -> CheckpointReader:
             raise ModelcarveError(f"{fqn}: checkpoint shape {tuple(t.shape)} != model shape {tuple(p.shape)}")
         p.copy_(t.to(p.dtype))
     return reader
+
+
+def check_checkpoint(path: str | Path, spec) -> None:
+    """Refuse, from the safetensors headers alone (before any rank starts), a checkpoint whose
+    family has no name rules or that lacks a tensor the model needs or holds it in another shape."""
+    from modelcarve.runtime.model import Transformer
+
+    if spec.family not in NAME_RULES:
+        raise ModelcarveError(f"loading {spec.family!r} checkpoints is not supported; supported: "
+                              f"{', '.join(sorted(NAME_RULES))}")
+    reader = CheckpointReader(path)
+    with torch.device("meta"):
+        model = Transformer(spec)
+    problems = []
+    for fqn, p in _saved_tensors(model):
+        name = _source_name(spec.family, fqn, reader, {})
+        if not reader.has(name):
+            problems.append(f"no tensor {_view(name)[0]!r} (for {fqn})")
+        elif reader.shape(name) != list(p.shape):
+            problems.append(f"{fqn}: checkpoint shape {tuple(reader.shape(name))} != model shape {tuple(p.shape)}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ModelcarveError(f"{path}: checkpoint does not fit its config.json: {'; '.join(problems[:3])}{more}")
 
 
 def is_checkpoint(name: str) -> bool:
@@ -262,11 +334,23 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
         except ImportError:
             tied = {}
         family = chunk.spec.family
+        from modelcarve.runtime.tensor import padding_of
+
+        padding = padding_of(chunk)
         for fqn, p in _saved_tensors(chunk):
             name = _source_name(family, fqn, reader, tied)
-            start, length = _slices_for(chunk, fqn, p, reader.shape(name))
-            index = tuple(slice(s, s + n) for s, n in zip(start, length))
+            shape = reader.shape(name)
+            pad = padding.get(fqn)  # vocabulary padding: split the padded size, read up to the true one
+            if pad:
+                shape[pad[0]] = pad[2]
+            start, length = _slices_for(chunk, fqn, p, shape)
+            index = tuple(slice(min(s, pad[1]), min(s + n, pad[1])) if pad and d == pad[0] else slice(s, s + n)
+                          for d, (s, n) in enumerate(zip(start, length)))
             t = reader.read(name, index)
+            if pad and t.shape[pad[0]] < length[pad[0]]:
+                zeros = list(t.shape)
+                zeros[pad[0]] = length[pad[0]] - t.shape[pad[0]]
+                t = torch.cat([t, t.new_zeros(zeros)], dim=pad[0])
             local = p.to_local() if isinstance(p, DTensor) else p
             if tuple(t.shape) != tuple(local.shape):
                 raise ModelcarveError(f"{fqn}: checkpoint slice {tuple(t.shape)} != local shard {tuple(local.shape)}")

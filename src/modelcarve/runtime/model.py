@@ -5,7 +5,7 @@ module (tensor.py, pipeline.py, expert.py, context.py, data_parallel.py) without
 file: this file never imports torch.distributed. It computes what Hugging Face's llama,
 mistral, qwen2, qwen3, gpt2 and deepseek_v3 (MLA) models compute on the same weights
 (tests/test_runtime_checkpoint.py compares logits); MoE blocks come from moe.py, the dense MLP
-from mlp.py. It imports no module of the runtime but those two.
+from mlp.py, rotary frequencies from rope.py. It imports no module of the runtime but those three.
 
 Structure (torchtitan-like, so parallelisms can find their pieces by name)::
 
@@ -35,6 +35,7 @@ from torch import nn
 
 from modelcarve.runtime.mlp import FeedForward
 from modelcarve.runtime.moe import MoE
+from modelcarve.runtime.rope import rope_cos_sin, rope_scale_softmax
 from modelcarve.spec.model import ModelSpec
 
 INIT_STD = 0.02
@@ -62,15 +63,7 @@ def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
     return RMSNorm(dim, spec.norm_eps)
 
 
-# --- rotary embeddings ------------------------------------------------------------------
-
-
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [s, dim] for absolute ``positions`` (split-halves layout, fp32 math)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+# --- rotary embeddings (frequencies and tables: rope.py) ------------------------------------
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,28 +82,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 # --- attention --------------------------------------------------------------------------
 
 
-class CoreAttention(nn.Module):
-    """Causal softmax(q k^T * scale) v. Context parallelism swaps this module for ring attention.
+def attention_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [.., q, k] mask, True where a query may attend a key: causal (``k <= q``) and, with a
+    sliding ``window``, ``k > q - window`` (itself and window - 1 before it, as transformers)."""
+    q, k = q_positions[..., :, None], k_positions[..., None, :]
+    allowed = k <= q
+    return allowed & (k > q - window) if window is not None else allowed
 
-    q [b, heads, s, d_qk]; k [b, kv_heads, s, d_qk]; v [b, kv_heads, s, d_v]; GQA expands k/v.
+
+class CoreAttention(nn.Module):
+    """Causal softmax(q k^T * scale) v, over a sliding ``window`` when the layer has one. Context
+    parallelism swaps this module for ring attention.
+
+    q [b, heads, s, d_qk]; k [b, kv_heads, s_k, d_qk]; v [b, kv_heads, s_k, d_v]; GQA expands k/v.
+    ``mask`` (from ``attention_mask``; e.g. a KV cache's query vs cached positions) replaces the
+    default: the causal (windowed) mask of q and k at positions 0..s-1.
     """
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, window: int | None = None):
         super().__init__()
-        self.scale = scale
+        self.scale, self.window = scale, window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if mask is None and (self.window is None or q.shape[2] <= self.window):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if mask is None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = attention_mask(pos, pos, self.window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped kv heads (MHA, GQA, MQA), optional q/k norm (qwen3)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_id: int = 0):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
@@ -121,7 +130,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * d, h, bias=spec.o_bias)
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
-        self.core_attention = CoreAttention(1.0 / math.sqrt(d))
+        self.core_attention = CoreAttention(1.0 / math.sqrt(d), spec.attention_window(layer_id))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -142,7 +151,7 @@ class Attention(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek-V3 multi-head latent attention (the naive, non-absorbed form HF computes)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_id: int = 0):
         super().__init__()
         h, nh = spec.hidden_size, spec.num_heads
         self.n_heads = self.n_kv_heads = nh
@@ -162,7 +171,7 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, spec.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(nh * self.v_dim, h, bias=spec.o_bias)
-        self.core_attention = CoreAttention(self.qk_dim**-0.5)
+        self.core_attention = CoreAttention(self.qk_dim**-0.5 * rope_scale_softmax(spec), spec.attention_window(layer_id))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, s, _ = x.shape
@@ -193,7 +202,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(spec)
-        self.attention = MLAttention(spec) if spec.attention_kind == "mla" else Attention(spec)
+        self.attention = (MLAttention if spec.attention_kind == "mla" else Attention)(spec, layer_id)
         self.ffn_norm = make_norm(spec)
         self.is_moe = spec.is_moe_layer(layer_id)
         self.feed_forward = MoE(spec) if self.is_moe else FeedForward(spec)
@@ -225,7 +234,7 @@ class Transformer(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         if not self.rope_dim:
             return None
-        return rope_cos_sin(positions, self.rope_dim, self.spec.rope_theta, dtype)
+        return rope_cos_sin(positions, self.rope_dim, self.spec, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:

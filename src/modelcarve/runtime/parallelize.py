@@ -41,9 +41,19 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
         if getattr(layout, name) != "fp32":
             problems.append(f"{name}={getattr(layout, name)} is not implemented by the runtime (fp32 master state); "
                             f"use {name}=fp32")
-    if spec.vocab_size % layout.tp:
-        problems.append(f"tp={layout.tp} does not divide the vocabulary of {spec.vocab_size}")
+    # (a vocabulary tp does not divide is padded: tensor.padded_vocab_size)
+    if layout.sp and layout.tp > 1 and spec.position_kind == "learned":
+        problems.append("sequence parallelism with learned positions (gpt2) is not supported; drop sp")
+    if spec.position_kind == "learned" and layout.seq > spec.max_position:
+        problems.append(f"seq={layout.seq} exceeds the {spec.max_position} learned positions of {spec.name}; "
+                        f"use seq <= {spec.max_position}")
     # (sequence parallelism's seq/cp divisible by tp is Layout.validate's)
+    if layout.cp > 1 and spec.sliding_layers and spec.sliding_window < layout.seq:
+        problems.append(f"cp={layout.cp}: ring attention has no sliding window ({spec.sliding_window} tokens < "
+                        f"seq {layout.seq}); use cp=1 or seq <= {spec.sliding_window}")
+    if layout.cp > 1 and spec.rope_parameters.get("rope_type") == "dynamic" and layout.seq > spec.max_position:
+        problems.append(f"cp={layout.cp}: dynamic rope past max_position {spec.max_position} needs the whole "
+                        f"sequence's length on every rank; use cp=1 or seq <= {spec.max_position}")
     if layout.pp > 1:  # schedule / micro-batch / stage-count rules of torch's schedules
         from modelcarve.runtime.pipeline_split import pipeline_problems
 

@@ -29,6 +29,15 @@ What is sharded over the ``tp`` mesh axis (size t):
 * embedding: vocab-parallel (rows ``[r V/t, (r+1) V/t)``; other ids give zero, then a sum);
   LM head: column-parallel over the vocabulary, its logits stay sharded and go straight into
   ``vocab_parallel_cross_entropy`` (never gathered in training).
+* vocabulary padding (Megatron's ``make_vocab_size_divisible_by``): when t does not divide the
+  vocabulary V, embedding and head are padded with zero rows to ``padded_vocab_size(V, t)``, the
+  next multiple of ``t x VOCAB_GRANULE`` (128, Megatron's default); a V that t divides is not
+  padded (the planner counts V / t rows per rank). Padded columns are -inf inside
+  ``vocab_parallel_cross_entropy`` (no loss, no gradient: the padded rows stay zero);
+  ``full_vocab_logits`` gathers the logits and cuts them to V (and ``mask_padded_logits`` sets a
+  local shard's padded columns to -inf) so no padded id is ever sampled; ``padding_of(chunk)``
+  records ``{fqn: (dim, V, padded)}`` so gathered / saved weights are cut back to V
+  (verify.gather_full) and checkpoint slices are zero-filled past V (checkpoint.load_sharded).
 
 Communication per region (``f``/``g`` of Megatron): entering attention, MLP or the LM head the
 input is copied (forward identity, backward all-reduce), leaving ``wo``/``w2`` the partial
@@ -144,12 +153,49 @@ def leave_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
 # --- vocab-parallel cross-entropy -------------------------------------------------------
 
 
+VOCAB_GRANULE = 128
+"""Megatron's default ``make_vocab_size_divisible_by``: a padded vocabulary is a multiple of tp x this."""
+
+
+def padded_vocab_size(vocab_size: int, tp: int, granule: int = VOCAB_GRANULE) -> int:
+    """``vocab_size`` if ``tp`` divides it, else the next multiple of ``tp * granule``."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    multiple = tp * granule
+    return -(-vocab_size // multiple) * multiple
+
+
+def record_padding(chunk: nn.Module, fqn: str, dim: int, true_size: int, padded: int) -> None:
+    chunk.__dict__.setdefault("_mc_vocab_padding", {})[fqn] = (dim, true_size, padded)
+
+
+def padding_of(chunk: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """{fqn: (dim, true size, padded size)} of this chunk's vocabulary-padded parameters."""
+    return chunk.__dict__.get("_mc_vocab_padding", {})
+
+
+def mask_padded_logits(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """A vocab shard's logits (columns ``vocab_start..``) with ids >= ``vocab_size`` set to -inf."""
+    ids = vocab_start + torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf"))
+
+
+def full_vocab_logits(logits: torch.Tensor, chunk: nn.Module) -> torch.Tensor:
+    """The logits of the true vocabulary ([.., V]) from the last chunk's output: gathered over tp
+    when the head is vocab-parallel, padded columns cut off."""
+    if getattr(chunk, "vocab_parallel", False):
+        logits = _all_gather(logits, -1, chunk.tp_group)
+    return logits[..., : chunk.spec.vocab_size]
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross-entropy from logits sharded on the last dim over ``group``."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
+    def forward(ctx, logits, targets, vocab_start, group, vocab_size=None):
         logits = logits.float()
+        if vocab_size is not None and vocab_start + logits.shape[-1] > vocab_size:
+            logits = mask_padded_logits(logits, vocab_start, vocab_size)  # padding: exp(-inf) = 0
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
@@ -159,7 +205,7 @@ class _VocabParallelCE(torch.autograd.Function):
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < logits.shape[-1])
         idx = local_t.clamp(0, logits.shape[-1] - 1)
-        target_logit = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * in_shard
+        target_logit = torch.where(in_shard, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
         dist.all_reduce(target_logit, group=group)
         loss = sum_exp.log() - target_logit
         softmax = exp / sum_exp.unsqueeze(-1)
@@ -171,14 +217,16 @@ class _VocabParallelCE(torch.autograd.Function):
         softmax, idx, in_shard = ctx.saved_tensors
         g = softmax.clone()
         g.scatter_add_(-1, idx.unsqueeze(-1), -in_shard.to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None
+        return g * grad.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Cross-entropy per token ([b, s]) of vocab-sharded logits [b, s, V/t]; the full vocabulary's
-    softmax is formed with three all-reduces of [b, s] tensors, never the full logits."""
+    softmax is formed with three all-reduces of [b, s] tensors, never the full logits. Columns
+    at ids >= ``vocab_size`` (vocabulary padding) take no part."""
     start = logits.shape[-1] * dist.get_rank(group)
-    return _VocabParallelCE.apply(logits, targets, start, group)
+    return _VocabParallelCE.apply(logits, targets, start, group, vocab_size)
 
 
 # --- sharded modules --------------------------------------------------------------------
@@ -220,6 +268,13 @@ def _shard_column(linear: nn.Linear, rank: int, size: int) -> None:
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.detach().chunk(size, dim=0)[rank].clone())
     linear.out_features = linear.weight.shape[0]
+
+
+def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` with zero rows appended up to ``rows`` (vocabulary padding)."""
+    if weight.shape[0] == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
 def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
@@ -300,10 +355,7 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
     if spec.attention_kind == "gqa" and kv % t and t % kv:
         raise LayoutError(f"tp={t} and {kv} kv heads: one must divide the other (to shard or to replicate kv heads)")
     kv_groups = _kv_replica_groups(mesh, t, kv) if spec.attention_kind == "gqa" and kv % t else None
-    if spec.vocab_size % t:
-        raise LayoutError(f"tp={t} does not divide the vocabulary ({spec.vocab_size}); pad the vocabulary or change tp")
-    if sp and chunk.pos_embeddings is not None:
-        raise LayoutError("sequence parallelism with learned positions (gpt2) is not supported; drop sp")
+    vocab, padded = spec.vocab_size, padded_vocab_size(spec.vocab_size, t)
     hooks = []
 
     def column(mod: nn.Linear, fqn: str) -> None:
@@ -380,9 +432,11 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
     emb = chunk.tok_embeddings
     tied = chunk.output is not None and emb is not None and chunk.output.weight is emb.weight
     if emb is not None:
-        shard = emb.weight.detach().chunk(t, dim=0)[rank].clone()
+        shard = _pad_rows(emb.weight.detach(), padded).chunk(t, dim=0)[rank].clone()
         chunk.tok_embeddings = VocabParallelEmbedding(shard, rank * shard.shape[0], group, sp)
         record_shard(chunk, "tok_embeddings.weight", group, 0)
+        if padded != vocab:
+            record_padding(chunk, "tok_embeddings.weight", 0, vocab, padded)
     if chunk.norm is not None and sp:
         replicated_partial(chunk.norm, "norm")
     if chunk.output is not None:
@@ -390,7 +444,10 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
             chunk.output.weight = chunk.tok_embeddings.weight
             chunk.output.out_features = chunk.output.weight.shape[0]
         else:
+            chunk.output.weight = nn.Parameter(_pad_rows(chunk.output.weight.detach(), padded))
             column(chunk.output, "output")
+        if padded != vocab:
+            record_padding(chunk, "output.weight", 0, vocab, padded)
         chunk.output.register_forward_pre_hook(_region_hook(group, sp), with_kwargs=True)
     chunk.tp_group = group
     chunk.vocab_parallel = chunk.output is not None

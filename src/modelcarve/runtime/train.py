@@ -129,7 +129,7 @@ def make_loss_fn(chunk: nn.Module | None, num_tokens: int):
         if group is not None:
             from modelcarve.runtime.tensor import vocab_parallel_cross_entropy
 
-            return vocab_parallel_cross_entropy(logits, targets, group).sum() / num_tokens
+            return vocab_parallel_cross_entropy(logits, targets, group, chunk.spec.vocab_size).sum() / num_tokens
         return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), reduction="sum") / num_tokens
 
     return loss_fn

@@ -56,6 +56,64 @@ def _ffn_kind(cfg: _Config, key: str = "hidden_act") -> str:
     raise SpecError(f"{cfg.name}: activation {act!r} is not supported; modelcarve models SwiGLU (silu) and GELU MLPs")
 
 
+# rope types the runtime computes (runtime/rope.py) and the keys each reads, as transformers does
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"),
+}
+
+
+def _rope_scaling(cfg: _Config) -> tuple:
+    """config.json's ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5), resolved to the
+    sorted (key, value) pairs of ModelSpec.rope_scaling; () for plain rope."""
+    rope = cfg.raw.get("rope_scaling") or cfg.raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise SpecError(f"{cfg.name}: rope_scaling must be a JSON object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise SpecError(f"{cfg.name}: partial_rotary_factor != 1 is not supported (rope on the whole head only)")
+    if kind == "default":
+        return ()
+    if kind not in _ROPE_KEYS:
+        raise SpecError(f"{cfg.name}: rope type {kind!r} is not supported; supported: default, {', '.join(_ROPE_KEYS)}")
+    out = {key: rope[key] for key in _ROPE_KEYS[kind] if rope.get(key) is not None}
+    if "original_max_position_embeddings" in _ROPE_KEYS[kind]:
+        # transformers: a top-level original_max_position_embeddings wins, then the dict's, then max_position
+        out["original_max_position_embeddings"] = int(cfg.raw.get("original_max_position_embeddings")
+                                                      or rope.get("original_max_position_embeddings")
+                                                      or cfg.get("max_position_embeddings", 4096))
+    if kind != "yarn" and "factor" not in out:
+        raise SpecError(f"{cfg.name}: rope type {kind!r} needs a 'factor' in rope_scaling")
+    if kind == "llama3" and not {"low_freq_factor", "high_freq_factor"} <= set(out):
+        raise SpecError(f"{cfg.name}: rope type 'llama3' needs low_freq_factor and high_freq_factor in rope_scaling")
+    return tuple(sorted((out | {"rope_type": kind}).items()))
+
+
+def _sliding(cfg: _Config, family: str, num_layers: int) -> dict:
+    """sliding_window / sliding_layers with transformers' semantics per family: mistral (default 4096)
+    and mixtral window every layer; qwen2/qwen3 only with use_sliding_window, on the layers whose
+    ``layer_types`` entry is sliding_attention (default: layers >= max_window_layers); qwen3_moe all."""
+    if family == "mistral":
+        window = cfg.raw.get("sliding_window", 4096)
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
+        window = cfg.raw.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    else:
+        window = cfg.raw.get("sliding_window")
+    if window is None:
+        return {}
+    layers = range(num_layers)
+    if family in ("qwen2", "qwen3"):
+        types = cfg.raw.get("layer_types")
+        if types is not None:
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        else:
+            layers = [i for i in layers if i >= cfg.get("max_window_layers", 28)]
+    return dict(sliding_window=window, sliding_layers=tuple(layers))
+
+
 def _common_llama(cfg: _Config, family: str) -> dict:
     hidden, heads = cfg.req("hidden_size"), cfg.req("num_attention_heads")
     rope = cfg.get("rope_parameters", None) or {}
@@ -76,7 +134,8 @@ def _common_llama(cfg: _Config, family: str) -> dict:
         position_kind="rope",
         max_position=cfg.get("max_position_embeddings", 4096),
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-    )
+        rope_scaling=_rope_scaling(cfg),
+    ) | _sliding(cfg, family, cfg.req("num_hidden_layers"))
 
 
 def _llama(cfg: _Config) -> dict:
@@ -111,7 +170,8 @@ def _mixtral(cfg: _Config) -> dict:
 
 
 def _qwen3_moe(cfg: _Config) -> dict:
-    spec = _qwen3(cfg) | dict(family="qwen3_moe")
+    spec = _qwen3(cfg) | dict(family="qwen3_moe", sliding_window=None, sliding_layers=())
+    spec |= _sliding(cfg, "qwen3_moe", spec["num_layers"])
     experts = cfg.req_any("num_experts", "num_local_experts")
     step = cfg.get("decoder_sparse_step", 1)
     dense_only = set(cfg.get("mlp_only_layers", []))
@@ -161,6 +221,9 @@ def _deepseek_v3(cfg: _Config) -> dict:
 
 def _gpt2(cfg: _Config) -> dict:
     hidden, heads = cfg.req("n_embd"), cfg.req("n_head")
+    if cfg.get("scale_attn_by_inverse_layer_idx", False) or not cfg.get("scale_attn_weights", True):
+        raise SpecError(f"{cfg.name}: gpt2 attention scaling other than 1/sqrt(head_dim) (scale_attn_weights, "
+                        "scale_attn_by_inverse_layer_idx) is not supported")
     return dict(
         family="gpt2",
         vocab_size=cfg.req("vocab_size"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from modelcarve.spec.errors import SpecError
 
@@ -65,6 +65,15 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rope_interleave: bool = False
     """Rotary pairs are interleaved (x0,x1),(x2,x3)... rather than split halves (DeepSeek-V3)."""
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    """Rotary scaling as sorted (key, value) pairs, resolved from config.json's ``rope_scaling`` /
+    ``rope_parameters``: ``rope_type`` (linear, dynamic, yarn, llama3), ``factor`` and the type's own
+    keys (``original_max_position_embeddings`` filled in as transformers does). Empty: plain rope."""
+    sliding_window: int | None = None
+    """Attention window in tokens on the layers of ``sliding_layers``: a query sees itself and the
+    ``sliding_window - 1`` tokens before it (transformers' ``kv_idx > q_idx - sliding_window``)."""
+    sliding_layers: tuple[int, ...] = ()
+    """Layers that use ``sliding_window`` (mistral, mixtral: all; qwen2/qwen3: from ``max_window_layers``)."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (qwen2, gpt2, llama with attention_bias)."""
     o_bias: bool = False
@@ -128,6 +137,8 @@ class ModelSpec:
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
         if bad:
             raise SpecError(f"model {self.name!r}: moe_layers {bad} outside 0..{self.num_layers - 1}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise SpecError(f"model {self.name!r}: sliding_window must be a positive integer, got {self.sliding_window!r}")
         if self.attention_kind == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
             raise SpecError(f"model {self.name!r}: MLA needs kv_lora_rank, qk_rope_head_dim and v_head_dim")
 
@@ -143,6 +154,15 @@ class ModelSpec:
     @property
     def num_dense_layers(self) -> int:
         return self.num_layers - len(self.moe_layers)
+
+    @property
+    def rope_parameters(self) -> dict:
+        """``rope_scaling`` as a dict (empty for plain rope)."""
+        return dict(self.rope_scaling)
+
+    def attention_window(self, layer_id: int) -> int | None:
+        """Sliding-window size of layer ``layer_id``, or None for full causal attention."""
+        return self.sliding_window if layer_id in self.sliding_layers else None
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self._moe_set
