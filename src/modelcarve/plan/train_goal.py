@@ -80,7 +80,7 @@ class TrainGoal:
     def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: tuple) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""
         tp, cp, pp, dp, ep, _mbs, _sp, _rc, zero = candidate[:9]
-        if tp > cluster.devices_per_node:
+        if tp > cluster.fast_domain:
             return "tensor parallelism across nodes"
         if tp == 1 and pp == 1 and cp == 1 and zero == 3:
             return "ZeRO-3 / FSDP alone"
@@ -172,7 +172,7 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                 eps = [e for e in divisors(math.gcd(model.num_experts, dp * cp))] if moe else [1]
                 shards = [0]
                 if dp > 1:
-                    in_node = cluster.devices_per_node // (tp * cp)
+                    in_node = cluster.fast_domain // (tp * cp)
                     if 1 < in_node < dp and dp % in_node == 0:  # HSDP: shard inside a node, replicate across
                         shards.append(in_node)
                 zeros = [(z, 0) for z in (0, 1, 2, 3)] + [(3, s) for s in shards[1:]] if dp * cp > 1 else [(0, 0)]

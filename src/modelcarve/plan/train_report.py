@@ -141,7 +141,7 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
 def _warnings(cost: "TrainCostModel", layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
     """Sentences about what this layout spends its step on, when it is worth saying."""
     cl = cost.cluster
-    per_node = cl.devices_per_node
+    per_node = cl.fast_domain  # the NVLink domain: the node, or an NVL72 rack
     out = []
     nic = link_words(cl.inter_link.name)
     if layout.tp > per_node:
