@@ -65,7 +65,8 @@ class DeviceSpec:
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype``; int4 runs at the int8 rate, fp32 GEMMs use TF32."""
-        key = {"int4": "int8", "fp32": "tf32", "float32": "tf32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        key = {"int4": "int8", "fp32": "tf32", "float32": "tf32", "bfloat16": "bf16", "float16": "fp16",
+               "mxfp8": "fp8", "fp8cs": "fp8"}.get(dtype, dtype)
         if key not in self.peak_flops:
             key = "bf16" if dtype in ("fp8", "int8", "int4") else key
         if key not in self.peak_flops:
