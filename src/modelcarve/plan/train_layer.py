@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan import comm
+from modelcarve.plan import comm, efficiency
 from modelcarve.plan.activations import ACT_BYTES, kv_heads_per_rank, layer_activation_terms
 from modelcarve.plan.efficiency import memory_bound_time_s
 from modelcarve.spec.layout import recompute_modules
@@ -99,7 +99,7 @@ def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs
         g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
         routed = T * k * o.load_imbalance  # elements of expert intermediates per device: routed x fe / tp
         ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
-        ew_moe = 8.0 * routed * h * etp / tp
+        ew_moe = efficiency.MOE_TOKEN_BYTES * routed * h * etp / tp
         q_in += routed * (h * etp + fe) / tp
         q_out += routed * ((n_in - 1) * fe + h * etp) / tp
         if m.num_shared_experts:
