@@ -79,7 +79,7 @@ def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs
     if m.position_kind == "rope":
         ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
     if o.attention == "flash":
-        core = core * 0.5 / FLASH_EFFICIENCY  # causal: half the blocks are skipped
+        core = core * _causal_share(m, seq) / FLASH_EFFICIENCY
         core_bwd = core * FLASH_BACKWARD
         core_ew = 0.0
     else:
@@ -189,6 +189,20 @@ def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs
         "act_terms": act_terms,
         "work_bytes": work,
     }
+
+
+def _causal_share(model, seq: int) -> float:
+    """Share of the ``seq x seq`` score blocks a flash kernel computes, averaged over the layers:
+    half under a causal mask; a sliding-window or chunked layer (``local_layers``, gpt-oss, Gemma 3,
+    Llama 4) sees at most ``local_window`` keys per query."""
+    local = len(getattr(model, "local_layers", ()) or ())
+    window = getattr(model, "local_window", 0) or 0
+    if not local or not window:
+        return 0.5
+    f = local / model.num_layers
+    w = min(window, seq)
+    local_share = (w * seq - w * w / 2.0) / (seq * seq)  # causal band of width w
+    return (1.0 - f) * 0.5 + f * local_share
 
 
 def _modules(recompute: str) -> frozenset:
