@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine (see README.md):
 #   make demo   set up .venv, plan a real catalogued model, run a small split model on CPU
-#   make test   set up .venv, run the whole test suite
+#   make test   set up .venv, check the import contracts (lint-imports), run the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -22,6 +22,8 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 bash scripts/demo.sh
 
 test: $(STAMP)
+	# the layers and the runtime's independent parallelisms (pyproject.toml, ARCHITECTURE.md)
+	$(BIN)/lint-imports
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:

@@ -7,8 +7,8 @@ Usage::
     .venv/bin/python benchmarks/calibrate_serving.py --fit    # also refit the three decode constants
 
 The published figures and their sources are in data/serving_published.csv (header comments).
-Rows marked ``fit`` are those the decode constants of plan/serve_time.py were fitted to
-(``--fit`` prints that fit; the constants are then written into serve_time.py by hand, with the
+Rows marked ``fit`` are those the decode constants of plan/serve_rates.py were fitted to
+(``--fit`` prints that fit; the constants are then written into serve_rates.py by hand, with the
 fit's figures beside them); ``check`` rows are independent checks; ``excluded`` rows are shown
 with the reason they are not used.
 """
@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from modelcarve.plan import serve_time
+from modelcarve.plan import serve_rates
 from modelcarve.plan.serve_calibration import TOLERANCE, calibrate, fit_decode_constants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,9 +65,9 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "`serve-throughput` goal on the publisher's layout with no latency bounds, so the planner picks the batch",
         "(the largest that fits, at most 1024); latency rows use `serve-latency` at the stated concurrency.",
         "",
-        "Three constants of `plan/serve_time.py` are fitted to the rows marked **fit** (batch-1 latencies:",
-        f"`DECODE_HBM_EFFICIENCY` = {serve_time.DECODE_HBM_EFFICIENCY:.2f}, `LAYER_OVERHEAD_S` = "
-        f"{serve_time.LAYER_OVERHEAD_S * 1e6:.1f} µs, `ALLREDUCE_FLOOR_S` = {serve_time.ALLREDUCE_FLOOR_S * 1e6:.1f} µs;",
+        "Three constants of `plan/serve_rates.py` are fitted to the rows marked **fit** (batch-1 latencies:",
+        f"`DECODE_HBM_EFFICIENCY` = {serve_rates.DECODE_HBM_EFFICIENCY:.2f}, `LAYER_OVERHEAD_S` = "
+        f"{serve_rates.LAYER_OVERHEAD_S * 1e6:.1f} µs, `ALLREDUCE_FLOOR_S` = {serve_rates.ALLREDUCE_FLOOR_S * 1e6:.1f} µs;",
         "`--fit` reruns the least-squares fit). The rows marked **check** are independent of every constant.",
         "",
         f"**Checks: {_summary(checks)}.**  Fit rows: {_summary(fits)}.",

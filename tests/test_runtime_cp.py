@@ -42,25 +42,26 @@ def _batches(spec, layout):
 
 
 def _reference(spec, layout):
-    """Loss and grads at step 0, and parameters after STEPS AdamW steps, on one device."""
+    """Loss and grads of every step, parameters after STEPS AdamW steps, and the optimiser's
+    bias-corrected sqrt(v_hat) after each step (for verify.adamw_step_allowance), on one device."""
     from modelcarve.runtime.model import build_model
 
     model = build_model(spec, seed=0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for tokens, targets in _batches(spec, layout):
+    losses, grads, sqrt_v_hats = [], [], []
+    for step, (tokens, targets) in enumerate(_batches(spec, layout), start=1):
         opt.zero_grad()
         logits = model(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         losses.append(loss.item())
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
+        sqrt_v_hats.append({n: (opt.state[p]["exp_avg_sq"] / (1 - 0.999**step)).sqrt() for n, p in model.named_parameters()})
     # the steps must move the weights, or comparing parameters after them proves nothing
     assert min((p.detach() - init[n]).abs().max().item() for n, p in model.named_parameters()) > 10 * PARAM_ATOL
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, sqrt_v_hats
 
 
 def _manual_step(spec, layout, mesh):
@@ -78,7 +79,7 @@ def _manual_step(spec, layout, mesh):
     dp_rank = axis_rank(mesh, "dp")
     model = apply_context_parallel(build_model(spec, seed=0), mesh, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
+    losses, grads = [], []
     for tokens, targets in _batches(spec, layout):
         opt.zero_grad()
         num_tokens = targets.numel()  # every target token of the global batch
@@ -92,8 +93,7 @@ def _manual_step(spec, layout, mesh):
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)
         losses.append(total.item())
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -103,11 +103,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compare(ref, got) -> dict:
-    (ref_losses, ref_grads, ref_params), (losses, grads, params) = ref, got
+    """Loss of every step (rel), gradients of step 0 (rel), every step's largest gradient difference
+    (abs), and parameters after STEPS steps: (max abs difference, and its excess over what
+    AdamW's arithmetic allows per element given the measured gradient differences; see
+    verify.adamw_step_allowance: where a gradient is near eps a 1e-9 reassociation difference
+    can move a parameter by ~lr = 1e-3, so the plain difference alone is not a fair test)."""
+    from modelcarve.verify import ULPS_PER_STEP, adamw_step_allowance
+
+    (ref_losses, ref_grads, ref_params, sqrt_v_hats), (losses, grads, params) = ref, got
+    grad_diffs = [max((grads[t][n] - g).abs().max().item() for n, g in ref_grads[t].items()) for t in range(len(grads))]
+    allowance = {n: 0.0 for n in ref_params}
+    for t, roots in enumerate(sqrt_v_hats):
+        for n, root in roots.items():
+            allowance[n] = allowance[n] + ULPS_PER_STEP * ref_params[n].abs() + adamw_step_allowance(
+                root, max(grad_diffs[: t + 1]), LR, t + 1, (0.9, 0.999), 1e-8)
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-        "grad": max((_rel(grads[n], g), n) for n, g in ref_grads.items()),
+        "grad": max((_rel(grads[0][n], g), n) for n, g in ref_grads[0].items()),
+        "grad_max": max(grad_diffs),
         "param": max(((params[n] - p).abs().max().item(), n) for n, p in ref_params.items()),
+        "param_excess": max((((params[n] - p).abs() - allowance[n]).max().item(), n) for n, p in ref_params.items()),
     }
 
 
@@ -189,7 +204,8 @@ def test_context_parallel_matches_reference(world_size, tmp_path):
             assert not bad, (name, bad[:5])
             continue
         print(f"{name}: loss rel {err['loss']:.2e}, grad rel {err['grad'][0]:.2e} ({err['grad'][1]}), "
-              f"param abs {err['param'][0]:.2e} ({err['param'][1]})")
+              f"param abs {err['param'][0]:.2e} ({err['param'][1]}), beyond AdamW's allowance {err['param_excess'][0]:.2e}")
         assert err["loss"] <= LOSS_RTOL, (name, err)
         assert err["grad"][0] <= GRAD_RTOL, (name, err)
-        assert err["param"][0] <= PARAM_ATOL, (name, err)
+        assert err["grad_max"] <= GRAD_RTOL, (name, err)
+        assert err["param_excess"][0] <= PARAM_ATOL, (name, err)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcarve.plan import serve_time
+from modelcarve.plan import serve_rates
 from modelcarve.plan.serve_calibration import TOLERANCE, calibrate, fit_decode_constants
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "serving_published.csv"
@@ -39,9 +39,9 @@ def test_fit_rows_are_reproduced(rows):
 
 
 def test_decode_constants_are_the_fit():
-    """The constants in serve_time.py are what the fit gives (to one grid step): not stale."""
+    """The constants in serve_rates.py are what the fit gives (to one grid step): not stale."""
     fit = fit_decode_constants(DATA, grid=41)
-    assert fit["DECODE_HBM_EFFICIENCY"] == pytest.approx(serve_time.DECODE_HBM_EFFICIENCY, abs=0.011)
-    assert fit["LAYER_OVERHEAD_S"] == pytest.approx(serve_time.LAYER_OVERHEAD_S, abs=2.1e-6)
-    assert fit["ALLREDUCE_FLOOR_S"] == pytest.approx(serve_time.ALLREDUCE_FLOOR_S, abs=1.6e-6)
+    assert fit["DECODE_HBM_EFFICIENCY"] == pytest.approx(serve_rates.DECODE_HBM_EFFICIENCY, abs=0.011)
+    assert fit["LAYER_OVERHEAD_S"] == pytest.approx(serve_rates.LAYER_OVERHEAD_S, abs=2.1e-6)
+    assert fit["ALLREDUCE_FLOOR_S"] == pytest.approx(serve_rates.ALLREDUCE_FLOOR_S, abs=1.6e-6)
     assert fit["rms_log_error"] < 0.03

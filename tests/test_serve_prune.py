@@ -12,7 +12,8 @@ from modelcarve.plan.search import search
 from modelcarve.plan.serve_goal import _largest_batch
 from modelcarve.plan.serve_prune import group_ceiling
 from modelcarve.plan.serve_memory import max_sequences, shard_facts
-from modelcarve.plan.serve_time import _context, _ensure_prefill, _rates
+from modelcarve.plan.serve_context import _context
+from modelcarve.plan.serve_time import _ensure_prefill, _rates
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 

@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from modelcarve.plan import comm
 from modelcarve.plan.efficiency import matmul_efficiency
 from modelcarve.plan.serve_memory import shard_facts
-from modelcarve.plan.serve_time import (
+from modelcarve.plan.serve_rates import (
     ALLREDUCE_FLOOR_S,
     DECODE_HBM_EFFICIENCY,
     LAYER_OVERHEAD_S,
     experts_touched_fraction,
-    serve_time,
     tp_all_reduce_s,
 )
+from modelcarve.plan.serve_time import serve_time
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 

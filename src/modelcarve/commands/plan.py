@@ -116,17 +116,8 @@ def _estimate(args) -> int:
     return 0
 
 
-def nothing_qualifies(result: dict, headline: str) -> ModelcarveError:
-    """The one-line error for a search with no winner: counts per reason and the closest miss."""
-    reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
-    closest = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
-    return ModelcarveError(
-        f"{headline} ({result['evaluated']} evaluated: {reasons})" + (f"; the closest: {closest}" if closest else "")
-    )
-
-
 def _plan(args) -> int:
-    from modelcarve.plan.search import search
+    from modelcarve.plan.search import nothing_qualifies, search
 
     model, cluster, goal = _load(args)
     from modelcarve.commands.serve_cli import is_serve_goal, run_serve_plan

@@ -6,7 +6,7 @@
 
 Both check the layout against the model and the number of ranks BEFORE any process starts
 (a LayoutError with the fix, exit 2), then start the ranks through torchrun
-(``python -m torch.distributed.run ... -m modelcarve.runtime.launch``); when this process is
+(``python -m torch.distributed.run ... -m modelcarve.commands.worker``); when this process is
 already a torchrun rank they run in place. ``--nnodes/--node-rank/--master-addr/--master-port``
 go to torchrun for several machines. ``verify`` prints one row per compared quantity (logits,
 loss, gradients, parameters after N AdamW steps) with max abs/rel differences and pass/fail,
@@ -97,14 +97,14 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
     payload["timeout_s"] = args.timeout
     port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
     if under_torchrun:
-        from modelcarve.runtime.launch import main
+        from modelcarve.commands.worker import main
 
         return main([command, json.dumps(payload)])
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}", f"--master-port={port}",
-        "-m", "modelcarve.runtime.launch", command, json.dumps(payload),
+        "-m", "modelcarve.commands.worker", command, json.dumps(payload),
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -43,8 +43,8 @@ def serve_options_from_args(args: argparse.Namespace) -> dict:
 
 
 def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) -> int:
-    from modelcarve.plan.search import search
-    from modelcarve.plan.serve_goal import contrasts
+    from modelcarve.plan.search import nothing_qualifies, search
+    from modelcarve.plan.serve_why import contrasts
 
     options = serve_options_from_args(args)
     plan = search(model, cluster, args.goal, top=top, **options)
@@ -52,8 +52,6 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     if getattr(args, "json", False):
         print(json.dumps(dict(plan, why=why), indent=2, default=str))
     elif not plan["layouts"]:
-        from modelcarve.commands.plan import nothing_qualifies
-
         raise nothing_qualifies(plan, f"no layout of {model.name} qualifies for {args.goal} on {cluster.name}")
     else:
         from modelcarve.report.serve_tables import print_serve_plan

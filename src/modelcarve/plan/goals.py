@@ -25,13 +25,17 @@ or None when the candidate would certainly be accepted with a score ``<= floor``
 bound, cheaper than the score). The search asks it once its top is full, with the top's lowest
 score, for goals without a ``family`` (a pruned candidate's score is never seen).
 
-Goals register themselves here by name; the serving goals live in ``plan/serve_goal.py``.
+The built-in goals are listed here (``train``: plan/train_goal.py; ``serve-latency`` and
+``serve-throughput``: plan/serve_goal.py); the goal modules do not import this one, so the
+registry sits above them. ``register`` adds another (tests, extensions).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
+from modelcarve.plan.serve_goal import SERVE_LATENCY, SERVE_THROUGHPUT
+from modelcarve.plan.train_goal import GOAL as TRAIN
 from modelcarve.spec.errors import ModelcarveError
 
 if TYPE_CHECKING:
@@ -53,7 +57,8 @@ class Goal(Protocol):
     def score(self, result: dict) -> float: ...
 
 
-GOALS: dict[str, Goal] = {}
+GOALS: dict[str, Goal] = {goal.name: goal for goal in (TRAIN, SERVE_LATENCY, SERVE_THROUGHPUT)}
+"""The goals by name: the built-in ones, and any added with ``register``."""
 
 
 def register(goal: Goal) -> Goal:
@@ -62,37 +67,11 @@ def register(goal: Goal) -> Goal:
     return goal
 
 
-BUILTIN_GOAL_MODULES = ("train_goal", "serve_goal")
-"""Modules under modelcarve.plan that register goals when imported."""
-
-
-_builtin_loaded = False
-
-
-def _load_builtin() -> None:
-    # Imported here, not at module top, so goal modules can import this one to register. Loaded
-    # once, whatever is registered already (importing one goal module must not hide the others).
-    global _builtin_loaded
-    if _builtin_loaded:
-        return
-    _builtin_loaded = True
-    import importlib
-
-    for module in BUILTIN_GOAL_MODULES:
-        try:
-            importlib.import_module(f"modelcarve.plan.{module}")
-        except ModuleNotFoundError as err:  # a goal module not written yet in this checkout
-            if err.name != f"modelcarve.plan.{module}":
-                raise
-
-
 def get_goal(name: str) -> Goal:
-    _load_builtin()
     if name not in GOALS:
         raise ModelcarveError(f"unknown goal {name!r}; known goals: {', '.join(sorted(GOALS))}")
     return GOALS[name]
 
 
 def goal_names() -> list[str]:
-    _load_builtin()
     return sorted(GOALS)

@@ -19,8 +19,9 @@ finalists go through ``evaluate``; the others are evaluated in full. A screen wi
 (goals.py) is asked, once the top is full, to screen a candidate only if it can beat the
 ``top``-th score so far: it may answer None instead, for a candidate it proves would be accepted
 with a score no higher (the search's answer is then the same as without asking; the candidate
-counts as evaluated, since it was screened). This module also holds the
-shared helpers that factorise a device count over mesh axes.
+counts as evaluated, since it was screened). ``nothing_qualifies`` words the one-line error
+for a search without a winner. The helpers that factorise a device count over mesh axes are
+plan/factors.py's.
 """
 
 from __future__ import annotations
@@ -28,53 +29,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
+from modelcarve.plan.factors import divisors, factorizations  # noqa: F401 - re-exported for the search's callers
 from modelcarve.plan.goals import get_goal
 from modelcarve.spec.errors import ModelcarveError
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
     from modelcarve.spec.model import ModelSpec
-
-
-# --- factorisation helpers ---------------------------------------------------------------------
-def divisors(n: int) -> list[int]:
-    """All positive divisors of ``n``, ascending."""
-    if n < 1:
-        return []
-    small, large = [], []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d * d != n:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
-
-
-def factorizations(n: int, num_axes: int, allowed: Sequence[Sequence[int] | None] = ()) -> Iterator[tuple[int, ...]]:
-    """Every ordered tuple of ``num_axes`` positive integers whose product is ``n``.
-
-    ``allowed[i]`` (optional) restricts axis ``i`` to those values; the last axis takes what is
-    left, so it is checked rather than enumerated."""
-    allowed = list(allowed) + [None] * (num_axes - len(allowed))
-
-    def rec(rest: int, axis: int) -> Iterator[tuple[int, ...]]:
-        if axis == num_axes - 1:
-            if allowed[axis] is None or rest in allowed[axis]:
-                yield (rest,)
-            return
-        for d in divisors(rest):
-            if allowed[axis] is not None and d not in allowed[axis]:
-                continue
-            for tail in rec(rest // d, axis + 1):
-                yield (d,) + tail
-
-    if num_axes < 1:
-        raise ValueError("num_axes must be at least 1")
-    yield from rec(n, 0)
 
 
 # --- the search --------------------------------------------------------------------------------
@@ -170,3 +133,12 @@ def _full(goal, model, cluster, top: int, options: dict) -> dict:
     accepted.sort(key=goal.score, reverse=True)
     alternatives = sorted(best_rejected.values(), key=goal.score, reverse=True)
     return {"layouts": accepted[:top], "rejected": rejected, "evaluated": evaluated, "alternatives": alternatives}
+
+
+def nothing_qualifies(result: dict, headline: str) -> ModelcarveError:
+    """The one-line error for a search with no winner: counts per reason and the closest miss."""
+    reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
+    closest = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
+    return ModelcarveError(
+        f"{headline} ({result['evaluated']} evaluated: {reasons})" + (f"; the closest: {closest}" if closest else "")
+    )

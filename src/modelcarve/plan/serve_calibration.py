@@ -117,12 +117,13 @@ def fit_decode_constants(path: str | Path, *, grid: int = 41) -> dict:
     At batch 1 a decode step is ``read / (hbm x eff) + layers x overhead + all-reduces x
     max(floor, algorithmic all-reduce) + logits gather``; the pieces that do not depend on the
     three constants are taken from the planner itself, then a grid over the constants is searched."""
+    from modelcarve.plan import serve_rates as fitted
     from modelcarve.plan import serve_time as st
 
-    saved = (st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S)
+    saved = (fitted.DECODE_HBM_EFFICIENCY, fitted.LAYER_OVERHEAD_S, fitted.ALLREDUCE_FLOOR_S)
     pieces = []
     try:
-        st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S = 1.0, 0.0, 0.0
+        fitted.DECODE_HBM_EFFICIENCY, fitted.LAYER_OVERHEAD_S, fitted.ALLREDUCE_FLOOR_S = 1.0, 0.0, 0.0
         _clear_caches()
         for row in load_published(path):
             if (row.get("role") or "check") != "fit":
@@ -146,7 +147,7 @@ def fit_decode_constants(path: str | Path, *, grid: int = 41) -> dict:
                 per_ar = (parts["tp"] - gather) / count
             pieces.append((parts["memory"], model.num_layers, count, per_ar, gather, float(row["value"]) / 1e3))
     finally:
-        st.DECODE_HBM_EFFICIENCY, st.LAYER_OVERHEAD_S, st.ALLREDUCE_FLOOR_S = saved
+        fitted.DECODE_HBM_EFFICIENCY, fitted.LAYER_OVERHEAD_S, fitted.ALLREDUCE_FLOOR_S = saved
         _clear_caches()
     import math
 

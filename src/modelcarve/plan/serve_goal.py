@@ -20,109 +20,34 @@ Candidates: every ``tp x pp x dp`` factorisation of the cluster (``dp`` = replic
 
 Every result says which mesh axis crosses a node boundary and what it adds to each token, and
 carries the quality note of its weight and KV dtypes (``plan.quant``).
+
+This module owns the candidates and the goal objects (screen and full evaluation); the options
+are read in plan/serve_options.py, the throughput goal's batch is chosen in plan/serve_batch.py,
+its pruning is plan/serve_prune.py, and why the winner beats each other shape is
+plan/serve_why.py. plan/goals.py lists the two goals for the search.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 
-from modelcarve.plan import goals
+from modelcarve.plan.factors import divisors
 from modelcarve.plan.quant import QUALITY_SHORT, quality_note
-from modelcarve.plan.search import divisors
-from modelcarve.plan.serve_memory import MOE_IMBALANCE, GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve_batch import _largest_batch
+from modelcarve.plan.serve_context import _context
+from modelcarve.plan.serve_memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve_options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
 from modelcarve.plan.serve_prune import prune
-from modelcarve.plan.serve_time import ServeTime, _context, _ensure_prefill, _rates, _serve_time, _step_slope, decode_tpot_s
-from modelcarve.spec.errors import LayoutError, ModelcarveError
+from modelcarve.plan.serve_time import ServeTime, _ensure_prefill, _rates, _serve_time, decode_tpot_s
+from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 
-WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
-KV_DTYPES = ("bf16", "fp8")
-MAX_BATCH = 1024
-"""Largest batch per replica the throughput goal considers (a typical max_num_seqs ceiling)."""
-
 _QUALITY_RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "int8": 3, "int4": 4}
-
-_INF = float("inf")
 
 FIT = "does not fit in memory"
 TTFT = "TTFT above the bound"
 TPOT = "TPOT above the bound"
 INVALID = "invalid layout"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServeOptions:
-    """The request shape and service bounds a serving plan is made for."""
-
-    input_len: int = 2048
-    output_len: int = 256
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    batch: int | None = None
-    """Fixed sequences in flight per replica; None: 1 for latency, chosen for throughput."""
-    weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES
-    kv_dtypes: tuple[str, ...] = KV_DTYPES
-    max_batch: int = MAX_BATCH
-    load_imbalance: float = MOE_IMBALANCE
-    """Busiest expert-parallel rank's routed tokens over the mean."""
-
-    @property
-    def context(self) -> int:
-        return self.input_len + self.output_len
-
-
-def _split(value, default: tuple[str, ...]) -> tuple[str, ...]:
-    if value is None:
-        return default
-    if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
-    return tuple(value)
-
-
-def serve_options(**options) -> ServeOptions:
-    """Read the serving options out of the search's keyword options (others are ignored)."""
-
-    def num(name, cast, minimum):
-        value = options.get(name)
-        if value is None:
-            return None
-        try:
-            value = cast(value)
-        except (TypeError, ValueError):
-            raise ModelcarveError(f"--{name.replace('_', '-')}={value!r} is not a number") from None
-        if value < minimum:
-            raise ModelcarveError(f"--{name.replace('_', '-')}={value} must be at least {minimum}")
-        return value
-
-    input_len = num("input_len", int, 1) or 2048
-    output_len = num("output_len", int, 1) or 256
-    ttft_ms = num("ttft_ms", float, 0.001)
-    tpot_ms = num("tpot_ms", float, 0.001)
-    batch = num("batch", int, 1)
-    opts = ServeOptions(
-        input_len=input_len,
-        output_len=output_len,
-        ttft_s=ttft_ms / 1e3 if ttft_ms else None,
-        tpot_s=tpot_ms / 1e3 if tpot_ms else None,
-        batch=batch,
-        weight_dtypes=_split(options.get("weight_dtypes"), WEIGHT_DTYPES),
-        kv_dtypes=_split(options.get("kv_dtypes"), KV_DTYPES),
-        max_batch=num("max_batch", int, 1) or MAX_BATCH,
-        load_imbalance=num("load_imbalance", float, 1.0) or MOE_IMBALANCE,
-    )
-    from modelcarve.plan.quant import KV_FORMATS, WEIGHT_FORMATS
-
-    if not opts.weight_dtypes or not opts.kv_dtypes:
-        raise ModelcarveError("--weight-dtypes and --kv-dtypes need at least one dtype each, e.g. --weight-dtypes bf16,fp8")
-    for name in opts.weight_dtypes:
-        if name not in WEIGHT_FORMATS:
-            raise ModelcarveError(f"weight dtype {name!r} unknown; choose from {', '.join(WEIGHT_FORMATS)}")
-    for name in opts.kv_dtypes:
-        if name not in KV_FORMATS:
-            raise ModelcarveError(f"KV dtype {name!r} unknown; choose from {', '.join(KV_FORMATS)}")
-    return opts
 
 
 def _tp_values(model, n: int) -> list[int]:
@@ -171,110 +96,6 @@ def _layout_dict(layout: Layout) -> dict:
 
 def _name(layout: Layout) -> str:
     return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
-
-
-def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple[int, tuple]:
-    """Largest batch in 1..max_b meeting both bounds (TPOT and TTFT grow with the batch), or 1
-    if none does, with its ``_rates``.
-
-    A batch ``b`` runs ``min(pp, b)`` micro-batches of ``q = ceil(b / micro)`` sequences, so all
-    the batches of one *band* ``(q - 1) pp < b <= q pp`` share one decode step and differ only in
-    arithmetic on it. The search is over bands, one decode-step evaluation each, starting from
-    the largest: Newton's method on the bounds' slack at a band's first batch, aimed with the
-    step's slopes (``_step_slope``: attention, element-wise traffic and collectives are affine in
-    the batch, the GEMMs affine on either side of their roofline, so the aim lands on the answer
-    or next to it), kept inside the bracket of bands known to pass and to fail, bisecting if it
-    stalls; then a bisection inside the last passing band, with no further step evaluations.
-    A band passes or fails on the exact figures (the same operations as ``_rates``), or fails
-    without an evaluation when the step's proven growth (``_step_slope``) already breaks a bound
-    with a margin; the slopes only choose which band to try next, so a poor aim costs
-    evaluations, never a different batch (given, as any bracketing search assumes, that the
-    bounds' slack falls with the batch; tests/test_serve_speed.py compares with trying every
-    batch). Typically 2-3 decode-step evaluations per layout, where trying every batch takes
-    max_b."""
-    if c.prefill_s < 0:
-        _ensure_prefill(c)
-    pp = c.pp
-    prefill = c.prefill_s
-    drain = c.input_len * c.prefill_token_s  # prefill seconds one sequence adds, before sharing
-    out = c.output_len
-    per_pp = drain / pp / out  # a sequence's prefill share of each token once pp micro-batches run
-    if prefill > ttft_bound:  # even one sequence alone misses the TTFT bound
-        round_s = pp * _step_slope(c, 1)[0]
-        return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
-    top = -(-max_b // (pp if pp < max_b else max_b))
-    lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
-    step, slope, other, other_slope, grows = _step_slope(c, top)
-    round_s = pp * step
-    per_seq = drain / (pp if pp < max_b else max_b) / out
-    if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
-        return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
-    lo_round = 0.0
-    tries = 0
-    rise_pp = pp * per_pp  # what each band adds to TPOT through the prefill share
-    # A band that a lower bound proves to fail needs no evaluation; the margin covers rounding.
-    tpot_over, ttft_over = tpot_bound * (1 + 1e-12), ttft_bound * (1 + 1e-12)
-    while True:
-        b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
-        per_seq = drain / (pp if pp < b else b) / out
-        tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
-        if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
-            lo, lo_round = q, round_s
-            if grows >= 0 and q + 1 < hi:
-                # The next band's round is at least this one's plus what the step surely grows
-                # by (see _step_slope).
-                least = round_s + pp * grows
-                if least + q * rise_pp > tpot_over or prefill + least > ttft_over:
-                    hi = q + 1
-        else:
-            hi = q
-        if hi - lo <= 1:
-            break
-        tries += 1
-        nq = (lo + hi) // 2 if lo else (hi + 1) // 2
-        if tries <= 6:
-            # Where each bound is met on the tangent of each roofline side; the step is the
-            # larger side, so the answer is the nearest of the two sides' crossings.
-            ttft_slack = ttft_bound - (prefill + round_s)
-            aim = _INF
-            d = pp * slope + rise_pp
-            if d > 0:
-                aim = q + tpot_slack / d
-            if slope > 0:
-                x = q + ttft_slack / (pp * slope)
-                if x < aim:
-                    aim = x
-            gap = pp * (other - step)  # the other side's round minus the actual round (<= 0)
-            d = pp * other_slope + rise_pp
-            if d > 0:
-                x = q + (tpot_slack - gap) / d
-                if x < aim:
-                    aim = x
-            if other_slope > 0:
-                x = q + (ttft_slack - gap) / (pp * other_slope)
-                if x < aim:
-                    aim = x
-            if aim == aim:  # not NaN
-                nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
-        q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
-        step, slope, other, other_slope, grows = _step_slope(c, q)
-        round_s = pp * step
-    if lo == 0:
-        round_s = pp * _step_slope(c, 1)[0] if q != 1 else round_s
-        return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
-    # Inside band lo every batch shares its round: bisect on the arithmetic alone.
-    round_s = lo_round
-    b_lo, b_hi = (1 if lo == 1 else (lo - 1) * pp + 1), min(lo * pp, max_b)
-    while b_lo < b_hi:
-        mid = (b_lo + b_hi + 1) // 2
-        per_seq = drain / (pp if pp < mid else mid) / out
-        if tpot_bound - (round_s + (mid - 1) * per_seq) >= 0 and ttft_bound - (prefill + round_s) >= 0:
-            b_lo = mid
-        else:
-            b_hi = mid - 1
-    per_seq = drain / (pp if pp < b_lo else b_lo) / out
-    ttft = prefill + (round_s if b_lo > 1 else 0.0)
-    return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
 
 
 class _ServeGoal:
@@ -516,71 +337,9 @@ class _ServeGoal:
         return out
 
 
-SERVE_LATENCY = goals.register(
-    _ServeGoal("serve-latency", "minimise time per output token at low concurrency, subject to fitting and a TTFT bound", latency=True)
+SERVE_LATENCY = _ServeGoal(
+    "serve-latency", "minimise time per output token at low concurrency, subject to fitting and a TTFT bound", latency=True
 )
-SERVE_THROUGHPUT = goals.register(
-    _ServeGoal("serve-throughput", "maximise output tokens/s per device subject to TTFT and TPOT bounds, choosing the batch", latency=False)
+SERVE_THROUGHPUT = _ServeGoal(
+    "serve-throughput", "maximise output tokens/s per device subject to TTFT and TPOT bounds, choosing the batch", latency=False
 )
-
-
-# --- why the winner wins ----------------------------------------------------------------------
-def family(layout: Layout, cluster) -> str:
-    """The shape of a layout in words: which axis carries the model, and whether it leaves a node."""
-    per_node = cluster.devices_per_node
-    if layout.tp > per_node:
-        return "TP across nodes"
-    if layout.pp > 1 and layout.tp * layout.pp * layout.dp > per_node and layout.tp * layout.dp < cluster.num_devices:
-        shape = "PP across nodes"
-    elif layout.pp > 1:
-        shape = "PP inside a node"
-    elif layout.tp > 1:
-        shape = "TP inside a node"
-    else:
-        shape = "replicas only"
-    return shape + (" + EP" if layout.ep > 1 else "")
-
-
-def contrasts(model, cluster, goal_name: str, winner: dict, **options) -> list[dict]:
-    """The best layout of every other shape (same weight and KV dtypes as the winner), and what
-    it loses against the winner, in words: the "why" of a plan."""
-    goal = goals.get_goal(goal_name)
-    screen = goal.prepare(model, cluster, **options)
-    wl = winner["layout"]
-    best: dict[str, tuple[float, Layout, str | None]] = {}
-    for layout in goal.candidates(model, cluster, **options):
-        if layout.weight_dtype != wl["weight_dtype"] or layout.kv_dtype != wl["kv_dtype"]:
-            continue
-        score, _, reason = screen(layout)
-        shape = family(layout, cluster)
-        held = best.get(shape)
-        if held is None or score > held[0]:
-            best[shape] = (score, layout, reason)
-    winner_shape = family(Layout.from_dict(wl), cluster)
-    out = []
-    metric = "tpot_s" if goal.latency else "tokens_per_s_per_device"
-    for shape, (score, layout, reason) in sorted(best.items(), key=lambda kv: -kv[1][0]):
-        if shape == winner_shape:
-            continue
-        result = goal.evaluate(model, cluster, layout, **options)
-        serve = result.get("serve") or {}
-        if result["fits"] and serve:
-            mine, theirs = winner["serve"][metric], serve[metric]
-            if goal.latency:
-                verdict = f"TPOT {theirs * 1e3:.2f} ms vs {mine * 1e3:.2f} ms ({theirs / mine:.1f}x slower)"
-            else:
-                verdict = f"{theirs:,.0f} vs {mine:,.0f} tokens/s per device ({mine / max(theirs, 1e-9):.1f}x less)"
-            why = "; ".join(w for w in result["warnings"] if not w.startswith("quality") and not w.startswith("one model copy"))
-            if not why:
-                why = (
-                    f"decode is {serve['bound']}-bound at batch {serve['batch']}: each device reads "
-                    f"{serve['weights_read_bytes'] / 1e9:.2f} GB of weights per step "
-                    f"(winner: {winner['serve']['weights_read_bytes'] / 1e9:.2f} GB at batch {winner['serve']['batch']})"
-                )
-            if result.get("reject_reason"):
-                why = result["reject_reason"]
-        else:
-            verdict = "does not qualify"
-            why = result.get("reject_reason") or reason or "rejected"
-        out.append({"shape": shape, "name": result["name"], "verdict": verdict, "why": why})
-    return out

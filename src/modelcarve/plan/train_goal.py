@@ -25,8 +25,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Iterator
 
-from modelcarve.plan.goals import register
-from modelcarve.plan.search import divisors
+from modelcarve.plan.factors import divisors
 from modelcarve.plan.train_model import FIELDS, TrainCostModel, TrainOptions
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
@@ -227,4 +226,4 @@ def candidate_layout(candidate: tuple, global_batch: int, seq: int) -> Layout:
     return Layout(**dict(zip(FIELDS, candidate)), gbs=global_batch, seq=seq)
 
 
-GOAL = register(TrainGoal())
+GOAL = TrainGoal()

@@ -35,7 +35,7 @@ from modelcarve.plan.efficiency import memory_bound_time_s
 from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
-    from modelcarve.plan.train_model import TrainCostModel
+    from modelcarve.plan.train_context import TrainCost
 
 FLASH_EFFICIENCY = 0.85
 """Flash attention's throughput relative to a plain GEMM of the same shape (FlashAttention-2
@@ -44,7 +44,7 @@ FLASH_BACKWARD = 2.5
 """Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
 
 
-def layer_cost(cost: "TrainCostModel", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
                etp: int = 0) -> dict:
     """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp)."""
     m, o, dev = cost.model, cost.options, cost.device

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.train_states import FRAGMENTATION, GIB
 
 if TYPE_CHECKING:
-    from modelcarve.plan.train_model import TrainCostModel
+    from modelcarve.plan.train_context import TrainCost
     from modelcarve.spec.layout import Layout
 
 
-def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, peak: float, worst: str,
+def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: float, worst: str,
                  inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, p2p_total: float, step: float,
                  tokens_per_s: float) -> dict:
     """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
@@ -144,12 +144,12 @@ def build_report(cost: "TrainCostModel", cand: tuple, prof: dict, d: dict, *, pe
     }
 
 
-def _headroom_words(cost: "TrainCostModel") -> str:
+def _headroom_words(cost: "TrainCost") -> str:
     r = cost.options.memory_headroom
     return f", and {r:.0%} of the device left free as headroom" if r else ""
 
 
-def _warnings(cost: "TrainCostModel", layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
+def _warnings(cost: "TrainCost", layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
     """Sentences about what this layout spends its step on, when it is worth saying."""
     cl = cost.cluster
     per_node = cl.fast_domain  # the NVLink domain: the node, or an NVL72 rack

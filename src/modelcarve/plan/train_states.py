@@ -37,7 +37,7 @@ from modelcarve.plan.efficiency import memory_bound_time_s
 from modelcarve.spec.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
-    from modelcarve.plan.train_model import TrainCostModel
+    from modelcarve.plan.train_context import TrainCost
 
 GIB = 2**30
 MIB = 2**20
@@ -122,7 +122,7 @@ def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", gr
     return (p + g + o) / n
 
 
-def dp_traffic(cost: "TrainCostModel", prof: dict, cand: tuple) -> dict:
+def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     """Data-parallel collectives of the stage with the most parameters: seconds and bytes
     (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
     it is shared by every micro-batch size and recomputation mode."""

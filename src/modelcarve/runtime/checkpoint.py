@@ -211,7 +211,7 @@ def _slices_for(chunk: nn.Module, fqn: str, param: torch.Tensor, full_shape: lis
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from modelcarve.runtime.parallelize import shards_of
+    from modelcarve.runtime.shards import shards_of
 
     start = [0] * len(full_shape)
     length = list(full_shape)
@@ -256,7 +256,7 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
             if hasattr(mod, "init_buffers"):
                 mod.init_buffers()
         try:
-            from modelcarve.runtime.pipeline_split import tied_copy_names
+            from modelcarve.runtime.shards import tied_copy_names
 
             tied = tied_copy_names(chunk)
         except ImportError:

@@ -17,7 +17,7 @@ plain all-reduce DP, ZeRO-1, FSDP2 (ZeRO-3) and HSDP.
 * zero=2 is refused by parallelize.check_runtime.
 
 A parameter whose gradient must be summed over another group than ``dp_cp`` (e.g. experts over
-the expert-data-parallel group) is registered with ``record_grad_group(chunk, fqn, group)``.
+the expert-data-parallel group) is registered with shards.py's ``record_grad_group``.
 
 Also here: the global gradient norm (correct over every axis) and clipping.
 """
@@ -32,12 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from modelcarve.runtime.mesh import axis_group, axis_size, merged_mesh
-from modelcarve.runtime.parallelize import partial_grads_of, shards_of
-
-
-def record_grad_group(chunk: nn.Module, fqn: str, group) -> None:
-    """Sum this parameter's gradient over ``group`` instead of the dp x cp group (zero 0/1)."""
-    chunk.__dict__.setdefault("_mc_grad_group", {})[fqn] = group
+from modelcarve.runtime.shards import grad_groups_of, partial_grads_of, shards_of, tied_copy_names
 
 
 def _dp_mesh(mesh, layout):
@@ -85,7 +80,7 @@ def reduce_gradients(chunks: list[nn.Module], mesh, layout) -> None:
     default = axis_group(mesh, "dp_cp")
     buckets: dict = {}
     for chunk in chunks:
-        overrides = chunk.__dict__.get("_mc_grad_group", {})
+        overrides = grad_groups_of(chunk)
         for fqn, p in chunk.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -113,7 +108,7 @@ def build_optimizer(chunks: list[nn.Module], mesh, layout, **adamw) -> torch.opt
         # parameters reduced over another group (EP experts: expert-dp) partition their state over it
         by_group: dict = {}
         for chunk in chunks:
-            overrides = chunk.__dict__.get("_mc_grad_group", {})
+            overrides = grad_groups_of(chunk)
             for fqn, p in chunk.named_parameters():
                 g = overrides.get(fqn, group)
                 by_group.setdefault(id(g), (g, []))[1].append(p)
@@ -168,8 +163,6 @@ def grad_norm(chunks: list[nn.Module], mesh, layout) -> torch.Tensor:
     for chunk in chunks:
         copies = set()
         if layout.pp > 1:  # a tied LM head's copy of the embedding (pipeline.py) is not counted twice
-            from modelcarve.runtime.pipeline_split import tied_copy_names
-
             copies = set(tied_copy_names(chunk))
         for fqn, p in chunk.named_parameters():
             if p.grad is None or fqn in copies:

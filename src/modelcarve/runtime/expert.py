@@ -1,8 +1,10 @@
-"""Expert parallelism (and expert tensor parallelism) for the MoE blocks of the reference model.
+"""Expert parallelism for the MoE blocks of the reference model: groups, all-to-all dispatch, options, stats.
 
 Hand-written on ``torch.distributed.all_to_all_single``: PyTorch has no MoE token dispatcher,
 and the expert weights stay plain local tensors so TP, the pipeline and FSDP/DDP see ordinary
-parameters (their shards are declared through parallelize.py's ``record_shard``).
+parameters (their shards are declared through shards.py's ``record_shard``). Expert tensor
+parallelism (expert TP = TP, spec/layout.py: each expert's ``w1/w3`` split by columns and ``w2``
+by rows over ``tp``) is tensor.py's, applied before this module runs.
 
 Groups (spec/layout.py): the EP group is carved from the ``dp x cp`` ranks with the same pp and
 tp coordinates. With ``f = dp_i * cp + cp_i`` (0 .. dp*cp-1), the EP group holds the ranks with
@@ -21,13 +23,6 @@ One MoE forward under EP (``AllToAllDispatcher``), after the local router has gr
    (token, choice) slots and sums with the routing weights, in the original token order.
 
 Both all-to-alls are autograd functions whose backward is the reverse all-to-all.
-
-Expert tensor parallelism (expert TP = TP, spec/layout.py): tensor.py calls
-``MoE.apply_tensor_parallel``, which lands in ``shard_experts_tp`` below: each expert's (and the
-shared expert's) ``w1/w3`` are split by columns and ``w2`` by rows over ``tp``; the router is
-replicated (its gradient is a partial sum per rank, all-reduced like tensor.py's other partial
-gradients), the block enters/leaves the TP region once (all-reduce, or all-gather/reduce-scatter
-with sp) like a dense MLP.
 
 Gradient normalisation (train.py's contract: each rank back-propagates its token-loss sum
 divided by the global token count, and gradients are SUMMED over the ranks holding a copy): an
@@ -54,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelcarve.runtime.moe import in_backward
+from modelcarve.runtime.moe import MoE, in_backward
+from modelcarve.runtime.shards import record_grad_group, record_shard
 from modelcarve.spec.errors import LayoutError
 
 # --- autograd all-to-all ----------------------------------------------------------------
@@ -165,8 +161,6 @@ def expert_groups(mesh, layout) -> dict:
 
 def moe_blocks(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     """(FQN, MoE) pairs of a model chunk, FQNs as in the unsplit model's state dict."""
-    from modelcarve.runtime.moe import MoE
-
     return [(name, mod) for name, mod in chunk.named_modules() if isinstance(mod, MoE)]
 
 
@@ -196,9 +190,6 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
     groups = expert_groups(mesh, layout)
     if layout.ep > 1 and layout.zero == 3:
         chunk.__dict__["_mc_expert_mesh"] = groups["edp_mesh"]
-    from modelcarve.runtime.data_parallel import record_grad_group
-    from modelcarve.runtime.parallelize import record_shard
-
     for fqn, moe in blocks:
         if layout.ep > 1:
             shard_experts_ep(moe, groups["ep_group"])
@@ -216,38 +207,6 @@ def shard_experts_ep(moe: nn.Module, group) -> None:
         _slice_param(moe.experts, name, 0, rank, ep)
     moe.experts.num_experts = moe.num_experts // ep
     moe.dispatcher = AllToAllDispatcher(group, ep, rank, moe.num_experts)
-
-
-def shard_experts_tp(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: bool) -> None:
-    """Expert tensor parallelism over ``group`` (called by tensor.py through MoE.apply_tensor_parallel)."""
-    from modelcarve.runtime.parallelize import record_partial_grad, record_shard
-    from modelcarve.runtime.tensor import enter_region, leave_region
-
-    t, r = dist.get_world_size(group), dist.get_rank(group)
-    spec = chunk.spec
-    if spec.expert_ffn_size % t:
-        raise LayoutError(f"tp={t} does not divide the expert ffn size {spec.expert_ffn_size}; choose tp dividing it")
-    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-        _slice_param(moe.experts, name, dim, r, t)
-        record_shard(chunk, f"{fqn}.experts.{name}", group, dim)
-    shared = moe.shared_experts
-    if shared is not None:
-        if any(getattr(shared, name).bias is not None for name in ("w1", "w3", "w2")):
-            raise LayoutError(f"{fqn}: tensor parallelism of shared experts with MLP biases is not supported; use tp=1")
-        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-            _slice_param(getattr(shared, name), "weight", dim, r, t)
-            record_shard(chunk, f"{fqn}.shared_experts.{name}.weight", group, dim)
-    record_partial_grad(chunk, f"{fqn}.router.weight", group)
-    moe.aux_grad_share = 1.0 / t  # every TP rank injects the same aux gradient; the all-reduce sums them
-
-    def enter(module, args):
-        return (enter_region(args[0], group, sp),)
-
-    def leave(module, args, out):
-        return leave_region(out, group, sp)
-
-    moe.register_forward_pre_hook(enter)
-    moe.register_forward_hook(leave)
 
 
 def configure_moe(chunks: list[nn.Module], layout=None, mesh=None, *, capacity_factor: float | None = None,

@@ -1,10 +1,12 @@
-"""What each rank runs under torchrun for ``modelcarve run`` and ``modelcarve verify``.
+"""A rank's life under torchrun: join the group, run one worker, fail in one line; and the run worker.
 
     torchrun --nproc-per-node 4 -m modelcarve.runtime.launch run '{"model": "tiny-llama", "layout": "tp=2,dp=2", "steps": 10}'
-    torchrun --nproc-per-node 2 -m modelcarve.runtime.launch verify '{"model": "tiny-llama", "layout": "tp=2", "report": "/tmp/r.json"}'
 
-``modelcarve run/verify`` (commands/run.py) validate the layout, then start torchrun with this
-module (or call ``main`` directly when already under torchrun). Rank 0 draws the progress bar,
+``main(argv, workers)`` runs the worker named by ``argv[0]`` with the JSON arguments of
+``argv[1]``; this module's own worker is ``run`` (``run_worker``: build the parallel model, train,
+report). ``modelcarve run/verify`` (commands/run.py) validate the layout, then start torchrun
+with commands/worker.py, which adds the ``verify`` worker (verify.py sits above the runtime, so
+this module never imports it). Rank 0 draws the progress bar,
 prints the memory table and writes the JSON report (``report`` key). A failure on any rank
 prints one line naming the rank and the error and exits 1; a rank that dies makes the others
 fail at their next collective within the collective timeout (``timeout_s``).
@@ -153,12 +155,14 @@ def _lost_peer(err: Exception) -> bool:
     return any(k in text for k in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "gloo"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, workers: dict | None = None, prog: str = "modelcarve.runtime.launch") -> int:
+    """Run ``workers[argv[0]](args)`` on this rank (default: ``{"run": run_worker}``); 0, or 1 on failure."""
     from modelcarve.runtime.mesh import destroy, init_distributed
 
+    workers = workers or {"run": lambda args: run_worker(**args)}
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] not in ("run", "verify"):
-        sys.stderr.write("usage: python -m modelcarve.runtime.launch {run|verify} '<json arguments>'\n")
+    if len(argv) != 2 or argv[0] not in workers:
+        sys.stderr.write(f"usage: python -m {prog} {{{'|'.join(workers)}}} '<json arguments>'\n")
         return 2
     command, args = argv[0], json.loads(argv[1])
     timeout_s = float(args.pop("timeout_s", 120))
@@ -166,16 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         init_distributed(timeout_s)
-        if command == "run":
-            run_worker(**args)
-        else:
-            from modelcarve.verify import verify_worker
-
-            report_path = args.pop("report", None)
-            report = verify_worker(**args)
-            if report is not None and report_path:
-                with open(report_path, "w") as f:
-                    json.dump(report, f, indent=2)
+        workers[command](args)
     except Exception as err:  # one line per failing rank; the full trace only with MODELCARVE_DEBUG
         rank = os.environ.get("RANK", "?")
         text = " ".join(str(err).split())

@@ -64,7 +64,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     if missing:
         raise ModelcarveError(
             f"not started by torchrun: {', '.join(missing)} unset; launch with "
-            "`modelcarve run ...` or `torchrun --nproc-per-node N -m modelcarve.runtime.launch ...`"
+            "`modelcarve run ...` or `torchrun --nproc-per-node N -m modelcarve.commands.worker run ...`"
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -4,7 +4,8 @@ Every layout is checked against this model, and each parallelism is applied to i
 module (tensor.py, pipeline.py, expert.py, context.py, data_parallel.py) without editing this
 file: this file never imports torch.distributed. It computes what Hugging Face's llama,
 mistral, qwen2, qwen3, gpt2 and deepseek_v3 (MLA) models compute on the same weights
-(tests/test_runtime_checkpoint.py compares logits); MoE blocks come from moe.py.
+(tests/test_runtime_checkpoint.py compares logits); MoE blocks come from moe.py, the dense MLP
+from mlp.py. It imports no module of the runtime but those two.
 
 Structure (torchtitan-like, so parallelisms can find their pieces by name)::
 
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelcarve.runtime.mlp import FeedForward
+from modelcarve.runtime.moe import MoE
 from modelcarve.spec.model import ModelSpec
 
 INIT_STD = 0.02
@@ -57,16 +60,6 @@ def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
     if spec.norm_kind == "layernorm":
         return nn.LayerNorm(dim, eps=spec.norm_eps)
     return RMSNorm(dim, spec.norm_eps)
-
-
-def _activation(name: str):
-    if name in ("silu", "swish"):
-        return F.silu
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name.startswith("gelu"):
-        return F.gelu
-    raise ValueError(f"activation {name!r} is not supported")
 
 
 # --- rotary embeddings ------------------------------------------------------------------
@@ -190,25 +183,7 @@ class MLAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-# --- MLP and block ----------------------------------------------------------------------
-
-
-class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or a GELU MLP (w2(gelu(w1 x)))."""
-
-    def __init__(self, spec: ModelSpec, ffn_size: int | None = None):
-        super().__init__()
-        h, size = spec.hidden_size, ffn_size or spec.ffn_size
-        self.swiglu = spec.ffn_kind == "swiglu"
-        self.act = _activation(spec.activation)
-        self.w1 = nn.Linear(h, size, bias=spec.mlp_bias)
-        self.w3 = nn.Linear(h, size, bias=spec.mlp_bias) if self.swiglu else None
-        self.w2 = nn.Linear(size, h, bias=spec.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
-        return self.w2(self.act(self.w1(x)))
+# --- block -------------------------------------------------------------------------------
 
 
 class TransformerBlock(nn.Module):
@@ -221,12 +196,7 @@ class TransformerBlock(nn.Module):
         self.attention = MLAttention(spec) if spec.attention_kind == "mla" else Attention(spec)
         self.ffn_norm = make_norm(spec)
         self.is_moe = spec.is_moe_layer(layer_id)
-        if self.is_moe:
-            from modelcarve.runtime.moe import MoE  # lazy: dense models never need it
-
-            self.feed_forward = MoE(spec)
-        else:
-            self.feed_forward = FeedForward(spec)
+        self.feed_forward = MoE(spec) if self.is_moe else FeedForward(spec)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)

@@ -1,8 +1,8 @@
 """The mixture-of-experts block of the reference model: router, routed SwiGLU experts, shared experts.
 
-Plain PyTorch, no torch.distributed: ``expert.py`` makes it expert-parallel by shrinking
-``experts`` to the local ones and installing a ``dispatcher`` (all-to-all), without touching
-this file (``MoE.apply_tensor_parallel``, which tensor.py calls, hands over to expert.py too).
+Plain PyTorch, no torch.distributed, and no import of the parallel modules: ``expert.py`` makes
+it expert-parallel by shrinking ``experts`` to the local ones and installing a ``dispatcher``
+(all-to-all), and tensor.py splits the experts' matrices over tp, both without touching this file.
 What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the same
 weights (tests/test_moe_layer.py compares logits with transformers).
 
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelcarve.runtime.model import FeedForward, _activation
+from modelcarve.runtime.mlp import FeedForward, activation_fn
 from modelcarve.spec.model import ModelSpec
 
 
@@ -118,7 +118,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, activation: str = "silu"):
         super().__init__()
         self.num_experts = num_experts
-        self.act = _activation(activation)
+        self.act = activation_fn(activation)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size))
@@ -253,12 +253,6 @@ class MoE(nn.Module):
         if self.sequence_sum is not None:
             load = self.sequence_sum(load)
         return e * (load / full * probs.sum(dim=1) / full).sum()
-
-    def apply_tensor_parallel(self, **kwargs) -> None:
-        """Expert TP = TP: tensor.py calls this; the distributed work lives in expert.py."""
-        from modelcarve.runtime.expert import shard_experts_tp  # lazy: this file stays free of torch.distributed
-
-        shard_experts_tp(self, **kwargs)
 
     # --- bookkeeping ---------------------------------------------------------------------
     @torch.no_grad()

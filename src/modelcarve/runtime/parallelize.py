@@ -15,19 +15,9 @@ returns this rank's model chunks (one, or ``virtual_stages`` for an interleaved 
 ``check_runtime(layout, spec, world_size)`` refuses, before any process starts, a layout the
 runtime cannot execute, with the fix in the message.
 
-The shard registry
-------------------
-Every parallelism that changes what a parameter holds records it here, by FQN relative to the
-chunk (FQNs survive FSDP2 wrapping, which replaces the Parameter objects):
-
-* ``record_shard(chunk, fqn, group, dim)``: this rank holds a slice of the full tensor along
-  ``dim``; the slices of the ranks of ``group`` concatenate (in group-rank order) to the whole.
-  Several entries nest (e.g. experts: EP on dim 0, then TP): gathering undoes them last first.
-* ``record_partial_grad(chunk, fqn, group)``: the parameter is replicated over ``group`` but each
-  rank's gradient is a partial sum; the train step all-reduces it over ``group``.
-
-verify.py gathers full tensors, and the train step computes the global gradient norm, from these
-records alone (plus FSDP2's own DTensor placements), so a new parallelism needs nothing else.
+Each parallelism module applies one parallelism and imports none of the others; what one
+changes in a parameter that another (or verify.py, the train step, the checkpoint code) must
+know is recorded in shards.py. This is the only module that brings them together.
 """
 
 from __future__ import annotations
@@ -37,22 +27,6 @@ from torch import nn
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
-
-
-def record_shard(chunk: nn.Module, fqn: str, group, dim: int) -> None:
-    chunk.__dict__.setdefault("_mc_shards", {}).setdefault(fqn, []).append((group, dim))
-
-
-def record_partial_grad(chunk: nn.Module, fqn: str, group) -> None:
-    chunk.__dict__.setdefault("_mc_partial", {}).setdefault(fqn, []).append(group)
-
-
-def shards_of(chunk: nn.Module) -> dict:
-    return chunk.__dict__.get("_mc_shards", {})
-
-
-def partial_grads_of(chunk: nn.Module) -> dict:
-    return chunk.__dict__.get("_mc_partial", {})
 
 
 def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:

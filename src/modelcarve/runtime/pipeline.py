@@ -57,9 +57,8 @@ from modelcarve.runtime.pipeline_split import (
     pipeline_problems,
     split_model,
     stage_ids,
-    tied_copy_names,
-    unwrap,
 )
+from modelcarve.runtime.shards import tied_copy_names, unwrap
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 

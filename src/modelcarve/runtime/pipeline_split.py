@@ -31,12 +31,12 @@ Tied embeddings
 ---------------
 With ``spec.tied_embeddings`` the LM head reuses the token-embedding matrix. When the first and
 the last stage are different chunks, the last chunk gets its own ``output`` Linear holding a
-copy of the embedding weight (as Megatron-LM does) and records it in
-``chunk.tied_copy = {"output.weight": "tok_embeddings.weight"}``. The pipeline runner
+copy of the embedding weight (as Megatron-LM does) and records it (shards.py's
+``record_tied_copy``: ``{"output.weight": "tok_embeddings.weight"}``). The pipeline runner
 (``pipeline.py``) then sums the two gradients over a group made of the first- and last-stage
 ranks after every step, so both copies receive the full gradient and stay equal under any
 optimiser. Gradient-norm code must count the copy once: skip the parameters named by
-:func:`tied_copy_names`. Checkpoint loaders fill ``output.weight`` of such a chunk from
+shards.py's ``tied_copy_names``. Checkpoint loaders fill ``output.weight`` of such a chunk from
 ``tok_embeddings.weight`` (the checkpoint has only one of them).
 
 Memory: chunks share their modules with the input model (no parameter is copied, except the
@@ -50,10 +50,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from modelcarve.runtime.shards import record_tied_copy
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
-
-TIED_COPY_ATTR = "tied_copy"
 
 
 def num_stages(layout: Layout) -> int:
@@ -228,21 +227,10 @@ def _make_chunk(model: nn.Module, keys: list[str], *, first: bool, last: bool) -
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
         head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
         chunk.output = head
-        setattr(chunk, TIED_COPY_ATTR, {"output.weight": "tok_embeddings.weight"})
+        record_tied_copy(chunk, "output.weight", "tok_embeddings.weight")
     return chunk
 
 
 def _is_tied(model: nn.Module) -> bool:
     output, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
     return output is not None and emb is not None and output.weight is emb.weight
-
-
-def unwrap(chunk: nn.Module) -> nn.Module:
-    """The Transformer inside a DDP wrapper (FSDP2 and TP keep the module object itself)."""
-    return chunk.module if isinstance(getattr(chunk, "module", None), nn.Module) and not hasattr(chunk, "layers") else chunk
-
-
-def tied_copy_names(chunk: nn.Module) -> dict[str, str]:
-    """``{fqn of the copy: fqn of the original}`` for tied parameters duplicated onto this chunk
-    (empty for chunks without such a copy); gradient-norm code counts these once."""
-    return dict(getattr(unwrap(chunk), TIED_COPY_ATTR, {}) or {})

@@ -22,6 +22,10 @@ What is sharded over the ``tp`` mesh axis (size t):
   ranks holding different heads. MLA: ``wq``/``wq_b`` and
   ``wkv_b`` column-parallel, ``wq_a``/``wkv_a`` and their norms replicated, ``wo`` row-parallel.
 * MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
+* MoE blocks (expert TP = TP, spec/layout.py): each expert's (and the shared experts') ``w1/w3``
+  split by columns and ``w2`` by rows; the router is replicated (its gradient is a partial sum
+  per rank), the block enters/leaves the TP region once like a dense MLP. Expert parallelism
+  (expert.py) then spreads the experts over the EP group.
 * embedding: vocab-parallel (rows ``[r V/t, (r+1) V/t)``; other ids give zero, then a sum);
   LM head: column-parallel over the vocabulary, its logits stay sharded and go straight into
   ``vocab_parallel_cross_entropy`` (never gathered in training).
@@ -35,7 +39,7 @@ reduce-scatters its partial sums.
 
 Replicated parameters whose gradient is only a partial sum on each rank (qwen3 q/k norms, MLA's
 replicated pieces; with sp also the norms and the row-parallel biases) are registered with
-``record_partial_grad``; the train step all-reduces their gradients over ``tp``.
+``record_partial_grad`` (shards.py); the train step all-reduces their gradients over ``tp``.
 
 Pipeline stages under sp: a stage that does not start with the embedding receives hidden
 states already split along the sequence ([b, s/t, H]) and must be given the full ``positions``
@@ -49,7 +53,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from modelcarve.runtime.model import Attention, FeedForward, MLAttention
+from modelcarve.runtime.mlp import FeedForward
+from modelcarve.runtime.model import Attention, MLAttention
+from modelcarve.runtime.moe import MoE
+from modelcarve.runtime.shards import record_partial_grad, record_shard
 from modelcarve.spec.errors import LayoutError
 
 # --- collectives with autograd ----------------------------------------------------------
@@ -215,6 +222,41 @@ def _shard_column(linear: nn.Linear, rank: int, size: int) -> None:
     linear.out_features = linear.weight.shape[0]
 
 
+def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
+    old = getattr(module, name)
+    piece = old.detach().chunk(parts, dim=dim)[index].clone()
+    setattr(module, name, nn.Parameter(piece, requires_grad=old.requires_grad))
+
+
+def _shard_experts(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: bool) -> None:
+    """Expert tensor parallelism (expert TP = TP) of one MoE block over ``group`` (see module doc)."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    spec = chunk.spec
+    if spec.expert_ffn_size % t:
+        raise LayoutError(f"tp={t} does not divide the expert ffn size {spec.expert_ffn_size}; choose tp dividing it")
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        _slice_param(moe.experts, name, dim, r, t)
+        record_shard(chunk, f"{fqn}.experts.{name}", group, dim)
+    shared = moe.shared_experts
+    if shared is not None:
+        if any(getattr(shared, name).bias is not None for name in ("w1", "w3", "w2")):
+            raise LayoutError(f"{fqn}: tensor parallelism of shared experts with MLP biases is not supported; use tp=1")
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            _slice_param(getattr(shared, name), "weight", dim, r, t)
+            record_shard(chunk, f"{fqn}.shared_experts.{name}.weight", group, dim)
+    record_partial_grad(chunk, f"{fqn}.router.weight", group)
+    moe.aux_grad_share = 1.0 / t  # every TP rank injects the same aux gradient; the all-reduce sums them
+
+    def enter(module, args):
+        return (enter_region(args[0], group, sp),)
+
+    def leave(module, args, out):
+        return leave_region(out, group, sp)
+
+    moe.register_forward_pre_hook(enter)
+    moe.register_forward_hook(leave)
+
+
 def _kv_replica_groups(mesh, t: int, kv: int):
     """For t = kv x r (r > 1) ranks per TP group: (the kv ranks holding different kv heads,
     the r ranks sharing ours). Every rank creates every such group, in the same order
@@ -248,7 +290,6 @@ def _region_hook(group, sp):
 def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
     """Shard ``chunk`` (a Transformer or one pipeline chunk of it) over the ``tp`` axis, in place."""
     from modelcarve.runtime.mesh import axis_group, axis_rank, axis_size
-    from modelcarve.runtime.parallelize import record_partial_grad, record_shard
 
     t = axis_size(mesh, "tp")
     if t == 1:
@@ -326,9 +367,8 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
                 column(ffn.w3, f"{base}.feed_forward.w3")
             row(ffn, "w2", f"{base}.feed_forward.w2")
             hooks.append(ffn)
-        elif hasattr(ffn, "apply_tensor_parallel"):
-            # MoE blocks shard their own experts (expert TP = TP) and say so through the registry
-            ffn.apply_tensor_parallel(chunk=chunk, fqn=f"{base}.feed_forward", group=group, sp=sp)
+        elif isinstance(ffn, MoE):  # expert TP = TP
+            _shard_experts(ffn, chunk=chunk, fqn=f"{base}.feed_forward", group=group, sp=sp)
         else:
             raise LayoutError(f"tensor parallelism does not know the MLP {type(ffn).__name__} of layer {key}")
         if sp:

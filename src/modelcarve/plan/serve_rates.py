@@ -1,0 +1,134 @@
+"""The rates a serving step is built from, per device and link, and the three fitted decode constants.
+
+GEMM efficiency (the training planner's ``matmul_efficiency``, memoised; the decode GEMM's with
+its batch-independent factors computed once), the attention kernels' peak, the dtype GEMMs run
+in on a device, link tiers, the small all-reduce of decode (ring, one-/two-shot, tree, above a
+fitted floor) and the fraction of experts a batch touches. serve_context.py and serve_time.py
+read the fitted constants as ``serve_rates.NAME`` (not copied), because the calibration
+(plan/serve_calibration.py) refits them by assigning here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from modelcarve.plan import comm
+from modelcarve.plan.efficiency import HBM_EFFICIENCY, RAMP_DIM, TILE, matmul_efficiency, peak_fraction
+from modelcarve.spec.hardware import ClusterSpec
+
+DECODE_HBM_EFFICIENCY = 0.80
+"""Achievable fraction of datasheet HBM bandwidth in decode (GEMV weight streaming, paged KV
+attention). One of the three decode constants fitted together (least squares in log error) to
+the eight batch-1 latencies marked ``fit`` in data/serving_published.csv: gpt-fast's Llama-2-7B
+and -70B bf16 tensor-parallel sweep (TP 1-8, A100) and vLLM's Llama-3.1-8B on an A100-40GB;
+RMS error 1.7% (``benchmarks/calibrate_serving.py --fit``). The same value as the STREAM-like
+``plan.efficiency.HBM_EFFICIENCY``; it is kept separate because it is fitted to decode."""
+
+LAYER_OVERHEAD_S = 41e-6
+"""Fixed seconds per layer per decode step on top of the rooflines: the ~10 kernels of a layer
+each cost a few microseconds of launch, tail and synchronisation however little they move
+(CUDA graphs remove the CPU launch, not the GPU-side gaps). Fitted with the other two decode
+constants (see DECODE_HBM_EFFICIENCY); it is what makes TP8 at batch 1 about 3 ms per token for
+a 7B model, not the 1 ms its weight read alone would take."""
+ALLREDUCE_FLOOR_S = 10.5e-6
+"""Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
+flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
+
+_EFF_CACHE: dict[tuple, float] = {}
+_TIER_CACHE: dict[tuple, tuple] = {}
+
+
+def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
+    """Achievable fraction of the ``dtype`` dense peak for an (m x k) @ (k x n) GEMM: the training
+    planner's model (``plan.efficiency.matmul_efficiency``), memoised (a plan asks for the same
+    shapes thousands of times)."""
+    key = (_device_key(device, dtype), m, n, k)
+    eff = _EFF_CACHE.get(key)
+    if eff is None:
+        eff = matmul_efficiency(device, max(1.0, m), max(1.0, n), max(1.0, k), dtype)
+        if len(_EFF_CACHE) > 200_000:
+            _EFF_CACHE.clear()
+        _EFF_CACHE[key] = eff
+    return eff
+
+
+_EFF_BY_SHAPE: dict[tuple, tuple] = {}
+"""Decode GEMM shape -> (efficiency by rows m, ``_eff_parts``)."""
+
+
+def _eff_parts(device, dtype: str, n: int, k: int) -> tuple:
+    """The factors of ``matmul_efficiency(device, m, n, k, dtype)`` that do not depend on ``m``."""
+    return (
+        peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
+        device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 2.0, device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
+    )
+
+
+def _decode_gemm_efficiency(c, m: int) -> float:
+    """``gemm_efficiency(c.device, m, c.n_gemm, hidden, c.compute_dtype)`` (the decode GEMM at
+    ``m >= 1`` rows, or a prefill chunk of ``m`` tokens), with the factors that do not depend on
+    ``m`` computed once per shape (``_eff_parts``): the batch search asks for a new ``m`` at
+    almost every step. The same operations in the same order as
+    ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
+    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k = c.eff_parts
+    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (-(-m // TILE) * TILE)) * pad_n
+    memory_s = elem * (m * k + k * n + m * n) / hbm
+    if memory_s > 2.0 * m * n * k / (peak * eff):
+        eff = 2.0 * m * n * k / (peak * memory_s)
+    return eff
+
+
+def _device_key(device, dtype: str) -> tuple:
+    """What a GEMM's efficiency depends on: a device from a cluster file may reuse a catalogue
+    name with other figures, so the name alone is not a key."""
+    return (device.name, device.hbm_bytes_per_s, device.peak_flops.get(dtype), dtype)
+
+
+_ATTN_PEAK: dict[tuple, float] = {}
+
+
+def _attn_peak(device) -> float:
+    key = _device_key(device, "bf16")
+    peak = _ATTN_PEAK.get(key)
+    if peak is None:
+        peak = _ATTN_PEAK[key] = device.flops("bf16") * peak_fraction(device)
+    return peak
+
+
+def _tier(cluster: ClusterSpec, size: int, inner: int) -> comm.Tier:
+    # Keyed by object identity, with the cluster kept in the entry so the id cannot be reused.
+    key = (id(cluster), size, inner)
+    held = _TIER_CACHE.get(key)
+    if held is None or held[0] is not cluster:
+        held = _TIER_CACHE[key] = (cluster, comm.group_tier(cluster, size, inner))
+    return held[1]
+
+
+def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
+    """All-reduce of a small activation: the cheapest of NCCL's ring, a one-shot / two-shot
+    all-reduce inside a node (every rank reads its peers' buffers through NVSwitch, as vLLM's
+    and TensorRT-LLM's custom all-reduce do: 2 or 4 latency steps instead of 2(n-1)) and a
+    tree across nodes (2 log2 n latency steps)."""
+    if n <= 1:
+        return 0.0
+    ring = comm.all_reduce_s(size_bytes, n, tier)
+    bw = 2.0 * (n - 1) / n * size_bytes / tier.bytes_per_s
+    if tier.name == "intra":
+        one_shot = 2 * tier.latency_s + (n - 1) * size_bytes / tier.bytes_per_s
+        two_shot = 4 * tier.latency_s + bw
+        return max(ALLREDUCE_FLOOR_S, min(ring, one_shot, two_shot))
+    tree = 2 * math.ceil(math.log2(n)) * tier.latency_s + bw
+    return max(ALLREDUCE_FLOOR_S, min(ring, tree))
+
+
+def device_dtype(device, dtype: str) -> str:
+    """The dtype GEMMs really run in on ``device``: fp8 falls back to bf16 where the device has
+    no fp8 tensor cores (A100: fp8 weights are dequantised, W8A16)."""
+    return dtype if dtype in device.peak_flops or dtype == "int4" else "bf16"
+
+
+def experts_touched_fraction(tokens: float, top_k: int, num_experts: int) -> float:
+    """Expected fraction of ``num_experts`` that ``tokens`` tokens routed top-k (uniformly) touch."""
+    if num_experts <= 0:
+        return 0.0
+    return 1.0 - (1.0 - top_k / num_experts) ** tokens
