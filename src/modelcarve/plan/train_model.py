@@ -171,6 +171,7 @@ class TrainCostModel:
         self._states: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
+        self._last_etp = 0
         self._dtype = "bf16"  # compute dtype of the profile being built
         self._last_prof: dict | None = None
         self._params()
@@ -515,13 +516,15 @@ class TrainCostModel:
             if floor > self.capacity:
                 # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
                 return -floor, STATES_DO_NOT_FIT, None
-        pkey = cand[:8] + (etp,)
-        dtype = self.compute_key(cand)
-        if pkey == self._last_pkey and dtype == self._last_dtype:
+        pkey = cand[:8]
+        dtype = cand[12]
+        if dtype == "fp8" and cand[16] == "current":  # compute_key, inlined on the search's hot path
+            dtype = "fp8cs"
+        if pkey == self._last_pkey and dtype == self._last_dtype and etp == self._last_etp:
             prof = self._last_prof
         else:
             prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp)
-            self._last_pkey, self._last_prof, self._last_dtype = pkey, prof, dtype
+            self._last_pkey, self._last_prof, self._last_dtype, self._last_etp = pkey, prof, dtype, etp
         dkey = (zero, dp_shard) + cand[12:]
         d = prof["dp"].get(dkey)
         if d is None:
