@@ -262,7 +262,7 @@ class Layout:
                 values["zero"] = 3
                 values["_hsdp_replicas"] = _int("hsdp", value)
                 continue
-            if key in ("virtual", "v", "vpp"):
+            if key in ("virtual", "v", "vp", "vpp"):
                 key = "virtual_stages"
             if key in ("microbatch", "micro_batch"):
                 key = "mbs"
