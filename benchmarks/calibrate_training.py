@@ -25,7 +25,9 @@ Usage::
    (``fit_modern``): the bf16 peak fractions of B200, GB200 and GB300, the FP8 peak ratio, the
    TP comm-overlap fraction and the MoE per-token bytes; the 16 NeMo 24.07-25.04 rows are held
    out.
-4. Write the table as JSON and as Markdown (docs/calibration_training.md).
+4. Memory: torchtitan's published peak memory (data/training_memory_published.csv), one
+   allocator constant fitted on one row.
+5. Write the table as JSON and as Markdown (docs/calibration_training.md).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from modelcarve.plan import efficiency
 from modelcarve.plan import calibration
-from modelcarve.plan.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases
+from modelcarve.plan.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases, torchtitan_memory_cases
 from modelcarve.plan.search import search
 from modelcarve.plan.train_model import TrainCostModel
 
@@ -193,6 +195,41 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def memory_rows() -> list[dict]:
+    """torchtitan's published peak memory against the prediction (and against Korthikanti-style
+    selective recomputation, what "selective" meant before op-level SAC was modelled)."""
+    out = []
+    for c in torchtitan_memory_cases():
+        est = TrainCostModel(c.model, c.cluster, c.options).estimate(c.layout)
+        peak = est["memory"]["peak_bytes"]
+        row = {"case": c.name, "layout": c.layout.short(), "recompute": c.layout.recompute, "seq": c.layout.seq,
+               "published_gib": round(c.published_bytes / GIB, 1), "predicted_gib": round(peak / GIB, 1),
+               "error": round(peak / c.published_bytes - 1, 4), "fitted_on": c.fitted}
+        if c.layout.recompute == "ops":
+            sel = TrainCostModel(c.model, c.cluster, c.options).estimate(c.layout.replace(recompute="selective"))
+            row["as_attention_core_only_gib"] = round(sel["memory"]["peak_bytes"] / GIB, 1)
+        out.append(row)
+    return out
+
+
+def memory_markdown(rows: list[dict]) -> list[str]:
+    lines = ["", "## Published peak memory (torchtitan, Llama 3.1 8B on H100 96 GB)", "",
+             "Rows: `data/training_memory_published.csv` (torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`: reserved",
+             "memory, PyTorch's default allocator). One constant is fitted, the default allocator's overhead",
+             "(`FRAGMENTATION_FIXED_SEGMENTS` = 0.20 of activations and buffers, on the first row); the others are held out.",
+             "", "| run | layout | recompute | seq | published GiB | predicted GiB | error | fitted on |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['layout']} | {r['recompute']} | {r['seq']} | {r['published_gib']} | {r['predicted_gib']} | "
+                     f"{r['error']:+.1%} | {'yes' if r['fitted_on'] else 'held out'} |")
+    ops = [r for r in rows if "as_attention_core_only_gib" in r]
+    if ops:
+        r = ops[0]
+        lines += ["", f"Before op-level SAC was modelled, the same run as \"selective\" (attention core only) was predicted at "
+                      f"{r['as_attention_core_only_gib']} GiB ({r['as_attention_core_only_gib'] / r['published_gib']:.2f}x the published "
+                      f"{r['published_gib']} GiB): it did not fit the 96 GB device it ran on."]
+    return lines
+
+
 def mfu_row(case: Case) -> dict:
     est = predict(case)
     return {
@@ -250,7 +287,7 @@ def nemo_markdown(rows: list[dict], stats: dict, fitted: dict | None) -> list[st
 
 
 def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[dict] = (), nemo: list[dict] = (),
-             nemo_stats: dict | None = None, nemo_fit: dict | None = None) -> str:
+             nemo_stats: dict | None = None, nemo_fit: dict | None = None, memory: list[dict] = ()) -> str:
     lines = [
         "# Training cost model: calibration against published runs",
         "",
@@ -296,6 +333,8 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[d
                   "3 virtual stages) are taken from Table 1's 530B run (plan/data/korthikanti2022.csv)."]
     if nemo:
         lines += nemo_markdown(nemo, nemo_stats, nemo_fit)
+    if memory:
+        lines += memory_markdown(memory)
     if fitted:
         lines += ["", "## Fit", "",
                   f"Grid optimum over Table 1: RAMP_DIM = {fitted['ramp_dim']}, A100 peak fraction = "
@@ -321,12 +360,14 @@ def main() -> None:
     nemo_fit = None if args.no_fit else fit_modern([c for c in modern if not c.unanswered and c.source.startswith("MB-")])
     nemo = [nemo_row(c) for c in modern]
     stats = summary(nemo)
+    memory = memory_rows()
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"],
                                            **_modern_constants()},
               "megatron_table1": table, "moe": moe, "korthikanti2022": sp,
-              "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "nemo_fit": nemo_fit}
+              "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "nemo_fit": nemo_fit,
+              "torchtitan_memory": memory}
     for path, text in ((args.json, json.dumps(report, indent=2) + "\n"),
-                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit))):
+                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     for r in table + moe:
@@ -342,6 +383,8 @@ def main() -> None:
         else:
             print(f"{r['case']:>58}: UNANSWERED ({r['unanswered']})")
     print("NeMo / Megatron-Bridge:", json.dumps(stats))
+    for r in memory:
+        print(f"{r['case']:>45}: published {r['published_gib']} GiB, predicted {r['predicted_gib']} GiB ({r['error']:+.1%})")
     if fitted:
         print("fit:", fitted)
     if nemo_fit:

@@ -4,7 +4,7 @@ against figures derived by hand from the model's dimensions (issue 14)."""
 import pytest
 
 from modelcarve.plan import efficiency
-from modelcarve.plan.calibration import nemo_cases
+from modelcarve.plan.calibration import nemo_cases, torchtitan_memory_cases
 from modelcarve.plan.efficiency import HBM_EFFICIENCY, gemm_time_s
 from modelcarve.plan.goals import get_goal
 from modelcarve.plan.train_model import LOGITS_BYTES_PER_ELEM, TrainCostModel, TrainOptions
@@ -148,3 +148,17 @@ def test_every_published_nemo_and_bridge_row_is_answered():
     assert {"H100", "B200", "GB200", "GB300"} <= systems
     assert {c.layout.param_dtype for c in cases} == {"bf16", "fp8", "mxfp8"}
     assert any(c.layout.folded for c in cases)  # Qwen3-235B on GB200: TP2 x EP64 over 64 ranks
+
+
+def test_memory_model_against_torchtitan_published_peaks():
+    # reserved memory of Llama 3.1 8B runs that ran on 96 GB H100s (op-level SAC, full AC with CP up to 8)
+    cases = torchtitan_memory_cases()
+    assert len(cases) == 6
+    for case in cases:
+        est = TrainCostModel(case.model, case.cluster, case.options).estimate(case.layout)
+        assert est["fits"], case.name
+        assert est["memory"]["peak_bytes"] == pytest.approx(case.published_bytes, rel=0.08), case.name
+    # the op-SAC run as attention-core-only "selective" would not have fitted the device it ran on
+    first = cases[0]
+    sel = TrainCostModel(first.model, first.cluster, first.options).estimate(first.layout.replace(recompute="selective"))
+    assert not sel["fits"] and sel["memory"]["peak_bytes"] > 1.3 * first.published_bytes

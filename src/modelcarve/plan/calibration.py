@@ -264,3 +264,47 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
             source=row["source"], unanswered=unanswered,
         ))
     return cases
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryCase:
+    """One published peak-memory reading with the layout that produced it."""
+
+    name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    options: TrainOptions
+    published_bytes: float
+    fitted: bool
+    source: str
+
+
+def torchtitan_memory_cases(path: Path | str | None = None) -> list[MemoryCase]:
+    """torchtitan's published reserved memory of Llama 3.1 8B runs (``data/training_memory_published.csv``)
+    on its 96 GB HBM2e H100s, with PyTorch's default allocator (``FRAGMENTATION_FIXED_SEGMENTS``)."""
+    from modelcarve.plan.train_states import FRAGMENTATION_FIXED_SEGMENTS
+    from modelcarve.spec.hardware import DeviceSpec, get_link
+
+    path = Path(path) if path else REPO_DATA / "training_memory_published.csv"
+    text = path.read_text()
+    rows = list(csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#")))))
+    h100 = get_device("H100")
+    # Grand Teton's H100: the SXM die with 96 GB HBM2e at 2.4 TB/s (the benchmark's hardware section)
+    device = DeviceSpec(name="H100-96GB-HBM2e", memory_bytes=96 * 2**30, hbm_bytes_per_s=2.4e12,
+                        peak_flops=dict(h100.peak_flops), intra_link="nvlink4", inter_link="ib-ndr",
+                        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware")
+    cases = []
+    for row in rows:
+        gpus = int(row["gpus"])
+        cluster = ClusterSpec(nodes=gpus // 8, devices_per_node=8, device=device, intra_link=get_link("nvlink4"),
+                              inter_link=get_link("ib-ndr"), nics_per_node=8)
+        layout = Layout.parse(row["layout"])
+        model = get_model(row["model"])
+        layout.validate(model, cluster)
+        options = TrainOptions(global_batch=layout.global_batch, seq=layout.seq, attention="flash", dropout=False,
+                               loss="materialized", memory_headroom=0.0, fragmentation=FRAGMENTATION_FIXED_SEGMENTS)
+        cases.append(MemoryCase(name=f"{row['model']} {row['table']} on {gpus} H100", model=model, cluster=cluster,
+                                layout=layout, options=options, published_bytes=float(row["published_gib"]) * 2**30,
+                                fitted=row["fitted"] == "1", source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md"))
+    return cases

@@ -81,7 +81,6 @@ __all__ = [
     "model_state_bytes_per_param", "optimizer_bytes_per_param",
 ]
 
-_GROWTH = 1.0 + FRAGMENTATION
 LOGITS_BYTES_PER_ELEM = 10.0
 """Bytes per logit on the last stage with an unfused cross entropy: bf16 logits, their fp32 copy
 in the cross entropy, and the fp32 softmax it keeps for backward."""
@@ -137,6 +136,11 @@ class TrainOptions:
     logits are never materialised whole)."""
     loss_chunk: int = 1024
     """Tokens per chunk of the chunked loss."""
+    fragmentation: float = FRAGMENTATION
+    """Caching-allocator overhead as a fraction of activations and transient buffers: 0.05 with
+    expandable segments (Megatron recipes set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``);
+    ``FRAGMENTATION_FIXED_SEGMENTS`` (0.20) for PyTorch's default allocator, fitted to torchtitan's
+    published reserved memory (benchmarks/calibrate_training.py)."""
     memory_headroom: float = MEMORY_HEADROOM
     """Fraction of device memory a layout must leave free to count as fitting (``--memory-headroom``,
     default 0.05); 0 checks against the whole device (published runs that did run)."""
@@ -154,6 +158,9 @@ class TrainCostModel:
             raise LayoutError(f"loss={self.options.loss!r} must be one of: {', '.join(LOSS_KINDS)}")
         if not 0.0 <= self.options.memory_headroom < 0.5:
             raise LayoutError(f"memory headroom {self.options.memory_headroom} must be a fraction in [0, 0.5), e.g. 0.05")
+        if not 0.0 <= self.options.fragmentation < 1.0:
+            raise LayoutError(f"fragmentation {self.options.fragmentation} must be a fraction in [0, 1), e.g. 0.05")
+        self._growth = 1.0 + self.options.fragmentation
         if self.options.loss_chunk < 1:
             raise LayoutError(f"loss_chunk={self.options.loss_chunk} must be at least 1 token")
         self.device = cluster.device
@@ -431,7 +438,7 @@ class TrainCostModel:
         states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15], etp)
         buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
         reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
-        base = buffers * (1.0 + FRAGMENTATION) + reserved
+        base = buffers * self._growth + reserved
         return {
             "states": states,
             "buffers": buffers,
@@ -539,13 +546,14 @@ class TrainCostModel:
         # --- memory: every stage kind, keep the worst ---------------------------------------------
         peak, worst, worst_inflight = -1.0, None, 0.0
         base = d["base_bytes"]
+        growth = self._growth
         simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
         for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
             if simple:
                 inflight = pp - index if pp - index < n_mb else n_mb
             else:
                 inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
-            total = states + (inflight * act_mb + fixed) * _GROWTH + base
+            total = states + (inflight * act_mb + fixed) * growth + base
             if total > peak:
                 peak, worst, worst_inflight = total, kind, inflight
         fits = peak <= self.capacity

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train_states import FRAGMENTATION, GIB
+from modelcarve.plan.train_states import GIB
 
 if TYPE_CHECKING:
     from modelcarve.plan.train_context import TrainCost
@@ -39,7 +39,7 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
         "recompute_working_layer": st_w["work_bytes"],
         "logits": st_w["logits_bytes"],
         "comm_buffers": buffers,
-        "allocator_fragmentation": FRAGMENTATION * (act + buffers),
+        "allocator_fragmentation": cost.options.fragmentation * (act + buffers),
         "reserved_runtime": d["reserved"],
     })
     breakdown = {k: int(round(x)) for k, x in breakdown.items()}

@@ -56,6 +56,10 @@ FRAGMENTATION = 0.05
 """Caching-allocator fragmentation, as a fraction of activations and buffers (a stated margin:
 PyTorch's allocator reserves 3-10% above allocated on training steps; expandable segments keep
 it near the low end)."""
+FRAGMENTATION_FIXED_SEGMENTS = 0.20
+"""The same overhead with PyTorch's default allocator (fixed segments, eager kernels): fitted to
+torchtitan's published reserved memory of Llama 3.1 8B with FSDP and op-level SAC on 8 H100 (82.4
+GiB, benchmarks/llama3_h100_202412_torchtitan.md Table 1); its other rows are the check."""
 MEMORY_HEADROOM = 0.05
 """Default fraction of device memory a planned layout must leave free (``--memory-headroom``):
 winners are not placed at 97-99% of memory, where a longer sequence or a driver update OOMs."""
