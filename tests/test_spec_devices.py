@@ -54,3 +54,19 @@ def test_cluster_file_nvlink_domain():
     with pytest.raises(SpecError, match="nvlink_domain=30 is not a whole number of nodes"):
         cluster_from_dict({"nodes": 16, "devices_per_node": 4, "device": "B200", "nvlink_domain": 30})
     assert cluster_from_dict({"nodes": 2, "device": "GB200"}).fast_domain == 8
+
+
+def test_planner_places_tp_and_ep_by_nvlink_domain():
+    from modelcarve.plan.goals import get_goal
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+
+    goal = get_goal("train")
+    layout = Layout.parse("tp=16,sp,dp=4,mbs=1,gbs=8,seq=4096,zero=1")
+    model = get_model("llama-3.1-70b")
+    rack = goal.evaluate(model, parse_cluster("64xGB200"), layout)      # 16 trays of 4 in one NVL72 domain
+    nodes = goal.evaluate(model, parse_cluster("8x8xB200"), layout)     # 8-GPU nodes: TP16 crosses the NICs
+    assert rack["comm"]["link_by_axis"]["tp"] == "intra" and rack["comm"]["link_by_axis"]["dp"] == "intra"
+    assert nodes["comm"]["link_by_axis"]["tp"] == "inter"
+    assert not any("spans" in w for w in rack["warnings"]) and any("spans" in w for w in nodes["warnings"])
+    assert rack["comm"]["bytes_per_step_by_link"]["inter"] == 0
