@@ -38,6 +38,11 @@ What a step costs (per device; see the helpers' docstrings for each formula)
   the parameter all-gather behind the first forward (when ``overlap_grad_reduce`` /
   ``overlap_param_gather``), ZeRO-3 traffic behind each micro-batch's compute.
 * Bubble by schedule (plan/schedule.py); the optimiser step streams its state through HBM.
+* Candidates carry ``etp`` (expert TP; MoE parallel folding) and ``fp8_scaling``; FP8 / MXFP8
+  GEMMs, quantisation traffic and FP8 weight caches are plan/train_layer.py's and
+  plan/train_states.py's. Memory: states + activations of the micro-batches in flight + loss
+  logits (``TrainOptions.loss``) + buffers, the allocator's ``fragmentation`` of the transient
+  part, the itemised runtime reserve; a layout fits within ``(1 - memory_headroom)`` of the device.
 """
 
 from __future__ import annotations
