@@ -384,7 +384,12 @@ class Layout:
                         f"{_fmt(_divisors(model.num_experts))}"
                     )
                 etp, ranks = self.expert_tp, self.tp * self.cp * self.dp
-                if ranks % (etp * self.ep):
+                if ranks % (etp * self.ep) and self.tp == 1:
+                    problems.append(
+                        f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are sharded over the "
+                        f"data/context-parallel ranks); valid ep: {_fmt(_divisors(self.dp * self.cp))}"
+                    )
+                elif ranks % (etp * self.ep):
                     problems.append(
                         f"etp x ep = {etp} x {self.ep} must divide tp x cp x dp = {ranks} (the expert mesh "
                         f"ETP x EP x EDP covers the attention mesh's ranks); with etp={etp} valid ep: "
