@@ -59,26 +59,27 @@ def _fault_during_run(tmp, bad_rank, mode):
     import json
     import os
     import sys
-    import threading
 
     rank = int(os.environ["RANK"])
     sys.stderr = open(f"{tmp}/err{rank}.txt", "w", buffering=1)
     if rank == bad_rank:
-        if mode == "die":  # a crash in the middle of training
-            threading.Timer(3.0, lambda: os._exit(3)).start()
-        else:  # stall: stop taking part (the main thread sleeps from the next step on)
-            import modelcarve.runtime.train as train
+        # from the third training step on, the bad rank crashes ("die") or stops taking part
+        # ("stall": its main thread sleeps). Counted in steps, not seconds: a timer could fire
+        # before the process group exists on a loaded machine, which is another failure.
+        import modelcarve.runtime.train as train
 
-            original = train.Trainer.step
-            calls = {"n": 0}
+        original = train.Trainer.step
+        calls = {"n": 0}
 
-            def step(self, *a, **k):
-                calls["n"] += 1
-                if calls["n"] > 2:
-                    time.sleep(1e6)
-                return original(self, *a, **k)
+        def step(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] > 2:
+                if mode == "die":
+                    os._exit(3)
+                time.sleep(1e6)
+            return original(self, *a, **k)
 
-            train.Trainer.step = step
+        train.Trainer.step = step
     from modelcarve.runtime.launch import main
 
     payload = dict(model="tiny-llama", layout="tp=2,seq=32,gbs=2", steps=100000, quiet=True, timeout_s=5)
@@ -87,12 +88,10 @@ def _fault_during_run(tmp, bad_rank, mode):
 
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_launch_exits_with_clear_error_when_a_rank_fails(tmp_path, mode):
-    start = time.monotonic()
     with pytest.raises(DistError) as info:
         run_distributed(_fault_during_run, 2, str(tmp_path), 1, mode, timeout=120, collective_s=5, grace_s=8)
-    elapsed = time.monotonic() - start
-    # the healthy rank left on its own, with code 1 (a stalled rank is killed by the harness)
+    # the healthy rank left on its own, with code 1 (a stalled rank is killed by the harness, and
+    # so would a hung healthy rank be, with another code): no wall-clock assertion needed
     assert "exit code 1" in info.value.errors[0]
     line = (tmp_path / "err0.txt").read_text().strip().splitlines()[-1]
     assert line.startswith("modelcarve: rank 0: lost contact with another rank"), line
-    assert elapsed < 90

@@ -10,12 +10,13 @@ global batches. Compared, each against a stated tolerance:
 * ``loss``: every step's loss (relative difference),
 * ``grad/<fqn>``: every parameter's gradient of the first step, before clipping (max abs diff),
 * ``grad_norm``: every step's global gradient norm (relative; it sets the clipping, max_norm 1),
-* ``grad_max/step<i>``: every later step's largest gradient difference over all parameters,
+* ``grad_max/step<i>``: every later step's largest gradient difference over all parameters (fp32),
 * ``param/<fqn>``: every parameter after ``steps`` AdamW steps (max abs diff), each element
   allowed, beyond the tolerance, what AdamW's own arithmetic can make of the measured gradient
   differences (``adamw_allowance``): the update m/(sqrt(v)+eps) has slope up to 1/eps = 1e8 where
   a gradient is near zero, so a 1e-9 reassociation difference there may move a parameter by
-  ~lr. Elsewhere the allowance is a few ulps, so the check stays as tight as the tolerance.
+  ~lr. Elsewhere the allowance is a few ulps, so the check stays as tight as the tolerance
+  (fp32; bf16's parameter tolerance is already above what AdamW can do in a few steps).
 
 Full tensors are gathered by FQN from the shard records (runtime/shards.py) and FSDP2's DTensor
 placements, so any layout's pieces (pp/tp/fsdp/ep/cp) reassemble without per-axis code here.
@@ -272,7 +273,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                 if step == 0:
                     checks.append(check)
                 step_diff, step_grad = max(step_diff, check.max_abs), max(step_grad, float(ref_g.abs().max()))
-            if step > 0:
+            if step > 0 and not bf16:
                 checks.append(Check(f"grad_max/step{step}", step_diff, step_diff, tol["grad"], "abs"))
         norm = trainer.optimizer_step()
         if rank0:
@@ -283,7 +284,11 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
             rho = abs(norm - float(ref_norm)) / max(float(ref_norm), 1e-30)
             grad_diff = max(grad_diff, step_diff + step_grad * rho)
             ref_opt.step()
-            for ref_p in reference.parameters():
+            # bf16 needs no allowance: its parameter tolerance (1e-2) is above the most AdamW can
+            # move apart in `steps` steps (2 C lr per step; 6e-3 at lr 1e-3 and 3 steps), and its
+            # later-step gradients differ by more than reassociation (routing flips), so only
+            # fp32 checks grad_max and conditions the parameter check on it
+            for ref_p in ([] if bf16 else reference.parameters()):
                 state = ref_opt.state.get(ref_p)
                 if state:
                     t = int(state["step"])
