@@ -91,8 +91,12 @@ def test_expert_parallel_folds_into_dp_times_cp():
     layout.validate(KIMI, world_size=256)
     assert layout.world_size == 256 and layout.expert_dp == 1
     assert Layout.parse("tp=8,dp=16,ep=8").expert_dp == 2
-    with pytest.raises(LayoutError, match="must divide dp x cp = 16"):
-        Layout.parse("tp=8,dp=16,ep=32").validate(KIMI, world_size=128)
+    # ep=32 > dp x cp = 16 folds over the tensor-parallel ranks (issue 14): etp defaults to 1
+    folded = Layout.parse("tp=8,dp=16,ep=32")
+    folded.validate(KIMI, world_size=128)
+    assert (folded.expert_tp, folded.expert_dp, folded.folded) == (1, 4, True)
+    with pytest.raises(LayoutError, match=r"etp x ep = 8 x 32 must divide tp x cp x dp = 128"):
+        Layout.parse("tp=8,dp=16,ep=32,etp=8").validate(KIMI, world_size=128)
     with pytest.raises(LayoutError, match="does not divide 384 experts"):
         Layout.parse("dp=7,ep=7").validate(KIMI, world_size=7)
     with pytest.raises(LayoutError, match="has no experts"):
@@ -120,3 +124,21 @@ def test_any_string_parses_or_raises_layout_error(text):
             layout.validate(KIMI, world_size=layout.world_size)
         except LayoutError:
             pass
+
+
+def test_moe_parallel_folding_and_precision_fields():
+    # Megatron-Core's folded mesh: attention TP2 x DP16, experts EP32 x ETP1 over the same 32 ranks
+    layout = Layout.parse("tp=2,dp=16,ep=32,etp=1")
+    layout.validate(KIMI, world_size=32)
+    assert (layout.expert_tp, layout.expert_dp) == (1, 1) and layout.short() == "TP2-DP16-EP32-ETP1"
+    assert Layout.parse("tp=2,dp=4,ep=8").expert_tp == 1          # folded by default
+    assert Layout.parse("tp=2,dp=8,ep=8").expert_tp == 2          # unfolded: expert TP = TP
+    assert Layout.from_dict(layout.to_dict()) == layout
+    fp8 = Layout.parse("precision=fp8-cs")
+    assert (fp8.param_dtype, fp8.fp8_scaling) == ("fp8", "current")
+    assert Layout.parse("param_dtype=mxfp8").short().endswith("MXFP8")
+    assert Layout.parse("recompute=moe_act+core_attn").recompute == "core_attn+mlp_act"
+    with pytest.raises(LayoutError, match="param_dtype=mxfp8 needs Blackwell"):
+        Layout.parse("param_dtype=mxfp8").validate(LLAMA8, parse_cluster("H100"))
+    with pytest.raises(LayoutError, match="'\\+'-joined list of modules"):
+        Layout.parse("recompute=attn")

@@ -127,7 +127,8 @@ def _hardware(args) -> int:
             f"{d.peak_flops['bf16'] / 1e12:.0f} TFLOP/s",
             f"{fp8 / 1e12:.0f} TFLOP/s" if fp8 else "-",
             f"{d.peak_flops['int8'] / 1e12:.0f} TOP/s",
-            f"{d.devices_per_node}x {d.intra_link}, {d.nics_per_node}x {d.inter_link}",
+            f"{d.devices_per_node}x {d.intra_link}, {d.nics_per_node}x {d.inter_link}"
+            + (f"; NVLink domain of {d.nvlink_domain}" if d.nvlink_domain else ""),
             d.source,
         )
     out.print(table)

@@ -49,6 +49,14 @@ def _common(p) -> None:
     p.add_argument("--no-overlap-p2p", dest="overlap_p2p", action="store_false", default=None,
                    help="training: pipeline sends of the interleaved schedule stay on the critical path")
     p.add_argument("--load-imbalance", type=float, help="MoE: busiest expert rank's tokens / mean (default 1.25)")
+    p.add_argument("--precision", choices=["bf16", "fp8", "fp8-cs", "mxfp8"],
+                   help="training: GEMM precision the search tries (default bf16; fp8 = TE delayed scaling, "
+                        "fp8-cs = current scaling, mxfp8 = Blackwell MX blocks)")
+    p.add_argument("--loss", choices=["materialized", "fused", "chunked"],
+                   help="training: cross entropy (default materialized: whole fp32 logits; fused: Megatron's "
+                        "vocab-parallel loss; chunked: logits never whole)")
+    p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
+                   help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     from modelcarve.commands.serve_cli import add_serve_arguments
 
@@ -57,7 +65,8 @@ def _common(p) -> None:
 
 def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
-    names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance")
+    names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
+             "precision", "loss", "memory_headroom")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -28,11 +28,35 @@ Extensions, term by term (same bookkeeping: every tensor a backward reads is cou
 * Flash attention stores no ``s^2`` term, only the output (the projection input) and the fp32
   log-sum-exp per row; without dropout (modern recipes) the dropout masks vanish.
 * Context parallelism: the caller passes ``tokens = b s / cp`` and ``seq_ctx = s``.
+* MoE parallel folding: with expert TP ``etp`` (not ``tp``) a device holds ``1/etp`` of each
+  local expert and the tokens of its ``etp`` group: ``T k etp / t`` routed tokens per device.
+* FP8 (``gemm_input_bytes`` 1, MXFP8 1 + 1/32): Transformer Engine saves the quantised copy of
+  a linear layer's input that the weight-gradient GEMM reads, not the bf16 one: the norm
+  outputs feeding QKV and the MLP, the attention output feeding the projection, and the
+  activation output feeding the down projection (and the experts' dispatched tokens) shrink to
+  1 byte per element; everything else stays bf16/fp32.
+
+Recomputation by op (torchtitan's op-level selective AC, Megatron's ``--recompute-modules``),
+``recompute`` naming the modules whose saved tensors are dropped and recomputed in backward:
+
+* ``core_attn`` (= ``selective``): the attention core (softmax / flash statistics).
+* ``layernorm``: the two norm outputs (``attn_input``, ``mlp_input``): kept are their inputs.
+* ``mlp_act``: the activation function's output: SwiGLU keeps the gate and up projections
+  (``4 sbf / t``), GeLU its input (``2 sbf / t``); the down projection's input is recomputed.
+* ``mlp``: the whole MLP / MoE block (router, dispatched tokens, expert intermediates; its
+  input is kept).
+* ``ops`` (torchtitan ``activation_checkpoint.mode = "selective"``, ``selective_ac_option =
+  "op"``): per block, the outputs of matmuls are saved except every second one (q, v, the
+  up/gate-first and the down projection saved; k, o and the second MLP input projection
+  recomputed), the attention kernel's output and statistics are saved, every element-wise op
+  (norms, rotary, activation) is recomputed; the block input is kept.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
     from modelcarve.spec.model import ModelSpec
@@ -60,53 +84,98 @@ def layer_activation_terms(
     attention: str = "materialized",
     dropout: bool = True,
     expert_tokens_factor: float = 1.0,
+    expert_tp: int = 0,
+    gemm_input_bytes: float = ACT_BYTES,
 ) -> dict[str, float]:
     """Bytes per component for one layer and one micro-batch of ``tokens`` tokens on one device.
 
     ``tokens`` = micro-batch size x local sequence (seq / cp); ``seq_ctx`` = keys each query sees;
-    ``expert_tokens_factor`` scales the routed-expert terms (load imbalance on the busiest rank)."""
+    ``expert_tokens_factor`` scales the routed-expert terms (load imbalance on the busiest rank);
+    ``expert_tp`` the expert tensor-parallel degree (0: ``tp``); ``gemm_input_bytes`` the bytes
+    per saved linear-layer input (1 under FP8, see the module doc)."""
     h = model.hidden_size
     T = float(tokens)
     rep = tp if sp else 1  # divisor of the norm/dropout regions
     a = ACT_BYTES
     if recompute == "full":
         return {"layer_input": a * T * h / rep}
+    if recompute == "ops":
+        return _op_level_terms(model, T, tp, rep, moe, expert_tokens_factor, expert_tp or tp)
+    mods = frozenset() if recompute == "none" else recompute_modules(recompute)
+    q = gemm_input_bytes
     heads = model.num_heads / tp
     dqk, dv = model.qk_head_dim, model.attn_v_head_dim
     kvl = kv_heads_per_rank(model, tp)
     mask = 1.0 if dropout else 0.0
     terms: dict[str, float] = {}
     terms["norm_inputs"] = 2 * a * T * h / rep
-    terms["attn_input"] = a * T * h / rep
+    if "layernorm" not in mods:
+        terms["attn_input"] = q * T * h / rep
     if model.attention_kind == "mla":
         rq = model.q_lora_rank or 0
         terms["mla_latents"] = 2 * a * T * (rq + model.kv_lora_rank) + a * T * model.qk_rope_head_dim
     terms["qkv"] = a * T * (heads * dqk + kvl * dqk + kvl * dv)
-    if recompute != "selective":
+    if "core_attn" not in mods:
         if attention == "flash":
             terms["attn_core"] = 4.0 * T * heads  # fp32 log-sum-exp per query row and head
         else:
             # softmax output (2 bytes) + dropout mask (1) + dropout output (2) per score
             terms["attn_core"] = (2.0 + 3.0 * mask) * T * heads * seq_ctx
-    terms["proj_input"] = a * T * heads * dv
+    terms["proj_input"] = q * T * heads * dv
     terms["dropout_masks"] = 2 * mask * T * h / rep
-    terms["mlp_input"] = a * T * h / rep
+    if "layernorm" not in mods:
+        terms["mlp_input"] = q * T * h / rep
+    elif "mlp" in mods:
+        terms["mlp_input"] = a * T * h / rep  # the checkpointed block's input is kept
+    if "mlp" in mods:
+        return terms
+    act = "mlp_act" in mods
     if moe:
         k, fe, E = model.top_k, model.expert_ffn_size, model.num_experts
-        routed = T * k * expert_tokens_factor
+        etp = expert_tp or tp
+        routed = T * k * expert_tokens_factor * etp / tp  # tokens this device's expert shards see
         terms["router"] = 4.0 * T * E / rep
-        terms["expert_tokens"] = 2 * a * routed * h
-        terms["expert_ffn"] = _ffn_terms(model, routed, fe, tp)
+        terms["expert_tokens"] = (a + q) * routed * h  # the fc1 input (quantised under FP8) and the combine input
+        terms["expert_ffn"] = _ffn_terms(model, routed, fe, etp, act, q)
         if model.num_shared_experts:
-            terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp)
+            terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp, act, q)
     else:
-        terms["ffn"] = _ffn_terms(model, T, model.ffn_size, tp)
+        terms["ffn"] = _ffn_terms(model, T, model.ffn_size, tp, act, q)
     return terms
 
 
-def _ffn_terms(model: "ModelSpec", tokens: float, ffn: int, tp: int) -> float:
-    per = 6.0 if model.ffn_kind == "swiglu" else 4.0  # see module doc
-    return per * tokens * ffn / tp
+def _ffn_terms(model: "ModelSpec", tokens: float, ffn: int, tp: int, act_recomputed: bool = False,
+               down_input_bytes: float = ACT_BYTES) -> float:
+    """MLP intermediates: SwiGLU gate + up outputs (2 + 2) and the product fed to the down
+    projection; GeLU its input (2) and output; the down projection's input at
+    ``down_input_bytes`` and dropped when the activation is recomputed."""
+    kept = 4.0 if model.ffn_kind == "swiglu" else 2.0
+    down = 0.0 if act_recomputed else down_input_bytes
+    return (kept + down) * tokens * ffn / tp
+
+
+def _op_level_terms(model: "ModelSpec", T: float, tp: int, rep: int, moe: bool, factor: float, etp: int) -> dict[str, float]:
+    """Saved tensors under torchtitan's op-level SAC (module doc): the block input, q and v,
+    the attention output and its fp32 statistics, the first MLP projection and the down
+    projection's output (each MLP / expert over its tokens)."""
+    a, h = ACT_BYTES, model.hidden_size
+    heads = model.num_heads / tp
+    kvl = kv_heads_per_rank(model, tp)
+    terms = {
+        "layer_input": a * T * h / rep,
+        "q_v": a * T * (heads * model.qk_head_dim + kvl * model.attn_v_head_dim),
+        "attn_out": a * T * heads * model.attn_v_head_dim + 4.0 * T * heads,
+    }
+    if moe:
+        k, fe = model.top_k, model.expert_ffn_size
+        routed = T * k * factor * etp / tp
+        terms["router"] = 4.0 * T * model.num_experts / rep
+        terms["expert_ffn"] = a * routed * (fe / etp) + a * routed * h
+        if model.num_shared_experts:
+            terms["shared_ffn"] = a * T * model.num_shared_experts * fe / tp + a * T * h / rep
+    else:
+        terms["ffn"] = a * T * model.ffn_size / tp + a * T * h / rep
+    return terms
 
 
 def layer_activation_bytes(model: "ModelSpec", **kwargs) -> float:

@@ -25,14 +25,18 @@ Data (package files under ``plan/data/``, each citing its source in its header):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from modelcarve.plan.train_model import TrainOptions
 from modelcarve.spec.catalog import get_model
-from modelcarve.spec.hardware import ClusterSpec, parse_cluster
+from modelcarve.spec.errors import SpecError
+from modelcarve.spec.hardware import ClusterSpec, get_device, parse_cluster
 from modelcarve.spec.hf_config import spec_from_hf_config
+from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
 
@@ -50,7 +54,11 @@ class Case:
     """Published TFLOP/s per GPU (Narayanan et al. Eq. 3 counting for Table 1); 0 if not published."""
     published_mfu: float = 0.0
     """Published model FLOPs utilisation (no recomputation counted); 0 if not published."""
+    published_tokens_per_device: float = 0.0
+    """Published tokens/s per GPU; 0 if not published."""
     source: str
+    unanswered: str = ""
+    """Why the planner cannot answer this row (unknown model type, device...); empty if it can."""
 
 
 def _rows(name: str) -> list[dict]:
@@ -129,4 +137,174 @@ def korthikanti2022() -> list[Case]:
             cluster=parse_cluster(f"{gpus // 8}x8xA100-80GB"), layout=layout, options=options,
             published_mfu=float(row["mfu"]), source="Korthikanti et al. 2022, abstract",
         ))
+    return cases
+
+
+REPO_DATA = Path(__file__).resolve().parents[3] / "data"
+"""The repository's data folder (published figures with their sources in each file's header)."""
+
+MODERN = dict(attention="flash", dropout=False, overlap_grad_reduce=True, overlap_param_gather=True,
+              overlap_p2p=True, loss="fused", memory_headroom=0.0)
+"""Software options of the NeMo / Megatron-Bridge recipes (Megatron-Core with Transformer Engine):
+flash attention, no dropout, gradient-reduce / parameter-gather / pipeline-send overlap, the fused
+vocab-parallel cross entropy; published runs did run, so they are checked against the whole device."""
+TP_COMM_OVERLAP = 0.5
+"""Fraction of TP traffic the recipes' Transformer Engine comm-GEMM overlap hides (``tp_comm_overlap``,
+on for TP > 1 in the recipes); fitted to the Megatron-Bridge rows, see benchmarks/calibrate_training.py."""
+_PRECISION = {"bf16": ("bf16", "delayed"), "fp8-cs": ("fp8", "current"), "fp8-ds": ("fp8", "delayed"),
+              "mxfp8": ("mxfp8", "delayed")}
+
+
+def _published_model(name: str) -> ModelSpec:
+    """A catalogue model, or for the rows whose model the catalogue lacks (yet), its published
+    dimensions (config.json of the checkpoint named in ``source``)."""
+    try:
+        return get_model(name)
+    except SpecError:
+        pass
+    if name in _FALLBACK:
+        return _FALLBACK[name]()
+    raise SpecError(f"model {name!r} is neither in the catalogue nor a known published configuration")
+
+
+def _nemotron(name: str, hidden: int, layers: int, heads: int, ffn: int, source: str) -> ModelSpec:
+    # Nemotron-4: squared-ReLU two-matrix MLP, LayerNorm, RoPE, GQA with 8 KV heads, 256k vocabulary, untied
+    return ModelSpec(name=name, family="nemotron", vocab_size=256000, hidden_size=hidden, num_layers=layers,
+                     num_heads=heads, num_kv_heads=8, head_dim=hidden // heads, ffn_kind="gelu", activation="relu2",
+                     ffn_size=ffn, norm_kind="layernorm", tied_embeddings=False, position_kind="rope",
+                     max_position=4096, source=source)
+
+
+def _gpt_oss_120b() -> ModelSpec:
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    extra = {}
+    if "local_layers" in fields:  # sliding-window layers (every other one, window 128)
+        extra = dict(local_layers=tuple(range(0, 36, 2)), local_window=128, local_kind="sliding", attention_sinks=True,
+                     router_bias=True)
+    return ModelSpec(name="gpt-oss-120b", family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36,
+                     num_heads=64, num_kv_heads=8, head_dim=64, ffn_size=2880, qkv_bias=True, o_bias=True,
+                     mlp_bias=True, num_experts=128, top_k=4, expert_ffn_size=2880, moe_layers=tuple(range(36)),
+                     max_position=131072, source="https://huggingface.co/openai/gpt-oss-120b/blob/main/config.json",
+                     **extra)
+
+
+def _qwen3_30b_a3b() -> ModelSpec:
+    config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+              "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False, "rope_theta": 1e6,
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
+    return spec_from_hf_config(config, name="qwen3-30b-a3b",
+                               source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json")
+
+
+_FALLBACK = {
+    "nemotron-4-340b": lambda: _nemotron("nemotron-4-340b", 18432, 96, 96, 73728,
+                                         "https://huggingface.co/nvidia/Nemotron-4-340B-Base (model_config.yaml)"),
+    "nemotron-4-15b": lambda: _nemotron("nemotron-4-15b", 6144, 32, 48, 24576, "Parmar et al. 2024, Nemotron-4 15B, Table 1"),
+    "gpt-oss-120b": _gpt_oss_120b,
+    "qwen3-30b-a3b": _qwen3_30b_a3b,
+}
+
+
+RECOMPUTE_LADDER = ("none", "core_attn", "core_attn+layernorm+mlp_act", "core_attn+layernorm+mlp", "full")
+"""Recomputation tried, cheapest first, for a published run that does not state its own."""
+
+
+def least_recompute(model: ModelSpec, cluster: ClusterSpec, layout: Layout, options: TrainOptions) -> Layout:
+    """The published layout with the least recomputation (``RECOMPUTE_LADDER``) the memory model
+    says it needs to fit the device: the summaries give every parallel degree but not the
+    recipes' ``--recompute-modules``; a run that ran fitted, so it recomputed at least that much.
+    The layout as given when none of them fits (the row then shows fits = NO)."""
+    from modelcarve.plan.train_model import TrainCostModel
+
+    cost = TrainCostModel(model, cluster, options)
+    for mode in RECOMPUTE_LADDER:
+        candidate = layout.replace(recompute=mode)
+        if cost.estimate(candidate)["fits"]:
+            return candidate
+    return layout
+
+
+def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = None) -> list[Case]:
+    """The NeMo / Megatron-Bridge performance-summary rows (``data/training_published.csv``), each
+    with its published layout; rows the planner cannot express carry ``unanswered``."""
+    path = Path(path) if path else REPO_DATA / "training_published.csv"
+    text = path.read_text()
+    rows = list(csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#")))))
+    overlap = TP_COMM_OVERLAP if tp_comm_overlap is None else tp_comm_overlap
+    cases = []
+    for row in rows:
+        gpus, system = int(row["gpus"]), row["system"]
+        tp, pp, cp, vp, ep = (int(row[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
+        gbs, mbs, seq = int(row["gbs"]), int(row["mbs"]), int(row["seq"])
+        name = f"{row['model']} {row['precision']} {gpus}x{system} ({row['source']})"
+        dtype, scaling = _PRECISION[row["precision"]]
+        try:
+            model = _published_model(row["model"])
+            dpn = get_device(system).devices_per_node
+            cluster = parse_cluster(f"{gpus // dpn}x{dpn}x{system}")
+            layout = Layout(
+                tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, mbs=mbs, gbs=gbs, seq=seq,
+                zero=3 if row["fsdp"] == "1" else 1, sp=tp > 1, recompute="none",
+                schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
+                param_dtype=dtype, fp8_scaling=scaling,
+            )
+            layout.validate(model, cluster)
+            unanswered = ""
+        except (SpecError, LayoutError) as err:
+            model, cluster, layout, unanswered = None, None, None, str(err)
+        options = TrainOptions(global_batch=gbs, seq=seq, tp_overlap=overlap if tp > 1 else 0.0,
+                               load_imbalance=1.0 if row["source"].startswith("MB-") else 1.25, **MODERN)
+        if layout is not None:
+            layout = least_recompute(model, cluster, layout, options)
+        cases.append(Case(
+            name=name, model=model, cluster=cluster, layout=layout, options=options,
+            published_tflops=float(row["tflops_per_gpu"]), published_tokens_per_device=float(row["tokens_per_gpu"]),
+            source=row["source"], unanswered=unanswered,
+        ))
+    return cases
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryCase:
+    """One published peak-memory reading with the layout that produced it."""
+
+    name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    layout: Layout
+    options: TrainOptions
+    published_bytes: float
+    fitted: bool
+    source: str
+
+
+def torchtitan_memory_cases(path: Path | str | None = None) -> list[MemoryCase]:
+    """torchtitan's published reserved memory of Llama 3.1 8B runs (``data/training_memory_published.csv``)
+    on its 96 GB HBM2e H100s, with PyTorch's default allocator (``FRAGMENTATION_FIXED_SEGMENTS``)."""
+    from modelcarve.plan.train_states import FRAGMENTATION_FIXED_SEGMENTS
+    from modelcarve.spec.hardware import DeviceSpec, get_link
+
+    path = Path(path) if path else REPO_DATA / "training_memory_published.csv"
+    text = path.read_text()
+    rows = list(csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#")))))
+    h100 = get_device("H100")
+    # Grand Teton's H100: the SXM die with 96 GB HBM2e at 2.4 TB/s (the benchmark's hardware section)
+    device = DeviceSpec(name="H100-96GB-HBM2e", memory_bytes=96 * 2**30, hbm_bytes_per_s=2.4e12,
+                        peak_flops=dict(h100.peak_flops), intra_link="nvlink4", inter_link="ib-ndr",
+                        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware")
+    cases = []
+    for row in rows:
+        gpus = int(row["gpus"])
+        cluster = ClusterSpec(nodes=gpus // 8, devices_per_node=8, device=device, intra_link=get_link("nvlink4"),
+                              inter_link=get_link("ib-ndr"), nics_per_node=8)
+        layout = Layout.parse(row["layout"])
+        model = get_model(row["model"])
+        layout.validate(model, cluster)
+        options = TrainOptions(global_batch=layout.global_batch, seq=layout.seq, attention="flash", dropout=False,
+                               loss="materialized", memory_headroom=0.0, fragmentation=FRAGMENTATION_FIXED_SEGMENTS)
+        cases.append(MemoryCase(name=f"{row['model']} {row['table']} on {gpus} H100", model=model, cluster=cluster,
+                                layout=layout, options=options, published_bytes=float(row["published_gib"]) * 2**30,
+                                fitted=row["fitted"] == "1", source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md"))
     return cases

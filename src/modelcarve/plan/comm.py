@@ -20,7 +20,8 @@ Which link a group uses
 -----------------------
 Mesh axes nest TP (innermost), CP, DP, PP (outermost); a group of ``group_size`` ranks whose
 members are ``inner`` ranks apart stays inside a node iff ``group_size * inner <=
-devices_per_node``. Across nodes, every device of a node talks at once (the other groups of the
+devices_per_node`` (more exactly: inside the NVLink domain, ``cluster.fast_domain``, which is
+the node except for rack-scale NVLink such as GB200 NVL72, where it is up to 72 devices). Across nodes, every device of a node talks at once (the other groups of the
 same axis run their own collectives concurrently), so each device has its share of the node's
 NICs, ``cluster.inter_bytes_per_s_per_device``. When ``k = devices_per_node / inner`` members of
 the group sit in each node, NCCL's rings (one channel per NIC) cross the node boundary once per
@@ -120,11 +121,15 @@ def inter_tier(cluster: "ClusterSpec", members_per_node: int = 1) -> Tier:
 
 def group_tier(cluster: "ClusterSpec", group_size: int, inner: int = 1) -> Tier:
     """The link a group of ``group_size`` ranks uses when ``inner`` ranks separate its members
-    (``inner`` = product of the mesh axes nested inside this one; TP innermost, then CP, DP, PP)."""
-    per_node = cluster.devices_per_node
-    if group_size <= 1 or group_size * inner <= per_node:
+    (``inner`` = product of the mesh axes nested inside this one; TP innermost, then CP, DP, PP).
+
+    "Inside" means inside the cluster's NVLink domain (``cluster.fast_domain``): the node, or a
+    whole NVL72 rack of several 4-GPU trays. Across domains, ``k`` members per domain aggregate
+    their NIC shares as they do per node."""
+    domain = cluster.fast_domain
+    if group_size <= 1 or group_size * inner <= domain:
         return intra_tier(cluster)
-    return inter_tier(cluster, per_node // inner if inner < per_node else 1)
+    return inter_tier(cluster, domain // inner if inner < domain else 1)
 
 
 # --- time --------------------------------------------------------------------------------------

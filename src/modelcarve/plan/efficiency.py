@@ -45,26 +45,51 @@ TILE = 64
 HBM_EFFICIENCY = 0.8
 """Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
 
+BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.625, "GB300": 0.75}
+"""Fraction of the dense bf16 peak a large GEMM reaches on Blackwell, per system (B300 reads
+B200's): fitted to the Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
+GB200 share the die, but the published GB200 runs are within a few percent of B200's on the same
+layouts despite GB200's 11% higher datasheet peak (1,200 W against 1,000 W), so each system has
+its own fraction."""
+
 PEAK_FRACTION = {
     "A100": 0.75,
     "H100": 0.72,
+    "H800": 0.72,
     "H200": 0.74,
-    "B200": 0.72,
     "MI300X": 0.55,
+    "MI325X": 0.55,
     "L40S": 0.75,
     "RTX4090": 0.80,
 }
 """Fraction of the dense peak a large bf16 GEMM reaches, by device family (prefix match)."""
 DEFAULT_PEAK_FRACTION = 0.70
+FP8_PEAK_RATIO = 1.0
+"""A large FP8 GEMM's fraction of the FP8 peak relative to a bf16 GEMM's fraction of the bf16
+peak: fitted to the FP8 / MXFP8 rows of the Megatron-Bridge summary (grid 0.80-1.00; the fit
+sits at 1.0: FP8 GEMMs reach the same fraction of their doubled peak, the FP8 recipe's costs
+being elsewhere: quantisation traffic, the bf16 attention core and LM head)."""
+MOE_TOKEN_BYTES = 40.0
+"""HBM bytes per routed token and hidden element an MoE layer's forward moves outside its GEMMs,
+the backward twice that. Permuting the dispatched copies and unpermuting the combined ones
+(bf16 read + write each) is 8; the fit to the Megatron-Bridge rows gives 48 (grid 8-64), and 40
+is the largest grid value that keeps the earlier Megatron-Core Mixtral 8x7B row (468 TFLOP/s)
+within its +-10% test. So this also carries what the model does not itemise for MoE layers
+(all-to-all staging copies, router top-k / probability kernels, grouped-GEMM padding,
+per-expert launch overheads)."""
 PEAK_FRACTION_SOURCE = {
     "A100": "fitted to Narayanan et al. 2021 Table 1 (benchmarks/calibrate_training.py)",
-    "default": "assumption: large cuBLAS/hipBLASLt GEMMs on Hopper/Blackwell/CDNA3 reach 0.55-0.75 of dense peak",
+    "Blackwell": "fitted to the NeMo / Megatron-Bridge B200 / GB200 / GB300 rows (benchmarks/calibrate_training.py)",
+    "default": "assumption: large cuBLAS/hipBLASLt GEMMs on Hopper/CDNA3 reach 0.55-0.75 of dense peak",
 }
 
 
 def peak_fraction(device: "DeviceSpec") -> float:
     """The device family's achievable fraction of dense peak on a large GEMM."""
     name = device.name.upper()
+    for family in ("GB300", "GB200", "B300", "B200"):
+        if name.startswith(family):  # read at call time: the calibration refits it
+            return BLACKWELL_PEAK_FRACTION["B200" if family == "B300" else family]
     for family, fraction in PEAK_FRACTION.items():
         if name.startswith(family.upper()):
             return fraction
@@ -84,6 +109,8 @@ def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype:
     if m <= 0 or n <= 0 or k <= 0:
         return 1.0
     eff = peak_fraction(device) * _ramp(m) * _ramp(n) * _ramp(k) * _padded(m) * _padded(n)
+    if dtype == "fp8":
+        eff *= FP8_PEAK_RATIO
     peak = device.flops(dtype)
     elem = 1.0 if dtype in ("fp8", "int8") else 2.0
     memory_s = elem * (m * k + k * n + m * n) / (device.hbm_bytes_per_s * HBM_EFFICIENCY)

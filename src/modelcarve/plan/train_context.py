@@ -24,6 +24,8 @@ class TrainCost(Protocol):
     options: Any
     """The cost model's TrainOptions."""
     capacity: float
+    """Bytes of one device's memory a layout may use (the device less the memory headroom)."""
+    device_memory: float
     """Bytes of one device's memory."""
     seq: int
     vocab_h: float
@@ -32,7 +34,10 @@ class TrainCost(Protocol):
 
     def tier(self, group: int, inner: int) -> "comm.Tier": ...
 
-    def _gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float: ...
+    _dtype: str
+    """Compute key of the profile being built (bf16, fp8, fp8cs, mxfp8, ...)."""
+
+    def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float: ...
 
     def layout(self, cand: tuple) -> "Layout": ...
 

@@ -11,7 +11,9 @@ the heads and FFN sizes (and kv heads or their multiple), pp at most the layer c
 chunks of at least ``MIN_CP_CHUNK`` tokens (shorter chunks leave ring attention nothing to
 overlap), dp dividing the global batch; ep dividing the experts and dp x cp (MoE); every
 micro-batch size dividing the per-replica batch up to ``MAX_MBS`` and ``MAX_MB_TOKENS``; SP on/off when tp > 1;
-recomputation none/selective/full; ZeRO 0-3 when there is a data-parallel group, plus HSDP
+recomputation none/selective/full (op-level modes are estimated when a layout names them, not
+searched); expert parallelism also folded over the TP ranks with expert TP 1 (MoE parallel
+folding); param_dtype bf16, or the one ``precision`` names (fp8, fp8-cs, mxfp8); ZeRO 0-3 when there is a data-parallel group, plus HSDP
 (ZeRO-3 sharded inside a node, replicated across); schedules 1F1B, GPipe, zero-bubble and
 interleaved 1F1B with every virtual-stage count that divides the layers per stage (when the
 micro-batch count is a multiple of pp, as Megatron requires).
@@ -71,7 +73,9 @@ class TrainGoal:
         seq = options.get("seq") or 2048
         if not gbs:
             raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
-        yield from enumerate_layouts(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+        precisions = _precisions(cluster, options.get("precision"))
+        yield from enumerate_layouts(model, cluster, gbs, seq, precisions=precisions,
+                                     **{k: options[k] for k in ("max_mbs",) if k in options})
 
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
         return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
@@ -79,7 +83,9 @@ class TrainGoal:
     def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: tuple) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""
         tp, cp, pp, dp, ep, _mbs, _sp, _rc, zero = candidate[:9]
-        if tp > cluster.devices_per_node:
+        if len(candidate) > 15 and ep > 1 and candidate[15] != tp:
+            return "MoE parallel folding (EP over the TP ranks)"
+        if tp > cluster.fast_domain:
             return "tensor parallelism across nodes"
         if tp == 1 and pp == 1 and cp == 1 and zero == 3:
             return "ZeRO-3 / FSDP alone"
@@ -141,8 +147,9 @@ def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
 
 
 def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
-                      max_mbs: int = MAX_MBS) -> Iterator[tuple]:
-    """Every valid training layout as a candidate tuple (field order: train_model.FIELDS)."""
+                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),)) -> Iterator[tuple]:
+    """Every valid training layout as a candidate tuple (field order: train_model.FIELDS), for
+    each (param_dtype, fp8_scaling) in ``precisions`` (bf16 unless the user asks for FP8)."""
     n = cluster.num_devices
     L = model.num_layers
     moe = model.is_moe
@@ -168,10 +175,14 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                 if global_batch % dp:
                     continue
                 per_replica = global_batch // dp
-                eps = [e for e in divisors(math.gcd(model.num_experts, dp * cp))] if moe else [1]
+                # (ep, etp): EP inside dp x cp with expert TP = TP, and (MoE parallel folding) EP
+                # taking the tensor-parallel ranks too, with expert TP 1
+                eps = [(e, tp) for e in divisors(math.gcd(model.num_experts, dp * cp))] if moe else [(1, tp)]
+                if moe and tp > 1:
+                    eps += [(e, 1) for e in divisors(math.gcd(model.num_experts, dp * cp * tp)) if (dp * cp) % e]
                 shards = [0]
                 if dp > 1:
-                    in_node = cluster.devices_per_node // (tp * cp)
+                    in_node = cluster.fast_domain // (tp * cp)
                     if 1 < in_node < dp and dp % in_node == 0:  # HSDP: shard inside a node, replicate across
                         shards.append(in_node)
                 zeros = [(z, 0) for z in (0, 1, 2, 3)] + [(3, s) for s in shards[1:]] if dp * cp > 1 else [(0, 0)]
@@ -181,13 +192,24 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                     scheds = inner_cache.get(key)
                     if scheds is None:
                         scheds = inner_cache[key] = _schedules(L, pp, n_mb)
-                    for ep in eps:
+                    for ep, etp in eps:
                         for sp in sps:
                             for rc in ("none", "selective", "full"):
                                 for zero, shard in zeros:
                                     for sched, v in scheds:
-                                        yield (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                               "bf16", "fp32", "fp32")
+                                        for prec, scaling in precisions:
+                                            yield (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                   prec, "fp32", "fp32", etp, scaling)
+
+
+def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:
+    """(param_dtype, fp8_scaling) pairs the search tries: bf16, or the precision asked for
+    (``--precision fp8`` / ``fp8-cs`` / ``mxfp8``), checked against the device."""
+    if not precision or precision == "bf16":
+        return (("bf16", "delayed"),)
+    probe = Layout.parse(f"precision={precision}")
+    probe.validate_precision(cluster)
+    return ((probe.param_dtype, probe.fp8_scaling),)
 
 
 def _schedules(L: int, pp: int, n_mb: int) -> list[tuple[str, int]]:

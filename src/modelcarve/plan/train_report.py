@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train_states import FRAGMENTATION, GIB, RESERVED_BYTES
+from modelcarve.plan.train_states import GIB
 
 if TYPE_CHECKING:
     from modelcarve.plan.train_context import TrainCost
@@ -27,6 +27,7 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
                  tokens_per_s: float) -> dict:
     """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
     tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+    etp = cand[15]
     seq, tokens = cost.seq, prof["tokens"]
     p_dt = cand[12]
     st_w = prof["stages"][worst]
@@ -38,8 +39,8 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
         "recompute_working_layer": st_w["work_bytes"],
         "logits": st_w["logits_bytes"],
         "comm_buffers": buffers,
-        "allocator_fragmentation": FRAGMENTATION * (act + buffers),
-        "reserved_runtime": RESERVED_BYTES,
+        "allocator_fragmentation": cost.options.fragmentation * (act + buffers),
+        "reserved_runtime": d["reserved"],
     })
     breakdown = {k: int(round(x)) for k, x in breakdown.items()}
     peak_int = sum(breakdown.values())
@@ -49,11 +50,13 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
     rc_flops = 0.0
     if recompute == "full":
         rc_flops = (cost.model.forward_flops_per_token(seq) - cost.head_fwd_flops_token) * tokens
-    elif recompute == "selective":
+    elif recompute in ("selective", "core_attn") or recompute.startswith("core_attn+"):
         rc_flops = cost.model.attention_flops_per_token(seq) * tokens
+    # other op-level modes recompute element-wise ops (no FLOPs counted) or GEMMs whose share the
+    # per-layer times carry; Eq. 3 counting applies to full and attention-core recomputation only
     slow = prof["slow"]
     axis_tier = {
-        "tp": cost.tier(tp, 1).name, "cp": cost.tier(cp, tp).name, "ep": cost.tier(ep, tp).name,
+        "tp": cost.tier(tp, 1).name, "cp": cost.tier(cp, tp).name, "ep": cost.tier(ep, etp).name,
         "pp": cost.tier(pp, dp * cp * tp).name if pp > 1 else "intra",
         "dp": d["tier"],
     }
@@ -84,14 +87,15 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
     reason = None
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
-    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:15]) > cost.capacity:
+    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16]) > cost.capacity:
         # the stage with the most model state (not necessarily the one with the highest peak)
         fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
                               key=lambda kv: kv[1])
         where = "the device" if fullest == "only" else f"the {fullest} pipeline stage"
         reason = (
             f"weights, gradients and optimizer states alone need {states / GIB:.1f} GiB of {cap:.1f} GiB on {where}"
-            f" (with {RESERVED_BYTES / GIB:.1f} GiB kept for the CUDA context and libraries)"
+            f" (with {d['reserved'] / GIB:.1f} GiB kept for the CUDA context, workspaces and NCCL buffers"
+            f"{_headroom_words(cost)})"
             + ("" if zero == 3 else "; a higher ZeRO stage, more TP/PP or EP shard them")
         )
     elif not fits:
@@ -108,6 +112,8 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
         "memory": {
             "peak_bytes": peak_int,
             "capacity_bytes": int(cost.capacity),
+            "device_bytes": int(cost.device_memory),
+            "headroom": cost.options.memory_headroom,
             "worst_stage": worst,
             "breakdown": breakdown,
         },
@@ -138,10 +144,15 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
     }
 
 
+def _headroom_words(cost: "TrainCost") -> str:
+    r = cost.options.memory_headroom
+    return f", and {r:.0%} of the device left free as headroom" if r else ""
+
+
 def _warnings(cost: "TrainCost", layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
     """Sentences about what this layout spends its step on, when it is worth saying."""
     cl = cost.cluster
-    per_node = cl.devices_per_node
+    per_node = cl.fast_domain  # the NVLink domain: the node, or an NVL72 rack
     out = []
     nic = link_words(cl.inter_link.name)
     if layout.tp > per_node:
@@ -151,7 +162,7 @@ def _warnings(cost: "TrainCost", layout: Layout, exposed: dict, step: float, bub
         )
     if layout.cp > 1 and layout.cp * layout.tp > per_node:
         out.append(f"cp={layout.cp} crosses nodes: ring attention over {nic} exposes {exposed['cp'] / step:.0%} of the step")
-    if layout.ep > 1 and layout.ep * layout.tp > per_node:
+    if layout.ep > 1 and layout.ep * layout.expert_tp > per_node:
         out.append(f"ep={layout.ep} crosses nodes: all-to-all over {nic} takes {exposed['ep'] / step:.0%} of the step")
     if bubble > 0.15:
         out.append(f"pipeline bubble is {bubble:.0%} of the step; more micro-batches or interleaving shrink it")

@@ -35,6 +35,9 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     problems = []
     if layout.zero == 2:
         problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
+    if layout.folded:
+        problems.append(f"etp={layout.expert_tp} with tp={layout.tp} (MoE parallel folding) is planned but not run by "
+                        f"the runtime yet; use ep dividing dp x cp with etp=tp")
     if layout.param_dtype not in ("fp32", "bf16"):
         problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
     for name in ("grad_dtype", "optim_dtype"):

@@ -12,6 +12,12 @@ JSON file for anything else::
     intra_link: nvlink4     # a catalogue name, or {bytes_per_s: ..., latency_s: ...}
     inter_link: eth-100g
     nics_per_node: 2
+    nvlink_domain: 72       # optional: devices sharing intra_link when larger than a node (NVL72)
+
+A rack-scale NVLink domain (GB200/GB300 NVL72: 72 GPUs on one NVLink Switch fabric, 4 per compute
+tray) is larger than a node: ``nvlink_domain`` says how many devices share ``intra_link``, and the
+planner places TP/EP/CP groups by domain, not by node (``ClusterSpec.fast_domain``). NICs stay per
+node (``nics_per_node`` NICs for the tray's devices).
 """
 
 from __future__ import annotations
@@ -53,11 +59,14 @@ class DeviceSpec:
     """Catalogue name of the NIC this device's nodes usually have."""
     nics_per_node: int = 8
     devices_per_node: int = 8
+    nvlink_domain: int = 0
+    """Devices sharing ``intra_link`` when that is more than a node (NVL72 racks: 72); 0 = the node."""
     source: str = ""
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype``; int4 runs at the int8 rate, fp32 GEMMs use TF32."""
-        key = {"int4": "int8", "fp32": "tf32", "float32": "tf32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+        key = {"int4": "int8", "fp32": "tf32", "float32": "tf32", "bfloat16": "bf16", "float16": "fp16",
+               "mxfp8": "fp8", "fp8cs": "fp8"}.get(dtype, dtype)
         if key not in self.peak_flops:
             key = "bf16" if dtype in ("fp8", "int8", "int4") else key
         if key not in self.peak_flops:
@@ -75,12 +84,38 @@ class ClusterSpec:
     intra_link: LinkSpec
     inter_link: LinkSpec
     nics_per_node: int
+    nvlink_domain: int = 0
+    """Devices that share ``intra_link`` (an NVLink Switch domain spanning several nodes, e.g. 72
+    for GB200 NVL72); 0 means the node."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node", "nics_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"cluster: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 0:
+            raise SpecError(f"cluster: nvlink_domain must be a non-negative integer, got {self.nvlink_domain!r}")
+        if self.nvlink_domain and self.nvlink_domain % self.devices_per_node:
+            raise SpecError(
+                f"cluster: nvlink_domain={self.nvlink_domain} is not a whole number of nodes of "
+                f"{self.devices_per_node} devices; give a multiple of {self.devices_per_node}"
+            )
+
+    @property
+    def fast_domain(self) -> int:
+        """Devices a group can span and still talk over ``intra_link``: the node, or the NVLink
+        domain when it is larger. A job uses whole domains where it can; when its device count is
+        not a multiple of the domain (128 GPUs of NVL72 racks), the scheduler places it in equal
+        slices, so this is the largest multiple of the node size, at most the domain, that divides
+        the device count (64 for 128 or 256 GB200s)."""
+        per_node = self.devices_per_node
+        if self.nvlink_domain <= per_node:
+            return per_node
+        n = self.num_devices
+        for size in range(min(self.nvlink_domain, n) // per_node * per_node, per_node - 1, -per_node):
+            if n % size == 0:
+                return size
+        return per_node
 
     @property
     def num_devices(self) -> int:
@@ -96,9 +131,11 @@ class ClusterSpec:
         return f"{self.nodes}x{self.devices_per_node}x{self.device.name}"
 
     def describe(self) -> str:
+        domain = self.fast_domain
+        inside = f"inside an NVLink domain of {domain}" if domain > self.devices_per_node else "inside a node"
         return (
             f"{self.name}: {self.num_devices} devices, {self.device.memory_bytes / 2**30:.0f} GiB each; "
-            f"{self.intra_link.name} inside a node, {self.nics_per_node}x {self.inter_link.name} per node"
+            f"{self.intra_link.name} {inside}, {self.nics_per_node}x {self.inter_link.name} per node"
         )
 
 
@@ -155,6 +192,10 @@ def parse_cluster(text: str) -> ClusterSpec:
         nodes, per_node = int(first), int(second)
     elif first is not None:
         nodes, per_node = 1, int(first)
+        dpn = device.devices_per_node
+        if device.nvlink_domain > dpn and per_node > dpn and per_node % dpn == 0:
+            # 64xGB200: sixteen 4-GPU compute trays of one NVLink domain, not one 64-GPU node
+            nodes, per_node = per_node // dpn, dpn
     else:
         nodes, per_node = 1, 1
     if nodes < 1 or per_node < 1:
@@ -166,6 +207,7 @@ def parse_cluster(text: str) -> ClusterSpec:
         intra_link=get_link(device.intra_link),
         inter_link=get_link(device.inter_link),
         nics_per_node=device.nics_per_node,
+        nvlink_domain=device.nvlink_domain if per_node == device.devices_per_node else 0,
     )
 
 
@@ -183,7 +225,7 @@ def _link_from(value, where: str) -> LinkSpec:
 def cluster_from_dict(raw: dict, where: str = "cluster file") -> ClusterSpec:
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a mapping with nodes, devices_per_node, device")
-    unknown = set(raw) - {"nodes", "devices_per_node", "device", "intra_link", "inter_link", "nics_per_node"}
+    unknown = set(raw) - {"nodes", "devices_per_node", "device", "intra_link", "inter_link", "nics_per_node", "nvlink_domain"}
     if unknown:
         raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
     if "device" not in raw:
@@ -206,6 +248,10 @@ def cluster_from_dict(raw: dict, where: str = "cluster file") -> ClusterSpec:
             intra_link=_link_from(raw.get("intra_link", device.intra_link), "intra_link"),
             inter_link=_link_from(raw.get("inter_link", device.inter_link), "inter_link"),
             nics_per_node=raw.get("nics_per_node", device.nics_per_node),
+            nvlink_domain=raw.get(
+                "nvlink_domain",
+                device.nvlink_domain if raw.get("devices_per_node", device.devices_per_node) == device.devices_per_node else 0,
+            ),
         )
     except TypeError as err:
         raise SpecError(f"{where}: {err}") from None

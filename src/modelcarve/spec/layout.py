@@ -11,6 +11,24 @@ shard: ``ep`` must divide ``dp * cp``, and the remaining ``dp * cp / ep`` ranks 
 expert-data-parallel group that all-reduces (or ZeRO-shards) expert gradients. Attention and
 dense layers are unaffected by ``ep``. Expert weights are also split by ``tp`` (expert TP = TP).
 
+MoE parallel folding (Megatron-Core, Liu et al. 2025, arXiv 2504.14960): the expert layers get
+their own mesh over the same ranks, ``ETP x EP x EDP x PP`` beside the attention mesh
+``TP x CP x DP x PP``, so EP may also take the TP ranks: ``tp=2,dp=16,ep=32,etp=1`` puts 32-way
+EP over the 32 ranks of a stage. ``etp`` (expert tensor parallelism) defaults to ``tp`` when
+``ep`` divides ``dp x cp`` (the unfolded layout above) and to 1 otherwise; ``etp x ep`` must
+divide ``tp x cp x dp`` and ``edp = tp x cp x dp / (etp x ep)``. ETP is innermost in the expert
+mesh (neighbouring ranks), then EP, then EDP.
+
+Precision: ``param_dtype=fp8`` (alias ``precision=fp8``) runs the linear layers' GEMMs in FP8 as
+Transformer Engine does (``fp8_scaling`` delayed or current, per-tensor scales), ``mxfp8`` with
+MX block scales (1 x 32, Blackwell); weights stay bf16 with fp32 master weights and Adam state,
+and attention core, embedding, LM head and router stay bf16 (plan/train_layer.py).
+
+Recomputation: ``none``, ``selective`` (Korthikanti's attention core), ``full`` (whole layer),
+``ops`` (torchtitan's op-level selective AC: matmul and attention outputs saved, element-wise
+ops recomputed), or a ``+``-joined list of Megatron ``--recompute-modules``:
+``core_attn+layernorm+mlp_act+mlp`` (see plan/activations.py for what each drops).
+
 Data-parallel sharding: ``zero`` 0 (plain all-reduce DP), 1 (optimiser state), 2 (+ gradients),
 3 (+ parameters; FSDP). ``dp_shard`` is the size of the group the ZeRO state is sharded over:
 ``dp`` by default; fewer with ``zero=3`` is HSDP (shard inside ``dp_shard``, replicate across
@@ -35,16 +53,45 @@ if TYPE_CHECKING:
     from modelcarve.spec.model import ModelSpec
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "ops")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
+"""Megatron ``--recompute-modules`` the planner models (``moe_act``/``moe`` are aliases)."""
 TRAIN_DTYPES = ("fp32", "bf16", "fp16")
+COMPUTE_DTYPES = TRAIN_DTYPES + ("fp8", "mxfp8")
+"""``param_dtype`` values: the 16/32-bit dtypes, FP8 (Hopper and later) and MXFP8 (Blackwell)."""
+FP8_SCALING = ("delayed", "current")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 _ALIASES = {
     "schedule": {"interleaved": "interleaved-1f1b", "zb": "zero-bubble", "zerobubble": "zero-bubble", "zb-h1": "zero-bubble"},
-    "recompute": {"off": "none", "false": "none", "true": "full", "sel": "selective"},
+    "recompute": {"off": "none", "false": "none", "true": "full", "sel": "selective", "op": "ops", "sac": "ops"},
+    "param_dtype": {"fp8-cs": "fp8", "fp8cs": "fp8", "fp8-mx": "mxfp8", "fp8mx": "mxfp8"},
 }
+_MODULE_ALIASES = {"moe_act": "mlp_act", "moe": "mlp", "core_attention": "core_attn", "norm": "layernorm"}
+
+
+def recompute_modules(value: str) -> frozenset[str]:
+    """The Megatron recompute modules a ``recompute`` value names (``core_attn+mlp_act``), or
+    raise LayoutError naming the unknown ones. ``selective`` is ``core_attn``."""
+    if value == "selective":
+        return frozenset({"core_attn"})
+    names = [_MODULE_ALIASES.get(n, n) for n in value.split("+") if n]
+    bad = [n for n in names if n not in RECOMPUTE_MODULES]
+    if bad or not names:
+        raise LayoutError(
+            f"recompute={value!r} is not one of: {', '.join(RECOMPUTE)}, nor a '+'-joined list of modules "
+            f"({', '.join(RECOMPUTE_MODULES)}; moe_act/moe are aliases), e.g. recompute=core_attn+mlp_act"
+        )
+    return frozenset(names)
+
+
+def canonical_recompute(value: str) -> str:
+    """``recompute`` in one spelling: the named modes as they are, module lists sorted."""
+    if value in RECOMPUTE:
+        return value
+    return "+".join(sorted(recompute_modules(value)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +107,9 @@ class Layout:
     cp: int = 1
     """Context-parallel degree: the sequence split over ranks, ring attention."""
     ep: int = 1
-    """Expert-parallel degree, folded into dp x cp (see module doc)."""
+    """Expert-parallel degree, folded into dp x cp, or over tp x cp x dp with etp (see module doc)."""
+    etp: int = 0
+    """Expert tensor-parallel degree; 0: tp when ep divides dp x cp, else 1 (MoE parallel folding)."""
     sp: bool = False
     """Sequence parallelism for the norm/dropout regions of a TP group (needs tp > 1)."""
     zero: int = 0
@@ -78,9 +127,12 @@ class Layout:
     seq: int = 2048
     """Sequence length, tokens."""
     recompute: str = "none"
-    """Activation recomputation: none, selective (attention core), full (whole layer)."""
+    """Activation recomputation: none, selective (attention core), full (whole layer), ops
+    (op-level SAC), or modules joined by '+' (core_attn, layernorm, mlp_act, mlp)."""
     param_dtype: str = "bf16"
-    """Dtype compute runs in (weights as used by the forward pass)."""
+    """Dtype the GEMMs run in: fp32/bf16/fp16, or fp8/mxfp8 (FP8 linear layers, bf16 weights kept)."""
+    fp8_scaling: str = "delayed"
+    """FP8 scaling recipe for param_dtype=fp8: delayed (amax history) or current (per step)."""
     grad_dtype: str = "fp32"
     """Dtype gradients are reduced and accumulated in."""
     optim_dtype: str = "fp32"
@@ -112,9 +164,21 @@ class Layout:
         return self.dp_shard or self.dp
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree (``etp``, or its default: see the module doc)."""
+        if self.etp:
+            return self.etp
+        return self.tp if (self.dp * self.cp) % self.ep == 0 else 1
+
+    @property
     def expert_dp(self) -> int:
-        """Expert-data-parallel degree: ranks holding the same experts."""
-        return self.dp * self.cp // self.ep
+        """Expert-data-parallel degree: ranks holding the same experts (tp x cp x dp / (etp x ep))."""
+        return max(1, self.tp * self.dp * self.cp // (self.expert_tp * self.ep))
+
+    @property
+    def folded(self) -> bool:
+        """Experts use their own mesh (etp differs from tp): MoE parallel folding."""
+        return self.ep > 1 and self.expert_tp != self.tp
 
     def short(self) -> str:
         """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2``."""
@@ -131,7 +195,9 @@ class Layout:
             hsdp = self.zero == 3 and self.dp_shard and self.dp_shard < self.dp
             parts.append(f"HSDP{self.dp // self.dp_shard}x{self.dp_shard}" if hsdp else f"Z{self.zero}")
         if self.ep > 1:
-            parts.append(f"EP{self.ep}")
+            parts.append(f"EP{self.ep}" + (f"-ETP{self.expert_tp}" if self.folded else ""))
+        if self.param_dtype in ("fp8", "mxfp8"):
+            parts.append(self.param_dtype.upper())
         return "-".join(parts)
 
     # --- serialisation ------------------------------------------------------------------
@@ -196,15 +262,21 @@ class Layout:
                 values["zero"] = 3
                 values["_hsdp_replicas"] = _int("hsdp", value)
                 continue
-            if key in ("virtual", "v", "vpp"):
+            if key in ("virtual", "v", "vp", "vpp"):
                 key = "virtual_stages"
             if key in ("microbatch", "micro_batch"):
                 key = "mbs"
             if key in ("global_batch", "batch"):
                 key = "gbs"
+            if key == "precision":
+                key = "param_dtype"
+            if key in ("expert_tp", "expert_tensor_parallel"):
+                key = "etp"
             if key in values:
                 raise LayoutError(f"layout key {key!r} given twice")
             values[key] = value
+        if str(values.get("param_dtype", "")).lower() in ("fp8-cs", "fp8cs"):
+            values.setdefault("fp8_scaling", "current")
         replicas = values.pop("_hsdp_replicas", None)
         if replicas is not None:
             dp = _int("dp", values.get("dp", 1))
@@ -220,6 +292,8 @@ class Layout:
             value = getattr(self, name)
             if value < 1:
                 raise LayoutError(f"{name}={value} must be at least 1")
+        if self.etp < 0:
+            raise LayoutError(f"etp={self.etp} must be at least 1 (or 0 for the default)")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
@@ -227,8 +301,11 @@ class Layout:
         if self.dp_shard and self.dp_shard < self.dp and self.zero == 0:
             raise LayoutError("dp_shard < dp (HSDP) needs zero=1..3; add zero=3")
         _enum("schedule", self.schedule, SCHEDULES)
-        _enum("recompute", self.recompute, RECOMPUTE)
-        for name in ("param_dtype", "grad_dtype", "optim_dtype"):
+        if self.recompute not in RECOMPUTE:
+            recompute_modules(self.recompute)
+        _enum("param_dtype", self.param_dtype, COMPUTE_DTYPES)
+        _enum("fp8_scaling", self.fp8_scaling, FP8_SCALING)
+        for name in ("grad_dtype", "optim_dtype"):
             _enum(name, getattr(self, name), TRAIN_DTYPES)
         _enum("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _enum("kv_dtype", self.kv_dtype, KV_DTYPES)
@@ -247,6 +324,23 @@ class Layout:
             raise LayoutError(
                 f"interleaved-1f1b needs the micro-batch count ({self.num_microbatches}) to be a multiple of pp={self.pp}"
             )
+
+    def _precision_problems(self, cluster: "ClusterSpec") -> list[str]:
+        if self.param_dtype not in ("fp8", "mxfp8"):
+            return []
+        dev = cluster.device
+        if "fp8" not in dev.peak_flops:
+            return [f"param_dtype={self.param_dtype}: {dev.name} has no FP8 tensor cores; use bf16"]
+        if self.param_dtype == "mxfp8" and not _blackwell(dev.name):
+            return [f"param_dtype=mxfp8 needs Blackwell (B200/GB200/B300/GB300) MX block scaling; {dev.name} "
+                    f"runs per-tensor fp8 (param_dtype=fp8)"]
+        return []
+
+    def validate_precision(self, cluster: "ClusterSpec") -> None:
+        """Raise LayoutError if ``cluster``'s device cannot run this layout's param_dtype."""
+        problems = self._precision_problems(cluster)
+        if problems:
+            raise LayoutError("; ".join(problems))
 
     def validate(self, model: "ModelSpec", cluster: "ClusterSpec | None" = None, world_size: int | None = None) -> None:
         """Raise LayoutError, naming every factor that disagrees, if this layout cannot run
@@ -272,7 +366,7 @@ class Layout:
             )
         if model.ffn_size % self.tp:
             problems.append(f"tp={self.tp} does not divide ffn size {model.ffn_size}; valid tp: {_fmt(_divisors(model.ffn_size))}")
-        if model.is_moe and model.expert_ffn_size % self.tp:
+        if model.is_moe and self.expert_tp == self.tp and model.expert_ffn_size % self.tp:
             problems.append(f"tp={self.tp} does not divide expert ffn size {model.expert_ffn_size}")
         stages = self.pp * self.virtual_stages
         if stages > model.num_layers:
@@ -289,11 +383,21 @@ class Layout:
                         f"ep={self.ep} does not divide {model.num_experts} experts; valid ep: "
                         f"{_fmt(_divisors(model.num_experts))}"
                     )
-                if (self.dp * self.cp) % self.ep:
+                etp, ranks = self.expert_tp, self.tp * self.cp * self.dp
+                if ranks % (etp * self.ep) and self.tp == 1:
                     problems.append(
                         f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are sharded over the "
                         f"data/context-parallel ranks); valid ep: {_fmt(_divisors(self.dp * self.cp))}"
                     )
+                elif ranks % (etp * self.ep):
+                    problems.append(
+                        f"etp x ep = {etp} x {self.ep} must divide tp x cp x dp = {ranks} (the expert mesh "
+                        f"ETP x EP x EDP covers the attention mesh's ranks); with etp={etp} valid ep: "
+                        f"{_fmt(_divisors(ranks // etp if ranks % etp == 0 else 1))}"
+                        + ("" if etp == 1 else "; or set etp=1 to fold EP over the tensor-parallel ranks")
+                    )
+                if model.expert_ffn_size % etp:
+                    problems.append(f"etp={etp} does not divide expert ffn size {model.expert_ffn_size}")
         if self.cp > 1 and self.seq % (2 * self.cp):
             problems.append(
                 f"seq={self.seq} is not a multiple of 2 x cp = {2 * self.cp} (zig-zag ring attention chunks)"
@@ -303,8 +407,14 @@ class Layout:
             problems.append(
                 f"sequence parallelism needs seq/cp = {self.seq // self.cp} tokens per rank divisible by tp={self.tp}"
             )
+        if cluster is not None:
+            problems += self._precision_problems(cluster)
         if problems:
             raise LayoutError("; ".join(problems))
+
+
+def _blackwell(name: str) -> bool:
+    return name.upper().startswith(("B200", "GB200", "B300", "GB300", "B100"))
 
 
 def _divisors(n: int, limit: int = 128) -> list[int]:
@@ -345,4 +455,7 @@ def _coerce(name: str, value, annotation: str):
             return False
         raise LayoutError(f"{name}={value!r} is not a boolean (true/false)")
     text = str(value).lower()
-    return _ALIASES.get(name, {}).get(text, text)
+    text = _ALIASES.get(name, {}).get(text, text)
+    if name == "recompute" and text not in RECOMPUTE:
+        text = canonical_recompute(text)
+    return text
