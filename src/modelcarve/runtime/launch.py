@@ -60,7 +60,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     source = make_data(data, spec.vocab_size, seed)
     from modelcarve.runtime.resume import Checkpointing  # --checkpoint-dir / --save-every / --resume
 
-    ckpt = Checkpointing(**(checkpoint or {}))
+    ckpt = Checkpointing(model=model, **(checkpoint or {}))
     start = ckpt.restore(chunks, trainer, spec, lay, dict(source=data or "synthetic", seed=seed))
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None, workers: dict | None = None, prog: str =
     timeout_s = float(args.pop("timeout_s", 120))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
+    from modelcarve.runtime.signals import install
+
+    install(grace_s=timeout_s + 5, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)  # stop together, save first
     try:
         init_distributed(timeout_s)
         workers[command](args)

@@ -46,7 +46,8 @@ def _say(text: str) -> None:
 
 class Checkpointing:
     def __init__(self, checkpoint_dir: str | None = None, save_every: int = 0, keep: int = 0,
-                 resume: str | None = None):
+                 resume: str | None = None, model: str | None = None):
+        self.model_arg = model
         self.root = Path(checkpoint_dir) if checkpoint_dir else None
         self.save_every, self.keep = int(save_every or 0), int(keep or 0)
         self.resume = resume
@@ -154,12 +155,31 @@ class Checkpointing:
                          lr=[g["lr"] for g in trainer.optimizer.param_groups], rng_keys=rng_keys,
                          world_size=dist.get_world_size())
             info = dict(layout=dict(short=layout.short(), fields=layout.to_dict(), global_batch=gbs, seq=seq), model=spec.name,
-                        model_hash=dcpk.model_hash(spec), state=state)
+                        model_hash=dcpk.model_hash(spec), state=state, hf_config=hf_config_of(self.model_arg))
             final = commit.commit(tmp, step, info)
             commit.prune(self.root, self.keep)
         dist.barrier()
         self.saved.append(step)
         return final
+
+
+def hf_config_of(model: str | None) -> dict | None:
+    """The Hugging Face config.json of the model trained (``export`` writes it back out)."""
+    import json
+
+    from modelcarve.spec.catalog import catalog_entry
+
+    if not model:
+        return None
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text())
+    if path.is_file() and path.suffix == ".json":
+        return json.loads(path.read_text())
+    try:
+        return dict(catalog_entry(model)["config"])
+    except ModelcarveError:
+        return None
 
 
 def _mismatch(manifest: dict, spec, layout, data_info: dict) -> str | None:
