@@ -61,10 +61,12 @@ def children_of(pid: int) -> list[int]:
 
 
 def _start_time(pid: int) -> str | None:
+    """The process's start time (guards against pid reuse); None once it is gone or a zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -116,7 +118,7 @@ class _Supervisor:
     def kill_all(self) -> None:
         self.track()
         for pid in list(self.workers):
-            if _start_time(pid) == self.workers[pid]:
+            if self.workers[pid] is not None and _start_time(pid) == self.workers[pid]:
                 _kill(pid, signal.SIGKILL)
         _kill(self.proc.pid, signal.SIGKILL)
 
