@@ -193,7 +193,7 @@ def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
         c.attn_p = bias + (2 * hd if model.qk_norm else 0)
         c.kv_elem = 2 * kv_heads_rank * hd
     ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
-    c.norm_p = 2 * model._norm_params(h)
+    c.norm_p = model.layer_norms * model._norm_params(h)
     c.dense_q = ffn_mats * h * model.ffn_size / tp
     c.expert_q = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
     c.router_p = model.router_params
