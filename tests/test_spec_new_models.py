@@ -131,3 +131,66 @@ def test_unsupported_variants_are_one_line_errors():
     with pytest.raises(SpecError, match="relu2"):
         spec_from_hf_config(dict(model_type="nemotron", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                  vocab_size=10, intermediate_size=8, hidden_act="gelu"))
+
+
+CATALOGUED = ["gpt-oss-120b", "gpt-oss-20b", "llama-4-scout", "llama-4-maverick", "qwen3-30b-a3b", "gemma-3-27b",
+              "deepseek-v2-lite", "nemotron-4-340b", "bloom-176b"]
+
+
+@pytest.mark.parametrize("name", CATALOGUED)
+def test_catalogued_real_models_equal_transformers(name):
+    """Each catalogued config.json, built by transformers on the meta device (the language model of a
+    multimodal config), has exactly our count; and that count is the published one to its stated digits."""
+    from modelcarve.spec.catalog import catalog_entry, get_model
+
+    raw = dict(catalog_entry(name)["config"])
+    if "text_config" in raw:
+        raw = dict(raw["text_config"], model_type=_TEXT_TYPE[raw["model_type"]])
+    raw.pop("quantization_config", None)  # build the bf16 layout; MXFP4 is a storage format
+    expected, _ = _transformers_count(raw)
+    spec = get_model(name)
+    assert spec.total_params == expected
+    published = catalog_entry(name)["published"]["total_params"]
+    if "," in published:  # an exact count (BLOOM)
+        assert spec.total_params == int(published.replace(",", ""))
+    elif "." in published:  # "116.8B": the count rounds to it, within half its last digit
+        digits = published.rstrip("B")
+        half = 0.5 * 10 ** -len(digits.split(".")[1]) * 1e9
+        assert abs(spec.total_params - float(digits) * 1e9) <= half, (name, published)
+    # (whole-number names, "340B", "27B", "109B" with its vision tower, are rounded names, not counts)
+
+
+def test_runtime_refuses_models_whose_layers_it_lacks():
+    """Planned but not run: the coverage check names the missing layers; supported families pass."""
+    from modelcarve.runtime.coverage import missing_layers
+    from modelcarve.spec.catalog import get_model
+
+    assert missing_layers(get_model("llama-3.1-8b")) == [] and missing_layers(get_model("deepseek-v3")) == []
+    assert missing_layers(get_model("mixtral-8x7b")) == []
+    oss = missing_layers(get_model("gpt-oss-20b"))
+    assert oss[0].startswith("the gpt_oss family") and "attention sinks" in oss and "a router bias" in oss
+    assert "ALiBi positions" in missing_layers(get_model("bloom-176b"))
+    for name in CATALOGUED:
+        if get_model(name).family != "qwen3_moe":
+            assert missing_layers(get_model(name)), name
+    # a supported family asking for a layer the reference lacks is refused too
+    assert missing_layers(get_model("llama-3.1-8b").replace(partial_rotary_factor=0.5)) == ["partial rotary (0.5 of each head)"]
+
+
+def test_run_refuses_before_launch(tmp_path):
+    """`modelcarve run` on a model the runtime cannot build: exit 2, one line, no torchrun started."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent.parent / "src"
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelcarve.cli", "run", "--model", "gpt-oss-20b", "--layout", "tp=1,dp=1,mbs=1,gbs=1,seq=16",
+         "--steps", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(src)),
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and "can be planned but not run" in lines[0] and "attention sinks" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
