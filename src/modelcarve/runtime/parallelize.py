@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from modelcarve.runtime.coverage import check_model_coverage
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
@@ -31,6 +32,7 @@ from modelcarve.spec.model import ModelSpec
 
 def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:
     """Raise LayoutError if this runtime cannot execute ``layout`` on ``spec`` (and ``world_size``)."""
+    check_model_coverage(spec)  # a model whose layers the reference lacks (runtime/coverage.py)
     layout.validate(spec, world_size=world_size)
     problems = []
     if layout.zero == 2:
