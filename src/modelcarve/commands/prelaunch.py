@@ -35,8 +35,18 @@ _HARMLESS = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$"
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 
 
+_NOTES: list[str] = []
+"""What derive() filled in, said once every check has passed (so a refusal stays one line)."""
+
+
 def _note(text: str) -> None:
-    sys.stderr.write(f"modelcarve: note: {text}\n")
+    _NOTES.append(text)
+
+
+def _say_notes() -> None:
+    for text in _NOTES:
+        sys.stderr.write(f"modelcarve: note: {text}\n")
+    _NOTES.clear()
 
 
 # --- inputs: the checkpoint directory and the data file ------------------------------------------
@@ -105,6 +115,7 @@ def derive(args, layout: Layout, spec) -> Layout:
     """``layout`` with gbs / seq filled in where the answer is clear (said on stderr); refuses a seq
     beyond the model's positions. Sets ``args.layout`` to the layout the ranks will run."""
     given = _given_keys(args.layout)
+    _NOTES.clear()
     changes = {}
     if "gbs" not in given and not layout.gbs and layout.pp > 1 and layout.schedule != "gpipe" \
             and layout.num_microbatches < layout.pp:
@@ -136,6 +147,7 @@ def check_launch(args, layout: Layout, spec, per_node: int) -> None:
     if is_checkpoint(args.model):
         _check_unused(args.model, spec)
     check_memory(layout, spec, per_node, nnodes=getattr(args, "nnodes", 1))
+    _say_notes()
 
 
 def expected_names(spec) -> set[str]:
@@ -235,7 +247,7 @@ def _alternatives(layout: Layout, spec, limit: int, on_gpu: bool) -> list[tuple[
                     if need <= limit:
                         found.setdefault(cand.short() + (f" recompute={recompute}" if recompute != "none" else ""),
                                          need)
-    return sorted((need, name) for name, need in found.items())
+    return sorted(((need, name) for name, need in found.items()), key=lambda x: ("recompute" in x[1], x[0]))
 
 
 def check_memory(layout: Layout, spec, per_node: int, nnodes: int = 1) -> None:
@@ -252,7 +264,7 @@ def check_memory(layout: Layout, spec, per_node: int, nnodes: int = 1) -> None:
     gib = 2**30
     fits = _alternatives(layout, spec, limit, on_gpu)
     hint = ("layouts of the same ranks that fit: " + ", ".join(f"{name} ({need / gib:.2f} GiB)"
-                                                              for need, name in fits[:4])
+                                                              for need, name in fits[:6])
             if fits else "no layout of these ranks fits; use more ranks (--nnodes) or a smaller model")
     raise LayoutError(f"{layout.short()} needs {need / gib:.2f} GiB per rank (the planner's prediction for "
                       f"{spec.name}) but a rank has {limit / gib:.2f} GiB ({where}); {hint}")

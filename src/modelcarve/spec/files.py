@@ -34,7 +34,7 @@ MAX_FILE_BYTES = 64 * 2**20
 """Largest JSON or YAML file read (a 1T-parameter model's safetensors index is a few MB)."""
 
 
-def _short(text: str, limit: int = 60) -> str:
+def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-12:]} ({len(text)} characters)"
 
 
