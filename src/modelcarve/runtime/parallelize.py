@@ -37,9 +37,11 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     problems = []
     if layout.zero == 2:
         problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
-    if layout.folded:
-        problems.append(f"etp={layout.expert_tp} with tp={layout.tp} (MoE parallel folding) is planned but not run by "
-                        f"the runtime yet; use ep dividing dp x cp with etp=tp")
+    if layout.folded and layout.tp > 1 and not layout.sp and (layout.seq // layout.cp) % layout.tp:
+        # (MoE parallel folding: each TP rank routes its own slice of the sequence, expert.py)
+        problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "
+                        f"tokens, but seq/cp = {layout.seq // layout.cp} is not divisible by tp={layout.tp}; "
+                        f"choose seq a multiple of {layout.cp * layout.tp}")
     if layout.param_dtype not in ("fp32", "bf16"):
         problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
     for name in ("grad_dtype", "optim_dtype"):
