@@ -67,11 +67,15 @@ def resolve_layout(layout, dtype: str | None = None):
     return lay, weight, kv
 
 
-def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None) -> None:
-    """Refuse, before any rank starts, what the engine cannot run."""
+def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None):
+    """Refuse, before any rank starts, what the engine cannot run; returns the layout with its
+    training-only ``seq`` capped at the model's context (generation lengths are per request)."""
     from modelcarve.runtime.parallelize import check_runtime
 
+    layout = layout.replace(seq=min(layout.seq, spec.max_position))
     problems = []
+    if layout.sp:
+        problems.append("sp (sequence parallelism) is not supported for generation; drop sp")
     if layout.param_dtype not in ("fp32", "bf16"):
         problems.append(f"param_dtype={layout.param_dtype} cannot be executed; use fp32 or bf16")
     if weight_dtype not in WEIGHT_RUNTIME:
@@ -87,6 +91,7 @@ def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size:
     if problems:
         raise LayoutError("; ".join(problems))
     check_runtime(layout, spec, world_size=world_size)
+    return layout
 
 
 @dataclass
@@ -162,7 +167,7 @@ class Engine:
 
             init_distributed(cfg.timeout_s)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        check_generation(layout, spec, weight, kv, world_size=world)
+        layout = check_generation(layout, spec, weight, kv, world_size=world)
         self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
         self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
                                   block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed)
