@@ -51,13 +51,13 @@ def resolve_layout(layout, dtype: str | None = None):
     if isinstance(layout, Layout):
         lay, stated = layout, {"weight_dtype", "kv_dtype"}
     else:
-        text = str(layout)
-        if text.strip().startswith("{") or text.endswith(".json"):
-            raw = json.loads(Path(text).read_text()) if not text.strip().startswith("{") else json.loads(text)
-            stated = set(raw.get("layout", raw))
+        text = str(layout).strip()
+        lay = Layout.parse(text)  # every malformed layout is refused here, in one line
+        if text.startswith("{") or text.endswith(".json"):
+            raw = json.loads(text if text.startswith("{") else Path(text).read_text())
+            stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
         else:
-            stated = {part.split("=")[0].strip() for part in text.split(",")}
-        lay = Layout.parse(text)
+            stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
     if dtype:
         lay = lay.replace(param_dtype=dtype)
     weight = lay.weight_dtype if "weight_dtype" in stated else lay.param_dtype
@@ -170,7 +170,8 @@ class Engine:
         layout = check_generation(layout, spec, weight, kv, world_size=world)
         self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
         self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
-                                  block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed)
+                                  block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
+                                  max_num_seqs=cfg.max_num_seqs)
         self.spec = self.runner.spec
         self.is_driver = self.runner.rank == 0
         self.tokenizer = None
