@@ -127,6 +127,8 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    logprobs: list | None = None
+    """All chosen tokens' logprobs so far (when requested)."""
 
 
 @dataclass
@@ -253,7 +255,8 @@ class Engine:
         seq.emitted_text = len(text)
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
                              seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
-                             seq.arrival_time, seq.first_token_time, seq.finish_time)
+                             seq.arrival_time, seq.first_token_time, seq.finish_time,
+                             list(seq.logprobs) if seq.params.logprobs else None)
 
     def _finish(self, seq: Sequence, reason: str, stop=None) -> None:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop
