@@ -74,6 +74,23 @@ def test_two_ranks_equal_transformers(ckpts):
     assert not bad, bad
     for (name, layout), (_, stats, _) in results.items():
         assert stats["plan_bytes"] > 0 and stats["generation_tokens"] == 3 * 32, (name, layout)
+    _kv_equals_planner(ckpts, results)
+
+
+def _kv_equals_planner(ckpts, results):
+    """Bytes per token (the fullest rank) and the block count printed at start-up are the planner's
+    KV arithmetic for the same model and layout (MLA: the latent on every TP rank; qwen3's one kv
+    head replicated over tp=2; per pipeline stage)."""
+    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.runtime.checkpoint import model_spec
+    from modelcarve.spec.layout import Layout
+
+    for (name, text), (_, stats, _) in results.items():
+        lay = Layout.parse(text)
+        planned = shard_facts(model_spec(ckpts[name][0]), tp=lay.tp, pp=lay.pp, ep=lay.ep, kv_dtype="fp32")
+        assert stats["kv_bytes_per_token"] == planned.kv_bytes_per_token, (name, text)
+        blocks = (1 << 21) // (16 * stats["kv_bytes_per_token"])
+        assert stats["kv_blocks_total"] == lay.dp * (blocks - 1), (name, text)
 
 
 def test_tp2_pp2_equal_transformers(ckpts):
@@ -81,3 +98,4 @@ def test_tp2_pp2_equal_transformers(ckpts):
     results = run_distributed(_world, 4, ckpts, layouts, timeout=900)[0]
     bad = [(n, lay) for n, lay in layouts if results[(n, lay)][0] != ckpts[n][2]]
     assert not bad, bad
+    _kv_equals_planner(ckpts, results)
