@@ -24,6 +24,7 @@ COMMANDS = {
     "run": "run",
     "verify": "run",
     "export": "export",
+    "generate": "generate",
     "serve": "serve",
     "bench-serve": "bench_serve",
 }
