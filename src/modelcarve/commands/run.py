@@ -29,6 +29,9 @@ def _add_common(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (run: 10, verify: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
+                   help="random: train a directory holding only config.json from random weights (default: its "
+                        "safetensors weights, refused when it has none)")
     p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype (a layout string defaults to bf16; verify's fp32 "
                    "tolerances are the tight ones: loss 1e-5 rel, grads and params 1e-4)")
@@ -68,10 +71,14 @@ def _prepare(args):
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 
+    from modelcarve.commands import prelaunch
+
     layout = Layout.parse(args.layout)
     if args.dtype:
         layout = layout.replace(param_dtype=args.dtype)
+    prelaunch.check_inputs(args)  # checkpoint listing/headers and --data, before reading the config
     spec = get_model(args.model)
+    layout = prelaunch.derive(args, layout, spec)  # gbs / seq the layout leaves out, said on stderr
     if args.nnodes < 1 or layout.world_size % args.nnodes:
         raise LayoutError(f"the layout needs {layout.world_size} ranks, not divisible over --nnodes {args.nnodes}")
     per_node = args.nproc_per_node or layout.world_size // args.nnodes
@@ -91,6 +98,7 @@ def _prepare(args):
 
     if is_checkpoint(args.model):
         check_checkpoint(args.model, spec)
+    prelaunch.check_launch(args, layout, spec, per_node)  # unused/integer tensors, predicted memory per rank
     return layout, spec, per_node, under_torchrun
 
 
