@@ -213,6 +213,7 @@ def test_stalled_rank_ends_the_run_within_1_2x_timeout():
     took = time.monotonic() - stalled  # the run is down: every rank and torchrun are gone
     code, out, err = run.finish(limit=4 * timeout)
     assert code != 0 and "lost contact" in err, err[-2000:]
+    print(f"stalled rank: the run was down {took:.1f}s after the stall (--timeout {timeout})")
     assert took <= 1.2 * timeout, f"{took:.1f}s for --timeout {timeout}"
     assert not run.leftovers()
 
