@@ -296,6 +296,9 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
     their shards (dim 0 over EP) and gradient group (expert-dp) for verify.py / data_parallel.py.
     parallelize.py calls it when ep > 1 (with ep = 1 the experts are ordinary replicated weights)."""
     blocks = moe_blocks(chunk)
+    if layout.ep > 1 and chunk.spec.is_moe:
+        # new_group is a world collective: a stage holding only dense layers creates the groups too
+        expert_groups(mesh, layout)
     if not blocks:
         if layout.ep > 1 and chunk.spec.is_moe:
             return chunk  # a pipeline stage with only dense layers
