@@ -9,7 +9,6 @@ without a default are required and their absence is a one-line SpecError naming 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -266,6 +265,9 @@ def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", 
     """Build a ModelSpec from a parsed Hugging Face config dict."""
     if not isinstance(raw, dict):
         raise SpecError(f"{name}: a config must be a JSON object, got {type(raw).__name__}")
+    from modelcarve.spec.config_checks import check_config
+
+    check_config(raw, name)
     model_type = raw.get("model_type")
     if model_type is None:
         raise SpecError(f"{name}: config.json has no 'model_type'; supported: {', '.join(MODEL_TYPES)}")
@@ -286,12 +288,11 @@ def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read ``config.json`` from a file or a checkpoint directory."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
+    from modelcarve.spec import files
+
+    path = files.user_path(path, "model")
+    file = path / "config.json" if files.is_dir(path) else path
+    if not files.is_file(file):
         raise SpecError(f"{path}: no such config file (give a config.json or a directory holding one)")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SpecError(f"{file}: not valid JSON ({err.__class__.__name__}: {err})".replace("\n", " ")) from None
+    raw = files.read_json(file, "config file")
     return spec_from_hf_config(raw, name=str(path), source=str(file))
