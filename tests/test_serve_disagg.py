@@ -152,3 +152,20 @@ def test_wide_ep_exchange_against_deepep(ep):
     published_d, published_c = DEEPEP_LOW_LATENCY[ep]
     assert dispatch * 1e6 == pytest.approx(published_d, rel=0.25)
     assert combine * 1e6 == pytest.approx(published_c, rel=0.25)
+
+
+def test_windowed_layers_cap_the_kv_cache():
+    """Gemma 3 27B (5 local layers of 1024 tokens per global one: 52 sliding, 10 full of 62) and gpt-oss-120b
+    (18 of 36 layers with a 128-token window): a sequence's KV by hand, bf16, one device."""
+    from modelcarve.plan.serve_memory import memory_from_facts, shard_facts
+
+    gemma = shard_facts(get_model("gemma-3-27b"), tp=1)
+    per_layer = 2 * 16 * 128 * 2  # k and v, 16 kv heads of 128, bf16
+    assert gemma.kv_bytes_per_token == 62 * per_layer  # per token (the engine's figure) unchanged
+    mem = memory_from_facts(gemma, 141e9, batch=3, context=32768)
+    assert mem.kv_bytes == 3 * per_layer * (10 * 32768 + 52 * 1024)
+    short = memory_from_facts(gemma, 141e9, batch=1, context=512)  # inside the window: every layer holds it all
+    assert short.kv_bytes == 62 * per_layer * 512
+    oss = shard_facts(get_model("gpt-oss-120b"), tp=1)
+    per_layer = 2 * 8 * 64 * 2
+    assert memory_from_facts(oss, 141e9, batch=1, context=8192).kv_bytes == per_layer * (18 * 8192 + 18 * 128)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from modelcarve.plan import comm, serve_rates
 from modelcarve.plan.quant import weight_format
 from modelcarve.plan.serve_ep import ep_round_trip_s
-from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, shard_facts
+from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, kv_seq_bytes, shard_facts
 from modelcarve.plan.serve_rates import (
     _attn_peak,
     _device_key,
@@ -171,7 +171,8 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     if experts_all:
         # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
         k_gemm += mesh.k_gemm_experts
-    k_attn = mesh.mean_ctx * max(f.kv_bytes_per_token / mesh.hbm, mesh.attn_flops_per_ctx / mesh.attn_peak)
+    # KV read per step: windowed layers read at most their window (serve_memory.kv_seq_bytes)
+    k_attn = max(kv_seq_bytes(f, mesh.mean_ctx) / mesh.hbm, mesh.mean_ctx * mesh.attn_flops_per_ctx / mesh.attn_peak)
     # Every field assigned here, without the generated __init__: matching 34 keyword
     # arguments costs more than the rest of this function (once per candidate layout).
     ctx = object.__new__(_Ctx)
