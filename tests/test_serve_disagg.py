@@ -169,3 +169,18 @@ def test_windowed_layers_cap_the_kv_cache():
     oss = shard_facts(get_model("gpt-oss-120b"), tp=1)
     per_layer = 2 * 8 * 64 * 2
     assert memory_from_facts(oss, 141e9, batch=1, context=8192).kv_bytes == per_layer * (18 * 8192 + 18 * 128)
+
+
+def test_mla_serves_with_dp_attention_and_ep_experts():
+    """DeepSeek-V3's MLA latent (512 + 64 per token per layer) has no head axis: TP replicates it on every
+    rank, so a TP8 group holds 8 copies of each sequence's KV; DP attention (tp=1) holds one, and the
+    experts are sharded over the EP ranks. The throughput plan picks that arrangement on 4 x 8 H200."""
+    from modelcarve.plan.serve_memory import shard_facts
+
+    model = get_model("deepseek-v3")
+    latent = 61 * (512 + 64) * 1  # fp8 KV, all 61 layers
+    assert shard_facts(model, tp=8, kv_dtype="fp8").kv_bytes_per_token == latent
+    assert shard_facts(model, tp=1, ep=32, kv_dtype="fp8").kv_bytes_per_token == latent
+    best = search(model, parse_cluster("4x8xH200"), "serve-throughput", top=1, input_len=2048, output_len=512,
+                  tpot_ms=50)["layouts"][0]["layout"]
+    assert best["tp"] == 1 and best["ep"] >= 8 and best["dp"] == 32
