@@ -61,15 +61,14 @@ def test_fp4_fraction_is_the_fit_and_reproduces_its_rows(rows):
 
 def test_fp4_blackwell_checks(rows):
     """The independent FP4 rows (B200 and GB200; Llama-3.3-70B TP1, Llama-3.1-405B TP4 on GB200,
-    Qwen3-235B TP8). Measured when written: 26 of 40 within +-20%, median |error| 17.9%; the misses are
-    Llama-3.3-70B on one GPU with long outputs, under-predicted by up to 49% (docs/calibration_serving.md).
-    Asserted: the 405B rows on GB200 (same layout as the fit, another device) all within 20%, and the
-    majority of all FP4 checks."""
+    Qwen3-235B TP8), held to the same bar as the original checks: at least 90% within +-20%, none
+    beyond 30%. Measured when written: 37 of 40 within 20%, median |error| 9.6%, max 26.2% (the misses
+    are Qwen3-235B TP8 at 128/128, 128/2048 and 5000/500; docs/calibration_serving.md)."""
     checks = [r for r in rows if r["role"] == "check" and r["source"] == "trtllm-fp4"]
     assert len(checks) == 40 and {r["device"] for r in checks} == {"B200", "GB200"}
-    gb200_405b = [r for r in checks if r["model"] == "llama-3.1-405b"]
-    assert len(gb200_405b) == 10 and all(abs(r["error"]) <= TOLERANCE for r in gb200_405b)
-    assert sum(abs(r["error"]) <= TOLERANCE for r in checks) > len(checks) / 2
+    errors = [abs(r["error"]) for r in checks]
+    assert sum(e <= TOLERANCE for e in errors) >= 0.9 * len(errors)
+    assert max(errors) <= 0.30
 
 
 def test_disaggregated_phases_within_tolerance(rows):
