@@ -55,7 +55,7 @@ def _say_notes() -> None:
 def check_inputs(args) -> None:
     model = args.model
     init = getattr(args, "init", "checkpoint")
-    if files.path_problem(model) is None and files.is_dir(model):
+    if _is_directory_model(model):
         listing = list_checkpoint(model)
         if not listing.has_config:
             raise SpecError(f"{model} has no config.json; a checkpoint directory needs the model's config.json "
@@ -72,6 +72,17 @@ def check_inputs(args) -> None:
                             f"in a format modelcarve does not read")
     if args.data and args.data != "synthetic":
         _check_data(args.data)
+
+
+def _is_directory_model(model: str) -> bool:
+    """``--model`` names a directory (a catalogue name wins, as in spec.catalog.get_model)."""
+    from modelcarve.spec.catalog import catalog_entry
+
+    try:
+        catalog_entry(model)
+        return False
+    except SpecError:
+        return files.path_problem(model) is None and files.is_dir(model)
 
 
 def _check_data(data: str) -> None:
