@@ -139,7 +139,7 @@ def derive(args, layout: Layout, spec) -> Layout:
         changes["seq"] = spec.max_position
         _note(f"the layout gives no seq; using seq={spec.max_position}, the model's max_position_embeddings "
               f"(the default {layout.seq} is longer); add seq=N to choose")
-    elif layout.seq > spec.max_position:
+    elif layout.seq > spec.max_position and spec.position_kind != "learned":  # learned: check_runtime says it
         raise LayoutError(f"seq={layout.seq} is longer than the {spec.max_position} positions {spec.name} was "
                           f"trained for (max_position_embeddings); use seq <= {spec.max_position}")
     if changes:
