@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, serve, bench-serve}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
@@ -23,6 +23,10 @@ COMMANDS = {
     "estimate": "plan",
     "run": "run",
     "verify": "run",
+    "export": "export",
+    "generate": "generate",
+    "serve": "serve",
+    "bench-serve": "bench_serve",
 }
 
 

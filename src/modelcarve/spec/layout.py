@@ -60,8 +60,8 @@ TRAIN_DTYPES = ("fp32", "bf16", "fp16")
 COMPUTE_DTYPES = TRAIN_DTYPES + ("fp8", "mxfp8")
 """``param_dtype`` values: the 16/32-bit dtypes, FP8 (Hopper and later) and MXFP8 (Blackwell)."""
 FP8_SCALING = ("delayed", "current")
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
-KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4", "nvfp4", "mxfp4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp4", "nvfp4")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 _ALIASES = {
