@@ -70,8 +70,9 @@ def check_inputs(args) -> None:
             raise SpecError(f"{model}: tensor {bad[0]} is not floating point ({len(bad)} such); model weights are "
                             f"floating point (F32, F16, BF16, F8), so this is not a model checkpoint or it is quantised "
                             f"in a format modelcarve does not read")
-    if args.data and args.data != "synthetic":
-        _check_data(args.data)
+    data = getattr(args, "data", None)  # serve has no --data
+    if data and data != "synthetic":
+        _check_data(data)
 
 
 def _is_directory_model(model: str) -> bool:
@@ -157,7 +158,8 @@ def check_launch(args, layout: Layout, spec, per_node: int) -> None:
 
     if is_checkpoint(args.model):
         _check_unused(args.model, spec)
-    check_memory(layout, spec, per_node, nnodes=getattr(args, "nnodes", 1))
+    if getattr(args, "command", None) in ("run", "verify"):  # the training prediction; serve keeps no optimiser
+        check_memory(layout, spec, per_node, nnodes=getattr(args, "nnodes", 1))
     _say_notes()
 
 
