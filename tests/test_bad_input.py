@@ -183,3 +183,14 @@ def test_found_by_the_fuzz_suite_control_characters_stay_on_one_line(capsys):
     assert "\r" not in line
     line = one_line_error(capsys, ["models", "show", "x\x1b[2Jy\nz"], "unknown model")
     assert "\x1b" not in line and "\\x1b" in line
+
+
+def test_probe_emit_into_missing_folder_refused_before_measuring(capsys, monkeypatch):
+    from modelcarve.commands import probe
+
+    monkeypatch.setattr(probe, "measure", lambda ranks: pytest.fail("measured before checking --emit"))
+    one_line_error(capsys, ["hardware", "--probe", "--emit", "/nonexistent-dir/c.yaml"], "folder '/nonexistent-dir'")
+
+
+def test_export_paths_over_the_limit(capsys):
+    one_line_error(capsys, ["export", "--checkpoint", LONG, "--out", "x"], "File name too long")

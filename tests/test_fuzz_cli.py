@@ -80,9 +80,11 @@ FLAGS = {
     "--precision": st.sampled_from(["bf16", "fp8", "mxfp8", "fp4"]),
     "--memory-headroom": st.sampled_from(["0.05", "0.7", "nan", "-0.1"]),
     "--input-len": VALUES, "--output-len": VALUES, "--ttft-ms": VALUES, "--batch": VALUES,
+    "--checkpoint": st.sampled_from(["/no/such/ckpt", "a" * 300, "/", ""]),
+    "--out": st.sampled_from(["/no/such/dir/out", "a" * 300]),
     "--json": st.just(None), "--reference": st.sampled_from(["ours", "transformers", "x"]),
 }
-COMMANDS = ["models", "hardware", "layout", "plan", "estimate", "run", "verify", "frobnicate"]
+COMMANDS = ["models", "hardware", "layout", "plan", "estimate", "run", "verify", "export", "frobnicate"]
 
 
 @st.composite

@@ -126,8 +126,10 @@ def _given_keys(text: str) -> set[str]:
 def derive(args, layout: Layout, spec) -> Layout:
     """``layout`` with gbs / seq filled in where the answer is clear (said on stderr); refuses a seq
     beyond the model's positions. Sets ``args.layout`` to the layout the ranks will run."""
-    given = _given_keys(args.layout)
     _NOTES.clear()
+    if getattr(args, "command", None) not in ("run", "verify"):
+        return layout  # serve: no training batch to derive
+    given = _given_keys(args.layout)
     changes = {}
     if "gbs" not in given and not layout.gbs and layout.pp > 1 and layout.schedule != "gpipe" \
             and layout.num_microbatches < layout.pp:
