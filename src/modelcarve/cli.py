@@ -47,6 +47,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="modelcarve", description="Plan, run and verify how a transformer is split across devices.")
+    from modelcarve import __version__
+
+    parser.add_argument("--version", action="version", version=f"modelcarve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     modules = dict.fromkeys(COMMANDS.values()) if only is None else [COMMANDS[only]]
     for module in modules:

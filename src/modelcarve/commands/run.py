@@ -114,6 +114,9 @@ def _require_torch() -> None:
 
 def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
     payload["timeout_s"] = args.timeout
+    from modelcarve.commands.launch_checks import check_rendezvous
+
+    check_rendezvous(args.master_addr, args.master_port, args.node_rank)
     port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
     if under_torchrun:
         from modelcarve.commands.worker import main
@@ -133,6 +136,8 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
     # torchrun's own failure summary is long; our ranks print one line each (passed through live).
     # supervise forwards signals, brings a stalled rank down, reaps (runtime/supervise.py)
     from modelcarve.runtime.supervise import supervise
+
+    sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
 
     code, ours, tail, signals = supervise(cmd, env, timeout_s=args.timeout, restarts=restarts)
     if signals:

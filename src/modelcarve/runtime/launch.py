@@ -55,7 +55,9 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     if dtype:
         lay = lay.replace(param_dtype=dtype)
     seed_everything(seed)
+    started = _startup_line(f"{dist.get_world_size()} ranks joined; building {model} as {lay.short()}", quiet)
     chunks, spec, mesh = build(model, lay, seed)
+    _startup_line(f"model ready in {_startup_line('', True) - started:.1f}s", quiet)
     trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed, **(moe or {})))
     source = make_data(data, spec.vocab_size, seed)
     from modelcarve.runtime.resume import Checkpointing  # --checkpoint-dir / --save-every / --resume
@@ -99,6 +101,16 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         with open(report, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _startup_line(text: str, quiet: bool) -> float:
+    """Start-up is visible: rank 0 says what it is doing before the first step (stderr)."""
+    import time
+
+    if _rank0() and not quiet:
+        sys.stderr.write(f"modelcarve: {text}\n")
+        sys.stderr.flush()
+    return time.monotonic()
 
 
 class _null:
