@@ -125,16 +125,14 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         tok = need_tokenizer("chat")
         logprobs = P.chat_logprobs_flag(body)
         messages = [dict(role=m.role, content=_content_text(m.content)) for m in body.messages]
-        if not getattr(tok, "chat_template", None) and not getattr(tok, "has_chat_template", False):
-            _no_template = True
-        else:
-            _no_template = False
+        if not getattr(tok, "has_chat_template", False):
+            raise APIError(400, "this checkpoint has no chat template (chat_template in tokenizer_config.json or "
+                           "chat_template.jinja); use /v1/completions with a plain prompt", param="messages")
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=bool(body.add_generation_prompt))
-        except Exception as err:  # noqa: BLE001 - no template / a template that raises: the user's checkpoint
-            hint = ("the checkpoint has no chat template (chat_template in tokenizer_config.json or "
-                    "chat_template.jinja); use /v1/completions") if _no_template else f"the chat template failed: {err}"
-            raise APIError(400, hint, param="messages") from None
+        except Exception as err:  # noqa: BLE001 - a template that raises on these messages: the checkpoint's
+            raise APIError(400, f"the chat template failed on these messages: {' '.join(str(err).split())[:300]}",
+                           param="messages") from None
         ids = check_ids(list(ids), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = P.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max(served.max_model_len - len(ids), 1),

@@ -24,16 +24,11 @@ import time
 
 
 def _context_len(engine) -> int:
-    for attr in ("max_model_len",):
-        if getattr(engine, attr, None):
-            return int(getattr(engine, attr))
-    spec = getattr(engine, "spec", None)
-    return int(getattr(spec, "max_position", 0) or 4096)
+    return int(engine.context_length)
 
 
 def _vocab(engine) -> int:
-    spec = getattr(engine, "spec", None)
-    return int(getattr(spec, "vocab_size", 0) or sys.maxsize)
+    return int(engine.spec.vocab_size)
 
 
 def _engine_params(sp):
@@ -131,6 +126,11 @@ def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8
     """What every rank runs: build the engine; rank 0 serves HTTP, the others follow."""
     from modelcarve.runtime.engine import Engine, EngineConfig
 
+    if os.environ.get("MODELCARVE_DEBUG"):  # kill -USR1 <pid> prints every thread's stack
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     extra = dict(max_num_seqs=max_num_seqs) if max_num_seqs else {}
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=model, layout=layout, kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
