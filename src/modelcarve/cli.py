@@ -23,6 +23,7 @@ COMMANDS = {
     "estimate": "plan",
     "run": "run",
     "verify": "run",
+    "generate": "generate",
     "serve": "serve",
     "bench-serve": "bench_serve",
 }

@@ -51,13 +51,13 @@ def resolve_layout(layout, dtype: str | None = None):
     if isinstance(layout, Layout):
         lay, stated = layout, {"weight_dtype", "kv_dtype"}
     else:
-        text = str(layout)
-        if text.strip().startswith("{") or text.endswith(".json"):
-            raw = json.loads(Path(text).read_text()) if not text.strip().startswith("{") else json.loads(text)
-            stated = set(raw.get("layout", raw))
+        text = str(layout).strip()
+        lay = Layout.parse(text)  # every malformed layout is refused here, in one line
+        if text.startswith("{") or text.endswith(".json"):
+            raw = json.loads(text if text.startswith("{") else Path(text).read_text())
+            stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
         else:
-            stated = {part.split("=")[0].strip() for part in text.split(",")}
-        lay = Layout.parse(text)
+            stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
     if dtype:
         lay = lay.replace(param_dtype=dtype)
     weight = lay.weight_dtype if "weight_dtype" in stated else lay.param_dtype
@@ -67,11 +67,15 @@ def resolve_layout(layout, dtype: str | None = None):
     return lay, weight, kv
 
 
-def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None) -> None:
-    """Refuse, before any rank starts, what the engine cannot run."""
+def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None):
+    """Refuse, before any rank starts, what the engine cannot run; returns the layout with its
+    training-only ``seq`` capped at the model's context (generation lengths are per request)."""
     from modelcarve.runtime.parallelize import check_runtime
 
+    layout = layout.replace(seq=min(layout.seq, spec.max_position))
     problems = []
+    if layout.sp:
+        problems.append("sp (sequence parallelism) is not supported for generation; drop sp")
     if layout.param_dtype not in ("fp32", "bf16"):
         problems.append(f"param_dtype={layout.param_dtype} cannot be executed; use fp32 or bf16")
     if weight_dtype not in WEIGHT_RUNTIME:
@@ -87,6 +91,7 @@ def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size:
     if problems:
         raise LayoutError("; ".join(problems))
     check_runtime(layout, spec, world_size=world_size)
+    return layout
 
 
 @dataclass
@@ -122,6 +127,8 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    logprobs: list | None = None
+    """All chosen tokens' logprobs so far (when requested)."""
 
 
 @dataclass
@@ -162,10 +169,11 @@ class Engine:
 
             init_distributed(cfg.timeout_s)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        check_generation(layout, spec, weight, kv, world_size=world)
+        layout = check_generation(layout, spec, weight, kv, world_size=world)
         self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
         self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
-                                  block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed)
+                                  block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
+                                  max_num_seqs=cfg.max_num_seqs)
         self.spec = self.runner.spec
         self.is_driver = self.runner.rank == 0
         self.tokenizer = None
@@ -247,7 +255,8 @@ class Engine:
         seq.emitted_text = len(text)
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
                              seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
-                             seq.arrival_time, seq.first_token_time, seq.finish_time)
+                             seq.arrival_time, seq.first_token_time, seq.finish_time,
+                             list(seq.logprobs) if seq.params.logprobs else None)
 
     def _finish(self, seq: Sequence, reason: str, stop=None) -> None:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop

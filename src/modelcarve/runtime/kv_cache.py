@@ -19,7 +19,8 @@ it exceeds the planner's 1.0 byte per element by the scales (stated at start-up)
 
 Budget: ``kv_cache_bytes`` per rank, or by default ``KV_FRACTION`` of this rank's share of free
 memory (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of /proc/meminfo divided by
-the ranks on this node). ``num_blocks = budget // (block_size x bytes_per_token)``.
+the ranks on this node). ``num_blocks = budget // (block_size x bytes_per_token)``; with the
+default budget, capped at what ``max_num_seqs`` full contexts can use (model_runner.py).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class ModelRunner:
     """This rank's part of the model and its KV cache (see module doc)."""
 
     def __init__(self, model: str, layout, *, dtype: str, weight_dtype: str, kv_dtype: str, block_size: int = 16,
-                 kv_cache_bytes: float | None = None, seed: int = 0):
+                 kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64):
         from modelcarve.runtime.checkpoint import is_checkpoint, load_model
 
         self.layout, self.block_size, self.kv_dtype = layout, block_size, kv_dtype
@@ -101,6 +101,8 @@ class ModelRunner:
         self.bytes_per_token = bytes_per_token(chunk, kv_dtype)
         budget = kv_cache_bytes if kv_cache_bytes else KV_FRACTION * free_memory_bytes(self.device)
         blocks = num_blocks_for(budget, block_size, self.bytes_per_token)
+        if not kv_cache_bytes:  # never more than max_num_seqs full contexts can use (+ the scratch block)
+            blocks = min(blocks, max_num_seqs * -(-spec.max_position // block_size) + 1)
         if self.world > 1:
             both = torch.tensor([blocks, -self.bytes_per_token], dtype=torch.int64)
             dist.all_reduce(both, op=dist.ReduceOp.MIN)
