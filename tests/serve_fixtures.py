@@ -28,7 +28,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def build_checkpoint(path, *, chat_template: bool = True, vocab: int = 300, seed: int = 0) -> str:
+def build_checkpoint(path, *, chat_template: bool = True, vocab: int = 300, seed: int = 0, max_position: int = 256) -> str:
     """A tiny llama checkpoint (hf_tiny.save_hf) with a BPE tokenizer of exactly its vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -48,12 +48,12 @@ def build_checkpoint(path, *, chat_template: bool = True, vocab: int = 300, seed
     size = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<s>", eos_token="</s>",
-                  model_max_length=256, clean_up_tokenization_spaces=False)
+                  model_max_length=max_position, clean_up_tokenization_spaces=False)
     if chat_template:
         config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     save_hf("LlamaConfig", "LlamaForCausalLM", path, seed=seed, vocab_size=size, bos_token_id=bos,
-            eos_token_id=eos, max_position_embeddings=256, tie_word_embeddings=False)
+            eos_token_id=eos, max_position_embeddings=max_position, tie_word_embeddings=False)
     return str(path)
 
 

@@ -15,6 +15,7 @@ lengths), the queue (429 + ``Retry-After``) and the drain (503); errors have Ope
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -41,8 +42,22 @@ class ServedModel:
     """protocol.SamplingParams -> the engine's SamplingParams"""
 
 
+class _ArrivalStamp:
+    """Pure ASGI middleware: the time a request reached the app, before its body is read and parsed
+    (``request.state.arrival``); the TTFT / E2E histograms start there."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
 def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="modelcarve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ArrivalStamp)
     errors.install(app)
     app.state.bridge, app.state.metrics, app.state.served = bridge, metrics, served
 
@@ -81,6 +96,7 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         return served.tokenizer
 
     def respond(gen: Generation, stream: bool, request: Request):
+        gen.arrival = getattr(request.state, "arrival", gen.arrival)
         gen.start()
         if stream:
             return StreamingResponse(gen.events(), media_type="text/event-stream",

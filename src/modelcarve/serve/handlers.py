@@ -75,8 +75,11 @@ class Generation:
             raise
 
     def cancel(self) -> None:
-        for rid in list(self._open):
-            self.bridge.abort(rid)
+        """Abort what is still generating (the client left, or the stream was abandoned)."""
+        for st in self.states:
+            if st.rid in self._open:
+                self.bridge.abort(st.rid)
+                self.metrics.aborted()
         self._open.clear()
 
     async def _next(self):
