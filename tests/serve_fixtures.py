@@ -104,13 +104,19 @@ class Server:
         self.log = None
 
     def start(self) -> "Server":
-        import httpx
+        self.launch()
+        return self.wait_ready()
 
+    def launch(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = open(os.devnull if os.environ.get("SERVE_TEST_QUIET") else Path(self.model) / f"server-{self.port}.log", "w")
         cmd = [sys.executable, "-m", "modelcarve.cli", "serve", "--model", self.model, "--layout", self.layout,
                "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO))
+
+    def wait_ready(self) -> "Server":
+        import httpx
+
         deadline = time.monotonic() + self.ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -49,6 +49,7 @@ def _make_server_class():
         bridge = None
         drain_timeout_s = 30.0
         clean = True
+        left = 0
         ready_line = ""
 
         def handle_exit(self, sig, frame):  # signal handler, main thread
@@ -63,6 +64,7 @@ def _make_server_class():
 
         async def _drain(self):
             self.clean = await self.bridge.wait_idle(self.drain_timeout_s)
+            self.left = self.bridge.in_flight
             self.should_exit = True
 
         async def startup(self, sockets=None):
@@ -116,7 +118,7 @@ def run_http(engine, *, model: str, layout: str, host: str, port: int, served_mo
         raise ModelcarveError(f"could not listen on {host}:{port} (in use, or not an address of this machine); "
                               "choose another with --host/--port")
     if not server.clean or left:
-        raise ModelcarveError(f"drain timed out after {drain_timeout:g} s: {left} request(s) aborted")
+        raise ModelcarveError(f"drain timed out after {drain_timeout:g} s: {max(left, server.left)} request(s) aborted")
 
 
 def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8000,
