@@ -121,7 +121,8 @@ def run_http(engine, *, model: str, layout: str, host: str, port: int, served_mo
         raise ModelcarveError(f"drain timed out after {drain_timeout:g} s: {max(left, server.left)} request(s) aborted")
 
 
-def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8000,
+def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dtype: str | None = None,
+                 layout_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
                  drain_timeout: float = 30.0, kv_cache_bytes: int | None = None, pidfile: str | None = None,
                  timeout_s: float = 120.0, max_num_seqs: int | None = None, log_level: str = "warning") -> None:
@@ -135,7 +136,8 @@ def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     extra = dict(max_num_seqs=max_num_seqs) if max_num_seqs else {}
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, layout=layout, kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
+    engine = Engine(EngineConfig(model=model, layout=layout, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                 kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
     if not engine.is_driver:
         engine.follow()
         return
@@ -145,7 +147,7 @@ def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8
         os.replace(pidfile + ".tmp", pidfile)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sys.stderr.write(f"modelcarve: engine ready on {world} rank(s) in {time.perf_counter() - t0:.1f} s\n")
-    run_http(engine, model=model, layout=str(layout), host=host, port=port, served_model_name=served_model_name,
+    run_http(engine, model=model, layout=layout_name or str(layout), host=host, port=port, served_model_name=served_model_name,
              api_key=api_key, max_queue=max_queue, drain_timeout=drain_timeout, world_size=world, log_level=log_level)
 
 
