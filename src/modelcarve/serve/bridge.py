@@ -10,9 +10,9 @@ queue that receives the request's ``RequestOutput``s, put there with
 ``loop.call_soon_threadsafe``. ``abort`` (a client that went away) frees the request's blocks at
 the engine's next step.
 
-When nothing is in flight the thread calls ``engine.heartbeat()`` (where the engine has it)
-every ``idle_step_s`` if other ranks follow (world size > 1), so an idle server never trips the
-followers' collective timeout. ``stop`` (after the drain) lets the thread leave
+When nothing is in flight the thread still calls ``engine.step()`` every ``idle_step_s`` if
+other ranks follow (world size > 1): an idle step sends the followers an empty plan every
+``runtime.engine.HEARTBEAT_S``, so an idle server never trips their collective timeout. ``stop`` (after the drain) lets the thread leave
 its loop and call ``engine.shutdown()``, which releases the followers; an engine failure
 (a rank died) fails every request in flight with a 500 and marks the bridge ``broken`` so the
 server exits with an error instead of hanging.
@@ -159,10 +159,7 @@ class EngineBridge:
                     work = self._has_work()
                     if self._stopping and not self.engine.has_unfinished():
                         break
-                if not work:
-                    beat = getattr(self.engine, "heartbeat", None)
-                    if self.followers and beat is not None:
-                        beat()
+                if not work and not self.followers:
                     continue
                 for out in self.engine.step():
                     self._deliver(out)
