@@ -98,6 +98,17 @@ def bench(url: str, rate: float, n: int, input_len: int, output_len: int, vocab:
     return summary
 
 
+def cluster_for(probed: str, world: int, path: Path) -> str:
+    """The probed cluster cut to the layout's ranks, so ``estimate`` adds no replicas the server lacks."""
+    import yaml
+
+    raw = yaml.safe_load(probed)
+    raw["devices_per_node"] = world
+    raw["device"]["devices_per_node"] = world
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
 def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int, output_len: int) -> dict:
     base = [*CLI, "estimate", "--goal", "serve-latency", "--model", model, "--cluster", cluster, "--layout", layout,
             "--input-len", str(input_len), "--output-len", str(output_len), "--json"]
@@ -144,7 +155,9 @@ def main() -> None:
                     rates = [round(0.15 / e2e, 3), round(0.5 / e2e, 3)]
                 for rate in rates:
                     measured = bench(url, rate, n, input_len, output_len, vocab)
-                    predicted = estimate(model, cluster, layout, rate, input_len, output_len)
+                    world = 2 if short != "tp=1" else 1
+                    per_layout = cluster_for(probed, world, Path(tmp) / f"cluster-{world}.yaml")
+                    predicted = estimate(model, per_layout, layout, rate, input_len, output_len)
                     row = dict(layout=short, rate_rps=rate, measured_ttft_s=measured["ttft_ms"]["mean"] / 1e3,
                                measured_tpot_s=measured["tpot_ms"]["mean"] / 1e3, measured=measured,
                                predicted=predicted)
