@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, serve, bench-serve}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, export, generate, serve, bench-serve}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
