@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -146,6 +147,7 @@ def main() -> None:
     }
     result["batch1"]["ratio"] = result["batch1"]["ours_tok_s"] / result["batch1"]["hf_tok_s"]
     result["mixed"]["ratio"] = result["mixed"]["ours_tok_s"] / result["mixed"]["hf_static_tok_s"]
+    shutil.rmtree(tmp, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("batch1", "mixed")}, indent=1))

@@ -3,7 +3,8 @@
 fp32, 32 new tokens, three prompts of 5 / 17 / 30 tokens added at engine steps 0, 2 and 5 (so
 prefill and decode of different requests share steps), on tiny random checkpoints of every
 family (tests/engine_cases.py), for: one device (in this process), tp=2, pp=2, dp=2 replicas
-and ep=2 (MoE, dp=2,ep=2) in one 2-rank gloo world, and tp=2 x pp=2 in one 4-rank world.
+and ep=2 (MoE, dp=2,ep=2) in one 2-rank gloo world, and tp=2 x pp=2 (and tp=2 x ep=2 for MoE)
+in one 4-rank world.
 Exact equality is the right criterion: both sides compute the same fp32 arithmetic up to
 summation order (~1e-6 relative), and with std-0.2 weights the top two logits of these tiny
 models are far further apart than that (a flip would show as a failure, never be tolerated).
@@ -99,8 +100,9 @@ def _kv_equals_planner(ckpts, results):
         assert stats["kv_blocks_total"] == lay.dp * (blocks - 1), (name, text)
 
 
-def test_tp2_pp2_equal_transformers(ckpts):
-    layouts = [(name, f"tp=2,pp=2,{FP32}") for name in CKPTS]
+def test_four_ranks_equal_transformers(ckpts):
+    """tp=2 x pp=2 for every family, and tp=2 x ep=2 (expert TP = TP, two DP-attention replicas) for MoE."""
+    layouts = [(name, f"tp=2,pp=2,{FP32}") for name in CKPTS] + [(name, f"tp=2,dp=2,ep=2,{FP32}") for name in MOE]
     results = run_distributed(_world, 4, ckpts, layouts, timeout=900)[0]
     bad = [(n, lay) for n, lay in layouts if results[(n, lay)][0] != ckpts[n][2]]
     assert not bad, bad
