@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, serve, bench-serve}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
@@ -23,7 +23,10 @@ COMMANDS = {
     "estimate": "plan",
     "run": "run",
     "verify": "run",
+    "export": "export",
     "generate": "generate",
+    "serve": "serve",
+    "bench-serve": "bench_serve",
 }
 
 
@@ -41,7 +44,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     modules = dict.fromkeys(COMMANDS.values()) if only is None else [COMMANDS[only]]
     for module in modules:
         importlib.import_module(f"modelcarve.commands.{module}").register(sub)
-    return parser
+    from modelcarve.commands.argtypes import harden
+
+    return harden(parser)  # strict numbers: ASCII digits, finite floats, each flag's range
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ModelcarveError as err:
         sys.stderr.write(f"modelcarve: error: {' '.join(str(err).split())}\n")
+        return 2
+    except OSError as err:  # a path the user gave that the OS refuses (spec/files.py catches the usual ones)
+        name = f" {str(err.filename)[:80]!r}" if err.filename else ""
+        sys.stderr.write(f"modelcarve: error: cannot use{name}: {err.strerror or err}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("modelcarve: interrupted\n")

@@ -45,7 +45,7 @@ TILE = 64
 HBM_EFFICIENCY = 0.8
 """Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
 
-BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.625, "GB300": 0.75}
+BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.625, "GB300": 0.825}
 """Fraction of the dense bf16 peak a large GEMM reaches on Blackwell, per system (B300 reads
 B200's): fitted to the Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
 GB200 share the die, but the published GB200 runs are within a few percent of B200's on the same
@@ -69,7 +69,7 @@ FP8_PEAK_RATIO = 1.0
 peak: fitted to the FP8 / MXFP8 rows of the Megatron-Bridge summary (grid 0.80-1.00; the fit
 sits at 1.0: FP8 GEMMs reach the same fraction of their doubled peak, the FP8 recipe's costs
 being elsewhere: quantisation traffic, the bf16 attention core and LM head)."""
-MOE_TOKEN_BYTES = 40.0
+MOE_TOKEN_BYTES = 32.0
 """HBM bytes per routed token and hidden element an MoE layer's forward moves outside its GEMMs,
 the backward twice that. Permuting the dispatched copies and unpermuting the combined ones
 (bf16 read + write each) is 8; the fit to the Megatron-Bridge rows gives 48 (grid 8-64), and 40
@@ -77,6 +77,21 @@ is the largest grid value that keeps the earlier Megatron-Core Mixtral 8x7B row 
 within its +-10% test. So this also carries what the model does not itemise for MoE layers
 (all-to-all staging copies, router top-k / probability kernels, grouped-GEMM padding,
 per-expert launch overheads)."""
+MOE_HOST_S_PER_EXPERT = 2.0e-4
+"""Host seconds to launch one local expert's kernels in one MoE pass (forward, backward or
+recomputed forward) under the dropless all-to-all dispatcher without A2A overlap: the per-expert
+token counts are copied to the host to size the all-to-all and the grouped GEMMs, which drains
+the stream, and the GPU then runs no faster than the host launches the rest of the layer
+(``moe_host_launch_s``; train_layer.py charges max(0, host - GPU) per pass). HybridEP / DeepEP
+dispatchers size their buffers on the device, and Megatron's A2A overlap keeps another
+micro-batch's kernels queued: neither stalls."""
+
+
+def moe_host_launch_s(local_experts: float) -> float:
+    """Host launch time of one MoE layer pass after the count synchronisation (see MOE_HOST_S_PER_EXPERT)."""
+    return MOE_HOST_S_PER_EXPERT * local_experts
+
+
 PEAK_FRACTION_SOURCE = {
     "A100": "fitted to Narayanan et al. 2021 Table 1 (benchmarks/calibrate_training.py)",
     "Blackwell": "fitted to the NeMo / Megatron-Bridge B200 / GB200 / GB300 rows (benchmarks/calibrate_training.py)",

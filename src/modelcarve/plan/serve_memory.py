@@ -161,7 +161,7 @@ def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_d
 class _TpCounts:
     """Elements on one TP rank of one layer's parts (dtype-independent), cached per (model, tp)."""
 
-    __slots__ = ("attn_q", "attn_p", "norm_p", "dense_q", "expert_q", "router_p", "embed_p", "head_p",
+    __slots__ = ("attn_q", "attn_p", "norm_p", "dense_q", "expert_q", "expert_p", "router_p", "embed_p", "head_p",
                  "final_p", "kv_elem", "q_out", "act_elems", "traffic_fixed", "ffn_traffic", "moe_ffn_traffic")
 
 
@@ -190,13 +190,15 @@ def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
         kv_heads_rank = max(1, model.num_kv_heads // tp)  # replicated when tp > kv heads
         c.attn_q = 2 * h * nh * hd / tp + 2 * h * kv_heads_rank * hd
         bias = (nh * hd / tp + 2 * kv_heads_rank * hd if model.qkv_bias else 0) + (h if model.o_bias else 0)
-        c.attn_p = bias + (2 * hd if model.qk_norm else 0)
+        c.attn_p = bias + (2 * hd if model.qk_norm else 0) + (nh / tp if model.attention_sinks else 0)
         c.kv_elem = 2 * kv_heads_rank * hd
     ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
-    c.norm_p = 2 * model._norm_params(h)
+    c.norm_p = model.layer_norms * model._norm_params(h)
     c.dense_q = ffn_mats * h * model.ffn_size / tp
     c.expert_q = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
-    c.router_p = model.router_params
+    # Expert biases (gpt-oss: gate/up and down of every expert), attention sinks and a router bias.
+    c.expert_p = ((ffn_mats - 1) * model.expert_ffn_size / tp + h) if (model.is_moe and model.mlp_bias) else 0.0
+    c.router_p = model.router_params  # (its bias included)
     c.embed_p = model.vocab_size * h / tp + (model.max_position * h if model.position_kind == "learned" else 0)
     c.head_p = model.vocab_size * h / tp
     c.final_p = model._norm_params(h)
@@ -249,7 +251,7 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str)
     pb = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router, biases)
     small = pb * (c.attn_p + c.norm_p)
     dense_layer = q * (c.attn_q + c.dense_q) + small
-    expert = q * c.expert_q
+    expert = q * c.expert_q + pb * c.expert_p
     experts_per_rank = model.num_experts // ep if model.is_moe else 0
     shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * expert
     moe_layer = shared_moe + experts_per_rank * expert
