@@ -258,8 +258,13 @@ class Engine:
     # --- the step --------------------------------------------------------------------------
     def _output(self, seq: Sequence, new: list[int], new_lp: list | None) -> RequestOutput:
         text = seq.text
-        new_text = text[seq.emitted_text:]
-        seq.emitted_text = len(text)
+        # a later token can rewrite the tail of the decoded text (byte-level merges): only text
+        # extending what was already returned is emitted (the full ``text`` is always current)
+        if text.startswith(seq.emitted_text):
+            new_text = text[len(seq.emitted_text):]
+            seq.emitted_text = text
+        else:
+            new_text = ""
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
                              seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
                              seq.arrival_time, seq.first_token_time, seq.finish_time,
