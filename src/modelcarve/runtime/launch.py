@@ -61,7 +61,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
     progress = _Progress(steps, lay, spec) if _rank0() and not quiet else None
-    comm = CommCounter()
+    comm = CommCounter(lay)
     try:
         for step in range(steps):
             tokens, targets = source.batch(step, lay.global_batch, lay.seq)
@@ -73,7 +73,9 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     finally:
         if progress:
             progress.close()
-    mem = memory_stats(chunks, trainer.optimizer) | dict(comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()))
+    mem = memory_stats(chunks, trainer.optimizer) | dict(comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()),
+                                                      comm_wire_bytes_per_step=comm.log.wire if comm.log else 0.0,
+                                                      comm_table=comm.log.table() if comm.log else {})
     mems = [None] * dist.get_world_size()
     dist.all_gather_object(mems, mem)
     if not _rank0():
