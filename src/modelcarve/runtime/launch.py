@@ -147,6 +147,12 @@ def _print_memory(result: dict) -> None:
                       f"{m.get('optim_bytes', 0) / mib:.2f}",
                       f"{m['comm_bytes_per_step'] / mib:.2f}")
     Console().print(table)
+    comm = Table(title="rank 0, last step: collectives by op / axis / link tier (collectives.CommLog)")
+    for col in ("op/axis/tier", "calls", "payload MiB", "wire MiB"):
+        comm.add_column(col, justify="left" if col == "op/axis/tier" else "right")
+    for key, row in result["memory"][0].get("comm_table", {}).items():
+        comm.add_row(key, str(row["calls"]), f"{row['payload'] / mib:.3f}", f"{row['wire'] / mib:.3f}")
+    Console().print(comm)
 
 
 def _lost_peer(err: Exception) -> bool:
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None, workers: dict | None = None, prog: str =
         return 2
     command, args = argv[0], json.loads(argv[1])
     timeout_s = float(args.pop("timeout_s", 120))
+    from modelcarve.runtime.collectives import configure
+
+    configure(ranks_per_node=args.pop("ranks_per_node", None))  # how CommLog assigns link tiers
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
     try:
