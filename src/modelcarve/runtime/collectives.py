@@ -209,6 +209,17 @@ def _wire(op: str, payload: int, n: int, sent_to_others: int | None) -> float:
     return 0.0
 
 
+def _own_dispatch(cls) -> bool:
+    """A tensor subclass with its own ``__torch_dispatch__`` (DTensor, AsyncCollectiveTensor);
+    not ``nn.Parameter``, which has none, nor the FakeTensor of a sharding propagation."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if issubclass(cls, FakeTensor):  # DTensor's sharding propagation: shapes only, no collective
+        return False
+    impl = getattr(cls, "__torch_dispatch__", None)
+    return impl is not None and getattr(impl, "__func__", impl) is not torch._C._disabled_torch_dispatch_impl
+
+
 class CommLog(TorchDispatchMode):
     """Records every collective issued while active (see the module doc)."""
 
@@ -226,8 +237,7 @@ class CommLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) and t.__name__ != "FakeTensor"
-               for t in types):
+        if any(_own_dispatch(t) for t in types):
             return NotImplemented  # DTensor & co: they re-dispatch their plain collectives
         spec = self._ops.get(func)
         if spec is not None:

@@ -41,11 +41,16 @@ class CommCounter(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         self.log.__exit__(*exc)
-        for e in self.log.events:
+        self.count(self.log)
+        return False
+
+    def count(self, log) -> None:
+        """Add the events of a finished CommLog (e.g. memory_report.measure_step's)."""
+        self.log = log
+        for e in log.events:
             self.calls[e.op] += 1
             if e.op != "recv":
                 self.bytes[e.op] += e.payload
-        return False
 
     @property
     def total(self) -> int:
