@@ -129,7 +129,7 @@ def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype:
     if dtype == "fp8":
         eff *= FP8_PEAK_RATIO
     peak = device.flops(dtype)
-    elem = 1.0 if dtype in ("fp8", "int8") else 2.0
+    elem = 1.0 if dtype in ("fp8", "int8") else 0.5625 if dtype == "fp4" else 2.0  # fp4: NVFP4 weights with their scales
     memory_s = elem * (m * k + k * n + m * n) / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
     compute_s = 2.0 * m * n * k / (peak * eff)
     if memory_s > compute_s:
