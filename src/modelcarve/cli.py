@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, serve, bench-serve}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, export, generate, serve, bench-serve}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
@@ -30,11 +30,18 @@ COMMANDS = {
 }
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: whitespace runs become one space, other control characters their escapes
+    (a user's ``\r`` or ANSI escape echoed back must not break or repaint the line)."""
+    text = " ".join(text.split())
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line and exit code 2 (its own convention)."""
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
-        sys.stderr.write(f"modelcarve: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"modelcarve: error: {one_line(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except ModelcarveError as err:
-        sys.stderr.write(f"modelcarve: error: {' '.join(str(err).split())}\n")
+        sys.stderr.write(f"modelcarve: error: {one_line(str(err))}\n")
         return 2
     except OSError as err:  # a path the user gave that the OS refuses (spec/files.py catches the usual ones)
         name = f" {str(err.filename)[:80]!r}" if err.filename else ""
