@@ -85,7 +85,7 @@ def _torchrun(pid: int) -> int | None:
 
 class Run:
     def __init__(self, *extra, steps=400, timeout=30):
-        env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MODELCARVE_PROGRESS="1")
         self.report = None
         cmd = [sys.executable, "-m", "modelcarve.cli", "run", "--model", "tiny-llama", "--layout", LAYOUT,
                "--steps", str(steps), "--timeout", str(timeout), *extra]
