@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an open range would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[runtime,report,test]'
+	$(BIN)/pip install -q -e '.[runtime,report,serve,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -73,7 +73,7 @@ def test_piped_plan_table_keeps_its_width(capsys, monkeypatch):
     into 80 columns with wrapped headers."""
     monkeypatch.delenv("COLUMNS", raising=False)
     code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
-                 "--input-len", "2048", "--output-len", "256"])
+                 "--input-len", "2048", "--output-len", "256", "--weight-dtypes", "bf16,fp8,int8,int4"])
     out = capsys.readouterr().out
     assert code == 0
     header = next(line for line in out.splitlines() if "layout w/kv" in line)

@@ -122,7 +122,7 @@ def test_candidates_are_the_layouts_the_constructor_builds():
     from modelcarve.spec.layout import Layout
 
     model, cl = get_model("deepseek-v3"), parse_cluster("2x8xH200")
-    shape = {"input_len": 1000, "output_len": 100}
+    shape = {"input_len": 1000, "output_len": 100, "weight_dtypes": "bf16,fp8,int8,int4"}  # wider than the floor
     seen = list(serve_goal.SERVE_THROUGHPUT.candidates(model, cl, **shape))
     assert len({(c.weight_dtype, c.kv_dtype) for c in seen}) == 8
     for c in seen:

@@ -18,9 +18,19 @@ def register(sub) -> None:
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(func=_models)
 
-    hardware = sub.add_parser("hardware", help="list catalogued devices and links, or describe a cluster")
-    hardware.add_argument("--cluster", help="describe a cluster, e.g. 2x8xH200 or cluster.yaml")
-    hardware.add_argument("--json", action="store_true")
+    import argparse
+
+    from modelcarve.spec.cluster_file import schema_text
+
+    hardware = sub.add_parser("hardware", help="list catalogued devices and links, or describe a cluster",
+                              epilog=schema_text() + "\n\nSee docs/cluster_files.md.",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    hardware.add_argument("--cluster", help="describe a cluster, e.g. 2x8xH200 or cluster.yaml (schema below)")
+    hardware.add_argument("--json", action="store_true", help="machine-readable; with --cluster, a cluster file "
+                                                               "that --cluster reads back")
+    hardware.add_argument("--probe", action="store_true", help="measure this machine (GEMM, copy, gloo links) as a cluster file")
+    hardware.add_argument("--probe-ranks", type=int, default=2, help="--probe: local ranks to measure with (default 2)")
+    hardware.add_argument("--emit", default=None, metavar="YAML", help="--probe: write the measured cluster file here")
     hardware.set_defaults(func=_hardware)
 
 
@@ -97,6 +107,15 @@ def _models(args) -> int:
 
 def _hardware(args) -> int:
     from rich.table import Table
+
+    if getattr(args, "probe", False):
+        if getattr(args, "emit", None):
+            from modelcarve.spec.files import output_path
+
+            output_path(args.emit, "--emit")  # before measuring, not after
+        from modelcarve.commands.probe import run_probe
+
+        return run_probe(args)
 
     if args.cluster:
         cluster = parse_cluster(args.cluster)

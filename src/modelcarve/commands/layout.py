@@ -6,8 +6,6 @@ after validating it against a model and cluster when given. Exit 2 with one line
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
@@ -24,6 +22,10 @@ def register(sub) -> None:
 
 
 def _layout(args) -> int:
+    from modelcarve.spec import files
+
+    if args.emit:
+        files.output_path(args.emit, "--emit")
     layout = Layout.parse(args.layout)
     if args.model:
         cluster = parse_cluster(args.cluster) if args.cluster else None
@@ -35,7 +37,7 @@ def _layout(args) -> int:
 
             raise LayoutError(f"layout {layout.short()} uses {layout.world_size} devices but {devices} are given")
     if args.emit:
-        Path(args.emit).write_text(layout.to_json() + "\n")
+        files.write_text(args.emit, layout.to_json() + "\n", "--emit")
     print(layout.short())
     print(layout.to_json())
     return 0

@@ -17,7 +17,6 @@ tools read: estimate prints the goal's estimate (for train: ``fits``, ``memory``
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from modelcarve.spec.errors import ModelcarveError
 
@@ -119,6 +118,11 @@ def _estimate(args) -> int:
 def _plan(args) -> int:
     from modelcarve.plan.search import nothing_qualifies, search
 
+    from modelcarve.spec import files
+
+    for flag, value in (("--emit", args.emit), ("--plot", args.plot)):
+        if value:
+            files.output_path(value, flag)  # before the search, not after it
     model, cluster, goal = _load(args)
     from modelcarve.commands.serve_cli import is_serve_goal, run_serve_plan
 
@@ -134,7 +138,7 @@ def _plan(args) -> int:
         from modelcarve.spec.layout import Layout
 
         winner = Layout.from_dict(result["layouts"][0]["layout"])
-        Path(args.emit).write_text(winner.to_json() + "\n")
+        files.write_text(args.emit, winner.to_json() + "\n", "--emit")
     if args.plot:
         from modelcarve.report.figures import plot_plan
 

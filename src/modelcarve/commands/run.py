@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -30,6 +29,9 @@ def _add_common(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (run: 10, verify: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
+                   help="random: train a directory holding only config.json from random weights (default: its "
+                        "safetensors weights, refused when it has none)")
     p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype (a layout string defaults to bf16; verify's fp32 "
                    "tolerances are the tight ones: loss 1e-5 rel, grads and params 1e-4)")
@@ -55,6 +57,9 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="train a model with a layout on real processes (torchrun)")
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    from modelcarve.commands.run_checkpoint import add_checkpoint_flags
+
+    add_checkpoint_flags(p)
     p.set_defaults(func=_run)
     v = sub.add_parser("verify", help="compare a layout with the single-device reference (logits, loss, grads, params)")
     _add_common(v)
@@ -71,10 +76,14 @@ def _prepare(args):
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 
+    from modelcarve.commands import prelaunch
+
     layout = Layout.parse(args.layout)
     if args.dtype:
         layout = layout.replace(param_dtype=args.dtype)
+    prelaunch.check_inputs(args)  # checkpoint listing/headers and --data, before reading the config
     spec = get_model(args.model)
+    layout = prelaunch.derive(args, layout, spec)  # gbs / seq the layout leaves out, said on stderr
     if args.nnodes < 1 or layout.world_size % args.nnodes:
         raise LayoutError(f"the layout needs {layout.world_size} ranks, not divisible over --nnodes {args.nnodes}")
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
@@ -96,6 +105,7 @@ def _prepare(args):
 
     if is_checkpoint(args.model):
         check_checkpoint(args.model, spec)
+    prelaunch.check_launch(args, layout, spec, per_node)  # unused/integer tensors, predicted memory per rank
     if getattr(args, "check_order", False) and not under_torchrun:
         from modelcarve.runtime.dry_run import check_layout_order
 
@@ -115,6 +125,9 @@ def _require_torch() -> None:
 
 def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
     payload["timeout_s"] = args.timeout
+    from modelcarve.commands.launch_checks import check_rendezvous
+
+    check_rendezvous(args.master_addr, args.master_port, args.node_rank)
     if getattr(args, "ranks_per_node", None):
         payload["ranks_per_node"] = args.ranks_per_node
     port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
@@ -122,24 +135,32 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
         from modelcarve.commands.worker import main
 
         return main([command, json.dumps(payload)])
+    restarts = int(getattr(args, "max_restarts", 0) or 0)
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
-        f"--master-addr={args.master_addr}", f"--master-port={port}",
+        f"--master-addr={args.master_addr}", f"--master-port={port}", f"--max-restarts={restarts}",
         "-m", "modelcarve.commands.worker", command, json.dumps(payload),
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCHELASTIC_ERROR_FILE", "")
-    # torchrun's own failure summary is long; our ranks already printed one line each
-    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("modelcarve:")]
-    for line in ours:
-        sys.stderr.write(line + "\n")
-    if proc.returncode and not ours:
-        sys.stderr.write(proc.stderr[-3000:])
-    return proc.returncode
+    # torchrun's own failure summary is long; our ranks print one line each (passed through live).
+    # supervise forwards signals, brings a stalled rank down, reaps (runtime/supervise.py)
+    from modelcarve.runtime.supervise import supervise
+
+    sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
+
+    code, ours, tail, signals = supervise(cmd, env, timeout_s=args.timeout, restarts=restarts)
+    if signals:
+        import signal as _signal
+
+        sys.stderr.write(f"modelcarve: stopped by {_signal.Signals(signals[0]).name}\n")
+        return 128 + signals[0]
+    if code and not ours:
+        sys.stderr.write("\n".join(tail)[-3000:] + "\n")
+    return code
 
 
 def _free_port() -> int:
@@ -160,10 +181,12 @@ def _run(args) -> int:
     layout, spec, per_node, under = _prepare(args)
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "run.json")
-        payload = _payload(args, 10) | dict(report=report, quiet=bool(args.json))
+        from modelcarve.commands.run_checkpoint import checkpoint_payload
+
+        payload = _payload(args, 10) | dict(report=report, quiet=bool(args.json)) | checkpoint_payload(args)
         code = _launch("run", args, payload, per_node, under)
         if code:
-            return 1
+            return code if code > 128 else 1
         if args.json and os.path.exists(report):
             print(open(report).read())
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-SERVE_GOALS = ("serve-latency", "serve-throughput")
+SERVE_GOALS = ("serve-latency", "serve-throughput", "serve-disagg")
 
 
 def is_serve_goal(name: str | None) -> bool:
@@ -32,13 +32,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch", type=int, default=None, metavar="N",
                        help="sequences in flight per replica (latency default 1; throughput: chosen)")
     group.add_argument("--weight-dtypes", default=None, metavar="LIST",
-                       help="weight dtypes to consider, e.g. bf16,fp8 (default bf16,fp8,int8,int4)")
-    group.add_argument("--kv-dtypes", default=None, metavar="LIST", help="KV-cache dtypes to consider (default bf16,fp8)")
+                       help="weight dtypes to consider (default: the quality floor bf16,fp8; widen with e.g. "
+                            "bf16,fp8,int8,int4,fp4,mxfp4; each dtype's quality cost is shown)")
+    group.add_argument("--kv-dtypes", default=None, metavar="LIST", help="KV-cache dtypes to consider (default bf16,fp8; fp4 = NVFP4 KV)")
     group.add_argument("--max-batch", type=int, default=None, metavar="N", help="largest batch per replica to consider (default 1024)")
+    group.add_argument("--phase", choices=["prefill", "decode"], default=None,
+                       help="estimate: cost one phase alone, as a disaggregated prefill or decode unit")
+    group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
+                       help="request rate: TTFT with queueing (M/D/1, plan/serve_queue.py); serve-disagg sizes its pools for it")
+    group.add_argument("--pareto", action="store_true",
+                       help="plan: print the Pareto front of tok/s/device vs tok/s/user (with --plot PNG: draw it)")
 
 
 def serve_options_from_args(args: argparse.Namespace) -> dict:
-    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance")
+    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance",
+            "rate")
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
 
 
@@ -47,6 +55,10 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     from modelcarve.plan.serve_why import contrasts
 
     options = serve_options_from_args(args)
+    if getattr(args, "pareto", False) or args.goal == "serve-disagg":
+        from modelcarve.commands.serve_frontier_cli import run_frontier_plan
+
+        return run_frontier_plan(args, model, cluster, options, top=top)
     plan = search(model, cluster, args.goal, top=top, **options)
     why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
     if getattr(args, "json", False):
@@ -75,6 +87,10 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
 def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     from modelcarve.plan.goals import get_goal
 
+    if getattr(args, "phase", None) or args.goal == "serve-disagg":
+        from modelcarve.commands.serve_frontier_cli import run_frontier_estimate
+
+        return run_frontier_estimate(args, model, cluster, layout, serve_options_from_args(args))
     note = None
     group = layout.tp * layout.pp * layout.cp
     if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
@@ -82,6 +98,10 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         layout = layout.replace(dp=cluster.num_devices // group)
         note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
     result = get_goal(args.goal).evaluate(model, cluster, layout, **serve_options_from_args(args))
+    if getattr(args, "rate", None) is not None:
+        from modelcarve.commands.serve_frontier_cli import attach_queue
+
+        attach_queue(args, result)
     if note and not getattr(args, "json", False):
         print(note)
     if getattr(args, "json", False):

@@ -177,10 +177,10 @@ def _nemotron(name: str, hidden: int, layers: int, heads: int, ffn: int, source:
 
 def _gpt_oss_120b() -> ModelSpec:
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
-    extra = {}
-    if "local_layers" in fields:  # sliding-window layers (every other one, window 128)
-        extra = dict(local_layers=tuple(range(0, 36, 2)), local_window=128, local_kind="sliding", attention_sinks=True,
-                     router_bias=True)
+    # config.json layer_types: sliding_attention on the even layers, window 128 (attention sinks are
+    # not a cost term: one extra logit per head and query)
+    extra = dict(sliding_layers=tuple(range(0, 36, 2)), sliding_window=128)
+    extra = {k: v for k, v in extra.items() if k in fields}
     return ModelSpec(name="gpt-oss-120b", family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36,
                      num_heads=64, num_kv_heads=8, head_dim=64, ffn_size=2880, qkv_bias=True, o_bias=True,
                      mlp_bias=True, num_experts=128, top_k=4, expert_ffn_size=2880, moe_layers=tuple(range(36)),
@@ -233,7 +233,8 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
     text = path.read_text()
     rows = list(csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#")))))
     overlap = TP_COMM_OVERLAP if tp_comm_overlap is None else tp_comm_overlap
-    cases = []
+    cases: list[Case] = []
+    recipes: dict[tuple, list[int]] = {}
     for row in rows:
         gpus, system = int(row["gpus"]), row["system"]
         tp, pp, cp, vp, ep = (int(row[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
@@ -255,15 +256,31 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         except (SpecError, LayoutError) as err:
             model, cluster, layout, unanswered = None, None, None, str(err)
         options = TrainOptions(global_batch=gbs, seq=seq, tp_overlap=overlap if tp > 1 else 0.0,
-                               load_imbalance=1.0 if row["source"].startswith("MB-") else 1.25, **MODERN)
+                               load_imbalance=1.0 if row["source"].startswith("MB-") else 1.25,
+                               moe_dispatcher=row.get("dispatcher") or "fused", **MODERN)
+        stated = row.get("recompute") or "infer"
         if layout is not None:
-            layout = least_recompute(model, cluster, layout, options)
+            layout = least_recompute(model, cluster, layout, options) if stated == "infer" else layout.replace(recompute=stated)
+        if stated == "infer" and layout is not None:
+            recipes.setdefault(_recipe_key(row), []).append(len(cases))
         cases.append(Case(
             name=name, model=model, cluster=cluster, layout=layout, options=options,
             published_tflops=float(row["tflops_per_gpu"]), published_tokens_per_device=float(row["tokens_per_gpu"]),
             source=row["source"], unanswered=unanswered,
         ))
+    # one recipe, one recomputation: the rows of a release that run the same model, precision and
+    # layout on different systems use the recompute the tightest of them needed
+    for members in recipes.values():
+        heaviest = max((cases[i].layout.recompute for i in members), key=RECOMPUTE_LADDER.index)
+        for i in members:
+            cases[i] = dataclasses.replace(cases[i], layout=cases[i].layout.replace(recompute=heaviest))
     return cases
+
+
+def _recipe_key(row: dict) -> tuple:
+    """What makes two summary rows one recipe: release, model, precision and every layout column."""
+    return tuple(row[k] for k in ("source", "model", "precision", "gpus", "gbs", "mbs", "seq", "fsdp", "tp", "pp",
+                                  "cp", "vp", "ep"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ bound, cheaper than the score). The search asks it once its top is full, with th
 score, for goals without a ``family`` (a pruned candidate's score is never seen).
 
 The built-in goals are listed here (``train``: plan/train_goal.py; ``serve-latency`` and
-``serve-throughput``: plan/serve_goal.py); the goal modules do not import this one, so the
+``serve-throughput``: plan/serve_goal.py; ``serve-disagg``: plan/serve_disagg.py); the goal modules do not import this one, so the
 registry sits above them. ``register`` adds another (tests, extensions).
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
+from modelcarve.plan.serve_disagg import SERVE_DISAGG
 from modelcarve.plan.serve_goal import SERVE_LATENCY, SERVE_THROUGHPUT
 from modelcarve.plan.train_goal import GOAL as TRAIN
 from modelcarve.spec.errors import ModelcarveError
@@ -57,7 +58,7 @@ class Goal(Protocol):
     def score(self, result: dict) -> float: ...
 
 
-GOALS: dict[str, Goal] = {goal.name: goal for goal in (TRAIN, SERVE_LATENCY, SERVE_THROUGHPUT)}
+GOALS: dict[str, Goal] = {goal.name: goal for goal in (TRAIN, SERVE_LATENCY, SERVE_THROUGHPUT, SERVE_DISAGG)}
 """The goals by name: the built-in ones, and any added with ``register``."""
 
 

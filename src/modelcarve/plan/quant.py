@@ -13,10 +13,20 @@ Scale overheads, per quantised weight:
 * int8 W8A8 (SmoothQuant-style) with one fp16 scale per output channel: 2 bytes / fan-in.
 * int4 W4A16 (AWQ / GPTQ) with group size 128: one fp16 scale and one packed 4-bit zero point
   per group, 2.5 bytes / 128 weights, so 0.5195 bytes per weight rather than 0.5.
+* nvfp4 (``fp4`` is its alias): 4-bit e2m1 values with one fp8 (e4m3) scale per 16 weights and a
+  per-tensor fp32 scale (negligible): 0.5 + 1/16 = 0.5625 bytes per weight (NVIDIA, "Introducing
+  NVFP4 for Efficient and Accurate Low-Precision Inference", developer.nvidia.com, June 2025).
+  W4A4: the GEMMs run on the FP4 tensor cores at the device's fp4 peak (Blackwell); a device
+  without one dequantises to bf16 (W4A16, as vLLM's FP4 Marlin kernels on Hopper).
+* mxfp4 (OCP Microscaling v1.0): e2m1 values with one e8m0 scale per 32 weights:
+  0.5 + 1/32 = 0.53125 bytes per weight; the same FP4 peak on Blackwell.
+* fp4 / nvfp4 KV cache: e2m1 with an fp8 scale per 16 elements, 0.5625 bytes per element
+  (TensorRT-LLM's NVFP4 KV cache on Blackwell).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from modelcarve.spec.errors import LayoutError
@@ -73,6 +83,21 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         "WikiText-2 perplexity to Llama-2 (Lin et al., AWQ, MLSys 2024); losses grow on reasoning and code",
     ),
 }
+_NVFP4_QUALITY = (
+    "small: NVIDIA reports NVFP4 DeepSeek-R1-0528 within 1% of its FP8 scores on the key benchmarks "
+    "(NVIDIA, 'Introducing NVFP4 for Efficient and Accurate Low-Precision Inference', June 2025); "
+    "needs a calibrated (ModelOpt) checkpoint; Blackwell runs it at the FP4 peak"
+)
+WEIGHT_FORMATS["nvfp4"] = WeightFormat(
+    name="nvfp4", bytes_per_weight=0.5, scale_bytes=1.0, group_size=16, compute_dtype="fp4", quality=_NVFP4_QUALITY,
+)
+WEIGHT_FORMATS["fp4"] = dataclasses.replace(WEIGHT_FORMATS["nvfp4"], name="fp4")
+WEIGHT_FORMATS["mxfp4"] = WeightFormat(
+    name="mxfp4", bytes_per_weight=0.5, scale_bytes=1.0, group_size=32, compute_dtype="fp4",
+    quality="none for models trained for it (gpt-oss's experts are trained and released in MXFP4, OpenAI "
+    "gpt-oss model card, arXiv 2508.10925); post-training MXFP4 of a bf16 model loses more than NVFP4 "
+    "(power-of-two scales over 32 weights; NVIDIA's NVFP4 article, June 2025)",
+)
 
 KV_FORMATS: dict[str, tuple[float, str]] = {
     "fp32": (4.0, "reference precision"),
@@ -80,7 +105,10 @@ KV_FORMATS: dict[str, tuple[float, str]] = {
     "fp16": (2.0, "no loss"),
     "fp8": (1.0, "near-lossless with per-tensor scales (vLLM/TensorRT-LLM fp8 KV cache)"),
     "int8": (1.0, "small loss; needs per-head or per-token scales"),
+    "fp4": (0.5625, "small: NVFP4 KV cache (e2m1, fp8 scale per 16 elements); NVIDIA reports it within 1% of "
+            "an FP8 KV cache on long-context benchmarks (NVIDIA technical blog on NVFP4 KV cache, TensorRT-LLM, 2025)"),
 }
+KV_FORMATS["nvfp4"] = KV_FORMATS["fp4"]
 
 
 def weight_format(name: str) -> WeightFormat:
@@ -107,4 +135,7 @@ def quality_note(weight_dtype: str, kv_dtype: str = "bf16") -> str:
 
 
 # Short form for tables, ordered from no loss to most loss.
-QUALITY_SHORT = {"fp32": "none", "bf16": "none", "fp16": "none", "fp8": "~none", "int8": "small", "int4": "noticeable"}
+QUALITY_SHORT = {"fp32": "none", "bf16": "none", "fp16": "none", "fp8": "~none", "int8": "small", "int4": "noticeable",
+                 "fp4": "small", "nvfp4": "small", "mxfp4": "small"}
+QUALITY_FLOOR = ("bf16", "fp8")
+"""Weight dtypes the serving search considers unless ``--weight-dtypes`` widens it: near-lossless ones."""

@@ -9,7 +9,8 @@ Usage::
 
 Candidates: every ``tp x pp x dp`` factorisation of the cluster (``dp`` = replicas), every
 ``ep`` dividing ``dp`` and the expert count (MoE only), every weight dtype and KV dtype allowed
-(``weight_dtypes`` / ``kv_dtypes`` options; default bf16, fp8, int8, int4 and bf16, fp8).
+(``weight_dtypes`` / ``kv_dtypes`` options; default the quality floor bf16, fp8 for weights and
+bf16, fp8 for KV: int8, int4, fp4/nvfp4/mxfp4 only when the user widens ``weight_dtypes``).
 
 * ``serve-latency`` decodes ``batch`` sequences (default 1) per replica and minimises TPOT,
   rejecting layouts that do not fit or miss the TTFT bound (``ttft_ms``) or TPOT bound.
@@ -42,7 +43,7 @@ from modelcarve.plan.serve_time import ServeTime, _ensure_prefill, _rates, _serv
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 
-_QUALITY_RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "int8": 3, "int4": 4}
+_QUALITY_RANK = {"fp32": 0, "bf16": 1, "fp16": 1, "fp8": 2, "int8": 3, "fp4": 3, "nvfp4": 3, "mxfp4": 3, "int4": 4}
 
 FIT = "does not fit in memory"
 TTFT = "TTFT above the bound"
@@ -329,7 +330,7 @@ class _ServeGoal:
                     f"one model copy spans {split} devices (TP x PP x EP) because one {cluster.device.name} would need {one.total_bytes / GiB:.1f} GiB "
                     f"(weights {one.weights_bytes / GiB:.1f} + KV {one.kv_bytes / GiB:.1f}) > {one.budget_bytes / GiB:.1f} GiB usable"
                 )
-        if layout.weight_dtype in ("int4", "int8"):
+        if layout.weight_dtype in ("int4", "int8", "fp4", "nvfp4", "mxfp4"):
             out.append(
                 f"quality: {quality_note(layout.weight_dtype, layout.kv_dtype)} "
                 f"(--weight-dtypes bf16,fp8 keeps the search to near-lossless weights)"

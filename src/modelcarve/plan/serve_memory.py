@@ -128,6 +128,11 @@ class ShardFacts:
     """Per device, for the fullest stage."""
     kv_elems_per_token_layer: int
     """KV elements one token adds to one layer on one device."""
+    kv_windows: tuple = ()
+    """(layers, window tokens) of the fullest stage's windowed layers (sliding window: gemma3's 5 of 6
+    local layers, gpt-oss's alternate layers; llama4's chunked-attention layers): their KV holds at
+    most ``window`` tokens of a sequence (engines free the blocks that fall out of the window).
+    Layer counts are the model-wide share times the stage's layers (the patterns interleave evenly)."""
     act_bytes_per_token: float
     """Transient activation bytes per prefill token (one layer live at a time)."""
     logits_bytes_per_seq: float
@@ -161,7 +166,7 @@ def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_d
 class _TpCounts:
     """Elements on one TP rank of one layer's parts (dtype-independent), cached per (model, tp)."""
 
-    __slots__ = ("attn_q", "attn_p", "norm_p", "dense_q", "expert_q", "router_p", "embed_p", "head_p",
+    __slots__ = ("attn_q", "attn_p", "norm_p", "dense_q", "expert_q", "expert_p", "router_p", "embed_p", "head_p",
                  "final_p", "kv_elem", "q_out", "act_elems", "traffic_fixed", "ffn_traffic", "moe_ffn_traffic")
 
 
@@ -190,13 +195,15 @@ def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
         kv_heads_rank = max(1, model.num_kv_heads // tp)  # replicated when tp > kv heads
         c.attn_q = 2 * h * nh * hd / tp + 2 * h * kv_heads_rank * hd
         bias = (nh * hd / tp + 2 * kv_heads_rank * hd if model.qkv_bias else 0) + (h if model.o_bias else 0)
-        c.attn_p = bias + (2 * hd if model.qk_norm else 0)
+        c.attn_p = bias + (2 * hd if model.qk_norm else 0) + (nh / tp if model.attention_sinks else 0)
         c.kv_elem = 2 * kv_heads_rank * hd
     ffn_mats = 3 if model.ffn_kind == "swiglu" else 2
-    c.norm_p = 2 * model._norm_params(h)
+    c.norm_p = model.layer_norms * model._norm_params(h)
     c.dense_q = ffn_mats * h * model.ffn_size / tp
     c.expert_q = ffn_mats * h * model.expert_ffn_size / tp if model.is_moe else 0.0
-    c.router_p = model.router_params
+    # Expert biases (gpt-oss: gate/up and down of every expert), attention sinks and a router bias.
+    c.expert_p = ((ffn_mats - 1) * model.expert_ffn_size / tp + h) if (model.is_moe and model.mlp_bias) else 0.0
+    c.router_p = model.router_params  # (its bias included)
     c.embed_p = model.vocab_size * h / tp + (model.max_position * h if model.position_kind == "learned" else 0)
     c.head_p = model.vocab_size * h / tp
     c.final_p = model._norm_params(h)
@@ -249,7 +256,7 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str)
     pb = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router, biases)
     small = pb * (c.attn_p + c.norm_p)
     dense_layer = q * (c.attn_q + c.dense_q) + small
-    expert = q * c.expert_q
+    expert = q * c.expert_q + pb * c.expert_p
     experts_per_rank = model.num_experts // ep if model.is_moe else 0
     shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * expert
     moe_layer = shared_moe + experts_per_rank * expert
@@ -299,10 +306,31 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     facts.expert_matmul_params = c.expert_q
     facts.kv_bytes_per_token = count * kv_layer
     facts.kv_elems_per_token_layer = c.kv_elem
+    facts.kv_windows = _kv_windows(model, count)
     facts.act_bytes_per_token = ACT_BYTES * c.act_elems
     facts.logits_bytes_per_seq = 4.0 * model.vocab_size / tp
     facts.act_traffic_per_token = ACT_BYTES * (count * c.traffic_fixed + 6 * ((count - n_moe) * c.ffn_traffic + n_moe * c.moe_ffn_traffic))
     return facts
+
+
+def _kv_windows(model: ModelSpec, count: int) -> tuple:
+    out = []
+    for layers, window in ((model.sliding_layers, model.sliding_window), (model.chunked_layers, model.attention_chunk)):
+        if layers and window:
+            out.append((count * len(layers) / model.num_layers, window))
+    return tuple(out)
+
+
+def kv_seq_bytes(f: ShardFacts, context: float) -> float:
+    """KV-cache bytes of one sequence of ``context`` tokens on this device, windowed layers capped."""
+    full = f.kv_bytes_per_token * context
+    if not f.kv_windows:
+        return full
+    per_layer = f.kv_bytes_per_token / f.stage_layers
+    for layers, window in f.kv_windows:
+        if window < context:
+            full -= layers * per_layer * (context - window)
+    return full
 
 
 def serve_memory(
@@ -336,13 +364,13 @@ def memory_from_facts(
     chunk = min(prefill_chunk, context)
     workspace = chunk * f.act_bytes_per_token + batch * f.logits_bytes_per_seq
     budget = memory_fraction * memory_bytes
-    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
     free = budget - f.weights_bytes - RUNTIME_BYTES - chunk * f.act_bytes_per_token
     max_seqs = max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
     return ServeMemory(
         weights_bytes=f.weights_bytes,
         kv_bytes_per_token=f.kv_bytes_per_token,
-        kv_bytes=f.kv_bytes_per_token * context * batch,
+        kv_bytes=kv_seq_bytes(f, context) * batch,
         workspace_bytes=workspace,
         runtime_bytes=RUNTIME_BYTES,
         budget_bytes=budget,
@@ -356,7 +384,7 @@ def max_sequences(f: ShardFacts, memory_bytes: float, context: int, prefill_chun
                   memory_fraction: float = MEMORY_FRACTION) -> int:
     """Sequences of ``context`` tokens that fit (``memory_from_facts(...).max_sequences``, without
     building the record: the search calls this for every candidate)."""
-    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
     free = memory_fraction * memory_bytes - f.weights_bytes - RUNTIME_BYTES - min(prefill_chunk, context) * f.act_bytes_per_token
     return max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
 

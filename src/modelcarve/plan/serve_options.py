@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from modelcarve.plan.serve_memory import MOE_IMBALANCE
 from modelcarve.spec.errors import ModelcarveError
 
-WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4")
+WEIGHT_DTYPES = ("bf16", "fp8")
+"""The default: the quality floor (plan.quant.QUALITY_FLOOR); --weight-dtypes bf16,fp8,int8,int4,fp4 widens it."""
+ALL_WEIGHT_DTYPES = ("bf16", "fp8", "int8", "int4", "fp4", "mxfp4")
 KV_DTYPES = ("bf16", "fp8")
 MAX_BATCH = 1024
 """Largest batch per replica the throughput goal considers (a typical max_num_seqs ceiling)."""

@@ -129,6 +129,13 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     core_ew_s = memory_bound_time_s(dev, core_ew)
     fwd = g + core + ew_s + core_ew_s + q_fwd_s
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
+    stall_fwd = stall_bwd = 0.0
+    if moe and o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
+        host = efficiency.moe_host_launch_s(m.num_experts / ep)
+        moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
+        stall_fwd, stall_bwd = max(0.0, host - moe_fwd), max(0.0, host - 2.0 * moe_fwd)
+    fwd += stall_fwd
+    bwd += stall_bwd
     # communication per layer (seconds; bytes each device sends)
     act = 2.0 * T * h
     tp_tier = cost.tier(tp, 1)
@@ -159,6 +166,7 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
             rc += memory_bound_time_s(dev, ew_norm)
         if "mlp" in mods:
             rc += g_ffn + memory_bound_time_s(dev, ew_act + (ew_moe if moe else 0.0))
+            rc += stall_fwd
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
     act_kwargs = dict(
@@ -195,8 +203,9 @@ def _causal_share(model, seq: int) -> float:
     """Share of the ``seq x seq`` score blocks a flash kernel computes, averaged over the layers:
     half under a causal mask; a sliding-window or chunked layer (``local_layers``, gpt-oss, Gemma 3,
     Llama 4) sees at most ``local_window`` keys per query."""
-    local = len(getattr(model, "local_layers", ()) or ())
-    window = getattr(model, "local_window", 0) or 0
+    # spec/model.py names them sliding_layers / sliding_window (local_* in older specs)
+    local = len(getattr(model, "sliding_layers", ()) or getattr(model, "local_layers", ()) or ())
+    window = getattr(model, "sliding_window", 0) or getattr(model, "local_window", 0) or 0
     if not local or not window:
         return 0.5
     f = local / model.num_layers

@@ -129,6 +129,9 @@ class TrainOptions:
     """Fraction of TP communication hidden behind GEMMs (0 without TE comm-GEMM overlap)."""
     load_imbalance: float = 1.25
     """Tokens on the busiest expert rank / the mean (MoE): scales expert compute and all-to-all."""
+    moe_dispatcher: str = "fused"
+    """MoE token dispatcher: 'fused' (DeepEP / HybridEP: kernels size their own buffers) or 'alltoall'
+    (dropless all-to-all: the per-expert counts go to the host each pass; plan/efficiency.py)."""
     scatter_gather_p2p: bool = True
     """Pipeline sends carry 1/t of the activation and all-gather over NVLink (Megatron)."""
     overlap_p2p: bool = True

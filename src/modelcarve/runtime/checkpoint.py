@@ -103,6 +103,7 @@ NAME_RULES: dict[str, list[tuple[str, str]]] = {
     "mixtral": _MIXTRAL + _LLAMA,
     "qwen3_moe": _QWEN3_MOE + _LLAMA,
     "deepseek_v3": _DEEPSEEK_V3 + _QWEN3_MOE + _LLAMA,
+    "deepseek_v2": _DEEPSEEK_V3 + _QWEN3_MOE + _LLAMA,  # the same names (no e_score_correction_bias: softmax router)
 }
 
 
@@ -185,6 +186,9 @@ class CheckpointReader:
         sl = self._handle(self.files[name]).get_slice(name)
         t = sl[index] if index else sl[:]
         self.bytes_read += t.numel() * t.element_size()
+        if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not bool(torch.isfinite(t).all()):
+            raise ModelcarveError(f"{self.files[name]}: tensor {name!r} holds NaN or Inf values; the checkpoint is "
+                                  f"damaged or diverged, use an earlier one")
         return t
 
     def shape(self, name: str) -> list[int]:

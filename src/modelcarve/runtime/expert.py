@@ -12,6 +12,12 @@ the same ``f // ep`` (consecutive, as in Megatron-Core) and the EP rank is ``f %
 expert-data-parallel group (``dp * cp / ep`` ranks that hold the same experts) is the ranks
 with the same ``f % ep``. EP rank r holds experts ``[r E/ep, (r+1) E/ep)``.
 
+MoE parallel folding (``layout.folded``: etp differs from tp, e.g. ``tp=2,dp=2,ep=4`` with etp 1):
+the experts get their own mesh ETP x EP x EDP over the ``tp x cp x dp`` ranks of each stage
+(``folded_groups``), tensor.py leaves the MoE blocks whole and ``_apply_folded`` spreads them:
+each TP rank routes only its slice of the sequence, so the EP all-to-all may span TP ranks, and
+``FoldedDispatcher`` runs expert TP over the ETP group after it.
+
 One MoE forward under EP (``AllToAllDispatcher``), after the local router has grouped this rank's
 (token, choice) assignments by global expert id (moe.py):
 
@@ -108,9 +114,78 @@ class AllToAllDispatcher:
         grouped = rows[by_expert]
         if self.record is not None:
             self.record.append((local_counts.clone(), grouped.detach().clone()))
-        out = experts(grouped, local_counts.tolist())
+        out = self.run_experts(grouped, local_counts, experts)
         back = torch.empty_like(out).index_copy(0, by_expert, out)
         return all_to_all(back, recv_splits, send_splits, self.group)
+
+    def run_experts(self, grouped: torch.Tensor, local_counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """The local experts on the rows they received (grouped by local expert)."""
+        return experts(grouped, local_counts.tolist())
+
+
+class FoldedDispatcher(AllToAllDispatcher):
+    """The EP all-to-all of a folded expert mesh, then expert TP over the ETP group (etp > 1).
+
+    The ``etp`` ranks of an ETP group hold the same experts, each a slice of every expert's ffn
+    (``w1/w3`` columns, ``w2`` rows), and different tokens: each all-gathers the rows its peers
+    received (an all-to-all sending its own rows to every peer: the row counts differ), runs its
+    slices on all of them, and sends each peer the partial outputs of that peer's rows, which the
+    peer sums (a reduce-scatter). Autograd runs both all-to-alls in reverse in backward."""
+
+    def __init__(self, group, ep: int, ep_rank: int, num_experts: int, etp_group, etp: int):
+        super().__init__(group, ep, ep_rank, num_experts)
+        self.etp_group, self.etp = etp_group, etp
+
+    def run_experts(self, grouped: torch.Tensor, local_counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        if self.etp == 1:
+            return experts(grouped, local_counts.tolist())
+        n, etp = grouped.shape[0], self.etp
+        peers = [torch.empty_like(local_counts) for _ in range(etp)]
+        dist.all_gather(peers, local_counts.contiguous(), group=self.etp_group)
+        sizes = [int(c.sum()) for c in peers]
+        rows = all_to_all(grouped.repeat(etp, 1), [n] * etp, sizes, self.etp_group)  # by peer, then expert
+        local = torch.arange(self.num_local, device=grouped.device)
+        expert_of = torch.cat([local.repeat_interleave(c.to(grouped.device)) for c in peers])
+        by_expert = torch.argsort(expert_of, stable=True)
+        out = experts(rows[by_expert], torch.stack(peers).sum(0).tolist())
+        partial = torch.empty_like(out).index_copy(0, by_expert, out)
+        back = all_to_all(partial, sizes, [n] * etp, self.etp_group)  # my rows' partial outputs from each peer
+        return back.view(etp, n, -1).sum(0)
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Keep this TP rank's slice of the sequence of a TP-replicated [b, s, H] (backward: all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=1)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather the TP ranks' sequence slices (backward: this rank's slice of the replicated
+    gradient: every TP rank holds the whole gradient of a replicated activation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        t, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=1)[r].contiguous(), None
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 # --- groups -----------------------------------------------------------------------------
@@ -125,6 +200,9 @@ def expert_groups(mesh, layout) -> dict:
     key = (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
     if key in cache:
         return cache[key]
+    if layout.folded:
+        cache[key] = me = folded_groups(layout)
+        return me
     pp, dpcp, tp, ep = layout.pp, layout.dp * layout.cp, layout.tp, layout.ep
     if dpcp % ep:
         valid = [d for d in range(1, dpcp + 1) if dpcp % d == 0]
@@ -153,6 +231,49 @@ def expert_groups(mesh, layout) -> dict:
         full = _mesh((pp, dpcp // ep, ep, tp), ("_pp", "edp", "_ep", "_tp"))
         me["edp_mesh"] = full["edp"]
     cache[key] = me
+    return me
+
+
+def folded_groups(layout) -> dict:
+    """The expert mesh ETP x EP x EDP of MoE parallel folding (spec/layout.py) over each pipeline
+    stage's ``S = tp x cp x dp`` ranks, ETP innermost: with ``q = rank % S`` (PP is outermost),
+    ``etp_rank = q % etp``, ``ep_rank = (q // etp) % ep``, ``edp_rank = q // (etp x ep)``."""
+    from modelcarve.runtime.mesh import new_group
+
+    pp, etp, ep = layout.pp, layout.expert_tp, layout.ep
+    per_stage = layout.tp * layout.cp * layout.dp
+    edp = per_stage // (etp * ep)
+    q = dist.get_rank() % per_stage
+    me = {"ep": ep, "ep_rank": (q // etp) % ep, "etp": etp, "etp_rank": q % etp, "edp": edp,
+          "edp_rank": q // (etp * ep), "etp_group": None}
+
+    def rank(p: int, g: int, e: int, i: int) -> int:
+        return p * per_stage + (g * ep + e) * etp + i
+
+    # every rank creates every group, in the same order (new_group is collective)
+    for p in range(pp):
+        for g in range(edp):
+            for e in range(ep):
+                if etp > 1:
+                    ranks = [rank(p, g, e, i) for i in range(etp)]
+                    group = new_group(ranks)
+                    if dist.get_rank() in ranks:
+                        me["etp_group"] = group
+            for i in range(etp):
+                ranks = [rank(p, g, e, i) for e in range(ep)]
+                group = new_group(ranks)
+                if dist.get_rank() in ranks:
+                    me["ep_group"], me["ep_ranks"] = group, ranks
+        for e in range(ep):
+            for i in range(etp):
+                ranks = [rank(p, g, e, i) for g in range(edp)]
+                group = new_group(ranks)
+                if dist.get_rank() in ranks:
+                    me["edp_group"], me["edp_ranks"] = group, ranks
+    if layout.zero == 3:  # FSDP2 shards the local experts over expert-dp
+        from modelcarve.runtime.mesh import _mesh
+
+        me["edp_mesh"] = _mesh((pp, edp, ep, etp), ("_pp", "edp", "_ep", "_etp"))["edp"]
     return me
 
 
@@ -191,6 +312,9 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
             f"{[d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]}"
         )
     groups = expert_groups(mesh, layout)
+    if layout.folded:
+        _apply_folded(chunk, blocks, mesh, layout, groups)
+        return chunk
     if layout.ep > 1 and layout.zero == 3:
         chunk.__dict__["_mc_expert_mesh"] = groups["edp_mesh"]
     for fqn, moe in blocks:
@@ -201,6 +325,43 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
         for name in ("w1", "w3", "w2"):
             record_grad_group(chunk, f"{fqn}.experts.{name}", groups["edp_group"])
     return chunk
+
+
+def _apply_folded(chunk: nn.Module, blocks, mesh, layout, groups: dict) -> None:
+    """Folded expert mesh on every MoE block of ``chunk`` (tensor.py left them whole): each TP
+    rank routes its own slice of the sequence (with sp it holds only that slice already; without,
+    it keeps its slice of the replicated input and all-gathers the outputs), the EP all-to-all
+    spans the expert mesh's EP group, expert TP runs over its ETP group (``FoldedDispatcher``).
+    Router and shared experts stay replicated over tp; each TP rank's gradient of them is a
+    partial sum over its tokens (``record_partial_grad``). Expert weights: ETP slices (``w1/w3``
+    dim 1, ``w2`` dim 2) then EP slices (dim 0), gradients summed over expert-dp."""
+    from modelcarve.runtime.mesh import axis_group
+    from modelcarve.runtime.shards import record_partial_grad
+
+    tp_group = axis_group(mesh, "tp") if layout.tp > 1 else None
+    if layout.zero == 3:
+        chunk.__dict__["_mc_expert_mesh"] = groups["edp_mesh"]
+    for fqn, moe in blocks:
+        if groups["etp"] > 1:
+            for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+                _slice_param(moe.experts, name, dim, groups["etp_rank"], groups["etp"])
+                record_shard(chunk, f"{fqn}.experts.{name}", groups["etp_group"], dim)
+        ep, rank = layout.ep, groups["ep_rank"]
+        for name in ("w1", "w3", "w2"):
+            _slice_param(moe.experts, name, 0, rank, ep)
+            record_shard(chunk, f"{fqn}.experts.{name}", groups["ep_group"], 0)
+            record_grad_group(chunk, f"{fqn}.experts.{name}", groups["edp_group"])
+        moe.experts.num_experts = moe.num_experts // ep
+        moe.dispatcher = FoldedDispatcher(groups["ep_group"], ep, rank, moe.num_experts, groups["etp_group"],
+                                          groups["etp"])
+        if tp_group is None:
+            continue
+        for name, _ in moe.named_parameters():
+            if not name.startswith("experts."):
+                record_partial_grad(chunk, f"{fqn}.{name}", tp_group)
+        if not layout.sp:  # the input is replicated over tp: route this rank's slice only
+            moe.register_forward_pre_hook(lambda module, args, g=tp_group: (_ScatterTokens.apply(args[0], g),))
+            moe.register_forward_hook(lambda module, args, out, g=tp_group: _GatherTokens.apply(out, g))
 
 
 def shard_experts_ep(moe: nn.Module, group) -> None:
@@ -222,7 +383,17 @@ def configure_moe(chunks: list[nn.Module], layout=None, mesh=None, *, capacity_f
     its ``mbs x seq / cp`` tokens and divides by the micro-batch count and dp x cp afterwards, so
     there it is ``mbs / cp``. With cp > 1 the aux loss sums expert loads over the cp group."""
     cp_sum = cp_gather = None
-    if layout is not None and layout.cp > 1:
+    shards = 1 if layout is None else layout.cp
+    if layout is not None and layout.folded and layout.tp > 1:  # each TP rank routes s / (cp tp) tokens
+        from modelcarve.runtime.mesh import axis_group
+
+        if capacity_factor and layout.cp > 1:
+            raise LayoutError(f"a MoE capacity factor with folded experts (etp={layout.expert_tp}, tp={layout.tp}) "
+                              f"and cp={layout.cp} is not supported; use cp=1, etp=tp or no capacity factor")
+        shards = layout.cp * layout.tp
+        cp_sum = _summer(axis_group(mesh, "cp_tp" if layout.cp > 1 else "tp")) if aux_loss_coef else None
+        cp_gather = _contiguous_gather(axis_group(mesh, "tp")) if capacity_factor else None
+    elif layout is not None and layout.cp > 1:
         from modelcarve.runtime.mesh import axis_group
 
         group = axis_group(mesh, "cp")
@@ -234,7 +405,7 @@ def configure_moe(chunks: list[nn.Module], layout=None, mesh=None, *, capacity_f
             moe.aux_loss_coef = aux_loss_coef
             if layout is not None:
                 moe.aux_loss_sequences = layout.global_batch if layout.pp == 1 else layout.mbs / layout.cp
-                moe.sequence_shards, moe.sequence_sum, moe.sequence_gather = layout.cp, cp_sum, cp_gather
+                moe.sequence_shards, moe.sequence_sum, moe.sequence_gather = shards, cp_sum, cp_gather
 
 
 def _summer(group):
@@ -244,6 +415,18 @@ def _summer(group):
         return t
 
     return sequence_sum
+
+
+def _contiguous_gather(group):
+    """Routing [b, s/t, k] of this TP rank's contiguous slice -> (the whole sequences' routing, its positions)."""
+    rank = dist.get_rank(group)
+
+    def sequence_gather(local: torch.Tensor):
+        full = _gather_seq(local, group)
+        s = local.shape[1]
+        return full, torch.arange(rank * s, (rank + 1) * s, device=local.device)
+
+    return sequence_gather
 
 
 def _zigzag_gather(group):
@@ -279,7 +462,8 @@ def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate
     if mesh is not None:
         from modelcarve.runtime.mesh import axis_group
 
-        dpcp_group = axis_group(mesh, "dp_cp")
+        folded_tp = layout is not None and layout.folded and layout.tp > 1  # TP ranks route different tokens
+        dpcp_group = axis_group(mesh, "dp_cp_tp" if folded_tp else "dp_cp")
     for chunk in chunks:
         for fqn, moe in moe_blocks(chunk):
             counts = moe.tokens_per_expert.clone()

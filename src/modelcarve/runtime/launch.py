@@ -47,7 +47,7 @@ def build(model_name: str, layout, seed: int):
 
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
                lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
-               moe: dict | None = None) -> dict | None:
+               moe: dict | None = None, checkpoint: dict | None = None) -> dict | None:
     from modelcarve.runtime.memory_report import measure_step
     from modelcarve.runtime.metrics import CommCounter, StepTimer, memory_stats
     from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
@@ -57,19 +57,25 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     if dtype:
         lay = lay.replace(param_dtype=dtype)
     seed_everything(seed)
+    started = _startup_line(f"{dist.get_world_size()} ranks joined; building {model} as {lay.short()}", quiet)
     chunks, spec, mesh = build(model, lay, seed)
+    _startup_line(f"model ready in {_startup_line('', True) - started:.1f}s", quiet)
     trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed, **(moe or {})))
     source = make_data(data, spec.vocab_size, seed)
+    from modelcarve.runtime.resume import Checkpointing  # --checkpoint-dir / --save-every / --resume
+
+    ckpt = Checkpointing(model=model, **(checkpoint or {}))
+    start = ckpt.restore(chunks, trainer, spec, lay, dict(source=data or "synthetic", seed=seed))
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
     progress = _Progress(steps, lay, spec) if _rank0() and not quiet else None
     comm, categories = CommCounter(lay), {}
     try:
-        for step in range(steps):
+        for step in range(start, steps):
             tokens, targets = source.batch(step, lay.global_batch, lay.seq)
             if step == steps - 1:  # the counted step: collectives and memory by category (its
                 # dispatch-mode and saved-tensor hooks slow it down: timed only when it is the only one)
-                with (timer if steps == 1 else contextlib.nullcontext()):
+                with (timer if steps - start == 1 else contextlib.nullcontext()):
                     out, categories = measure_step(trainer, tokens, targets)
                 comm.log = out.pop("comm")
             else:
@@ -78,6 +84,8 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
             history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
             if progress:
                 progress.update(history[-1])
+            if ckpt.after_step(step + 1):  # True: a signal asked every rank to stop (saved first)
+                break
     finally:
         if progress:
             progress.close()
@@ -92,7 +100,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         return None
     result = dict(model=spec.name, layout=lay.short(), layout_fields=lay.to_dict(), world_size=dist.get_world_size(),
                   steps=steps, history=history, tokens_per_s=timer.tokens_per_s(), memory=mems,
-                  params=spec.total_params, moe=out.get("moe") if steps else None)
+                  params=spec.total_params, moe=out.get("moe") if history else None) | ckpt.summary()
     if not quiet:
         _print_memory(result)
         if result["moe"]:
@@ -105,6 +113,16 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         with open(report, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _startup_line(text: str, quiet: bool) -> float:
+    """Start-up is visible: rank 0 says what it is doing before the first step (stderr)."""
+    import time
+
+    if _rank0() and not quiet:
+        sys.stderr.write(f"modelcarve: {text}\n")
+        sys.stderr.flush()
+    return time.monotonic()
 
 
 class _Progress:
@@ -183,6 +201,9 @@ def main(argv: list[str] | None = None, workers: dict | None = None, prog: str =
     configure(ranks_per_node=args.pop("ranks_per_node", None))  # how CommLog assigns link tiers
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
+    from modelcarve.runtime.signals import install
+
+    install(grace_s=timeout_s + 5, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)  # stop together, save first
     try:
         init_distributed(timeout_s)
         workers[command](args)

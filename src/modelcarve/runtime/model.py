@@ -117,7 +117,11 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped kv heads (MHA, GQA, MQA), optional q/k norm (qwen3)."""
+    """Multi-head attention with grouped kv heads (MHA, GQA, MQA), optional q/k norm (qwen3).
+    ``kv_cache`` (None: attend within the call) is a callable the generation engine installs
+    (runtime/paged_attention.py): ``(q, k, v) -> out`` over its paged KV cache."""
+
+    kv_cache = None
 
     def __init__(self, spec: ModelSpec, layer_id: int = 0):
         super().__init__()
@@ -144,12 +148,16 @@ class Attention(nn.Module):
         if self.rope:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        out = self.core_attention(q, k, v) if self.kv_cache is None else self.kv_cache(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention (the naive, non-absorbed form HF computes)."""
+    """DeepSeek-V3 multi-head latent attention (the naive, non-absorbed form HF computes).
+    ``kv_cache`` (the engine's, runtime/paged_attention.py) caches the normalised latent and the
+    rotated k_rot: ``(attn, q, latent, k_rot) -> out``."""
+
+    kv_cache = None
 
     def __init__(self, spec: ModelSpec, layer_id: int = 0):
         super().__init__()
@@ -180,12 +188,17 @@ class MLAttention(nn.Module):
         q_pass, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         kv_a = self.wkv_a(x)
         latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
-        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_norm(latent)
         k_rot = k_rot.view(b, 1, s, self.rope_dim)
         cos, sin = rope
         q_rot = apply_rope(q_rot, cos, sin, self.interleave)
-        k_rot = apply_rope(k_rot, cos, sin, self.interleave).expand(-1, k_pass.shape[1], -1, -1)
+        k_rot = apply_rope(k_rot, cos, sin, self.interleave)
+        if self.kv_cache is not None:
+            out = self.kv_cache(self, torch.cat((q_pass, q_rot), dim=-1), latent, k_rot)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        kv = self.wkv_b(latent).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rot = k_rot.expand(-1, k_pass.shape[1], -1, -1)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot), dim=-1)
         out = self.core_attention(q, k, v)

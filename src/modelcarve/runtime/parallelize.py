@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from modelcarve.runtime.coverage import check_model_coverage
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
@@ -31,13 +32,16 @@ from modelcarve.spec.model import ModelSpec
 
 def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:
     """Raise LayoutError if this runtime cannot execute ``layout`` on ``spec`` (and ``world_size``)."""
+    check_model_coverage(spec)  # a model whose layers the reference lacks (runtime/coverage.py)
     layout.validate(spec, world_size=world_size)
     problems = []
     if layout.zero == 2:
         problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
-    if layout.folded:
-        problems.append(f"etp={layout.expert_tp} with tp={layout.tp} (MoE parallel folding) is planned but not run by "
-                        f"the runtime yet; use ep dividing dp x cp with etp=tp")
+    if layout.folded and layout.tp > 1 and not layout.sp and (layout.seq // layout.cp) % layout.tp:
+        # (MoE parallel folding: each TP rank routes its own slice of the sequence, expert.py)
+        problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "
+                        f"tokens, but seq/cp = {layout.seq // layout.cp} is not divisible by tp={layout.tp}; "
+                        f"choose seq a multiple of {layout.cp * layout.tp}")
     if layout.param_dtype not in ("fp32", "bf16"):
         problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
     for name in ("grad_dtype", "optim_dtype"):

@@ -419,8 +419,9 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
                 column(ffn.w3, f"{base}.feed_forward.w3")
             row(ffn, "w2", f"{base}.feed_forward.w2")
             hooks.append(ffn)
-        elif isinstance(ffn, MoE):  # expert TP = TP
-            _shard_experts(ffn, chunk=chunk, fqn=f"{base}.feed_forward", group=group, sp=sp)
+        elif isinstance(ffn, MoE):  # expert TP = TP; a folded expert mesh (etp != tp) is expert.py's alone
+            if not layout.folded:
+                _shard_experts(ffn, chunk=chunk, fqn=f"{base}.feed_forward", group=group, sp=sp)
         else:
             raise LayoutError(f"tensor parallelism does not know the MLP {type(ffn).__name__} of layer {key}")
         if sp:

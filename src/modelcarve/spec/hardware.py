@@ -14,6 +14,9 @@ JSON file for anything else::
     nics_per_node: 2
     nvlink_domain: 72       # optional: devices sharing intra_link when larger than a node (NVL72)
 
+The file's typed schema (``device: {base: H100, memory_bytes: ...}`` overrides, numbers written
+as YAML 1.1 strings, count caps, messages naming the field) is spec/cluster_file.py's.
+
 A rack-scale NVLink domain (GB200/GB300 NVL72: 72 GPUs on one NVLink Switch fabric, 4 per compute
 tray) is larger than a node: ``nvlink_domain`` says how many devices share ``intra_link``, and the
 planner places TP/EP/CP groups by domain, not by node (``ClusterSpec.fast_domain``). NICs stay per
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from modelcarve.spec import cluster_file, files
 from modelcarve.spec.errors import SpecError
 
 
@@ -95,6 +99,7 @@ class ClusterSpec:
                 raise SpecError(f"cluster: {name} must be a positive integer, got {value!r}")
         if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 0:
             raise SpecError(f"cluster: nvlink_domain must be a non-negative integer, got {self.nvlink_domain!r}")
+        cluster_file.check_counts(self.nodes, self.devices_per_node, "cluster")
         if self.nvlink_domain and self.nvlink_domain % self.devices_per_node:
             raise SpecError(
                 f"cluster: nvlink_domain={self.nvlink_domain} is not a whole number of nodes of "
@@ -178,7 +183,9 @@ _SHORTHAND = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?([A-Za-z][\w.-]*)$")
 def parse_cluster(text: str) -> ClusterSpec:
     """``2x8xH200`` (nodes x devices x device), ``8xH100`` (one node), ``H100`` (one device),
     or the path of a YAML / JSON cluster file."""
-    path = Path(text)
+    if not isinstance(text, str):
+        raise SpecError(f"a cluster must be a string such as 2x8xH200 or a file name, got {text!r}")
+    path = files.user_path(text, "cluster")
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         return load_cluster_file(path)
     match = _SHORTHAND.match(text.strip())
@@ -187,6 +194,10 @@ def parse_cluster(text: str) -> ClusterSpec:
             f"cluster {text!r} is not NODESxDEVICESxDEVICE (e.g. 2x8xH200), DEVICESxDEVICE, or a .yaml/.json file"
         )
     first, second, device_name = match.groups()
+    for count in (first, second):
+        if count and len(count) > 9:  # past every cap (and int() of 5,000 digits is refused by Python)
+            raise SpecError(f"cluster {text[:60]!r}: a count of {count[:30]}{'...' if len(count) > 30 else ''} is "
+                            f"more than the {cluster_file.MAX_DEVICES:,} devices modelcarve plans for")
     device = get_device(device_name)
     if second is not None:
         nodes, per_node = int(first), int(second)
@@ -211,63 +222,20 @@ def parse_cluster(text: str) -> ClusterSpec:
     )
 
 
-def _link_from(value, where: str) -> LinkSpec:
-    if isinstance(value, str):
-        return get_link(value)
-    if isinstance(value, dict):
-        try:
-            return LinkSpec(name=value.get("name", where), **{k: v for k, v in value.items() if k != "name"})
-        except TypeError as err:
-            raise SpecError(f"cluster file: {where} link: {err}; give bytes_per_s and latency_s") from None
-    raise SpecError(f"cluster file: {where} must be a link name or a mapping, got {value!r}")
-
-
 def cluster_from_dict(raw: dict, where: str = "cluster file") -> ClusterSpec:
-    if not isinstance(raw, dict):
-        raise SpecError(f"{where}: expected a mapping with nodes, devices_per_node, device")
-    unknown = set(raw) - {"nodes", "devices_per_node", "device", "intra_link", "inter_link", "nics_per_node", "nvlink_domain"}
-    if unknown:
-        raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
-    if "device" not in raw:
-        raise SpecError(f"{where}: missing 'device' (a catalogue name such as H100, or a mapping)")
-    dev = raw["device"]
-    if isinstance(dev, str):
-        device = get_device(dev)
-    elif isinstance(dev, dict):
-        try:
-            device = DeviceSpec(**dev)
-        except TypeError as err:
-            raise SpecError(f"{where}: device: {err}") from None
-    else:
-        raise SpecError(f"{where}: device must be a name or a mapping")
-    try:
-        return ClusterSpec(
-            nodes=raw.get("nodes", 1),
-            devices_per_node=raw.get("devices_per_node", device.devices_per_node),
-            device=device,
-            intra_link=_link_from(raw.get("intra_link", device.intra_link), "intra_link"),
-            inter_link=_link_from(raw.get("inter_link", device.inter_link), "inter_link"),
-            nics_per_node=raw.get("nics_per_node", device.nics_per_node),
-            nvlink_domain=raw.get(
-                "nvlink_domain",
-                device.nvlink_domain if raw.get("devices_per_node", device.devices_per_node) == device.devices_per_node else 0,
-            ),
-        )
-    except TypeError as err:
-        raise SpecError(f"{where}: {err}") from None
+    """A ClusterSpec from a parsed cluster file, checked against its typed schema (spec/cluster_file.py)."""
+    fields = cluster_file.validate(raw, where, _lookup)
+    device = DeviceSpec(**fields.pop("device"))
+    return ClusterSpec(device=device, intra_link=LinkSpec(**fields.pop("intra_link")),
+                       inter_link=LinkSpec(**fields.pop("inter_link")), **fields)
 
 
 def load_cluster_file(path: Path) -> ClusterSpec:
-    if not path.is_file():
+    where = f"cluster file {path}"
+    if not files.is_file(files.user_path(path, "cluster file")):
         raise SpecError(f"cluster file {path} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix.lower() == ".json":
-            raw = json.loads(text)
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text)
-    except Exception as err:  # noqa: BLE001 - any parser error becomes one line
-        raise SpecError(f"cluster file {path}: cannot parse ({type(err).__name__})") from None
-    return cluster_from_dict(raw, where=f"cluster file {path}")
+    if path.suffix.lower() == ".json":
+        raw = files.read_json(path, "cluster file", max_bytes=2**20)
+    else:
+        raw = files.read_yaml(path, "cluster file")
+    return cluster_from_dict(raw, where=where)

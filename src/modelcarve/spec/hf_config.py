@@ -1,22 +1,25 @@
 """Read a Hugging Face ``config.json`` (a dict, a file, or a checkpoint directory) into a ModelSpec.
 
 Supported ``model_type``: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 (and
-kimi_k2, which is DeepSeek-V3's architecture under another name) and gpt2. Keys that
+kimi_k2, which is DeepSeek-V3's architecture under another name) and gpt2; spec/hf_models.py adds
+gpt_oss, llama4, gemma3, deepseek_v2, phi3, nemotron, bloom and opt (``MODEL_TYPES``: all of them). Keys that
 transformers' own config classes give a default for are defaulted the same way here; keys
 without a default are required and their absence is a one-line SpecError naming them.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
+from modelcarve.spec import hf_models
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.model import ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "gpt2")
-_ALIASES = {"kimi_k2": "deepseek_v3"}
+_ALIASES = {"kimi_k2": "deepseek_v3"} | hf_models.ALIASES
+MODEL_TYPES = SUPPORTED_MODEL_TYPES + hf_models.MODEL_TYPES
+"""Every model_type read (SUPPORTED_MODEL_TYPES: those the runtime's reference model also runs)."""
 
 
 class _Config:
@@ -255,20 +258,23 @@ _READERS: dict[str, Callable[[_Config], dict]] = {
     "qwen3_moe": _qwen3_moe,
     "deepseek_v3": _deepseek_v3,
     "gpt2": _gpt2,
-}
+} | hf_models.READERS
 
 
 def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", extra: dict | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed Hugging Face config dict."""
     if not isinstance(raw, dict):
         raise SpecError(f"{name}: a config must be a JSON object, got {type(raw).__name__}")
+    from modelcarve.spec.config_checks import check_config
+
+    check_config(raw, name)
     model_type = raw.get("model_type")
     if model_type is None:
-        raise SpecError(f"{name}: config.json has no 'model_type'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise SpecError(f"{name}: config.json has no 'model_type'; supported: {', '.join(MODEL_TYPES)}")
     reader = _READERS.get(_ALIASES.get(model_type, model_type))
     if reader is None:
         raise SpecError(
-            f"{name}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{name}: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
         )
     cfg = _Config(raw, name)
     try:
@@ -282,12 +288,11 @@ def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read ``config.json`` from a file or a checkpoint directory."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
+    from modelcarve.spec import files
+
+    path = files.user_path(path, "model")
+    file = path / "config.json" if files.is_dir(path) else path
+    if not files.is_file(file):
         raise SpecError(f"{path}: no such config file (give a config.json or a directory holding one)")
-    try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SpecError(f"{file}: not valid JSON ({err.__class__.__name__}: {err})".replace("\n", " ")) from None
+    raw = files.read_json(file, "config file")
     return spec_from_hf_config(raw, name=str(path), source=str(file))

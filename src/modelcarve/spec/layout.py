@@ -60,8 +60,8 @@ TRAIN_DTYPES = ("fp32", "bf16", "fp16")
 COMPUTE_DTYPES = TRAIN_DTYPES + ("fp8", "mxfp8")
 """``param_dtype`` values: the 16/32-bit dtypes, FP8 (Hopper and later) and MXFP8 (Blackwell)."""
 FP8_SCALING = ("delayed", "current")
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
-KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4", "nvfp4", "mxfp4")
+KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp4", "nvfp4")
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 _ALIASES = {
@@ -69,6 +69,8 @@ _ALIASES = {
     "recompute": {"off": "none", "false": "none", "true": "full", "sel": "selective", "op": "ops", "sac": "ops"},
     "param_dtype": {"fp8-cs": "fp8", "fp8cs": "fp8", "fp8-mx": "mxfp8", "fp8mx": "mxfp8"},
 }
+_LIMITS = {"mbs": 2**31, "gbs": 2**31, "seq": 2**31}
+"""Largest accepted value of a layout field (default 2^20: more devices than any cluster has)."""
 _MODULE_ALIASES = {"moe_act": "mlp_act", "moe": "mlp", "core_attention": "core_attn", "norm": "layernorm"}
 
 
@@ -232,18 +234,20 @@ class Layout:
             raise LayoutError('empty layout; give e.g. "tp=2,pp=2,dp=2" or a layout.json path')
         text = text.strip()
         if text.startswith("{"):
+            from modelcarve.spec.errors import SpecError
+            from modelcarve.spec.files import loads_json
+
             try:
-                return cls.from_dict(json.loads(text))
-            except json.JSONDecodeError as err:
-                raise LayoutError(f"layout JSON is malformed: {err}") from None
+                raw = loads_json(text, "layout JSON is malformed")
+            except SpecError as err:
+                raise LayoutError(str(err)) from None
+            return cls.from_dict(raw)
         if text.endswith(".json"):
-            path = Path(text)
-            if not path.is_file():
+            from modelcarve.spec import files
+
+            if not files.is_file(files.user_path(text, "layout file")):
                 raise LayoutError(f"layout file {text} does not exist")
-            try:
-                return cls.from_dict(json.loads(path.read_text()))
-            except json.JSONDecodeError as err:
-                raise LayoutError(f"layout file {text} is not valid JSON: {err}") from None
+            return cls.from_dict(files.read_json(text, "layout file"))
         values: dict = {}
         for item in text.replace(" ", "").split(","):
             if not item:
@@ -292,6 +296,10 @@ class Layout:
             value = getattr(self, name)
             if value < 1:
                 raise LayoutError(f"{name}={value} must be at least 1")
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "dp_shard", "mbs", "gbs", "seq"):
+            limit = _LIMITS.get(name, 2**20)
+            if getattr(self, name) > limit:
+                raise LayoutError(f"{name}={getattr(self, name)} is above the accepted {limit:,}")
         if self.etp < 0:
             raise LayoutError(f"etp={self.etp} must be at least 1 (or 0 for the default)")
         if self.zero not in (0, 1, 2, 3):

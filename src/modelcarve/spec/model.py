@@ -30,7 +30,7 @@ from modelcarve.spec.errors import SpecError
 
 FfnKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
-PositionKind = Literal["rope", "learned"]
+PositionKind = Literal["rope", "learned", "alibi"]
 AttentionKind = Literal["gqa", "mla"]
 
 
@@ -42,7 +42,8 @@ class ModelSpec:
     """Catalogue name or the path it was read from."""
     family: str
     """Hugging Face ``model_type`` it was read as (llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3, gpt2)."""
+    qwen3_moe, deepseek_v3, gpt2; and spec/hf_models.py's gpt_oss, llama4, gemma3, deepseek_v2, phi3,
+    nemotron, bloom, opt)."""
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -52,6 +53,9 @@ class ModelSpec:
     head_dim: int
     """Per-head dimension of q, k and v for ``gqa`` attention (for MLA see the mla_ fields)."""
     ffn_kind: FfnKind = "swiglu"
+    """``swiglu``: a gated MLP, ``down(act(gate x) * up x)``, three matrices (SwiGLU; also gemma3's
+    gated GELU); ``gelu``: a two-matrix MLP, ``down(act(up x))`` (GELU; also OPT's ReLU and
+    nemotron's squared ReLU). ``activation`` names the function."""
     activation: str = "silu"
     """Hugging Face activation name (silu for SwiGLU; gelu, gelu_new (tanh approximation) for GELU)."""
     ffn_size: int
@@ -110,6 +114,24 @@ class ModelSpec:
     v_head_dim: int = 0
     source: str = ""
     """Where the dimensions come from (URL of the config.json or paper)."""
+    # --- layers of the newer families (spec/hf_models.py; the runtime refuses them, runtime/coverage.py)
+    layer_norms: int = 2
+    """Norms per decoder layer (gemma3: 4, pre and post both sub-blocks)."""
+    embedding_norm: bool = False
+    """A norm right after the token embedding (bloom's word_embeddings_layernorm)."""
+    position_offset: int = 0
+    """Extra rows of a learned position table (OPT: 2)."""
+    attention_sinks: bool = False
+    """One learned sink logit per head per layer in the softmax (gpt-oss)."""
+    router_bias: bool = False
+    """Bias on the MoE router (gpt-oss)."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's dims that rotary embedding rotates (nemotron: 0.5)."""
+    attention_chunk: int | None = None
+    """Chunked attention (llama4): a query sees only its own ``attention_chunk``-token chunk on ``chunked_layers``."""
+    chunked_layers: tuple[int, ...] = ()
+    expert_checkpoint_dtype: str = ""
+    """dtype the released checkpoint stores routed experts in when not the rest's (gpt-oss: mxfp4)."""
     extra: dict = field(default_factory=dict, compare=False)
     """Facts that are not architecture (e.g. the published parameter count)."""
 
@@ -162,7 +184,9 @@ class ModelSpec:
 
     def attention_window(self, layer_id: int) -> int | None:
         """Sliding-window size of layer ``layer_id``, or None for full causal attention."""
-        return self.sliding_window if layer_id in self.sliding_layers else None
+        if layer_id in self.sliding_layers:
+            return self.sliding_window
+        return self.attention_chunk if layer_id in self.chunked_layers else None
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self._moe_set
@@ -231,11 +255,13 @@ class ModelSpec:
         )
         if self.qk_norm:
             params += 2 * self.head_dim
+        if self.attention_sinks:
+            params += nh
         return params
 
     @property
     def router_params(self) -> int:
-        return self.num_experts * self.hidden_size
+        return self.num_experts * (self.hidden_size + (1 if self.router_bias else 0))
 
     @property
     def expert_params(self) -> int:
@@ -249,18 +275,20 @@ class ModelSpec:
 
     @property
     def dense_layer_params(self) -> int:
-        return self.attention_params + self.ffn_params(self.ffn_size) + 2 * self._norm_params(self.hidden_size)
+        return self.attention_params + self.ffn_params(self.ffn_size) + self.layer_norms * self._norm_params(self.hidden_size)
 
     @property
     def moe_layer_params(self) -> int:
-        return self.attention_params + self.moe_block_params + 2 * self._norm_params(self.hidden_size)
+        return self.attention_params + self.moe_block_params + self.layer_norms * self._norm_params(self.hidden_size)
 
     @property
     def embedding_params(self) -> int:
         """Input token embedding (plus the learned position table)."""
         params = self.vocab_size * self.hidden_size
         if self.position_kind == "learned":
-            params += self.max_position * self.hidden_size
+            params += (self.max_position + self.position_offset) * self.hidden_size
+        if self.embedding_norm:
+            params += self._norm_params(self.hidden_size)
         return params
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 from importlib import resources
-from pathlib import Path
 
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.hf_config import load_hf_config, spec_from_hf_config
@@ -51,7 +50,13 @@ def _resolve(name: str) -> str | None:
 
 def get_model(name: str) -> ModelSpec:
     """A catalogued model by name, or a model read from a config.json file or checkpoint dir."""
-    if _resolve(name) is None and (Path(name).exists() or name.endswith(".json") or "/" in name):
+    from modelcarve.spec import files
+
+    if not isinstance(name, str):
+        raise SpecError(f"a model must be a catalogue name or a path, got {name!r}")
+    if _resolve(name) is None and files.path_problem(name):
+        files.user_path(name, "model")  # raises: no file can have this name
+    if _resolve(name) is None and (files.exists(name) or name.endswith(".json") or "/" in name):
         return load_hf_config(name)
     entry = catalog_entry(name)
     return spec_from_hf_config(

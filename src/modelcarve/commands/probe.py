@@ -1,0 +1,225 @@
+"""``modelcarve hardware --probe``: measure this machine as a cluster file the planner reads.
+
+    modelcarve hardware --probe --emit probed.yaml          # 2 local ranks (gloo), their rates and links
+    modelcarve hardware --probe --probe-ranks 4 --json
+    modelcarve estimate --goal serve-latency --model ./ckpt --cluster probed.yaml --layout "tp=2"
+
+``--probe-ranks`` processes (spawned here, gloo over loopback, ``OMP_NUM_THREADS`` threads each:
+the way ``run`` and ``serve`` start their ranks) measure at the same time, so the figures are
+what each rank gets while the others work too:
+
+* GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of an ``n x n`` matmul;
+* memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
+  STREAM's copy counts it);
+* gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
+  by the ring's step count as ``plan/comm.py``'s alpha-beta model counts steps: ``2(n-1)`` for
+  all-reduce, ``n-1`` for all-to-all, 1 for a send) and bus bandwidth of a 16 MiB message
+  (``plan/comm.py``'s bytes per device over the time).
+
+The cluster file has one node of ``--probe-ranks`` devices. The link's ``bytes_per_s`` is the
+measured all-reduce bus bandwidth divided by ``plan.comm.INTRA_EFFICIENCY`` (the planner
+multiplies a link's nominal figure by it, so it predicts what was measured); the device's peaks
+and copy bandwidth are written as measured (the planner's own achievable fractions apply on top,
+fitted on GPUs: one of the limits ``benchmarks/serve_predicted_vs_measured.py`` reports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+GEMM_N = 512
+COPY_BYTES = 64 * 2**20
+SMALL_BYTES = 8
+LARGE_BYTES = 16 * 2**20
+
+
+def _timed(fn, *, min_s: float = 0.3, min_reps: int = 3, max_reps: int = 200, reps: int | None = None) -> float:
+    """Median seconds of ``fn()`` after one warm-up call, over at least ``min_s`` seconds, or
+    exactly ``reps`` calls (collectives: every rank must make the same number of calls)."""
+    fn()
+    times, start = [], time.perf_counter()
+    while (len(times) < reps) if reps else (len(times) < min_reps or (time.perf_counter() - start < min_s
+                                                                      and len(times) < max_reps)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=120))
+        res: dict = dict(rank=rank, gemm_flops={})
+        dist.barrier()
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
+            b = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
+            res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(lambda: torch.mm(a, b))
+        dist.barrier()
+        src = torch.ones(COPY_BYTES // 4)
+        dst = torch.empty_like(src)
+        res["copy_bytes_per_s"] = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src))
+        del src, dst
+        comm = {}
+        for label, nbytes, reps in (("small", SMALL_BYTES, 50), ("large", LARGE_BYTES, 5)):
+            n = max(nbytes // 4 // world * world, world)
+            buf = torch.ones(n)
+            out_buf = torch.empty_like(buf)
+            peer = rank ^ 1
+            dist.barrier()
+            comm[f"all_reduce_{label}_s"] = _timed(lambda: dist.all_reduce(buf), reps=reps)
+            dist.barrier()
+            comm[f"all_to_all_{label}_s"] = _timed(lambda: dist.all_to_all_single(out_buf, buf), reps=reps)
+            dist.barrier()
+            if peer < world:
+                def pingpong():  # rank 2k <-> 2k+1: even ranks send first
+                    if rank % 2 == 0:
+                        dist.send(buf, peer)
+                        dist.recv(out_buf, peer)
+                    else:
+                        dist.recv(out_buf, peer)
+                        dist.send(buf, peer)
+
+                comm[f"send_recv_{label}_s"] = _timed(pingpong, reps=reps) / 2
+            comm[f"{label}_bytes"] = n * 4
+            dist.barrier()
+        res["comm"] = comm
+        out.put((rank, "ok", res))
+    except BaseException as err:  # noqa: BLE001 - reported by the parent in one line
+        out.put((rank, "error", f"{type(err).__name__}: {err}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0) -> dict:
+    """Run the probe on ``ranks`` local processes; the medians over ranks of each figure."""
+    import multiprocessing as mp
+    import queue
+
+    from modelcarve.commands.run import _free_port
+    from modelcarve.spec.errors import ModelcarveError
+
+    threads = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, ranks, port, out, threads), daemon=True) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(results) < ranks:
+            try:
+                rank, status, value = out.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise ModelcarveError(f"hardware --probe: the ranks did not finish within {timeout_s:g} s") from None
+            if status != "ok":
+                raise ModelcarveError(f"hardware --probe: rank {rank} failed: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return summarise(list(results.values()), ranks, threads)
+
+
+def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
+    med = statistics.median
+    gemm = {d: med(r["gemm_flops"][d] for r in per_rank) for d in per_rank[0]["gemm_flops"]}
+    comm = {k: med(r["comm"][k] for r in per_rank if k in r["comm"]) for k in per_rank[0]["comm"]}
+    n = ranks
+    steps = dict(all_reduce=2 * (n - 1), all_to_all=n - 1, send_recv=1)
+    bus = dict(all_reduce=2 * (n - 1) / n, all_to_all=(n - 1) / n, send_recv=1.0)
+    links = {}
+    for op in steps:
+        if f"{op}_small_s" not in comm:
+            continue
+        links[op] = dict(latency_s=comm[f"{op}_small_s"] / max(steps[op], 1),
+                         bus_bytes_per_s=bus[op] * int(comm["large_bytes"]) / comm[f"{op}_large_s"],
+                         small_s=comm[f"{op}_small_s"], large_s=comm[f"{op}_large_s"])
+    return dict(ranks=ranks, threads_per_rank=threads, host=platform.node(), cpu=platform.processor() or platform.machine(),
+                gemm_flops=gemm, gemm_n=GEMM_N, copy_bytes_per_s=med(r["copy_bytes_per_s"] for r in per_rank),
+                copy_bytes=COPY_BYTES, links=links, large_bytes=int(comm["large_bytes"]), small_bytes=int(comm["small_bytes"]))
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+def cluster_dict(probe: dict) -> dict:
+    """The cluster file (spec/hardware.py's format) for what was measured."""
+    from modelcarve.plan.comm import INTRA_EFFICIENCY
+
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    source = (f"measured by modelcarve hardware --probe on {probe['host']} at {when}: {probe['ranks']} ranks x "
+              f"{probe['threads_per_rank']} thread(s)")
+    ar = probe["links"]["all_reduce"]
+    link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY),
+                latency_s=float(ar["latency_s"]), source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}")
+    flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
+    flops.setdefault("tf32", flops["fp32"])
+    device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
+                  hbm_bytes_per_s=float(probe["copy_bytes_per_s"]), devices_per_node=probe["ranks"],
+                  nics_per_node=1, source=source)
+    return dict(nodes=1, devices_per_node=probe["ranks"], device=device, intra_link=link, inter_link=dict(link),
+                nics_per_node=1)
+
+
+def run_probe(args) -> int:
+    from modelcarve.spec.errors import ModelcarveError
+    from modelcarve.spec.hardware import cluster_from_dict
+
+    ranks = getattr(args, "probe_ranks", 2) or 2
+    if ranks < 1:
+        raise ModelcarveError(f"--probe-ranks must be at least 1, got {ranks}")
+    if ranks < 2:
+        raise ModelcarveError("--probe-ranks 1 cannot measure links; use 2 or more")
+    probe = measure(ranks)
+    cluster = cluster_dict(probe)
+    cluster_from_dict(cluster, "probed cluster")  # what is written must read back
+    if args.emit:
+        import yaml
+
+        with open(args.emit, "w") as f:
+            f.write(f"# {cluster['device']['source']}\n# modelcarve estimate ... --cluster {args.emit}\n")
+            yaml.safe_dump(cluster, f, sort_keys=False)
+    if args.json:
+        print(json.dumps(dict(probe=probe, cluster=cluster), indent=2))
+        return 0
+    from rich.table import Table
+
+    from modelcarve.report.tables import console
+
+    t = Table(title=f"hardware --probe: {probe['ranks']} ranks x {probe['threads_per_rank']} thread(s) on {probe['host']}")
+    for col in ("measured", "value"):
+        t.add_column(col, justify="left" if col == "measured" else "right")
+    for d, v in probe["gemm_flops"].items():
+        t.add_row(f"GEMM {d} ({probe['gemm_n']}^3), per rank", f"{v / 1e9:,.1f} GFLOP/s")
+    t.add_row("memory copy (read+write), per rank", f"{probe['copy_bytes_per_s'] / 1e9:,.2f} GB/s")
+    for op, v in probe["links"].items():
+        t.add_row(f"gloo {op.replace('_', '-')}: latency per step", f"{v['latency_s'] * 1e6:,.1f} us")
+        t.add_row(f"gloo {op.replace('_', '-')}: bus bandwidth ({probe['large_bytes'] >> 20} MiB)",
+                  f"{v['bus_bytes_per_s'] / 1e9:,.2f} GB/s")
+    console().print(t)
+    if args.emit:
+        console().print(f"wrote {args.emit} (use it as --cluster {args.emit})")
+    return 0

@@ -1,0 +1,129 @@
+"""Attention over the paged KV cache, installed into the reference model's attention modules.
+
+A step's tokens (from several sequences: prefill chunks and single decode tokens) run through
+the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
+describes the packing: per sequence its queries (``q_len`` tokens at positions
+``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
+cache once this step's k/v are written), the slot of every new token, and the slots of every
+sequence's context (``gather``, padded to the longest with slot 0).
+
+Each attention call (``install(chunk, cache)`` sets ``attn.kv_cache`` on every layer; the model
+file only calls it instead of its own core attention):
+
+1. writes the new tokens' k/v (MLA: normalised latent and rotated k_rot) into their slots;
+2. gathers each sequence's context from the cache ``[n, L, ...]``, and its queries ``[n, Q, ...]``;
+3. runs ``scaled_dot_product_attention`` with a boolean mask per sequence: key ``j`` is visible to a
+   query at position ``p`` when ``j <= p`` and, for a sliding-window layer, ``j > p - window``
+   (transformers' rule); padded queries see key 0 only, and are dropped;
+4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
+
+MLA recomputes the keys and values of the whole context from the cached latent (``wkv_b``),
+the same (non-absorbed) arithmetic the reference model does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class StepContext:
+    """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table)."""
+
+    def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu"):
+        bs = block_size
+        q_max = max(q for _, q, _ in seqs)
+        l_max = max(s + q for s, q, _ in seqs)
+        n = len(seqs)
+        slots, q_index, q_pos, gather = [], [], [], []
+        valid = torch.zeros(n, q_max, dtype=torch.bool)
+        t = 0
+        for i, (start, q_len, table) in enumerate(seqs):
+            ctx = start + q_len
+            flat = [table[p // bs] * bs + p % bs for p in range(ctx)]
+            slots.extend(flat[start:])
+            gather.append(flat + [0] * (l_max - ctx))
+            q_index.append(list(range(t, t + q_len)) + [0] * (q_max - q_len))
+            q_pos.append(list(range(start, ctx)) + [0] * (q_max - q_len))
+            valid[i, :q_len] = True
+            t += q_len
+        self.num_tokens = t
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        self.q_index = torch.tensor(q_index, dtype=torch.long, device=device)
+        self.q_valid = valid.to(device)
+        self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=device)
+        self.k_pos = torch.arange(l_max, device=device)
+        self.decode_one = n == 1 and t == 1
+        self._masks: dict = {}
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[n, 1, Q, L] True where a query may attend a key (None: all keys, one decoding sequence
+        whose context fits the window)."""
+        if self.decode_one and (window is None or self.k_pos.numel() <= window):
+            return None
+        if window not in self._masks:
+            q, k = self.q_pos[:, :, None], self.k_pos[None, None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (k > q - window)
+            self._masks[window] = allowed[:, None]
+        return self._masks[window]
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, heads, T, d] packed -> [n, heads, Q, d] per sequence."""
+        return x[0].transpose(0, 1)[self.q_index].permute(0, 2, 1, 3)
+
+    def pack(self, out: torch.Tensor) -> torch.Tensor:
+        """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
+        return out.permute(0, 2, 1, 3)[self.q_valid].permute(1, 0, 2).unsqueeze(0)
+
+
+def _attend(q, k, v, mask, scale):
+    """SDPA; GQA without copying k/v (``enable_gqa``). ``mask`` None: every key is visible."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class PagedGQA:
+    """``attn.kv_cache`` for runtime.model.Attention: (q, k, v) -> out (see module doc)."""
+
+    def __init__(self, cache, key: str, attn):
+        self.cache, self.store = cache, cache.layers[key]
+        self.scale, self.window = attn.core_attention.scale, attn.core_attention.window
+
+    def __call__(self, q, k, v):
+        ctx = self.cache.ctx
+        self.store.write("k", ctx.slot_mapping, k[0].transpose(0, 1))
+        self.store.write("v", ctx.slot_mapping, v[0].transpose(0, 1))
+        keys = self.store.read("k", ctx.gather).permute(0, 2, 1, 3)
+        values = self.store.read("v", ctx.gather).permute(0, 2, 1, 3)
+        out = _attend(ctx.queries(q), keys, values, ctx.mask(self.window), self.scale)
+        return ctx.pack(out)
+
+
+class PagedMLA:
+    """``attn.kv_cache`` for runtime.model.MLAttention: (attn, q, latent, k_rot) -> out."""
+
+    def __init__(self, cache, key: str, attn):
+        self.cache, self.store = cache, cache.layers[key]
+        self.scale, self.window = attn.core_attention.scale, attn.core_attention.window
+
+    def __call__(self, attn, q, latent, k_rot):
+        ctx = self.cache.ctx
+        self.store.write("latent", ctx.slot_mapping, latent[0])
+        self.store.write("k_rot", ctx.slot_mapping, k_rot[0, 0])
+        lat = self.store.read("latent", ctx.gather)           # [n, L, r]
+        rot = self.store.read("k_rot", ctx.gather)            # [n, L, rope]
+        n, length = lat.shape[:2]
+        kv = attn.wkv_b(lat).view(n, length, -1, attn.nope + attn.v_dim)
+        k_pass, v = kv.split([attn.nope, attn.v_dim], dim=-1)
+        k = torch.cat((k_pass, rot[:, :, None].expand(-1, -1, k_pass.shape[2], -1)), dim=-1)
+        out = _attend(ctx.queries(q), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), ctx.mask(self.window), self.scale)
+        return ctx.pack(out)
+
+
+def install(chunk, cache) -> None:
+    """Point every attention module of ``chunk`` at ``cache`` (a kv_cache.KVCache)."""
+    for key, block in chunk.layers.items():
+        attn = block.attention
+        attn.kv_cache = (PagedMLA if hasattr(attn, "kv_lora_rank") else PagedGQA)(cache, key, attn)
