@@ -129,13 +129,14 @@ def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int,
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM runs the finally blocks: servers stopped
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layouts", default="tp=1,tp=2,pp=2")
     ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
     args = ap.parse_args()
-    n, input_len, output_len = (6, 32, 8) if args.quick else (24, 128, 32)
+    n, input_len, output_len = (6, 32, 8) if args.quick else (12, 64, 16)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model, params = build_model(Path(tmp) / "model", args.quick)
@@ -145,7 +146,8 @@ def main() -> None:
         probed = Path(cluster).read_text()
         vocab = 4000 if args.quick else 16000
         for short in args.layouts.split(","):
-            layout = f"{short},param_dtype=fp32"
+            # all three dtypes stated: the planner's default weight_dtype is bf16, the engine's is param_dtype
+            layout = f"{short},param_dtype=fp32,weight_dtype=fp32,kv_dtype=fp32"
             proc, url = serve(model, layout, 256 << 20)
             try:
                 rates = [float(r) for r in args.rates.split(",")] if args.rates else None
