@@ -134,9 +134,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layouts", default="tp=1,tp=2,pp=2")
     ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default 12; quick 6)")
+    ap.add_argument("--load", default="0.15,0.5", help="the two rates as fractions of one-at-a-time capacity")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
     args = ap.parse_args()
     n, input_len, output_len = (6, 32, 8) if args.quick else (12, 64, 16)
+    n = args.num_prompts or n
+    fractions = [float(f) for f in args.load.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model, params = build_model(Path(tmp) / "model", args.quick)
@@ -151,10 +155,10 @@ def main() -> None:
             proc, url = serve(model, layout, 256 << 20)
             try:
                 rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-                if rates is None:  # a light and a heavier load for this layout: 15% and 50% of one-at-a-time capacity
+                if rates is None:  # a light and a heavier load for this layout (--load: 15% and 50% of one-at-a-time capacity)
                     probe = bench(url, 1000.0, 2, input_len, output_len, vocab)
                     e2e = probe["e2e_ms"]["mean"] / 1e3
-                    rates = [round(0.15 / e2e, 3), round(0.5 / e2e, 3)]
+                    rates = [round(f / e2e, 3) for f in fractions]
                 for rate in rates:
                     measured = bench(url, rate, n, input_len, output_len, vocab)
                     world = 2 if short != "tp=1" else 1
