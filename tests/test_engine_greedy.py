@@ -3,7 +3,8 @@
 fp32, 32 new tokens, three prompts of 5 / 17 / 30 tokens added at engine steps 0, 2 and 5 (so
 prefill and decode of different requests share steps), on tiny random checkpoints of every
 family (tests/engine_cases.py), for: one device (in this process), tp=2, pp=2, dp=2 replicas
-and ep=2 (MoE, dp=2,ep=2) in one 2-rank gloo world, and tp=2 x pp=2 in one 4-rank world.
+and ep=2 (MoE, dp=2,ep=2) in one 2-rank gloo world, and tp=2 x pp=2 (and tp=2 x ep=2 for MoE)
+in one 4-rank world.
 Exact equality is the right criterion: both sides compute the same fp32 arithmetic up to
 summation order (~1e-6 relative), and with std-0.2 weights the top two logits of these tiny
 models are far further apart than that (a flip would show as a failure, never be tolerated).
@@ -14,6 +15,7 @@ A cache broken on purpose (one key position hidden from every query after it) mu
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist import run_distributed
 from engine_cases import CKPTS, MOE, build_all, drive, greedy, run_layouts
@@ -47,7 +49,10 @@ def test_broken_cache_fails(ckpts, monkeypatch):
 
     def broken(self, window):
         q, k = self.q_pos[:, None, :, None], self.k_pos
-        return real(self, window) & ~((k == 3) & (q > 3))
+        m = real(self, window)
+        if m is None:  # one decoding sequence: all keys visible
+            m = torch.ones(q.shape[0], 1, q.shape[2], k.numel(), dtype=torch.bool)
+        return m & ~((k == 3) & (q > 3))
 
     monkeypatch.setattr(paged_attention.StepContext, "mask", broken)
     path, prompts, refs = ckpts["llama"]
@@ -74,6 +79,8 @@ def test_two_ranks_equal_transformers(ckpts):
     assert not bad, bad
     for (name, layout), (_, stats, _) in results.items():
         assert stats["plan_bytes"] > 0 and stats["generation_tokens"] == 3 * 32, (name, layout)
+        if layout.startswith("pp=2"):  # several micro-batches of requests in flight per step
+            assert stats["microbatches"] > stats["steps"], (name, stats)
     _kv_equals_planner(ckpts, results)
 
 
@@ -93,8 +100,9 @@ def _kv_equals_planner(ckpts, results):
         assert stats["kv_blocks_total"] == lay.dp * (blocks - 1), (name, text)
 
 
-def test_tp2_pp2_equal_transformers(ckpts):
-    layouts = [(name, f"tp=2,pp=2,{FP32}") for name in CKPTS]
+def test_four_ranks_equal_transformers(ckpts):
+    """tp=2 x pp=2 for every family, and tp=2 x ep=2 (expert TP = TP, two DP-attention replicas) for MoE."""
+    layouts = [(name, f"tp=2,pp=2,{FP32}") for name in CKPTS] + [(name, f"tp=2,dp=2,ep=2,{FP32}") for name in MOE]
     results = run_distributed(_world, 4, ckpts, layouts, timeout=900)[0]
     bad = [(n, lay) for n, lay in layouts if results[(n, lay)][0] != ckpts[n][2]]
     assert not bad, bad

@@ -16,7 +16,8 @@ replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its 
 (model_runner.py), receives the logits of the sampling rows, samples (sampler.py), detokenises
 incrementally, checks stops and frees finished sequences. New requests go to the replica with
 the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
-another thread than ``step``. Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
+another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
+sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
 default to its ``param_dtype`` (``resolve_layout``).
 """
 
@@ -38,6 +39,9 @@ from modelcarve.spec.errors import LayoutError, ModelcarveError
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams", "resolve_layout"]
 
+HEARTBEAT_S = 5.0
+"""An idle ``step()`` sends an empty plan this often, so followers never wait a whole collective
+timeout for work (call ``step()`` regularly, e.g. every few ms, even with nothing to do)."""
 RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
 WEIGHT_RUNTIME = RUNTIME_DTYPES + ("int8", "int4", "fp8")
 KV_RUNTIME = RUNTIME_DTYPES + ("int8", "fp8")
@@ -148,6 +152,8 @@ class EngineStats:
     logit_bytes: int
     prompt_tokens: int
     generation_tokens: int
+    microbatches: int = 0
+    """Forwards rank 0 ran (pp > 1: several per step)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,6 +198,7 @@ class Engine:
         self._lock = threading.Lock()
         self._steps = self._prompt_tokens = self._gen_tokens = 0
         self._next_key = 0
+        self._last_plan = time.monotonic()
 
     # --- requests -------------------------------------------------------------------------
     @property
@@ -251,8 +258,13 @@ class Engine:
     # --- the step --------------------------------------------------------------------------
     def _output(self, seq: Sequence, new: list[int], new_lp: list | None) -> RequestOutput:
         text = seq.text
-        new_text = text[seq.emitted_text:]
-        seq.emitted_text = len(text)
+        # a later token can rewrite the tail of the decoded text (byte-level merges): only text
+        # extending what was already returned is emitted (the full ``text`` is always current)
+        if text.startswith(seq.emitted_text):
+            new_text = text[len(seq.emitted_text):]
+            seq.emitted_text = text
+        else:
+            new_text = ""
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
                              seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
                              seq.arrival_time, seq.first_token_time, seq.finish_time,
@@ -276,7 +288,11 @@ class Engine:
             self._aborted.clear()
             scheduled = [s.schedule() for s in self.schedulers]
         if not any(scheduled):
+            if self.runner.world > 1 and time.monotonic() - self._last_plan > min(HEARTBEAT_S, self.cfg.timeout_s / 4):
+                self.runner.broadcast([])  # keeps idle followers inside their collective timeout
+                self._last_plan = time.monotonic()
             return outputs
+        self._last_plan = time.monotonic()
         plan = [[(item.seq.tokens[item.start:item.start + item.count], item.start, list(item.seq.block_table),
                   item.sample) for item in items] for items in scheduled]
         self.runner.broadcast(plan)
@@ -354,7 +370,8 @@ class Engine:
                 prefix_cache_hits=sum(s.blocks.hit_tokens for s in self.schedulers),
                 preemptions=sum(s.preemptions for s in self.schedulers), steps=self._steps,
                 plan_bytes=self.runner.plan_bytes, logit_bytes=self.runner.logit_bytes,
-                prompt_tokens=self._prompt_tokens, generation_tokens=self._gen_tokens)
+                prompt_tokens=self._prompt_tokens, generation_tokens=self._gen_tokens,
+                microbatches=self.runner.microbatches)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Convenience (rank 0): run ``prompts`` together to completion; final outputs in order."""

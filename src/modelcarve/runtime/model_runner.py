@@ -118,6 +118,8 @@ class ModelRunner:
         install(chunk, self.cache)
         self.plan_bytes = 0
         self.logit_bytes = 0
+        self.microbatches = 0
+        """Forwards this rank ran (with pp > 1, several per step: micro-batches in flight)."""
 
     # --- rank arithmetic (mesh order pp, dp, cp=1, tp) ------------------------------------
     def _global(self, pp: int, dp: int, tp: int) -> int:
@@ -206,6 +208,7 @@ class ModelRunner:
                 h = torch.empty(1, t, self.spec.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(h, self._global(self.pp_rank - 1, self.dp_rank, self.tp_rank))
             out = self._forward(mb, h)
+            self.microbatches += 1
             if not self.last:
                 pending.append(dist.isend(out.contiguous(), self._global(self.pp_rank + 1, self.dp_rank, self.tp_rank)))
             elif not dummy:

@@ -54,11 +54,14 @@ class StepContext:
         self.q_valid = valid.to(device)
         self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=device)
         self.k_pos = torch.arange(l_max, device=device)
-        self.single = n == 1 and q_max == t
+        self.decode_one = n == 1 and t == 1
         self._masks: dict = {}
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[n, 1, Q, L] True where a query may attend a key."""
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[n, 1, Q, L] True where a query may attend a key (None: all keys, one decoding sequence
+        whose context fits the window)."""
+        if self.decode_one and (window is None or self.k_pos.numel() <= window):
+            return None
         if window not in self._masks:
             q, k = self.q_pos[:, :, None], self.k_pos[None, None, :]
             allowed = k <= q
@@ -77,11 +80,8 @@ class StepContext:
 
 
 def _attend(q, k, v, mask, scale):
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """SDPA; GQA without copying k/v (``enable_gqa``). ``mask`` None: every key is visible."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class PagedGQA:

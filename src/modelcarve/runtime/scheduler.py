@@ -47,7 +47,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""
-    emitted_text: int = 0      # characters of ``text`` already returned
+    emitted_text: str = ""    # the text already returned (a prefix of ``text``)
     order: int = field(default_factory=lambda: next(_order))
     key: int = -1              # small integer id sent to the model ranks
 
