@@ -128,31 +128,24 @@ def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int,
                 utilisation=queue.get("utilisation"), fits=result.get("fits"), reject=result.get("reject_reason"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layouts", default="tp=1,tp=2,pp=2")
-    ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
-    args = ap.parse_args()
-    n, input_len, output_len = (6, 32, 8) if args.quick else (24, 128, 32)
-    rows = []
+def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model, params = build_model(Path(tmp) / "model", args.quick)
+        model, meta["params"] = build_model(Path(tmp) / "model", args.quick)
         cluster = str(Path(tmp) / "probed.yaml")
         subprocess.run([*CLI, "hardware", "--probe", "--emit", cluster], env=ENV, cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)
-        probed = Path(cluster).read_text()
+        probed = meta["probed"] = Path(cluster).read_text()
         vocab = 4000 if args.quick else 16000
         for short in args.layouts.split(","):
-            layout = f"{short},param_dtype=fp32"
+            # all three dtypes stated: the planner's default weight_dtype is bf16, the engine's is param_dtype
+            layout = f"{short},param_dtype=fp32,weight_dtype=fp32,kv_dtype=fp32"
             proc, url = serve(model, layout, 256 << 20)
             try:
                 rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-                if rates is None:  # a light and a heavier load for this layout: 15% and 50% of one-at-a-time capacity
+                if rates is None:  # a light and a heavier load for this layout (--load: 15% and 50% of one-at-a-time capacity)
                     probe = bench(url, 1000.0, 2, input_len, output_len, vocab)
                     e2e = probe["e2e_ms"]["mean"] / 1e3
-                    rates = [round(0.15 / e2e, 3), round(0.5 / e2e, 3)]
+                    rates = [round(f / e2e, 3) for f in fractions]
                 for rate in rates:
                     measured = bench(url, rate, n, input_len, output_len, vocab)
                     world = 2 if short != "tp=1" else 1
@@ -171,11 +164,32 @@ def main() -> None:
                           flush=True)
             finally:
                 stop(proc)
-    result = dict(model_params=params, quick=args.quick, num_prompts=n, input_len=input_len, output_len=output_len,
-                  probed_cluster=probed, rows=rows, machine_load=os.getloadavg(),
-                  note="measured = bench-serve client means; predicted = modelcarve estimate on the probed cluster")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM runs the finally blocks: servers stopped
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layouts", default="tp=1,tp=2,pp=2")
+    ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default 12; quick 6)")
+    ap.add_argument("--load", default="0.15,0.5", help="the two rates as fractions of one-at-a-time capacity")
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
+    args = ap.parse_args()
+    n, input_len, output_len = (6, 32, 8) if args.quick else (12, 64, 16)
+    n = args.num_prompts or n
+    fractions = [float(f) for f in args.load.split(",")]
+    rows, meta, complete = [], {}, False
+    try:
+        _run(args, n, input_len, output_len, fractions, rows, meta)
+        complete = True
+    finally:  # an interrupted run (timeout, Ctrl-C) still writes the rows it measured
+        result = dict(model_params=meta.get("params"), quick=args.quick, complete=complete, num_prompts=n,
+                      input_len=input_len, output_len=output_len, probed_cluster=meta.get("probed"), rows=rows,
+                      machine_load=os.getloadavg(),
+                      note="measured = bench-serve client means; predicted = modelcarve estimate on the probed cluster")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -9,14 +9,14 @@ in full with their JSON) from cold caches, as a fresh ``modelcarve plan`` runs; 
 ``--repeat`` runs by CPU time (``layouts_per_cpu_s``; the wall-clock rate is recorded too, but
 the machine these figures come from is shared, so its load average is recorded as well). A
 candidate is one layout (tp x pp x dp x ep) with one weight dtype and one KV dtype; for
-serve-throughput its screening includes choosing the batch (serve_goal._largest_batch: a Newton
+serve-throughput its screening includes choosing the batch (serve_batch._largest_batch: a Newton
 search over bands of batches, typically 1-3 decode-step evaluations per layout;
 ``batch_evaluations`` counts them over a whole search). Targets from issue #4: at least 50,000
 layouts/s and under 2 s per plan.
 
 ``evaluated`` (and ``layouts_per_cpu_s``) counts every candidate the search screened, as before.
 Once its top is full, the throughput screen prunes a candidate it proves would be accepted below
-the top (``serve_goal._group_ceiling``: a ceiling on its tokens/s, and batch 1 meeting the bounds)
+the top (``serve_prune.group_ceiling``: a ceiling on its tokens/s, and batch 1 meeting the bounds)
 without choosing its batch; ``pruned`` counts those, and ``scored_per_cpu_s`` is the rate of the
 candidates that were not pruned (``evaluated - pruned``: every rejected one and every one that
 got a score), the same CPU time over the work not skipped.
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.plan import serve_goal, serve_prune, serve_time
+from modelcarve.plan import serve_batch, serve_prune, serve_time
 from modelcarve.plan.goals import get_goal
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
@@ -67,10 +67,10 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
     wall, cpu, result = best
     winner = result["layouts"][0] if result["layouts"] else None
     # How many decode-step evaluations the batch search made (one per band of batches it tried;
-    # see serve_goal._largest_batch): counted in a separate, untimed run (the counter would slow
+    # see serve_batch._largest_batch): counted in a separate, untimed run (the counter would slow
     # the timed one).
     calls = [0]
-    original, original_step = serve_goal._step_slope, serve_prune._stage_step
+    original, original_step = serve_batch._step_slope, serve_prune._stage_step
 
     def counting(c, batch):
         calls[0] += 1
@@ -99,13 +99,13 @@ def run_case(model_name: str, cluster_name: str, shape: dict, goal: str, repeat:
         wrapped.above = above
         return wrapped
 
-    serve_goal._step_slope, serve_prune._stage_step = counting, counting_step
+    serve_batch._step_slope, serve_prune._stage_step = counting, counting_step
     goal_obj.prepare = counting_prepare
     try:
         _clear()
         again = search(model, cluster, goal, top=5, **options)
     finally:
-        serve_goal._step_slope, serve_prune._stage_step = original, original_step
+        serve_batch._step_slope, serve_prune._stage_step = original, original_step
         del goal_obj.prepare
     assert again["layouts"] == result["layouts"] and again["rejected"] == result["rejected"]
     return {

@@ -12,7 +12,8 @@ groups, {0,2} and {1,3} dp groups), checks inside it:
 * against torch's own counter (``CommDebugMode``, not ours): the same tp=2,sp,dp=2 training step
   gives the same number of calls per op, and the sequence-parallel reduce-scatters are counted;
 * a pp=2 step: the sender's counted payload equals pipeline.py's own count of the tensors it
-  handed to the schedule, and the receiver logs as many recvs as the sender sends.
+  handed to the schedule, and the receiver logs as many recvs as the sender sends;
+* check_order accepts the sequences the four ranks really issued in both steps.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _model_steps(out):
             torch_counts = {str(k): v for k, v in torch_mode.get_comm_counts().items()}
         sent = trainer.runner.sent_bytes if trainer.runner is not None else None
         out[name] = dict(events=[(e.op, e.axis, e.tier, e.dtype, e.payload) for e in log.events],
-                         torch=torch_counts, pipeline_sent=sent)
+                         torch=torch_counts, pipeline_sent=sent, sequence=log.sequence())
         dist.barrier()
 
 
@@ -168,3 +169,8 @@ def test_collectives_counted():
         assert sends and all(e[1] == "pp" for e in sends)
         assert sum(e[4] for e in sends) == pp["pipeline_sent"] > 0
         assert len(_rows(results[receiver]["pp"]["events"], "recv")) == len(sends)
+    # the order check accepts what the runtime really issued (no false refusal)
+    from modelcarve.runtime.collectives import check_order
+
+    for name in ("tpsp", "pp"):
+        check_order({rank: res[name]["sequence"] for rank, res in enumerate(results)})

@@ -129,7 +129,7 @@ def test_checkpoint_directories(monkeypatch, folder, checkpoint, ops, offset, by
             data = weights.read_bytes()
             weights.write_bytes(data[: offset % (len(data) + 1)])
         elif op == "flip-header":  # damage the 8-byte length or the JSON table
-            data = bytearray(weights.read_bytes())
+            data = bytearray(weights.read_bytes()) or bytearray(b"\0")
             data[offset % min(len(data), 2000)] = byte
             weights.write_bytes(bytes(data))
         elif op == "rename":

@@ -43,6 +43,9 @@ def _add_common(p) -> None:
                    help="MoE: aux-loss-free router bias update per step, DeepSeek-V3 style (default 0: off)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node (default: world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--check-order", action="store_true",
+                   help="before launching, play every rank under torch's fake process group and refuse a layout whose "
+                        "ranks would issue collectives in different orders (small dense models, pp=1)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="account traffic as K ranks per node (intra/inter tiers; default: torchrun's local world size)")
     p.add_argument("--node-rank", type=int, default=0)
@@ -103,6 +106,10 @@ def _prepare(args):
     if is_checkpoint(args.model):
         check_checkpoint(args.model, spec)
     prelaunch.check_launch(args, layout, spec, per_node)  # unused/integer tensors, predicted memory per rank
+    if getattr(args, "check_order", False) and not under_torchrun:
+        from modelcarve.runtime.dry_run import check_layout_order
+
+        check_layout_order(args.model, layout, args.seed)  # LayoutError names the ranks that disagree
     return layout, spec, per_node, under_torchrun
 
 

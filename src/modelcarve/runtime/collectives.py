@@ -314,3 +314,44 @@ class CommLog(TorchDispatchMode):
     def sequence(self) -> list[tuple]:
         """(op, group ranks, shapes, dtype) in issue order: what the order check compares."""
         return [(e.op, e.ranks, e.shapes, e.dtype) for e in self.events]
+
+
+# --- the collective-order check ------------------------------------------------------------
+
+
+def _describe(event: tuple) -> str:
+    op, ranks, shapes, dtype = event
+    return f"{op} over ranks {list(ranks)} of {dtype} {[list(s) for s in shapes]}"
+
+
+def check_order(sequences: dict) -> None:
+    """Refuse (LayoutError) a program whose ranks would not issue their collectives in one order.
+
+    ``sequences``: rank -> ``CommLog.sequence()`` of that rank (e.g. recorded under torch's fake
+    process group, no devices). Blocking collectives deadlock unless every two ranks issue the
+    collectives of the groups they share in the same order with the same shapes; so for each
+    pair of ranks the events over groups holding both must be equal, one by one. A message must
+    meet its receive: rank i's sends to j and j's receives from i agree in number and shape.
+    The error names the two ranks and the first collective where they disagree."""
+    from modelcarve.spec.errors import LayoutError
+
+    ranks = sorted(sequences)
+    for a_i, a in enumerate(ranks):
+        for b in ranks[a_i + 1:]:
+            both = [[e for e in sequences[r] if e[0] not in ("send", "recv") and a in e[1] and b in e[1]]
+                    for r in (a, b)]
+            for i in range(max(len(both[0]), len(both[1]))):
+                ea = both[0][i] if i < len(both[0]) else None
+                eb = both[1][i] if i < len(both[1]) else None
+                if ea != eb:
+                    raise LayoutError(
+                        f"ranks {a} and {b} would deadlock: their collective #{i + 1} in common differs "
+                        f"(rank {a}: {_describe(ea) if ea else 'nothing'}; rank {b}: {_describe(eb) if eb else 'nothing'}); "
+                        f"the layout's groups are used in a different order on different ranks")
+            for src, dst in ((a, b), (b, a)):
+                sent = [e[2] for e in sequences[src] if e[0] == "send" and e[1] == (src, dst)]
+                got = [e[2] for e in sequences[dst] if e[0] == "recv" and e[1] == (dst, src)]
+                if sent != got:
+                    raise LayoutError(
+                        f"rank {src} sends {len(sent)} messages to rank {dst} which receives {len(got)} "
+                        f"(shapes {sent[:3]} vs {got[:3]}): the pipeline's sends and receives do not pair")

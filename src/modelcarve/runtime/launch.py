@@ -75,7 +75,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
             tokens, targets = source.batch(step, lay.global_batch, lay.seq)
             if step == steps - 1:  # the counted step: collectives and memory by category (its
                 # dispatch-mode and saved-tensor hooks slow it down: timed only when it is the only one)
-                with (timer if steps == 1 else contextlib.nullcontext()):
+                with (timer if steps - start == 1 else contextlib.nullcontext()):
                     out, categories = measure_step(trainer, tokens, targets)
                 comm.log = out.pop("comm")
             else:

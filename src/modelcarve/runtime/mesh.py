@@ -94,6 +94,8 @@ def _options():
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     ranks = torch.arange(dist.get_world_size(), dtype=torch.int).reshape(shape)
+    if dist.get_backend() == "fake":  # runtime/dry_run.py: torch's fake process group, no timeout to carry
+        return DeviceMesh(device_type(), ranks, mesh_dim_names=names)
     override = tuple((backend_name(), _options()) for _ in names)
     return DeviceMesh(device_type(), ranks, mesh_dim_names=names, backend_override=override)
 
