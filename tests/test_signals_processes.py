@@ -10,8 +10,8 @@ ranks, then checks that every process it saw is gone at the end.
 * SIGKILL to torchrun: the ranks notice their lost parent and exit (no orphan trains on).
 * SIGSTOP one rank (stalled): every rank and torchrun are gone within 1.2 x --timeout of the stall. This is the one
   wall-clock assertion, because the bound IS the requirement (issue 16): the peers fail at the
-  collective timeout, the launcher then kills the stalled rank after 1.5 s; 1.2 x 20 s leaves
-  2.5 s for the machine's load.
+  collective timeout, the launcher then kills the stalled rank after 0.5 s; 1.2 x 20 s leaves
+  3.5 s for the machine's load.
 * --max-restarts 2 and SIGKILL of one rank after a save: torchrun restarts the ranks, they resume
   from the newest intact step, and the final loss equals the uninterrupted run's.
 """
@@ -85,7 +85,7 @@ def _torchrun(pid: int) -> int | None:
 
 class Run:
     def __init__(self, *extra, steps=400, timeout=30):
-        env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MODELCARVE_PROGRESS="1")
         self.report = None
         cmd = [sys.executable, "-m", "modelcarve.cli", "run", "--model", "tiny-llama", "--layout", LAYOUT,
                "--steps", str(steps), "--timeout", str(timeout), *extra]
@@ -213,6 +213,7 @@ def test_stalled_rank_ends_the_run_within_1_2x_timeout():
     took = time.monotonic() - stalled  # the run is down: every rank and torchrun are gone
     code, out, err = run.finish(limit=4 * timeout)
     assert code != 0 and "lost contact" in err, err[-2000:]
+    print(f"stalled rank: the run was down {took:.1f}s after the stall (--timeout {timeout})")
     assert took <= 1.2 * timeout, f"{took:.1f}s for --timeout {timeout}"
     assert not run.leftovers()
 

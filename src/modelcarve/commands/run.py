@@ -150,7 +150,9 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
     # supervise forwards signals, brings a stalled rank down, reaps (runtime/supervise.py)
     from modelcarve.runtime.supervise import supervise
 
-    sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
+    if sys.stderr.isatty() or os.environ.get("MODELCARVE_PROGRESS") == "1":  # start-up lines for a person watching
+        env["MODELCARVE_PROGRESS"] = "1"
+        sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
 
     code, ours, tail, signals = supervise(cmd, env, timeout_s=args.timeout, restarts=restarts)
     if signals:

@@ -116,10 +116,11 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
 
 
 def _startup_line(text: str, quiet: bool) -> float:
-    """Start-up is visible: rank 0 says what it is doing before the first step (stderr)."""
+    """Start-up is visible: rank 0 says what it is doing before the first step (stderr; when the
+    launcher's stderr is a terminal, or MODELCARVE_PROGRESS=1, so that scripts still get one-line errors)."""
     import time
 
-    if _rank0() and not quiet:
+    if _rank0() and not quiet and text and os.environ.get("MODELCARVE_PROGRESS") == "1":
         sys.stderr.write(f"modelcarve: {text}\n")
         sys.stderr.flush()
     return time.monotonic()

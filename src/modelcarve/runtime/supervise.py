@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-FAIL_GRACE_S = 1.5
+FAIL_GRACE_S = 0.5
 """After the first rank failure (and no restarts left): how long the others get to print and exit."""
 
 
