@@ -33,13 +33,19 @@ SOURCES = {
     "A100 40GB, Llama-3.1-8B-Instruct bf16, 1024 in / 128 out, concurrency 1: ~75 tokens/s",
     "vllm-h100": "InferenceBench concurrency-sweep recipe (yobitelcomm.github.io/bench): vLLM 0.21.0, H100-80GB, "
     "Llama-3.1-8B-Instruct fp16, concurrency 1, TPOT p50 6.48 ms (prompt lengths not stated; 512/256 assumed)",
+    "trtllm-fp4": "TensorRT-LLM Performance Overview (@ 00f37686), Blackwell tables: B200 and GB200 NVL72, ModelOpt NVFP4 "
+    "checkpoints (Llama-3.3-70B, Llama-3.1-405B, Qwen3-235B-A22B, Qwen3-30B-A3B), total output tokens/s at infinite rate",
+    "sglang-disagg": "SGLang team, 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 "
+    "GPUs' (lmsys.org, 2025-05-05): prefill EP32 50,302 input tok/s per node (4K prompts), decode EP72 22,282 output tok/s per node",
     "gpt-fast": "pytorch-labs/gpt-fast README @ 0f925b5d: 8x A100-80GB (330 W, hybrid cube mesh), batch 1, 5-token "
     "prompt, torch.compile; Llama-2-7B and -70B at TP 1-8 in bf16, and weight-only int8/int4",
 }
 
 
 def _fmt(value: float, metric: str) -> str:
-    return f"{value:.2f} ms" if metric == "tpot_ms" else f"{value:,.0f} tok/s"
+    if metric == "tpot_ms":
+        return f"{value:.2f} ms"
+    return f"{value:,.0f} tok/s/dev" if metric.endswith("_per_device") else f"{value:,.0f} tok/s"
 
 
 def _summary(rows: list[dict]) -> str:
@@ -72,10 +78,16 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "",
         f"**Checks: {_summary(checks)}.**  Fit rows: {_summary(fits)}.",
         "",
+        "By source: " + "; ".join(f"{src} checks {_summary([r for r in checks if r['source'] == src])}"
+                                  for src in dict.fromkeys(r["source"] for r in checks)) + ".",
+        f"FP4 rows: one constant, `FP4_GEMM_FRACTION` = {serve_rates.FP4_GEMM_FRACTION:.2f} (share of the FP4 peak), fitted to the "
+        f"{sum(r['role'] == 'fit-fp4' for r in rows)} `fit-fp4` rows ({_summary([r for r in rows if r['role'] == 'fit-fp4'])}). "
+        "Wide-EP rows (sglang-disagg): no constant fitted; the exchange model is plan/serve_ep.py.",
+        "",
         "| role | source | model | devices | layout | dtype (w/kv) | in/out | conc. | measured | predicted | error | batch | bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = {"check": 0, "fit": 1, "excluded": 2}
+    order = {"check": 0, "fit": 1, "fit-fp4": 1, "excluded": 2}
     for r in sorted(rows, key=lambda r: order[r["role"]]):
         flag = "" if abs(r["error"]) <= TOLERANCE or r["role"] == "excluded" else " ✗"
         lines.append(
@@ -101,6 +113,10 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "Excluded rows: gpt-fast's weight-only int8/int4 kernels are bound by dequantisation (its own table shows them",
         "streaming 1069 and 863 GB/s against 1397 GB/s in bf16); the planner assumes quantised decode kernels stream",
         "weights at the bf16 rate, as Marlin-style and TensorRT-LLM fp8 kernels do, so those rows are shown, not used.",
+        "Qwen3-30B-A3B (FP4, one B200/GB200) is excluded: at 3.3B active parameters per token the engine's per-step",
+        "host and scheduling cost, which the planner does not model, bounds it (the planner is 37-380% high).",
+        "FP4 GEMMs: the GEMM efficiency model's memory roofline reads an FP4 weight as 0.5625 bytes (NVFP4 with its",
+        "scales; plan/efficiency.py), and one fitted constant scales the FP4 peak (FP4_GEMM_FRACTION).",
         "",
         "Not modelled, and candidates for the remaining errors (none fitted): the KV-cache capacity an engine leaves",
         "after its activation buffers and CUDA graphs (the planner keeps 1 GiB plus one prefill chunk's activations),",
@@ -123,7 +139,7 @@ def main() -> int:
     (ROOT / "docs" / "calibration_serving.md").write_text(markdown(rows, fit))
     if fit:
         print("fit:", json.dumps(fit))
-    for role in ("check", "fit", "excluded"):
+    for role in ("check", "fit", "fit-fp4", "excluded"):
         print(f"{role:8s}: {_summary([r for r in rows if r['role'] == role])}")
     for r in rows:
         print(f"{r['role']:8s} {r['source']:9s} {r['model']:15s} {r['layout']:5s} {r['input_len']:>6}/{r['output_len']:<5} "

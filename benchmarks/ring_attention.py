@@ -6,8 +6,8 @@ For one global causal attention problem (``--seq`` tokens, 8 query heads, 4 kv h
 64, batch 1, fp32) and each cp in ``--cp``, every rank runs forward + backward of its zig-zag
 piece ``--reps`` times (after one warm-up) in real gloo processes, one thread each. Recorded
 per cp: the median step time of every rank, the imbalance (slowest / fastest rank; the zig-zag
-order should keep it near 1), the bytes each rank handed to ``batch_isend_irecv`` per step
-(metrics.CommCounter: payload of sends plus receives) next to the count derived from the
+order should keep it near 1), the bytes each rank sent per step
+(metrics.CommCounter: payload of its sends, each message counted once) next to the count derived from the
 algorithm; and, alternated in one process on the whole problem, torch's SDPA against the ring
 (one rank) with each tile kernel: "flash" (torch's fused CPU kernel, the default on CPU) and
 "math" (written out). Wall times depend on the machine and its load (recorded); the bytes do not.
@@ -63,7 +63,7 @@ def _worker(seq: int, reps: int) -> dict:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    return dict(rank=rank, median_s=statistics.median(times), bytes_per_step=comm.bytes["batch_isend_irecv"] / reps)
+    return dict(rank=rank, median_s=statistics.median(times), bytes_per_step=comm.bytes["send"] / reps)
 
 
 def _one_process_seconds(seq: int, reps: int) -> dict:
@@ -95,13 +95,13 @@ def _one_process_seconds(seq: int, reps: int) -> dict:
 
 def expected_bytes(seq: int, cp: int) -> int:
     """Per rank and step: forward passes the K/V block on (cp - 1) times; backward the K/V block
-    (cp - 1) times and the fp32 dK/dV accumulator (cp - 1) times; each hop counted as the send
-    plus the receive buffer, as CommCounter counts them. (With fp32 inputs the accumulator is as
+    (cp - 1) times and the fp32 dK/dV accumulator (cp - 1) times; each hop counted once, at
+    its sender, as CommCounter counts them. (With fp32 inputs the accumulator is as
     large as the K/V block; with bf16 it is twice as large.)"""
     if cp == 1:
         return 0
     block = KV_HEADS * (seq // cp) * 2 * HEAD_DIM * 4  # K and V of one rank, fp32
-    return 2 * block * 3 * (cp - 1)
+    return block * 3 * (cp - 1)
 
 
 def main() -> None:

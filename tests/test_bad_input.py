@@ -174,3 +174,23 @@ def test_reproducers_in_a_real_process(argv, fragment):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert fragment in proc.stderr
+
+
+def test_found_by_the_fuzz_suite_control_characters_stay_on_one_line(capsys):
+    """A carriage return or ANSI escape the user typed, echoed back by argparse or our own message,
+    must not break or repaint the line (found by tests/test_fuzz_cli.py)."""
+    line = one_line_error(capsys, ["hardware", "--batch", "\r"], "unrecognized arguments")
+    assert "\r" not in line
+    line = one_line_error(capsys, ["models", "show", "x\x1b[2Jy\nz"], "unknown model")
+    assert "\x1b" not in line and "\\x1b" in line
+
+
+def test_probe_emit_into_missing_folder_refused_before_measuring(capsys, monkeypatch):
+    from modelcarve.commands import probe
+
+    monkeypatch.setattr(probe, "measure", lambda ranks: pytest.fail("measured before checking --emit"))
+    one_line_error(capsys, ["hardware", "--probe", "--emit", "/nonexistent-dir/c.yaml"], "folder '/nonexistent-dir'")
+
+
+def test_export_paths_over_the_limit(capsys):
+    one_line_error(capsys, ["export", "--checkpoint", LONG, "--out", "x"], "File name too long")

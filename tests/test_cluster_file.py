@@ -97,3 +97,13 @@ def test_schema_matches_the_dataclasses_and_is_documented(capsys):
         assert f"    {key}" in help_text
     assert "base" in help_text and "4.0e12" in help_text
     assert text in DOCS.read_text(), "docs/cluster_files.md must carry schema_text() (regenerate its last block)"
+
+
+def test_yaml_alias_bomb_is_refused_without_expanding(tmp_path):
+    """9 levels of 9 aliases (9^9 strings if expanded): the depth/integer walks visit each shared
+    node once and the message's repr is bounded, so it is refused at once."""
+    parts = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    parts += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    with pytest.raises(SpecError, match="device must be a catalogue name or a mapping, got list") as err:
+        load(tmp_path, "device: [" + ", ".join(parts) + "]\n")
+    assert len(str(err.value)) < 300

@@ -198,3 +198,21 @@ def test_nan_weights_refused_in_the_rank_naming_the_tensor(base, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or Inf values" in lines[0]
+
+
+def test_serve_shares_the_checks_but_not_the_training_memory(capsys, base, tmp_path, monkeypatch):
+    """``serve`` runs run._prepare too: the checkpoint checks apply (it has no --data), the training
+    memory prediction (weights + gradients + Adam) does not."""
+    from modelcarve.cli import build_parser
+
+    d = copy(base, tmp_path, "bin")
+    os.remove(d / "model.safetensors")
+    (d / "pytorch_model.bin").write_bytes(b"x")
+    assert main(["serve", "--model", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds no safetensors weights" in err
+    monkeypatch.setattr(prelaunch, "_mem_available", lambda: 1)  # 1 byte: any training check would refuse
+    args = build_parser("serve").parse_args(["serve", "--model", str(base)])
+    args.dtype = None
+    layout, spec, per_node, _ = run_cmd._prepare(args)
+    assert layout.world_size == 1 and spec.num_layers == 2 and per_node == 1

@@ -6,6 +6,7 @@ The run worker itself (runtime/launch.run_worker, what `modelcarve run` executes
   world 4: dense tiny-llama, tp2 x pp2 uninterrupted for 10 steps, saving every 2 (D0)
            -> dp4 resumes D0/step 2, runs to 4, saves (D1)
            same layout: tp2 x pp2 resumes D0/step 4, runs to 6 (bit-identical losses)
+           ZeRO-1 dp4 resumes D0/step 6, runs to 8
            MoE tiny-moe: ep2 x dp2 uninterrupted 6 steps saving every 2 (M0) -> ep1 x dp4 resumes M0/step 2
   world 2: fsdp (dp2) resumes D1/step 4, runs to 6, saves (D2)
   world 4: tp2 x dp2 resumes D2/step 6, runs to 8, saves (D3)
@@ -32,6 +33,7 @@ from dist import run_distributed
 BASE = "gbs=8,seq=16,param_dtype=fp32"
 TP2PP2 = f"tp=2,pp=2,mbs=2,{BASE}"
 DP4 = f"dp=4,mbs=1,{BASE}"
+ZERO1 = f"dp=4,zero=1,mbs=1,{BASE}"
 FSDP2 = f"dp=2,fsdp,mbs=2,{BASE}"
 TP2DP2 = f"tp=2,dp=2,mbs=2,{BASE}"
 PP2I = f"pp=2,schedule=interleaved-1f1b,virtual_stages=2,mbs=2,{BASE}"
@@ -68,6 +70,7 @@ def runs(tmp_path_factory):
         ("full", "tiny-llama", TP2PP2, 10, dict(checkpoint_dir=d["D0"], save_every=2)),
         ("dp4", "tiny-llama", DP4, 4, dict(resume=f"{d['D0']}/step_00000002", checkpoint_dir=d["D1"], save_every=2)),
         ("same", "tiny-llama", TP2PP2, 6, dict(resume=f"{d['D0']}/step_00000004")),
+        ("zero1", "tiny-llama", ZERO1, 8, dict(resume=f"{d['D0']}/step_00000006")),
         ("moe_full", "tiny-moe", MOE_EP2, 6, dict(checkpoint_dir=d["M0"], save_every=2, keep=2)),
         ("moe_ep1", "tiny-moe", MOE_EP1, 6, dict(resume=f"{d['M0']}/step_00000004")),
     ])
@@ -101,6 +104,14 @@ def test_cross_layout_chain(runs, name, steps):
     assert sorted(got) == steps
     for step in steps:
         assert _rel(got[step], full[step]) <= REL, (name, step, got[step], full[step])
+
+
+def test_zero1_resume(runs):
+    """ZeRO-1 partitions AdamW's state over dp: each rank loads only its partition's."""
+    full, got = _losses(runs["zero1"]), _losses(runs["full"])
+    assert sorted(full) == [6, 7]
+    for step in full:
+        assert _rel(full[step], got[step]) <= REL, (step, full[step], got[step])
 
 
 def test_moe_ep2_to_ep1(runs):

@@ -158,6 +158,7 @@ def test_sigterm_saves_stops_every_rank_and_resumes(tmp_path, uninterrupted):
     code, out, err = run.finish()
     assert code == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM after step" in err, err[-2000:]
+    assert "ranks joined; building tiny-llama" in err and "model ready in" in err  # start-up is visible
     assert not run.leftovers(), "processes left after SIGTERM"
     from modelcarve.runtime.ckpt_commit import committed_steps
 

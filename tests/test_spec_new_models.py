@@ -171,8 +171,12 @@ def test_runtime_refuses_models_whose_layers_it_lacks():
     assert oss[0].startswith("the gpt_oss family") and "attention sinks" in oss and "a router bias" in oss
     assert "ALiBi positions" in missing_layers(get_model("bloom-176b"))
     for name in CATALOGUED:
-        if get_model(name).family != "qwen3_moe":
+        if get_model(name).family not in ("qwen3_moe", "deepseek_v2"):
             assert missing_layers(get_model(name)), name
+    assert missing_layers(get_model("deepseek-v2-lite")) == []  # deepseek_v3's layers (test below)
+    grouped = spec_from_hf_config(_random_config("deepseek_v2", random.Random(1)) | {"n_group": 2, "topk_group": 1,
+                                                                                    "topk_method": "group_limited_greedy"})
+    assert any("group-limited" in m for m in missing_layers(grouped))
     # a supported family asking for a layer the reference lacks is refused too
     assert missing_layers(get_model("llama-3.1-8b").replace(partial_rotary_factor=0.5)) == ["partial rotary (0.5 of each head)"]
 
@@ -194,3 +198,26 @@ def test_run_refuses_before_launch(tmp_path):
     lines = [line for line in proc.stderr.strip().splitlines() if line]
     assert len(lines) == 1 and "can be planned but not run" in lines[0] and "attention sinks" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra", [{}, {"q_lora_rank": 24, "routed_scaling_factor": 2.0},
+                                   {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}}])
+def test_deepseek_v2_reference_model_matches_transformers(tmp_path, extra):
+    """DeepSeek-V2 runs in the reference model (its layers are deepseek_v3's: MLA, shared experts, softmax
+    routing): logits equal transformers' DeepseekV2ForCausalLM on the same tiny checkpoint. Tolerance: fp32
+    logits of magnitude ~7 through 3 layers; 1e-4 is ~100x the differences of summation order observed (5e-6)."""
+    from hf_tiny import logits_diff, save_hf
+
+    from modelcarve.runtime.checkpoint import load_model
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2,
+                num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=256,
+                tie_word_embeddings=False, pad_token_id=0)
+    hf = save_hf("DeepseekV2Config", "DeepseekV2ForCausalLM", tmp_path, base=base, **extra)
+    ours, spec = load_model(str(tmp_path))
+    assert spec.family == "deepseek_v2"
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert logits_diff(ours.eval(), hf, ids) < 1e-4

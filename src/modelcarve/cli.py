@@ -1,4 +1,4 @@
-"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, serve, bench-serve}``.
+"""The one entry point: ``modelcarve {models, hardware, layout, plan, estimate, run, verify, export, generate, serve, bench-serve}``.
 
 Each command lives in its own module under ``modelcarve.commands`` and registers its
 sub-parser through ``register(subparsers)``; the module is imported only when its command
@@ -30,16 +30,26 @@ COMMANDS = {
 }
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: whitespace runs become one space, other control characters their escapes
+    (a user's ``\r`` or ANSI escape echoed back must not break or repaint the line)."""
+    text = " ".join(text.split())
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors as one line and exit code 2 (its own convention)."""
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
-        sys.stderr.write(f"modelcarve: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"modelcarve: error: {one_line(message)} (see {self.prog} --help)\n")
         raise SystemExit(2)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="modelcarve", description="Plan, run and verify how a transformer is split across devices.")
+    from modelcarve import __version__
+
+    parser.add_argument("--version", action="version", version=f"modelcarve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     modules = dict.fromkeys(COMMANDS.values()) if only is None else [COMMANDS[only]]
     for module in modules:
@@ -63,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except ModelcarveError as err:
-        sys.stderr.write(f"modelcarve: error: {' '.join(str(err).split())}\n")
+        sys.stderr.write(f"modelcarve: error: {one_line(str(err))}\n")
         return 2
     except OSError as err:  # a path the user gave that the OS refuses (spec/files.py catches the usual ones)
         name = f" {str(err.filename)[:80]!r}" if err.filename else ""

@@ -109,6 +109,10 @@ def _hardware(args) -> int:
     from rich.table import Table
 
     if getattr(args, "probe", False):
+        if getattr(args, "emit", None):
+            from modelcarve.spec.files import output_path
+
+            output_path(args.emit, "--emit")  # before measuring, not after
         from modelcarve.commands.probe import run_probe
 
         return run_probe(args)

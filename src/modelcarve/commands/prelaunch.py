@@ -55,7 +55,7 @@ def _say_notes() -> None:
 def check_inputs(args) -> None:
     model = args.model
     init = getattr(args, "init", "checkpoint")
-    if files.path_problem(model) is None and files.is_dir(model):
+    if _is_directory_model(model):
         listing = list_checkpoint(model)
         if not listing.has_config:
             raise SpecError(f"{model} has no config.json; a checkpoint directory needs the model's config.json "
@@ -70,8 +70,20 @@ def check_inputs(args) -> None:
             raise SpecError(f"{model}: tensor {bad[0]} is not floating point ({len(bad)} such); model weights are "
                             f"floating point (F32, F16, BF16, F8), so this is not a model checkpoint or it is quantised "
                             f"in a format modelcarve does not read")
-    if args.data and args.data != "synthetic":
-        _check_data(args.data)
+    data = getattr(args, "data", None)  # serve has no --data
+    if data and data != "synthetic":
+        _check_data(data)
+
+
+def _is_directory_model(model: str) -> bool:
+    """``--model`` names a directory (a catalogue name wins, as in spec.catalog.get_model)."""
+    from modelcarve.spec.catalog import catalog_entry
+
+    try:
+        catalog_entry(model)
+        return False
+    except SpecError:
+        return files.path_problem(model) is None and files.is_dir(model)
 
 
 def _check_data(data: str) -> None:
@@ -114,8 +126,10 @@ def _given_keys(text: str) -> set[str]:
 def derive(args, layout: Layout, spec) -> Layout:
     """``layout`` with gbs / seq filled in where the answer is clear (said on stderr); refuses a seq
     beyond the model's positions. Sets ``args.layout`` to the layout the ranks will run."""
-    given = _given_keys(args.layout)
     _NOTES.clear()
+    if getattr(args, "command", None) not in ("run", "verify"):
+        return layout  # serve: no training batch to derive
+    given = _given_keys(args.layout)
     changes = {}
     if "gbs" not in given and not layout.gbs and layout.pp > 1 and layout.schedule != "gpipe" \
             and layout.num_microbatches < layout.pp:
@@ -128,7 +142,7 @@ def derive(args, layout: Layout, spec) -> Layout:
         changes["seq"] = spec.max_position
         _note(f"the layout gives no seq; using seq={spec.max_position}, the model's max_position_embeddings "
               f"(the default {layout.seq} is longer); add seq=N to choose")
-    elif layout.seq > spec.max_position:
+    elif layout.seq > spec.max_position and spec.position_kind != "learned":  # learned: check_runtime says it
         raise LayoutError(f"seq={layout.seq} is longer than the {spec.max_position} positions {spec.name} was "
                           f"trained for (max_position_embeddings); use seq <= {spec.max_position}")
     if changes:
@@ -146,7 +160,8 @@ def check_launch(args, layout: Layout, spec, per_node: int) -> None:
 
     if is_checkpoint(args.model):
         _check_unused(args.model, spec)
-    check_memory(layout, spec, per_node, nnodes=getattr(args, "nnodes", 1))
+    if getattr(args, "command", None) in ("run", "verify"):  # the training prediction; serve keeps no optimiser
+        check_memory(layout, spec, per_node, nnodes=getattr(args, "nnodes", 1))
     _say_notes()
 
 

@@ -43,6 +43,8 @@ def _add_common(p) -> None:
                    help="MoE: aux-loss-free router bias update per step, DeepSeek-V3 style (default 0: off)")
     p.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node (default: world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="account traffic as K ranks per node (intra/inter tiers; default: torchrun's local world size)")
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None, help="default: a free port on one node, 29500 on several")
@@ -81,6 +83,8 @@ def _prepare(args):
     layout = prelaunch.derive(args, layout, spec)  # gbs / seq the layout leaves out, said on stderr
     if args.nnodes < 1 or layout.world_size % args.nnodes:
         raise LayoutError(f"the layout needs {layout.world_size} ranks, not divisible over --nnodes {args.nnodes}")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise LayoutError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 (e.g. 8 for 8 GPUs per node)")
     per_node = args.nproc_per_node or layout.world_size // args.nnodes
     if per_node * args.nnodes != layout.world_size:
         raise LayoutError(
@@ -114,6 +118,11 @@ def _require_torch() -> None:
 
 def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
     payload["timeout_s"] = args.timeout
+    from modelcarve.commands.launch_checks import check_rendezvous
+
+    check_rendezvous(args.master_addr, args.master_port, args.node_rank)
+    if getattr(args, "ranks_per_node", None):
+        payload["ranks_per_node"] = args.ranks_per_node
     port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
     if under_torchrun:
         from modelcarve.commands.worker import main
@@ -133,6 +142,8 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
     # torchrun's own failure summary is long; our ranks print one line each (passed through live).
     # supervise forwards signals, brings a stalled rank down, reaps (runtime/supervise.py)
     from modelcarve.runtime.supervise import supervise
+
+    sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
 
     code, ours, tail, signals = supervise(cmd, env, timeout_s=args.timeout, restarts=restarts)
     if signals:

@@ -69,22 +69,50 @@ def check_port(host: str, port: int) -> None:
             raise ModelcarveError(f"cannot listen on {host}:{port}: {err.strerror}; check --host") from None
 
 
+def _prepare(args):
+    """The layout as the engine will run it, refused here (one line) if it cannot: as ``generate`` does."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise ModelcarveError("serve needs PyTorch: pip install torch==2.13.0 (CPU) or a CUDA build, then "
+                              "pip install 'modelcarve[runtime,serve]'")
+    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint, model_spec
+    from modelcarve.runtime.engine import check_generation, resolve_layout
+
+    text = args.layout
+    if text.endswith(".json") and not os.path.isfile(text):
+        raise ModelcarveError(f"--layout {text}: no such file (write one with `modelcarve plan --goal serve-latency "
+                              f"--emit {text}`)")
+    layout, weight, kv = resolve_layout(text)
+    spec = model_spec(args.model)
+    layout = check_generation(layout, spec, weight, kv, world_size=layout.world_size) or layout
+    if is_checkpoint(args.model):
+        check_checkpoint(args.model, spec)
+    if args.nnodes < 1 or layout.world_size % args.nnodes:
+        raise ModelcarveError(f"the layout needs {layout.world_size} ranks, not divisible over --nnodes {args.nnodes}")
+    per_node = args.nproc_per_node or layout.world_size // args.nnodes
+    if per_node * args.nnodes != layout.world_size:
+        raise ModelcarveError(f"--nproc-per-node {per_node} x --nnodes {args.nnodes} != the {layout.world_size} ranks "
+                              f"of {layout.short()}; use --nproc-per-node {layout.world_size // args.nnodes}")
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
+    return layout, weight, kv, per_node, under_torchrun
+
+
 def _payload(args, pidfile: str | None) -> dict:
-    return dict(model=args.model, layout=args.layout, host=args.host, port=args.port,
+    return dict(model=args.model, layout=args.layout_json, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+                layout_name=args.layout_name, host=args.host, port=args.port,
                 served_model_name=args.served_model_name or args.model, api_key=args.api_key,
                 max_queue=args.max_queue, drain_timeout=args.drain_timeout, kv_cache_bytes=args.kv_cache_bytes,
                 max_num_seqs=args.max_num_seqs, pidfile=pidfile, timeout_s=args.timeout, log_level=args.log_level)
 
 
 def _serve(args) -> int:
-    from modelcarve.commands.run import _prepare
-
     if args.max_queue < 1:
         raise ModelcarveError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.drain_timeout < 0:
         raise ModelcarveError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    args.dtype = None
-    layout, _spec, per_node, under_torchrun = _prepare(args)
+    layout, args.weight_dtype, args.kv_dtype, per_node, under_torchrun = _prepare(args)
+    args.layout_json, args.layout_name = layout.to_json(), layout.short()
     if args.node_rank == 0:
         check_port(args.host, args.port)
     if under_torchrun or (layout.world_size == 1 and args.nnodes == 1):

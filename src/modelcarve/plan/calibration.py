@@ -177,10 +177,10 @@ def _nemotron(name: str, hidden: int, layers: int, heads: int, ffn: int, source:
 
 def _gpt_oss_120b() -> ModelSpec:
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
-    extra = {}
-    if "local_layers" in fields:  # sliding-window layers (every other one, window 128)
-        extra = dict(local_layers=tuple(range(0, 36, 2)), local_window=128, local_kind="sliding", attention_sinks=True,
-                     router_bias=True)
+    # config.json layer_types: sliding_attention on the even layers, window 128 (attention sinks are
+    # not a cost term: one extra logit per head and query)
+    extra = dict(sliding_layers=tuple(range(0, 36, 2)), sliding_window=128)
+    extra = {k: v for k, v in extra.items() if k in fields}
     return ModelSpec(name="gpt-oss-120b", family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36,
                      num_heads=64, num_kv_heads=8, head_dim=64, ffn_size=2880, qkv_bias=True, o_bias=True,
                      mlp_bias=True, num_experts=128, top_k=4, expert_ffn_size=2880, moe_layers=tuple(range(36)),

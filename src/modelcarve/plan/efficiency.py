@@ -45,9 +45,9 @@ TILE = 64
 HBM_EFFICIENCY = 0.8
 """Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
 
-BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.625, "GB300": 0.825}
+BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.6, "GB300": 0.825}
 """Fraction of the dense bf16 peak a large GEMM reaches on Blackwell, per system (B300 reads
-B200's): fitted to the Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
+B200's): fitted to the 32 Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
 GB200 share the die, but the published GB200 runs are within a few percent of B200's on the same
 layouts despite GB200's 11% higher datasheet peak (1,200 W against 1,000 W), so each system has
 its own fraction."""
@@ -72,19 +72,21 @@ being elsewhere: quantisation traffic, the bf16 attention core and LM head)."""
 MOE_TOKEN_BYTES = 32.0
 """HBM bytes per routed token and hidden element an MoE layer's forward moves outside its GEMMs,
 the backward twice that. Permuting the dispatched copies and unpermuting the combined ones
-(bf16 read + write each) is 8; the fit to the Megatron-Bridge rows gives 48 (grid 8-64), and 40
-is the largest grid value that keeps the earlier Megatron-Core Mixtral 8x7B row (468 TFLOP/s)
-within its +-10% test. So this also carries what the model does not itemise for MoE layers
-(all-to-all staging copies, router top-k / probability kernels, grouped-GEMM padding,
-per-expert launch overheads)."""
+(bf16 read + write each) is 8; the fit to the Megatron-Bridge 25.11 rows gives 32 (grid 8-40), so
+this also carries what the model does not itemise for MoE layers (all-to-all staging copies,
+router top-k / probability kernels, grouped-GEMM padding). The held-out Megatron-Core Mixtral
+8x7B row (468 TFLOP/s) stays within its +-10% test."""
+
 MOE_HOST_S_PER_EXPERT = 2.0e-4
 """Host seconds to launch one local expert's kernels in one MoE pass (forward, backward or
-recomputed forward) under the dropless all-to-all dispatcher without A2A overlap: the per-expert
-token counts are copied to the host to size the all-to-all and the grouped GEMMs, which drains
-the stream, and the GPU then runs no faster than the host launches the rest of the layer
-(``moe_host_launch_s``; train_layer.py charges max(0, host - GPU) per pass). HybridEP / DeepEP
-dispatchers size their buffers on the device, and Megatron's A2A overlap keeps another
-micro-batch's kernels queued: neither stalls."""
+recomputed forward) under the dropless all-to-all dispatcher (``TrainOptions.moe_dispatcher =
+'alltoall'``): the per-expert token counts are copied to the host to size the all-to-all and the
+grouped GEMMs, which drains the stream, and the GPU then runs no faster than the host launches
+the rest of the layer (train_layer.py charges max(0, host - GPU) per pass). It matters only where
+the layer's GPU work is small against it: many small local experts and few tokens (Qwen3-30B-A3B
+at micro-batch 1 on B200); Mixtral's one large local expert hides it. HybridEP / DeepEP
+dispatchers ('fused') size their buffers on the device and do not stall. Fitted to the
+Megatron-Bridge 25.11 rows (grid 0-0.3 ms, benchmarks/calibrate_training.py)."""
 
 
 def moe_host_launch_s(local_experts: float) -> float:
@@ -127,7 +129,7 @@ def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype:
     if dtype == "fp8":
         eff *= FP8_PEAK_RATIO
     peak = device.flops(dtype)
-    elem = 1.0 if dtype in ("fp8", "int8") else 2.0
+    elem = 1.0 if dtype in ("fp8", "int8") else 0.5625 if dtype == "fp4" else 2.0  # fp4: NVFP4 weights with their scales
     memory_s = elem * (m * k + k * n + m * n) / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
     compute_s = 2.0 * m * n * k / (peak * eff)
     if memory_s > compute_s:

@@ -28,12 +28,13 @@ from pathlib import Path
 
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.errors import SpecError
-from modelcarve.spec.hardware import parse_cluster
+from modelcarve.spec.hardware import get_device, parse_cluster
 from modelcarve.spec.layout import Layout
 
 TOLERANCE = 0.20
 """Relative error the issue asks of every calibration row."""
-ROLES = ("fit", "check", "excluded")
+ROLES = ("fit", "fit-fp4", "check", "excluded")
+PHASE_METRICS = {"prefill_tokens_per_s_per_device": "prefill", "decode_tokens_per_s_per_device": "decode"}
 
 
 def load_published(path: str | Path) -> list[dict]:
@@ -50,7 +51,9 @@ def predict(row: dict) -> dict:
 
     model = get_model(row["model"])
     devices = int(row["devices"])
-    cluster = parse_cluster(f"{devices}x{row['device']}")
+    per_node = get_device(row["device"]).devices_per_node
+    shape = f"{devices // per_node}x{per_node}" if devices > per_node and devices % per_node == 0 else f"{devices}"
+    cluster = parse_cluster(f"{shape}x{row['device']}")  # more devices than a node: whole nodes
     tp, pp = int(row["tp"]), int(row["pp"])
     layout = Layout(
         tp=tp, pp=pp, dp=devices // (tp * pp), weight_dtype=row["weight_dtype"], kv_dtype=row["kv_dtype"],
@@ -58,6 +61,18 @@ def predict(row: dict) -> dict:
     )
     options = {"input_len": int(row["input_len"]), "output_len": int(row["output_len"])}
     concurrency = int(row["concurrency"])
+    if row["metric"] in PHASE_METRICS:
+        # One disaggregated unit running one phase (plan/serve_disagg.py), per device.
+        from modelcarve.plan.serve_disagg import phase_estimate
+
+        ep = int(row.get("ep") or 1)
+        unit_layout = Layout(tp=tp, pp=pp, dp=ep, ep=ep, weight_dtype=row["weight_dtype"], kv_dtype=row["kv_dtype"])
+        phase = PHASE_METRICS[row["metric"]]
+        result = phase_estimate(model, cluster, unit_layout, phase, **options)
+        unit = result["unit"]
+        value = unit.get("prompt_tokens_per_s_per_device" if phase == "prefill" else "tokens_per_s_per_device", float("nan"))
+        return {"predicted": value, "batch": unit.get("batch"), "bound": phase, "tpot_ms": unit.get("tpot_s", float("nan")) * 1e3,
+                "layout": unit_layout.short()}
     if row["metric"] == "tpot_ms":
         result = SERVE_LATENCY.evaluate(model, cluster, layout, batch=max(1, concurrency), **options)
         value = result["serve"]["tpot_s"] * 1e3 if result["fits"] else float("nan")
@@ -167,6 +182,28 @@ def fit_decode_constants(path: str | Path, *, grid: int = 41) -> dict:
     err, eff, overhead, floor = best
     return {"DECODE_HBM_EFFICIENCY": eff, "LAYER_OVERHEAD_S": overhead, "ALLREDUCE_FLOOR_S": floor,
             "rms_log_error": math.sqrt(err / len(pieces)), "rows": len(pieces)}
+
+
+def fit_fp4_fraction(path: str | Path, *, lo: float = 0.40, hi: float = 1.00, steps: int = 61) -> dict:
+    """Least-squares (in log error) fit of serve_rates.FP4_GEMM_FRACTION to the ``fit-fp4`` rows, on a grid."""
+    import math
+
+    from modelcarve.plan import serve_rates as fitted
+
+    rows = [r for r in load_published(path) if (r.get("role") or "check") == "fit-fp4"]
+    saved = fitted.FP4_GEMM_FRACTION
+    best = None
+    try:
+        for i in range(steps):
+            fitted.FP4_GEMM_FRACTION = lo + (hi - lo) * i / (steps - 1)
+            _clear_caches()
+            err = sum(math.log(predict(r)["predicted"] / float(r["value"])) ** 2 for r in rows)
+            if best is None or err < best[0]:
+                best = (err, fitted.FP4_GEMM_FRACTION)
+    finally:
+        fitted.FP4_GEMM_FRACTION = saved
+        _clear_caches()
+    return {"FP4_GEMM_FRACTION": best[1], "rms_log_error": math.sqrt(best[0] / len(rows)), "rows": len(rows)}
 
 
 def _clear_caches() -> None:

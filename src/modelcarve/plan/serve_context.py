@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from modelcarve.plan import comm, serve_rates
 from modelcarve.plan.quant import weight_format
-from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, shard_facts
+from modelcarve.plan.serve_ep import ep_round_trip_s
+from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, PREFILL_CHUNK, ShardFacts, kv_seq_bytes, shard_facts
 from modelcarve.plan.serve_rates import (
     _attn_peak,
     _device_key,
@@ -162,14 +163,16 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
         held = serve_rates._EFF_BY_SHAPE.get(eff_key)
         if held is None:
             held = serve_rates._EFF_BY_SHAPE[eff_key] = ({}, _eff_parts(device, compute_dtype, mesh.n_gemm, model.hidden_size))
-        gemm = mesh.gemm[weight_dtype] = (compute_dtype, device.flops(compute_dtype), eff_key) + held
+        peak = device.flops(compute_dtype) * (serve_rates.FP4_GEMM_FRACTION if compute_dtype == "fp4" else 1.0)
+        gemm = mesh.gemm[weight_dtype] = (compute_dtype, peak, eff_key) + held
     compute_dtype, peak, eff_key, effs, eff_parts = gemm
     experts_all = f.stage_moe_layers * f.experts_per_rank * f.expert_bytes
     k_gemm = mesh.k_gemm
     if experts_all:
         # Tokens x experts landing on the busiest rank: b x ep x k / ep x imbalance.
         k_gemm += mesh.k_gemm_experts
-    k_attn = mesh.mean_ctx * max(f.kv_bytes_per_token / mesh.hbm, mesh.attn_flops_per_ctx / mesh.attn_peak)
+    # KV read per step: windowed layers read at most their window (serve_memory.kv_seq_bytes)
+    k_attn = max(kv_seq_bytes(f, mesh.mean_ctx) / mesh.hbm, mesh.mean_ctx * mesh.attn_flops_per_ctx / mesh.attn_peak)
     # Every field assigned here, without the generated __init__: matching 34 keyword
     # arguments costs more than the rest of this function (once per candidate layout).
     ctx = object.__new__(_Ctx)
@@ -290,8 +293,8 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
             algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
         lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), serve_rates.ALLREDUCE_FLOOR_S, gather))
     if ep > 1 and f.stage_moe_layers:
-        size = m.top_k * h * ACT_BYTES * imbalance
-        a2a = _affine(lambda b: comm.all_to_all_s(b * size, ep, mesh.tier_ep))
+        # wide EP across nodes: DeepEP-style exchange (plan/serve_ep.py); inside a domain the all-to-all
+        a2a = _affine(lambda b: ep_round_trip_s(b, m, ep, mesh.tier_ep, imbalance))
         lines.append(("ep", 2 * f.stage_moe_layers, (a2a,), 0.0, (0.0, 0.0)))
     if pp > 1:
         lines.append(("pp", 1, (_affine(lambda b: comm.p2p_s(b * h * ACT_BYTES, mesh.tier_pp)),), 0.0, (0.0, 0.0)))
@@ -316,7 +319,6 @@ def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens:
     act = chunk * h * ACT_BYTES
     comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, tp, mesh.tier_tp)
     if ep > 1 and f.stage_moe_layers:
-        size = chunk * m.top_k * h * ACT_BYTES * imbalance
-        comm_s += chunks * 2 * f.stage_moe_layers * comm.all_to_all_s(size, ep, mesh.tier_ep)
+        comm_s += chunks * 2 * f.stage_moe_layers * ep_round_trip_s(chunk, m, ep, mesh.tier_ep, imbalance, dedup=True)
     hops = (pp - 1) * chunks * comm.p2p_s(act, mesh.tier_pp) if pp > 1 else 0.0
     return tokens, chunk, chunks, per_tok, comm_s, hops

@@ -24,8 +24,8 @@ The model (DistServe, Zhong et al. OSDI 2024; NVIDIA Dynamo / aiconfigurator's d
   TTFT = ``prefill_s`` + that transfer (+ the M/D/1 queue wait of plan/serve_queue.py at ``rate``).
 * **Pools**: ``x`` prefill units and ``y`` decode units with ``x g_p + y g_d <= devices``. Without
   a request rate the goal maximises output tokens/s per device of the whole system,
-  ``min(x R_p, y R_d) x output_len / (x g_p + y g_d)`` (the balanced ratio ``x / y ~ R_d g... / R_p``
-  rounded both ways); with ``rate`` it takes the fewest units that sustain it (prefill units also
+  ``min(x R_p, y R_d) x output_len / (x g_p + y g_d)`` (for each x, y = x R_p / R_d, the balanced
+  count, rounded down and up); with ``rate`` it takes the fewest units that sustain it (prefill units also
   within the TTFT bound with their queue wait) and scores tokens/s per device at that rate.
 
 Both pools use the same weight and KV dtypes (one checkpoint, one KV format to hand over).

@@ -128,6 +128,11 @@ class ShardFacts:
     """Per device, for the fullest stage."""
     kv_elems_per_token_layer: int
     """KV elements one token adds to one layer on one device."""
+    kv_windows: tuple = ()
+    """(layers, window tokens) of the fullest stage's windowed layers (sliding window: gemma3's 5 of 6
+    local layers, gpt-oss's alternate layers; llama4's chunked-attention layers): their KV holds at
+    most ``window`` tokens of a sequence (engines free the blocks that fall out of the window).
+    Layer counts are the model-wide share times the stage's layers (the patterns interleave evenly)."""
     act_bytes_per_token: float
     """Transient activation bytes per prefill token (one layer live at a time)."""
     logits_bytes_per_seq: float
@@ -301,10 +306,31 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     facts.expert_matmul_params = c.expert_q
     facts.kv_bytes_per_token = count * kv_layer
     facts.kv_elems_per_token_layer = c.kv_elem
+    facts.kv_windows = _kv_windows(model, count)
     facts.act_bytes_per_token = ACT_BYTES * c.act_elems
     facts.logits_bytes_per_seq = 4.0 * model.vocab_size / tp
     facts.act_traffic_per_token = ACT_BYTES * (count * c.traffic_fixed + 6 * ((count - n_moe) * c.ffn_traffic + n_moe * c.moe_ffn_traffic))
     return facts
+
+
+def _kv_windows(model: ModelSpec, count: int) -> tuple:
+    out = []
+    for layers, window in ((model.sliding_layers, model.sliding_window), (model.chunked_layers, model.attention_chunk)):
+        if layers and window:
+            out.append((count * len(layers) / model.num_layers, window))
+    return tuple(out)
+
+
+def kv_seq_bytes(f: ShardFacts, context: float) -> float:
+    """KV-cache bytes of one sequence of ``context`` tokens on this device, windowed layers capped."""
+    full = f.kv_bytes_per_token * context
+    if not f.kv_windows:
+        return full
+    per_layer = f.kv_bytes_per_token / f.stage_layers
+    for layers, window in f.kv_windows:
+        if window < context:
+            full -= layers * per_layer * (context - window)
+    return full
 
 
 def serve_memory(
@@ -338,13 +364,13 @@ def memory_from_facts(
     chunk = min(prefill_chunk, context)
     workspace = chunk * f.act_bytes_per_token + batch * f.logits_bytes_per_seq
     budget = memory_fraction * memory_bytes
-    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
     free = budget - f.weights_bytes - RUNTIME_BYTES - chunk * f.act_bytes_per_token
     max_seqs = max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
     return ServeMemory(
         weights_bytes=f.weights_bytes,
         kv_bytes_per_token=f.kv_bytes_per_token,
-        kv_bytes=f.kv_bytes_per_token * context * batch,
+        kv_bytes=kv_seq_bytes(f, context) * batch,
         workspace_bytes=workspace,
         runtime_bytes=RUNTIME_BYTES,
         budget_bytes=budget,
@@ -358,7 +384,7 @@ def max_sequences(f: ShardFacts, memory_bytes: float, context: int, prefill_chun
                   memory_fraction: float = MEMORY_FRACTION) -> int:
     """Sequences of ``context`` tokens that fit (``memory_from_facts(...).max_sequences``, without
     building the record: the search calls this for every candidate)."""
-    per_seq = f.kv_bytes_per_token * context + f.logits_bytes_per_seq
+    per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
     free = memory_fraction * memory_bytes - f.weights_bytes - RUNTIME_BYTES - min(prefill_chunk, context) * f.act_bytes_per_token
     return max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
 

@@ -33,6 +33,11 @@ a 7B model, not the 1 ms its weight read alone would take."""
 ALLREDUCE_FLOOR_S = 10.5e-6
 """Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
 flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
+FP4_GEMM_FRACTION = 0.54
+"""Share of the FP4 (NVFP4/MXFP4 W4A4) dense peak the serving GEMMs reach relative to what the GEMM
+efficiency model gives other dtypes: block-scale handling and the bf16 epilogue. Fitted to the
+``fit-fp4`` rows of data/serving_published.csv (TensorRT-LLM's Llama-3.1-405B NVFP4 on 4 B200, ten request
+shapes; ``serve_calibration.fit_fp4_fraction``: 0.54, rms log error 0.08); every other FP4 row is a check."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}
@@ -60,7 +65,8 @@ def _eff_parts(device, dtype: str, n: int, k: int) -> tuple:
     """The factors of ``matmul_efficiency(device, m, n, k, dtype)`` that do not depend on ``m``."""
     return (
         peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
-        device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 2.0, device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
+        device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 0.5625 if dtype == "fp4" else 2.0,
+        device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
     )
 
 

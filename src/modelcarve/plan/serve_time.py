@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from modelcarve.plan import comm
 from modelcarve.plan.efficiency import HBM_EFFICIENCY, TILE
 from modelcarve.plan.serve_context import _Ctx, _context, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
-from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE
+from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes
 from modelcarve.plan.serve_rates import _decode_gemm_efficiency, gemm_efficiency
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
@@ -157,7 +157,7 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     m, f = c.model, c.f
     h = m.hidden_size
     roof = step - sum(comm_s.values()) - c.fixed_s
-    attn_mem = b * c.mean_ctx * f.kv_bytes_per_token / c.hbm
+    attn_mem = b * kv_seq_bytes(f, c.mean_ctx) / c.hbm
     attn_cmp = b * c.mean_ctx * c.attn_flops_per_ctx / c.attn_peak
     parts = {
         "roofline": roof, "memory": gemm_mem + attn_mem + b * c.k_elem, "compute": gemm_cmp + attn_cmp,

@@ -203,8 +203,9 @@ def _causal_share(model, seq: int) -> float:
     """Share of the ``seq x seq`` score blocks a flash kernel computes, averaged over the layers:
     half under a causal mask; a sliding-window or chunked layer (``local_layers``, gpt-oss, Gemma 3,
     Llama 4) sees at most ``local_window`` keys per query."""
-    local = len(getattr(model, "local_layers", ()) or ())
-    window = getattr(model, "local_window", 0) or 0
+    # spec/model.py names them sliding_layers / sliding_window (local_* in older specs)
+    local = len(getattr(model, "sliding_layers", ()) or getattr(model, "local_layers", ()) or ())
+    window = getattr(model, "sliding_window", 0) or getattr(model, "local_window", 0) or 0
     if not local or not window:
         return 0.5
     f = local / model.num_layers

@@ -103,6 +103,7 @@ NAME_RULES: dict[str, list[tuple[str, str]]] = {
     "mixtral": _MIXTRAL + _LLAMA,
     "qwen3_moe": _QWEN3_MOE + _LLAMA,
     "deepseek_v3": _DEEPSEEK_V3 + _QWEN3_MOE + _LLAMA,
+    "deepseek_v2": _DEEPSEEK_V3 + _QWEN3_MOE + _LLAMA,  # the same names (no e_score_correction_bias: softmax router)
 }
 
 

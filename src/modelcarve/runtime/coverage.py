@@ -2,7 +2,8 @@
 before any process starts, in one line naming each missing layer.
 
 The planner reads more model families than the runtime runs (spec/hf_models.py: gpt_oss, llama4,
-gemma3, deepseek_v2, phi3, nemotron, bloom, opt). ``check_model_coverage(spec)`` is called by
+gemma3, phi3, nemotron, bloom, opt are refused; deepseek_v2 runs, its layers being deepseek_v3's, unless
+it routes group-limited greedy). ``check_model_coverage(spec)`` is called by
 ``parallelize.check_runtime``, which ``modelcarve run`` and ``verify`` call before launching
 torchrun; it looks at the layers a ModelSpec asks for, not only its family name, so a config of a
 supported family that asks for an unsupported layer (partial rotary, a fifth norm) is refused too.
@@ -14,14 +15,13 @@ from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.hf_config import SUPPORTED_MODEL_TYPES
 from modelcarve.spec.model import ModelSpec
 
-RUNTIME_FAMILIES = SUPPORTED_MODEL_TYPES + ("kimi_k2",)
+RUNTIME_FAMILIES = SUPPORTED_MODEL_TYPES + ("kimi_k2", "deepseek_v2")
 """Families whose layers and checkpoint names the reference model has (runtime/model.py, checkpoint.py)."""
 
 _FAMILY_LAYERS = {
     "gpt_oss": "attention sinks, biased experts with a clamped SwiGLU, MXFP4 expert checkpoints",
     "llama4": "chunked attention with NoPE layers, weightless L2 q/k norm, fused expert tensors",
     "gemma3": "four norms per layer, (1 + w) RMSNorm, gated GELU-tanh MLP, per-layer-type rope",
-    "deepseek_v2": "DeepSeek-V2 softmax group routing and its checkpoint names",
     "phi3": "fused qkv_proj / gate_up_proj checkpoint tensors",
     "nemotron": "squared-ReLU MLP, LayerNorm1P, partial rotary",
     "bloom": "ALiBi attention and fused query_key_value tensors",
@@ -44,6 +44,8 @@ def missing_layers(spec: ModelSpec) -> list[str]:
         (spec.partial_rotary_factor != 1.0, f"partial rotary ({spec.partial_rotary_factor:g} of each head)"),
         (bool(spec.chunked_layers), "chunked attention"),
         (spec.activation == "relu2", "a squared-ReLU MLP"),
+        (spec.family == "deepseek_v2" and spec.num_expert_groups > 1,
+         "DeepSeek-V2's group-limited greedy routing (groups scored by their best expert)"),
     ]
     return missing + [what for present, what in checks if present]
 
@@ -55,5 +57,5 @@ def check_model_coverage(spec: ModelSpec) -> None:
         raise LayoutError(
             f"model {spec.name!r} ({spec.family}) can be planned but not run: the runtime's reference model lacks "
             + "; ".join(missing)
-            + f". Use `modelcarve plan`/`estimate` for it, or run a model of: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            + f". Use `modelcarve plan`/`estimate` for it, or run a model of: {', '.join(RUNTIME_FAMILIES)}"
         )

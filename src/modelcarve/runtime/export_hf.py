@@ -34,7 +34,11 @@ def full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and hasattr(md, "size"):
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             boxes[key] = dcpk.Box(t, (0,) * t.dim(), tuple(t.shape))
-    dcpk.load_state(step_dir, boxes)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcpk.load_state(step_dir, boxes)
     return {key.removeprefix("model."): box.local for key, box in boxes.items()}
 
 
@@ -64,6 +68,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: 
     """Write the Hugging Face directory; returns a summary (step, files, tensors, bytes)."""
     from safetensors.torch import save_file
 
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelcarveError(f"--out {out} exists and is not empty; name a new directory")
     choice = commit.choose_step(checkpoint)
     manifest = choice.manifest
     config = manifest.get("hf_config")
@@ -75,9 +82,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, max_shard_bytes: 
     if dcpk.model_hash(spec) != manifest["model_hash"]:
         raise ModelcarveError(f"checkpoint {choice.step_dir}: its recorded config.json does not describe the saved model")
     tensors = to_hf_names(spec.family, full_model_state(choice.step_dir))
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ModelcarveError(f"--out {out} exists and is not empty; name a new directory")
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

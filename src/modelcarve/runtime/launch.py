@@ -14,6 +14,7 @@ fail at their next collective within the collective timeout (``timeout_s``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ def build(model_name: str, layout, seed: int):
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
                lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
                moe: dict | None = None, checkpoint: dict | None = None) -> dict | None:
+    from modelcarve.runtime.memory_report import measure_step
     from modelcarve.runtime.metrics import CommCounter, StepTimer, memory_stats
     from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
     from modelcarve.spec.layout import Layout
@@ -55,7 +57,9 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     if dtype:
         lay = lay.replace(param_dtype=dtype)
     seed_everything(seed)
+    started = _startup_line(f"{dist.get_world_size()} ranks joined; building {model} as {lay.short()}", quiet)
     chunks, spec, mesh = build(model, lay, seed)
+    _startup_line(f"model ready in {_startup_line('', True) - started:.1f}s", quiet)
     trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed, **(moe or {})))
     source = make_data(data, spec.vocab_size, seed)
     from modelcarve.runtime.resume import Checkpointing  # --checkpoint-dir / --save-every / --resume
@@ -65,12 +69,18 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
     progress = _Progress(steps, lay, spec) if _rank0() and not quiet else None
-    comm = CommCounter()
+    comm, categories = CommCounter(lay), {}
     try:
         for step in range(start, steps):
             tokens, targets = source.batch(step, lay.global_batch, lay.seq)
-            with timer, (comm if step == steps - 1 else _null()):
-                out = trainer.step(tokens, targets)
+            if step == steps - 1:  # the counted step: collectives and memory by category (its
+                # dispatch-mode and saved-tensor hooks slow it down: timed only when it is the only one)
+                with (timer if steps == 1 else contextlib.nullcontext()):
+                    out, categories = measure_step(trainer, tokens, targets)
+                comm.log = out.pop("comm")
+            else:
+                with timer:
+                    out = trainer.step(tokens, targets)
             history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
             if progress:
                 progress.update(history[-1])
@@ -79,7 +89,11 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     finally:
         if progress:
             progress.close()
-    mem = memory_stats(chunks, trainer.optimizer) | dict(comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()))
+    if comm.log is not None:
+        comm.count(comm.log)
+    mem = memory_stats(chunks, trainer.optimizer) | dict(categories=categories, comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()),
+                                                      comm_wire_bytes_per_step=comm.log.wire if comm.log else 0.0,
+                                                      comm_table=comm.log.table() if comm.log else {})
     mems = [None] * dist.get_world_size()
     dist.all_gather_object(mems, mem)
     if not _rank0():
@@ -101,12 +115,14 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     return result
 
 
-class _null:
-    def __enter__(self):
-        return self
+def _startup_line(text: str, quiet: bool) -> float:
+    """Start-up is visible: rank 0 says what it is doing before the first step (stderr)."""
+    import time
 
-    def __exit__(self, *exc):
-        return False
+    if _rank0() and not quiet:
+        sys.stderr.write(f"modelcarve: {text}\n")
+        sys.stderr.flush()
+    return time.monotonic()
 
 
 class _Progress:
@@ -143,14 +159,22 @@ def _print_memory(result: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{result['tokens_per_s']:,.0f} tokens/s (mean after step 1); per rank, MiB")
-    for col in ("rank", "peak RSS", "params", "optimiser", "comm/step"):
+    for col in ("rank", "peak RSS", "params", "grads", "optimiser", "activations", "comm buffers", "comm/step"):
         table.add_column(col, justify="right")
     mib = 1024 * 1024
     for rank, m in enumerate(result["memory"]):
+        cat = m.get("categories", {})
         table.add_row(str(rank), f"{m['peak_rss_bytes'] / mib:.0f}", f"{m.get('param_bytes', 0) / mib:.2f}",
-                      f"{m.get('optim_bytes', 0) / mib:.2f}",
+                      f"{cat.get('grads', 0) / mib:.2f}", f"{m.get('optim_bytes', 0) / mib:.2f}",
+                      f"{cat.get('activations', 0) / mib:.2f}", f"{cat.get('comm_buffers', 0) / mib:.2f}",
                       f"{m['comm_bytes_per_step'] / mib:.2f}")
     Console().print(table)
+    comm = Table(title="rank 0, last step: collectives by op / axis / link tier (collectives.CommLog)")
+    for col in ("op/axis/tier", "calls", "payload MiB", "wire MiB"):
+        comm.add_column(col, justify="left" if col == "op/axis/tier" else "right")
+    for key, row in result["memory"][0].get("comm_table", {}).items():
+        comm.add_row(key, str(row["calls"]), f"{row['payload'] / mib:.3f}", f"{row['wire'] / mib:.3f}")
+    Console().print(comm)
 
 
 def _lost_peer(err: Exception) -> bool:
@@ -172,6 +196,9 @@ def main(argv: list[str] | None = None, workers: dict | None = None, prog: str =
         return 2
     command, args = argv[0], json.loads(argv[1])
     timeout_s = float(args.pop("timeout_s", 120))
+    from modelcarve.runtime.collectives import configure
+
+    configure(ranks_per_node=args.pop("ranks_per_node", None))  # how CommLog assigns link tiers
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
     from modelcarve.runtime.signals import install

@@ -68,7 +68,17 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend_name(), timeout=_state["timeout"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's static rendezvous keeps ONE store across --max-restarts and torch adds no
+        # per-attempt prefix, so restarted ranks would read the dead ranks' addresses: add it.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=_state["timeout"])
+        store = dist.PrefixStore(f"modelcarve/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend_name(), store=store, rank=rank, world_size=world,
+                                timeout=_state["timeout"])
+    else:
+        dist.init_process_group(backend=backend_name(), timeout=_state["timeout"])
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -3,11 +3,9 @@
 * ``StepTimer``: wall time per step and tokens/s (global tokens of the step / step time).
 * ``memory_stats()``: this process's peak resident memory (``ru_maxrss``), the bytes of its
   parameters, gradients and optimiser state, and on CUDA the allocator's peak.
-* ``CommCounter``: while active, counts the bytes of the tensors this rank passes to
-  torch.distributed collectives and point-to-point calls (by function name). It wraps the
-  functions of the ``torch.distributed`` module, so it sees our own calls, FSDP2's and
-  pipelining's (they call through that module); it counts payload handed in, not wire bytes
-  (a ring all-reduce moves about 2 (n-1)/n of that).
+* ``CommCounter``: while active, the payload bytes of every collective and message this rank
+  issues, by op; collectives.py's ``CommLog`` underneath sees them all (ours, FSDP2's,
+  DTensor's, pipelining's) and also holds the wire bytes, axis and link tier of each.
 """
 
 from __future__ import annotations
@@ -21,69 +19,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-_COMM_FUNCS = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "all_to_all",
-    "all_to_all_single",
-    "broadcast",
-    "send",
-    "recv",
-    "batch_isend_irecv",
-)
-# isend/irecv are not wrapped: P2POp checks their identity; pipelining sends through
-# batch_isend_irecv, whose P2POp tensors are counted.
-
-
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(o) for o in obj)
-    return 0
-
-
 class CommCounter(contextlib.ContextDecorator):
-    """``with CommCounter() as c: ...``; then ``c.bytes`` (Counter by function) and ``c.total``."""
+    """``with CommCounter(layout) as c: ...``; then ``c.bytes`` (payload by op), ``c.calls``,
+    ``c.total``, and ``c.log`` (collectives.CommLog: every event, per op x axis x tier tables).
 
-    def __init__(self):
+    Counts through collectives.CommLog, the one place every collective is seen (our calls,
+    FSDP2's, DTensor's, pipelining's), payload once per message (a send, not its receive)."""
+
+    def __init__(self, layout=None):
+        self.layout = layout
+        self.log = None
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
-        self._saved: dict = {}
 
     def __enter__(self):
-        for name in _COMM_FUNCS:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
+        from modelcarve.runtime.collectives import CommLog
 
-            def wrapped(*args, __fn=fn, __name=name, **kwargs):
-                # the input tensor is the first tensor argument (output buffers come first for
-                # the *_into_tensor / reduce_scatter forms: count the larger of the first two)
-                if __name == "batch_isend_irecv":
-                    self.bytes[__name] += sum(_nbytes(op.tensor) for op in args[0])
-                else:  # positional or keyword (FSDP2 passes output=/input=)
-                    tensors = [a for a in (*args[:2], kwargs.get("input"), kwargs.get("output"),
-                                           kwargs.get("tensor"), kwargs.get("input_tensor"))
-                               if isinstance(a, (torch.Tensor, list, tuple))]
-                    self.bytes[__name] += max((_nbytes(t) for t in tensors), default=0)
-                self.calls[__name] += 1
-                return __fn(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
+        self.log = CommLog(self.layout)
+        self.log.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
+        self.log.__exit__(*exc)
+        self.count(self.log)
         return False
+
+    def count(self, log) -> None:
+        """Add the events of a finished CommLog (e.g. memory_report.measure_step's)."""
+        self.log = log
+        for e in log.events:
+            self.calls[e.op] += 1
+            if e.op != "recv":
+                self.bytes[e.op] += e.payload
 
     @property
     def total(self) -> int:

@@ -50,12 +50,10 @@ class Checkpointing:
         self.model_arg = model
         self.root = Path(checkpoint_dir) if checkpoint_dir else None
         self.save_every, self.keep = int(save_every or 0), int(keep or 0)
-        self.resume = resume
-        if self.resume is None and self.root is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            self.resume = str(self.root)  # a restarted job picks up where the last save left it
-            self.auto = True
-        else:
-            self.auto = False
+        self.resume, self.fallback = resume, None
+        self.auto = self.root is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if self.auto:  # a restarted job picks up where its last save left it (else where --resume said)
+            self.resume, self.fallback = str(self.root), resume
         self.saved: list[int] = []
         self.resumed_from: dict | None = None
         self.stopped_by: str | None = None
@@ -75,6 +73,8 @@ class Checkpointing:
         if _rank0():
             try:
                 choice = commit.latest_intact(self.resume) if self.auto else commit.choose_step(self.resume)
+                if choice is None and self.fallback:
+                    choice = commit.choose_step(self.fallback)
                 problem = None if choice is None else _mismatch(choice.manifest, spec, layout, data_info)
             except ModelcarveError as err:
                 problem = str(err)

@@ -123,7 +123,7 @@ class _Ring:
     def start(self, send: torch.Tensor, tag: int) -> "_Transfer":
         send = send.contiguous()
         recv = torch.empty_like(send)
-        # batch_isend_irecv (not bare isend/irecv) so that metrics.CommCounter sees the bytes
+        # batch_isend_irecv: the send and the receive of a hop are posted together
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),

@@ -15,6 +15,7 @@ lengths), the queue (429 + ``Retry-After``) and the drain (503); errors have Ope
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -41,8 +42,22 @@ class ServedModel:
     """protocol.SamplingParams -> the engine's SamplingParams"""
 
 
+class _ArrivalStamp:
+    """Pure ASGI middleware: the time a request reached the app, before its body is read and parsed
+    (``request.state.arrival``); the TTFT / E2E histograms start there."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
 def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="modelcarve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ArrivalStamp)
     errors.install(app)
     app.state.bridge, app.state.metrics, app.state.served = bridge, metrics, served
 
@@ -81,6 +96,7 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         return served.tokenizer
 
     def respond(gen: Generation, stream: bool, request: Request):
+        gen.arrival = getattr(request.state, "arrival", gen.arrival)
         gen.start()
         if stream:
             return StreamingResponse(gen.events(), media_type="text/event-stream",
@@ -125,16 +141,14 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         tok = need_tokenizer("chat")
         logprobs = P.chat_logprobs_flag(body)
         messages = [dict(role=m.role, content=_content_text(m.content)) for m in body.messages]
-        if not getattr(tok, "chat_template", None) and not getattr(tok, "has_chat_template", False):
-            _no_template = True
-        else:
-            _no_template = False
+        if not getattr(tok, "has_chat_template", False):
+            raise APIError(400, "this checkpoint has no chat template (chat_template in tokenizer_config.json or "
+                           "chat_template.jinja); use /v1/completions with a plain prompt", param="messages")
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=bool(body.add_generation_prompt))
-        except Exception as err:  # noqa: BLE001 - no template / a template that raises: the user's checkpoint
-            hint = ("the checkpoint has no chat template (chat_template in tokenizer_config.json or "
-                    "chat_template.jinja); use /v1/completions") if _no_template else f"the chat template failed: {err}"
-            raise APIError(400, hint, param="messages") from None
+        except Exception as err:  # noqa: BLE001 - a template that raises on these messages: the checkpoint's
+            raise APIError(400, f"the chat template failed on these messages: {' '.join(str(err).split())[:300]}",
+                           param="messages") from None
         ids = check_ids(list(ids), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = P.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max(served.max_model_len - len(ids), 1),

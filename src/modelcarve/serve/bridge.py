@@ -11,8 +11,8 @@ queue that receives the request's ``RequestOutput``s, put there with
 the engine's next step.
 
 When nothing is in flight the thread still calls ``engine.step()`` every ``idle_step_s`` if
-other ranks follow (world size > 1): an empty step is the followers' heartbeat, so an idle
-server never trips their collective timeout. ``stop`` (after the drain) lets the thread leave
+other ranks follow (world size > 1): an idle step sends the followers an empty plan every
+``runtime.engine.HEARTBEAT_S``, so an idle server never trips their collective timeout. ``stop`` (after the drain) lets the thread leave
 its loop and call ``engine.shutdown()``, which releases the followers; an engine failure
 (a rank died) fails every request in flight with a 500 and marks the bridge ``broken`` so the
 server exits with an error instead of hanging.

@@ -33,6 +33,8 @@ class _State:
     finish_reason: str | None = None
     stop_reason: object = None
     first_token_s: float | None = None
+    emitted: int = 0
+    """characters of ``text`` already streamed"""
 
 
 @dataclass(kw_only=True)
@@ -73,8 +75,11 @@ class Generation:
             raise
 
     def cancel(self) -> None:
-        for rid in list(self._open):
-            self.bridge.abort(rid)
+        """Abort what is still generating (the client left, or the stream was abandoned)."""
+        for st in self.states:
+            if st.rid in self._open:
+                self.bridge.abort(st.rid)
+                self.metrics.aborted()
         self._open.clear()
 
     async def _next(self):
@@ -88,18 +93,32 @@ class Generation:
         st.token_ids = list(out.token_ids)
         if out.new_logprobs:
             st.logprobs.extend(out.new_logprobs)
-        new_text = out.new_text or ""
-        st.text += new_text
+        st.text = out.text or ""
         if out.finished:
-            st.finish_reason = "abort" if out.finish_reason == "abort" else out.finish_reason
+            st.finish_reason = out.finish_reason
             st.stop_reason = out.stop_reason
-            st.text = out.text if out.text is not None else st.text
             self._open.discard(st.rid)
             e2e = now - self.arrival
             self.bridge.finished(st.rid, e2e)
             self.metrics.finished(reason=st.finish_reason or "stop", prompt_tokens=len(st.prompt_ids),
                                   generated=len(st.token_ids), ttft_s=st.first_token_s, e2e_s=e2e)
-        return index, out, new_text
+        return index, out, self._delta(st, out.finished)
+
+    def _delta(self, st: _State, finished: bool) -> str:
+        """Text to stream now: all of it at the end; before, not a tail that may begin a stop string
+        (the engine cuts a matched stop string off the text, which must not have been sent)."""
+        safe = len(st.text)
+        if not finished:
+            for stop in getattr(self.params, "stop", ()) or ():
+                for k in range(min(len(stop) - 1, len(st.text)), 0, -1):
+                    if st.text.endswith(stop[:k]):
+                        safe = min(safe, len(st.text) - k)
+                        break
+        if safe <= st.emitted:
+            return ""
+        delta = st.text[st.emitted:safe]
+        st.emitted = safe
+        return delta
 
     # ---- shaping -----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ do not clash). Names follow vLLM's metrics with a ``modelcarve_`` prefix:
     modelcarve_time_per_output_token_seconds           histogram, (e2e - ttft) / (tokens - 1), per request
     modelcarve_e2e_request_latency_seconds             histogram, arrival -> last token
     modelcarve_prompt_tokens_total / _generation_tokens_total   counters
-    modelcarve_request_success_total{finished_reason}  counter (stop, length, abort)
+    modelcarve_request_success_total{finished_reason}  counter (stop, length; abort: cancelled, not in the histograms)
     modelcarve_requests_rejected_total{reason}         counter (queue_full, draining, bad_request)
 
 The timings are measured on the HTTP side (``time.perf_counter`` when the request was read and
@@ -74,6 +74,10 @@ class ServerMetrics:
             if generated > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (generated - 1))
         self.e2e.observe(e2e_s)
+
+    def aborted(self) -> None:
+        """A request cancelled before it finished (its client went away): counted, not timed."""
+        self._success.labels(self.model, "abort").inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model, reason).inc()

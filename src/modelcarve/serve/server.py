@@ -24,16 +24,11 @@ import time
 
 
 def _context_len(engine) -> int:
-    for attr in ("max_model_len",):
-        if getattr(engine, attr, None):
-            return int(getattr(engine, attr))
-    spec = getattr(engine, "spec", None)
-    return int(getattr(spec, "max_position", 0) or 4096)
+    return int(engine.context_length)
 
 
 def _vocab(engine) -> int:
-    spec = getattr(engine, "spec", None)
-    return int(getattr(spec, "vocab_size", 0) or sys.maxsize)
+    return int(engine.spec.vocab_size)
 
 
 def _engine_params(sp):
@@ -54,6 +49,7 @@ def _make_server_class():
         bridge = None
         drain_timeout_s = 30.0
         clean = True
+        left = 0
         ready_line = ""
 
         def handle_exit(self, sig, frame):  # signal handler, main thread
@@ -68,6 +64,7 @@ def _make_server_class():
 
         async def _drain(self):
             self.clean = await self.bridge.wait_idle(self.drain_timeout_s)
+            self.left = self.bridge.in_flight
             self.should_exit = True
 
         async def startup(self, sockets=None):
@@ -121,19 +118,26 @@ def run_http(engine, *, model: str, layout: str, host: str, port: int, served_mo
         raise ModelcarveError(f"could not listen on {host}:{port} (in use, or not an address of this machine); "
                               "choose another with --host/--port")
     if not server.clean or left:
-        raise ModelcarveError(f"drain timed out after {drain_timeout:g} s: {left} request(s) aborted")
+        raise ModelcarveError(f"drain timed out after {drain_timeout:g} s: {max(left, server.left)} request(s) aborted")
 
 
-def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8000,
+def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dtype: str | None = None,
+                 layout_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, api_key: str | None = None, max_queue: int = 256,
                  drain_timeout: float = 30.0, kv_cache_bytes: int | None = None, pidfile: str | None = None,
                  timeout_s: float = 120.0, max_num_seqs: int | None = None, log_level: str = "warning") -> None:
     """What every rank runs: build the engine; rank 0 serves HTTP, the others follow."""
     from modelcarve.runtime.engine import Engine, EngineConfig
 
+    if os.environ.get("MODELCARVE_DEBUG"):  # kill -USR1 <pid> prints every thread's stack
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     extra = dict(max_num_seqs=max_num_seqs) if max_num_seqs else {}
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, layout=layout, kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
+    engine = Engine(EngineConfig(model=model, layout=layout, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                 kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
     if not engine.is_driver:
         engine.follow()
         return
@@ -143,7 +147,7 @@ def serve_worker(model: str, layout: str, host: str = "127.0.0.1", port: int = 8
         os.replace(pidfile + ".tmp", pidfile)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sys.stderr.write(f"modelcarve: engine ready on {world} rank(s) in {time.perf_counter() - t0:.1f} s\n")
-    run_http(engine, model=model, layout=str(layout), host=host, port=port, served_model_name=served_model_name,
+    run_http(engine, model=model, layout=layout_name or str(layout), host=host, port=port, served_model_name=served_model_name,
              api_key=api_key, max_queue=max_queue, drain_timeout=drain_timeout, world_size=world, log_level=log_level)
 
 

@@ -16,6 +16,7 @@ refused at once instead of keeping the planner busy for minutes.
 from __future__ import annotations
 
 import math
+import reprlib
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -90,7 +91,7 @@ def _kind(value) -> str:
 def _show(value) -> str:
     if value is None:
         return ""
-    text = repr(value)
+    text = reprlib.repr(value)  # bounded: a YAML alias bomb must not expand here
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -11,6 +11,7 @@ transformers reads it.
 from __future__ import annotations
 
 import math
+import reprlib
 
 from modelcarve.spec.errors import SpecError
 
@@ -57,7 +58,7 @@ def _kind(value) -> str:
 def _show(value) -> str:
     if value is None:
         return ""
-    text = repr(value)
+    text = reprlib.repr(value)  # bounded: a YAML alias bomb must not expand here
     return text if len(text) <= 40 else text[:37] + "..."
 
 

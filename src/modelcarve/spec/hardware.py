@@ -14,6 +14,9 @@ JSON file for anything else::
     nics_per_node: 2
     nvlink_domain: 72       # optional: devices sharing intra_link when larger than a node (NVL72)
 
+The file's typed schema (``device: {base: H100, memory_bytes: ...}`` overrides, numbers written
+as YAML 1.1 strings, count caps, messages naming the field) is spec/cluster_file.py's.
+
 A rack-scale NVLink domain (GB200/GB300 NVL72: 72 GPUs on one NVLink Switch fabric, 4 per compute
 tray) is larger than a node: ``nvlink_domain`` says how many devices share ``intra_link``, and the
 planner places TP/EP/CP groups by domain, not by node (``ClusterSpec.fast_domain``). NICs stay per

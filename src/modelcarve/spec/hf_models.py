@@ -17,7 +17,8 @@ What each family brings that the older ones lack (ModelSpec fields in brackets):
   model is read from ``text_config`` (the vision tower is not counted).
 * gemma3 (and gemma3_text): 5 local (sliding) layers per global one, four norms per layer
   [layer_norms], q/k norm, gated GELU-tanh MLP, tied embeddings; ``text_config`` as for llama4.
-* deepseek_v2: MLA as deepseek_v3, softmax routing, MoE from ``first_k_dense_replace`` on.
+* deepseek_v2: MLA as deepseek_v3, softmax routing, MoE from ``first_k_dense_replace`` on (the
+  runtime runs it, but not group-limited greedy routing: runtime/coverage.py).
 * phi3: llama's parameters with fused qkv and gate/up matrices (same counts), partial rotary.
 * nemotron: squared-ReLU two-matrix MLP, LayerNorm1P (weight and bias), partial rotary 0.5.
 * bloom: ALiBi positions, a LayerNorm after the embedding [embedding_norm], biases everywhere.
@@ -25,7 +26,7 @@ What each family brings that the older ones lack (ModelSpec fields in brackets):
 
 Rotary scaling of these families is recorded as given (type and scalar keys) without the
 validation ``hf_config`` applies for the runtime: the runtime refuses these families before
-launch (runtime/coverage.py).
+launch (runtime/coverage.py), except deepseek_v2, whose layers are deepseek_v3's.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def _deepseek_v2(cfg) -> dict:
     bias = bool(cfg.get("attention_bias", False))
     nope, rope_dim = cfg.get("qk_nope_head_dim", 128), cfg.get("qk_rope_head_dim", 64)
     q_rank = cfg.raw.get("q_lora_rank", 1536) if "q_lora_rank" in cfg.raw else 1536
+    limited = cfg.get("topk_method", "greedy") == "group_limited_greedy" and (cfg.get("n_group", 1) or 1) > 1
     return spec | dict(
         head_dim=nope + rope_dim,
         ffn_kind="swiglu",
@@ -193,10 +195,12 @@ def _deepseek_v2(cfg) -> dict:
         expert_ffn_size=cfg.get("moe_intermediate_size", 1407) if experts else 0,
         moe_layers=tuple(i for i in range(spec["num_layers"]) if experts and i >= first_dense),
         router_scoring="softmax",
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        # transformers' DeepSeek-V2 never renormalises the top-k weights (norm_topk_prob is unread), and
+        # limits groups only with topk_method group_limited_greedy (group score: its best expert).
+        norm_topk_prob=False,
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        num_expert_groups=cfg.get("n_group", 1),
-        topk_groups=cfg.get("topk_group", 1),
+        num_expert_groups=cfg.get("n_group", 1) if limited else 1,
+        topk_groups=cfg.get("topk_group", 1) if limited else 1,
     )
 
 

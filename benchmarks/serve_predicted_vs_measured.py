@@ -1,0 +1,183 @@
+"""Predicted vs measured TTFT and TPOT: the planner on this machine's probed cluster against the server.
+
+    python benchmarks/serve_predicted_vs_measured.py            # ~100M llama, single / tp2 / pp2, two rates each
+    python benchmarks/serve_predicted_vs_measured.py --quick    # a ~3M model, one short run per layout and rate
+
+For a random-weight llama-shaped checkpoint (hidden 768, 12 layers, 12 heads, 2048 FFN, vocab
+16000 tied: 97M parameters; fp32, since this CPU's bf16 GEMMs run ~30x slower than fp32):
+
+1. ``modelcarve hardware --probe --emit probed.yaml`` measures this machine (2 gloo ranks);
+2. for each layout, ``modelcarve serve`` runs it (real uvicorn on 127.0.0.1) and
+   ``modelcarve bench-serve --rate R --json`` sends Poisson load at two rates;
+3. ``modelcarve estimate --goal serve-latency --cluster probed.yaml --layout L --input-len I
+   --output-len O --rate R --json`` predicts TTFT (with queueing, plan/serve_queue.py, where the
+   estimate has ``--rate``; without it the unloaded TTFT) and TPOT for the same workload.
+
+Measured figures are bench-serve's means (client clock); ratios are predicted / measured.
+Results go to ``benchmarks/results/serve_predicted_vs_measured.json``. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+CLI = [sys.executable, "-m", "modelcarve.cli"]
+
+
+def build_model(path: Path, quick: bool) -> str:
+    import torch
+    import transformers
+
+    dims = (dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=4000) if quick else
+            dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, vocab_size=16000))
+    config = transformers.LlamaConfig(**dims, max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    return str(path), sum(p.numel() for p in model.parameters())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str, layout: str, kv_bytes: int):
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--model", model, "--layout", layout, "--port", str(port),
+                             "--served-model-name", "bench", "--kv-cache-bytes", str(kv_bytes), "--timeout", "1800"],
+                            env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve {layout} exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"serve {layout} not ready")
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def bench(url: str, rate: float, n: int, input_len: int, output_len: int, vocab: int) -> dict:
+    out = subprocess.run([*CLI, "bench-serve", "--url", url, "--model", "bench", "--num-prompts", str(n),
+                          "--input-len", str(input_len), "--output-len", str(output_len), "--rate", str(rate),
+                          "--vocab-size", str(vocab), "--json"], env=ENV, cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"bench-serve failed: {out.stderr[-2000:]}")
+    summary = json.loads(out.stdout)
+    summary.pop("requests", None)
+    return summary
+
+
+def cluster_for(probed: str, world: int, path: Path) -> str:
+    """The probed cluster cut to the layout's ranks, so ``estimate`` adds no replicas the server lacks."""
+    import yaml
+
+    raw = yaml.safe_load(probed)
+    raw["devices_per_node"] = world
+    raw["device"]["devices_per_node"] = world
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int, output_len: int) -> dict:
+    base = [*CLI, "estimate", "--goal", "serve-latency", "--model", model, "--cluster", cluster, "--layout", layout,
+            "--input-len", str(input_len), "--output-len", str(output_len), "--json"]
+    out = subprocess.run(base + ["--rate", str(rate)], env=ENV, cwd=REPO, capture_output=True, text=True)
+    queued = True
+    if out.returncode and "--rate" in out.stderr:
+        out = subprocess.run(base, env=ENV, cwd=REPO, capture_output=True, text=True)
+        queued = False
+    try:
+        result = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return dict(error=(out.stderr or out.stdout)[-500:])
+    serve_t = result.get("serve") or {}
+    queue = result.get("queue") or {}
+    return dict(ttft_s=queue.get("ttft_s", serve_t.get("ttft_s")), tpot_s=serve_t.get("tpot_s"),
+                unloaded_ttft_s=serve_t.get("ttft_s"), queueing_modelled=queued and bool(queue),
+                utilisation=queue.get("utilisation"), fits=result.get("fits"), reject=result.get("reject_reason"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layouts", default="tp=1,tp=2,pp=2")
+    ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
+    args = ap.parse_args()
+    n, input_len, output_len = (6, 32, 8) if args.quick else (24, 128, 32)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, params = build_model(Path(tmp) / "model", args.quick)
+        cluster = str(Path(tmp) / "probed.yaml")
+        subprocess.run([*CLI, "hardware", "--probe", "--emit", cluster], env=ENV, cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL)
+        probed = Path(cluster).read_text()
+        vocab = 4000 if args.quick else 16000
+        for short in args.layouts.split(","):
+            layout = f"{short},param_dtype=fp32"
+            proc, url = serve(model, layout, 256 << 20)
+            try:
+                rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+                if rates is None:  # a light and a heavier load for this layout: 15% and 50% of one-at-a-time capacity
+                    probe = bench(url, 1000.0, 2, input_len, output_len, vocab)
+                    e2e = probe["e2e_ms"]["mean"] / 1e3
+                    rates = [round(0.15 / e2e, 3), round(0.5 / e2e, 3)]
+                for rate in rates:
+                    measured = bench(url, rate, n, input_len, output_len, vocab)
+                    world = 2 if short != "tp=1" else 1
+                    per_layout = cluster_for(probed, world, Path(tmp) / f"cluster-{world}.yaml")
+                    predicted = estimate(model, per_layout, layout, rate, input_len, output_len)
+                    row = dict(layout=short, rate_rps=rate, measured_ttft_s=measured["ttft_ms"]["mean"] / 1e3,
+                               measured_tpot_s=measured["tpot_ms"]["mean"] / 1e3, measured=measured,
+                               predicted=predicted)
+                    if predicted.get("ttft_s") and predicted.get("tpot_s"):
+                        row["ttft_ratio"] = predicted["ttft_s"] / row["measured_ttft_s"]
+                        row["tpot_ratio"] = predicted["tpot_s"] / row["measured_tpot_s"]
+                    rows.append(row)
+                    print(f"{short:6} {rate:7.3f} req/s  TTFT measured {row['measured_ttft_s'] * 1e3:8.1f} ms  "
+                          f"predicted {(predicted.get('ttft_s') or 0) * 1e3:8.1f} ms   TPOT measured "
+                          f"{row['measured_tpot_s'] * 1e3:7.1f} ms  predicted {(predicted.get('tpot_s') or 0) * 1e3:7.1f} ms",
+                          flush=True)
+            finally:
+                stop(proc)
+    result = dict(model_params=params, quick=args.quick, num_prompts=n, input_len=input_len, output_len=output_len,
+                  probed_cluster=probed, rows=rows, machine_load=os.getloadavg(),
+                  note="measured = bench-serve client means; predicted = modelcarve estimate on the probed cluster")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""``modelcarve hardware --probe``: what it writes is a cluster file the planner reads back, with
+figures derived from the measurements by plan/comm.py's own conventions; and a port in use is a
+one-line refusal of ``serve`` before any rank starts.
+
+The conversion is checked on hand-made timings (no wall-clock assertion); one real probe on two
+gloo ranks checks that every figure is positive and that the file parses as a ClusterSpec.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelcarve.commands.probe import cluster_dict, summarise
+from modelcarve.plan.comm import INTRA_EFFICIENCY
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _rank(r, ar_small, ar_large):
+    return dict(rank=r, gemm_flops=dict(fp32=2e10, bf16=1e9), copy_bytes_per_s=4e9,
+                comm=dict(all_reduce_small_s=ar_small, all_reduce_large_s=ar_large, all_to_all_small_s=1e-4,
+                          all_to_all_large_s=0.01, send_recv_small_s=5e-5, send_recv_large_s=0.008,
+                          small_bytes=8, large_bytes=16 << 20))
+
+
+def test_summary_follows_plan_comm_conventions():
+    # 4 ranks: all-reduce has 2(n-1) = 6 steps and moves 2(n-1)/n = 1.5 x the buffer per device
+    probe = summarise([_rank(r, 6e-4, 0.03) for r in range(4)], ranks=4, threads=1)
+    ar = probe["links"]["all_reduce"]
+    assert ar["latency_s"] == pytest.approx(6e-4 / 6)
+    assert ar["bus_bytes_per_s"] == pytest.approx(1.5 * (16 << 20) / 0.03)
+    assert probe["links"]["all_to_all"]["latency_s"] == pytest.approx(1e-4 / 3)
+    assert probe["links"]["send_recv"]["bus_bytes_per_s"] == pytest.approx((16 << 20) / 0.008)
+    cluster = cluster_dict(probe)
+    assert cluster["intra_link"]["bytes_per_s"] == pytest.approx(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY)
+    assert cluster["device"]["peak_flops"]["fp32"] == 2e10 and cluster["device"]["hbm_bytes_per_s"] == 4e9
+
+
+def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
+    from modelcarve.spec.hardware import parse_cluster
+
+    out = tmp_path / "probed.yaml"
+    proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", "hardware", "--probe", "--emit", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cluster = parse_cluster(str(out))
+    assert cluster.num_devices == 2
+    assert cluster.device.peak_flops["fp32"] > 0 and cluster.device.hbm_bytes_per_s > 0
+    assert cluster.intra_link.bytes_per_s > 0 and cluster.intra_link.latency_s > 0
+
+
+def test_serve_refuses_a_port_in_use_before_any_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", "serve", "--model", "tiny-llama", "--layout",
+                               "tp=2", "--port", str(port)], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], proc.stderr
