@@ -118,6 +118,10 @@ def create_groups(mesh, layout: Layout, spec: ModelSpec) -> None:
         from modelcarve.runtime.expert import expert_groups
 
         expert_groups(mesh, layout)
+        if layout.folded and layout.tp > 1:  # expert.py: stats over every rank of a stage, aux loss over cp x tp
+            merged_mesh(mesh, "dp_cp_tp")
+            if layout.cp > 1:
+                merged_mesh(mesh, "cp_tp")
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
