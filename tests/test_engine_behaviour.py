@@ -78,6 +78,7 @@ def test_prefix_caching_same_tokens(llama):
         results[on] = [first.token_ids] + [o.token_ids for o in rest]
         hits = [o.num_cached_tokens for o in rest]
         assert hits == ([32, 32] if on else [0, 0])
+        assert engine.stats().prefix_cache_hits == (64 if on else 0)
     assert results[True] == results[False]
 
 

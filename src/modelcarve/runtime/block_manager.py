@@ -105,7 +105,6 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         full = (len(tokens) - 1) // self.block_size
-        self.query_tokens += len(tokens)
         blocks = []
         for h, parent, chunk in self._chain(tokens, full):
             block = self._cached.get(h)
@@ -115,8 +114,13 @@ class BlockManager:
                 del self._evictable[block]
             self._ref[block] += 1
             blocks.append(block)
-        self.hit_tokens += len(blocks) * self.block_size
         return blocks
+
+    def count_query(self, tokens: int, hit_blocks: int) -> None:
+        """Statistics of one admitted sequence's prefix lookup (not of lookups undone)."""
+        if self.prefix_caching:
+            self.query_tokens += tokens
+            self.hit_tokens += hit_blocks * self.block_size
 
     def register(self, table: list[int], tokens: list[int], computed: int, first: int = 0) -> int:
         """Register the full blocks of ``table`` whose KV is computed (``computed`` tokens), from

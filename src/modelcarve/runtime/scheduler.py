@@ -136,6 +136,7 @@ class Scheduler:
                 seq.computed = seq.registered = 0
                 break
             self.waiting.pop(0)
+            self.blocks.count_query(len(tokens), len(cached))
             self.running.append(seq)
             out.append(Scheduled(seq, seq.computed, count, seq.computed + count == len(seq)))
             budget -= count
