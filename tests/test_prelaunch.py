@@ -72,6 +72,18 @@ def test_bin_only_and_config_only_directories(capsys, launches, base, tmp_path):
             "holds safetensors weights but --init random")
 
 
+def test_generate_and_serve_refuse_a_directory_without_weights(capsys, base, tmp_path):
+    """The same listing check guards generation and serving: a .bin-only or config-only directory
+    is refused before any rank (or server) starts, not run with random weights."""
+    d = copy(base, tmp_path, "bin")
+    os.remove(d / "model.safetensors")
+    (d / "pytorch_model.bin").write_bytes(b"not unpickled")
+    for argv in (["generate", "--model", str(d), "--layout", "tp=1", "--prompt-ids", "1,2,3"],
+                 ["serve", "--model", str(d), "--layout", "tp=1", "--port", "1"]):
+        line = refused(capsys, [], argv, "holds no safetensors weights")
+        assert "not loaded, on purpose" in line, line
+
+
 def test_config_with_fewer_layers_than_the_checkpoint(capsys, launches, base, tmp_path):
     d = copy(base, tmp_path)
     config = json.loads((d / "config.json").read_text())

@@ -82,9 +82,11 @@ def _kv_tokens(spec, layout, kv_dtype: str, budget: float, block_size: int) -> i
 
 def prepare(args) -> dict:
     """Every refusal known in advance; returns the workers' arguments."""
+    from modelcarve.commands import prelaunch
     from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint, model_spec
     from modelcarve.runtime.engine import check_generation, resolve_layout
 
+    prelaunch.check_inputs(args)  # no weights -> refused, never generated from random weights
     if not args.prompt and not args.prompt_ids:
         raise ModelcarveError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
     if args.max_tokens < 1:
