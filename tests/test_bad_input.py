@@ -194,3 +194,24 @@ def test_probe_emit_into_missing_folder_refused_before_measuring(capsys, monkeyp
 
 def test_export_paths_over_the_limit(capsys):
     one_line_error(capsys, ["export", "--checkpoint", LONG, "--out", "x"], "File name too long")
+
+
+def test_zero_experts_per_token_only_for_a_dense_config(tmp_path):
+    """num_experts_per_tok=0 is how a dense config of an MoE family (deepseek_v3 with no routed
+    experts) says it has none; with routed experts it is refused, naming both keys."""
+    import json
+
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.errors import SpecError
+
+    dense = dict(model_type="deepseek_v3", vocab_size=128, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=0,
+                 moe_intermediate_size=16, num_experts_per_tok=0, max_position_embeddings=64)
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(dense))
+    assert not get_model(str(tmp_path / "dense")).moe_layers
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(dict(dense, n_routed_experts=4)))
+    with pytest.raises(SpecError, match="num_experts_per_tok=0 with 4 routed experts"):
+        get_model(str(tmp_path / "moe"))

@@ -27,7 +27,7 @@ _INT = {
     "original_max_position_embeddings": (1, 2**31),
     "n_embd": (1, _DIM), "n_head": (1, 2**16), "n_layer": (1, 2**16), "n_positions": (1, 2**31), "n_inner": (1, _DIM),
     "num_local_experts": (0, 2**20), "num_experts": (0, 2**20), "n_routed_experts": (0, 2**20),
-    "num_experts_per_tok": (1, 2**20), "moe_intermediate_size": (1, _DIM), "decoder_sparse_step": (1, 2**16),
+    "num_experts_per_tok": (0, 2**20), "moe_intermediate_size": (1, _DIM), "decoder_sparse_step": (1, 2**16),
     "first_k_dense_replace": (0, 2**16), "moe_layer_freq": (1, 2**16), "n_shared_experts": (0, 2**16),
     "n_group": (1, 2**20), "topk_group": (1, 2**20),
     "q_lora_rank": (0, _DIM), "kv_lora_rank": (1, _DIM), "qk_nope_head_dim": (0, 2**16),
@@ -150,6 +150,10 @@ def _check_shapes(raw: dict, where: str) -> None:
         key = "qk_rope_head_dim" if rotary is raw.get("qk_rope_head_dim") else "head_dim"
         raise SpecError(f"{where}: {key}={rotary} is odd; rotary embeddings rotate pairs of dimensions, so it "
                         f"must be even")
+    experts = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts") or 0
+    if experts and raw.get("num_experts_per_tok") == 0:  # 0 is how a dense config of an MoE family says it
+        raise SpecError(f"{where}: num_experts_per_tok=0 with {experts} routed experts; an MoE layer sends each "
+                        f"token to at least 1 expert (or set the expert count to 0 for a dense model)")
     kv = raw.get("num_key_value_heads")
     if kv and heads and heads % kv:
         raise SpecError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
