@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelcarve.spec import files
+import modelcarve.spec.files as files
 from modelcarve.spec.errors import SpecError
 
 INDEX = "model.safetensors.index.json"

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from modelcarve.spec import cluster_file, files
+import modelcarve.spec.cluster_file as cluster_file
+import modelcarve.spec.files as files
 from modelcarve.spec.errors import SpecError
 
 

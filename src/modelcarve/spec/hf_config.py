@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from modelcarve.spec import hf_models
+import modelcarve.spec.hf_models as hf_models
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.model import ModelSpec
 
@@ -288,7 +288,7 @@ def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", 
 
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read ``config.json`` from a file or a checkpoint directory."""
-    from modelcarve.spec import files
+    import modelcarve.spec.files as files
 
     path = files.user_path(path, "model")
     file = path / "config.json" if files.is_dir(path) else path

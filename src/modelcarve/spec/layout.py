@@ -243,7 +243,7 @@ class Layout:
                 raise LayoutError(str(err)) from None
             return cls.from_dict(raw)
         if text.endswith(".json"):
-            from modelcarve.spec import files
+            import modelcarve.spec.files as files
 
             if not files.is_file(files.user_path(text, "layout file")):
                 raise LayoutError(f"layout file {text} does not exist")

@@ -50,7 +50,7 @@ def _resolve(name: str) -> str | None:
 
 def get_model(name: str) -> ModelSpec:
     """A catalogued model by name, or a model read from a config.json file or checkpoint dir."""
-    from modelcarve.spec import files
+    import modelcarve.spec.files as files
 
     if not isinstance(name, str):
         raise SpecError(f"a model must be a catalogue name or a path, got {name!r}")
