@@ -16,11 +16,12 @@ refused at once instead of keeping the planner busy for minutes.
 from __future__ import annotations
 
 import math
-import reprlib
 import re
 from dataclasses import dataclass
 from typing import Callable
 
+import modelcarve.spec.config_checks as config_checks
+from modelcarve.spec.config_checks import _show
 from modelcarve.spec.errors import SpecError
 
 MAX_NODES = 2**17
@@ -82,17 +83,7 @@ Lookup = Callable[[str, str], tuple[str, dict]]
 
 
 def _kind(value) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
-        type(value), type(value).__name__)
-
-
-def _show(value) -> str:
-    if value is None:
-        return ""
-    text = reprlib.repr(value)  # bounded: a YAML alias bomb must not expand here
-    return text if len(text) <= 40 else text[:37] + "..."
+    return config_checks._kind(value, "list", "mapping")
 
 
 def _num(x: float) -> str:

@@ -48,10 +48,11 @@ _ROPE_FLOAT = {  # rope_scaling / rope_parameters keys -> (low exclusive, high i
 }
 
 
-def _kind(value) -> str:
+def _kind(value, list_word: str = "array", dict_word: str = "object") -> str:
+    """The value's type as the file's own language says it (JSON by default; cluster_file says YAML's)."""
     if value is None:
         return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: list_word, dict: dict_word}.get(
         type(value), type(value).__name__)
 
 
