@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from modelcarve.runtime.supervise import children_of
+
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -63,24 +65,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, their children, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+descendants = children_of  # every process below a pid, from /proc: the launcher's own walk
 
 
 def alive(pid: int) -> bool:
