@@ -186,6 +186,29 @@ def test_the_reference_model_knows_no_parallelism():
         assert runtime <= model_layers, f"{name} imports {sorted(runtime - model_layers)}"
 
 
+PARALLELISMS = {  # runtime module -> the parallelism it belongs to
+    "tensor": "tp", "pipeline": "pp", "pipeline_split": "pp", "expert": "ep",
+    "context": "cp", "ring_attention": "cp", "data_parallel": "dp",
+}
+
+
+def test_only_parallelize_brings_several_parallelisms_together():
+    """No module but runtime/parallelize.py imports the modules of two parallelisms (the train
+    step and verify.py take what they need of them through parallelize.StepHooks)."""
+    graph, lines = import_graph()
+    offenders = {}
+    for name, targets in sorted(graph.items()):
+        if name == "modelcarve.runtime.parallelize":
+            continue
+        used = {PARALLELISMS[t.rsplit(".", 1)[1]]: t for t in targets
+                if t.startswith("modelcarve.runtime.") and t.rsplit(".", 1)[1] in PARALLELISMS}
+        if len(used) > 1:
+            offenders[name] = sorted(f"{t} (line {lines[(name, t)]})" for t in used.values())
+    assert not offenders, f"modules bringing several parallelisms together: {offenders}"
+    assert len({PARALLELISMS[t.rsplit('.', 1)[1]] for t in graph["modelcarve.runtime.parallelize"]
+                if t.rsplit(".", 1)[1] in PARALLELISMS}) == 5  # it did find parallelize's own
+
+
 @pytest.mark.parametrize("name", sorted(_sources()))
 def test_every_module_is_short_and_says_what_it_owns(name):
     path = _sources()[name]

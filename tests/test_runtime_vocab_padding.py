@@ -40,7 +40,8 @@ def _cases(paths):
     from modelcarve.runtime.checkpoint import load_model, load_sharded
     from modelcarve.runtime.mesh import build_mesh
     from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.tensor import full_vocab_logits, padding_of
+    from modelcarve.runtime.shards import padding_of
+    from modelcarve.runtime.tensor import full_vocab_logits
     from modelcarve.spec.layout import Layout
     from modelcarve.verify import gather_full, verify_worker
 

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from modelcarve.runtime.parallelize import StepHooks
+
 # Tolerances: fp32 from the issue; bf16 measured (tests/test_runtime_layouts.py) with margin:
 # both sides run bf16 autocast, the differences come from reduction order in bf16 matmuls.
 TOLERANCES = {
@@ -136,7 +138,7 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
         except ImportError:
             pass
         shards = shards_of(chunk)
-        from modelcarve.runtime.tensor import padding_of
+        from modelcarve.runtime.shards import padding_of
 
         padding = padding_of(chunk)
         for fqn, p in chunk.named_parameters():
@@ -174,13 +176,12 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
 
     if (layout.cp > 1 and layout.pp > 1) or (layout.pp > 1 and runner is None):
         return None
-    from modelcarve.runtime.context import shard_batch, unshard_sequence
-
+    hooks = StepHooks(chunks, layout, mesh)
     rows = tokens.shape[0] // layout.dp
     dp_rank = axis_rank(mesh, "dp")
     local = tokens[dp_rank * rows : (dp_rank + 1) * rows]
     local = local.to(next((p.device for c in chunks for p in c.parameters()), local.device))
-    local, _, positions = shard_batch(local, None, mesh, layout)  # cp > 1: this rank's zig-zag piece
+    local, _, positions = hooks.shard_batch(local, None)  # cp > 1: this rank's zig-zag piece
     last = chunks[-1]
     with torch.no_grad(), autocast(layout):
         if layout.pp == 1:
@@ -197,7 +198,7 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
         if getattr(last, "vocab_parallel", False):
             logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
         logits = logits[..., : last.spec.vocab_size]  # vocabulary padding cut off
-        logits = unshard_sequence(logits, mesh, layout, dim=1)
+        logits = hooks.unshard_sequence(logits, dim=1)
     if layout.pp == 1:
         if layout.dp > 1:
             logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
@@ -240,11 +241,9 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     rank0 = dist.get_rank() == 0
     reference = copy.deepcopy(model) if rank0 else None
-    if spec.is_moe:
-        from modelcarve.runtime.expert import configure_moe, moe_step_stats, reset_moe_counts
-
-        if rank0:
-            configure_moe([reference], capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
+    ref_hooks = StepHooks([reference])  # the single-device reference's MoE options and counts
+    if spec.is_moe and rank0:
+        ref_hooks.configure_moe(capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
     moe_stats = []
     chunks = parallelize(model, layout, mesh)
     trainer = Trainer(chunks, layout, mesh, config)
@@ -264,7 +263,9 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                     ref_logits = reference(tokens.to(device_type())).float()
                 checks.append(compare("logits", logits, ref_logits, tol["logits"]))
             if spec.is_moe:  # count the training step only
-                reset_moe_counts(chunks + ([reference] if rank0 else []))
+                trainer.hooks.reset_moe_counts()
+                if rank0:
+                    ref_hooks.reset_moe_counts()
         loss = trainer.forward_backward(tokens, targets)
         if rank0:
             ref = reference_step(reference, ref_opt, tokens, targets, TrainConfig(lr=lr, max_norm=0.0), bf16)
@@ -306,7 +307,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         if spec.is_moe:
             moe_stats.append(trainer.moe_stats())
             if rank0:
-                ref_stats = moe_step_stats([reference], bias_rate=config.moe_bias_rate)
+                ref_stats = ref_hooks.moe_stats(bias_rate=config.moe_bias_rate)
                 for fqn, row in ref_stats.items():
                     got = moe_stats[-1].get(fqn, {})
                     for key in ("tokens_per_expert", "dropped"):

@@ -338,7 +338,7 @@ def load_sharded(chunks: list[nn.Module], path: str | Path, device: str = "cpu")
         except ImportError:
             tied = {}
         family = chunk.spec.family
-        from modelcarve.runtime.tensor import padding_of
+        from modelcarve.runtime.shards import padding_of
 
         padding = padding_of(chunk)
         for fqn, p in _saved_tensors(chunk):

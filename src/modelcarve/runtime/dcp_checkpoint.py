@@ -3,7 +3,7 @@
 Every tensor a rank holds is a rectangular box of one tensor of the unsplit model: TP/EP slices
 (shards.py's records), FSDP2's DTensor shard inside that, the pipeline stage's own layers (chunk
 FQNs equal the full model's), the tied LM head's copy (saved under the embedding's name),
-vocabulary padding cut off at the true size (tensor.py's ``padding_of``). ``entries(chunks)``
+vocabulary padding cut off at the true size (shards.py's ``padding_of``). ``entries(chunks)``
 lists those boxes, with checkpoint.py's ``_slices_for`` (the same arithmetic the safetensors
 loader uses). The planners below hand DCP each box as a chunk ``(offsets, sizes)`` of a tensor of
 the full size, so the checkpoint on disk does not depend on the layout that wrote it: DCP's
@@ -67,7 +67,7 @@ def model_hash(spec) -> str:
 
 
 def _box(chunk: nn.Module, fqn: str, tensor: torch.Tensor, param, shape: tuple[int, ...]) -> Box | None:
-    from modelcarve.runtime.tensor import padding_of
+    from modelcarve.runtime.shards import padding_of
 
     shape = list(shape)
     pad = padding_of(chunk).get(fqn)

@@ -17,10 +17,17 @@ runtime cannot execute, with the fix in the message.
 
 Each parallelism module applies one parallelism and imports none of the others; what one
 changes in a parameter that another (or verify.py, the train step, the checkpoint code) must
-know is recorded in shards.py. This is the only module that brings them together.
+know is recorded in shards.py. This is the only module that brings them together: what the
+training step (train.py) and verify.py need of them at run time (the vocabulary-parallel loss,
+the pipeline runner, the cp piece of a batch, the MoE options and statistics, the gradient
+reduction, clipping and the optimiser) they take from ``StepHooks`` below, not from the
+parallelism modules themselves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -145,3 +152,98 @@ def apply_recompute(chunk: nn.Module, mode: str) -> None:
             _checkpoint_forward(block.attention.core_attention)
         else:
             raise LayoutError(f"recompute={mode!r} is not one of: none, selective, full")
+
+
+# --- what a training step asks of the parallelisms ----------------------------------------
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """The parallelisms' part of one training or evaluation step on this rank's ``chunks``.
+
+    train.py's Trainer and verify.py call these, so they import no parallelism module; each
+    method hands over to the one module that owns the idea. ``layout``/``mesh`` None is the
+    single-device reference (only the MoE methods take it)."""
+
+    chunks: list
+    layout: Any = None
+    mesh: Any = None
+
+    def loss_fn(self, num_tokens: int):
+        """``loss_fn(logits, targets) -> sum(CE) / num_tokens``: vocabulary-parallel (tensor.py)
+        when the last chunk's LM head is split over tp, else torch's cross-entropy."""
+        import torch.nn.functional as F
+
+        chunk = self.chunks[-1]
+        group = getattr(chunk, "tp_group", None) if getattr(chunk, "vocab_parallel", False) else None
+        if group is not None:
+            from modelcarve.runtime.tensor import vocab_parallel_cross_entropy
+
+            vocab = chunk.spec.vocab_size
+
+            def loss_fn(logits, targets):
+                return vocab_parallel_cross_entropy(logits, targets, group, vocab).sum() / num_tokens
+        else:
+            def loss_fn(logits, targets):
+                return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), reduction="sum") / num_tokens
+        return loss_fn
+
+    def pipeline(self, loss_fn):
+        """The pipeline runner over this rank's stages (pipeline.py), MoE counts kept clean of
+        torch's shape-inference forward (expert.py)."""
+        from modelcarve.runtime.pipeline import build_pipeline
+
+        runner = build_pipeline(self.chunks, self.layout, self.mesh, loss_fn)
+        if self.chunks[0].spec.is_moe:
+            from modelcarve.runtime.expert import exclude_shape_inference
+
+            exclude_shape_inference(runner)
+        return runner
+
+    def shard_batch(self, tokens, targets):
+        """``(tokens, targets, positions)`` of this cp rank (context.py); positions None at cp=1."""
+        if self.layout is None or self.layout.cp == 1:
+            return tokens, targets, None
+        from modelcarve.runtime.context import shard_batch
+
+        return shard_batch(tokens, targets, self.mesh, self.layout)
+
+    def unshard_sequence(self, x, dim: int = 1):
+        """Every cp rank's piece of ``x`` along ``dim`` reassembled (context.py; no grad)."""
+        from modelcarve.runtime.context import unshard_sequence
+
+        return unshard_sequence(x, self.mesh, self.layout, dim=dim)
+
+    def configure_moe(self, *, capacity_factor: float | None, aux_loss_coef: float) -> None:
+        from modelcarve.runtime.expert import configure_moe
+
+        configure_moe(self.chunks, self.layout, self.mesh, capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef)
+
+    def moe_stats(self, *, bias_rate: float = 0.0) -> dict:
+        """Per MoE layer since the last call (expert.py; collective when layout is set)."""
+        from modelcarve.runtime.expert import moe_step_stats
+
+        return moe_step_stats(self.chunks, self.mesh, self.layout, bias_rate=bias_rate)
+
+    def reset_moe_counts(self) -> None:
+        from modelcarve.runtime.expert import reset_moe_counts
+
+        reset_moe_counts(self.chunks)
+
+    def optimizer(self, **adamw):
+        """AdamW over the chunks, sharded as the layout's ZeRO stage says (data_parallel.py)."""
+        from modelcarve.runtime.data_parallel import build_optimizer
+
+        return build_optimizer(self.chunks, self.mesh, self.layout, **adamw)
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over every axis that holds partial sums (data_parallel.py)."""
+        from modelcarve.runtime.data_parallel import reduce_gradients
+
+        reduce_gradients(self.chunks, self.mesh, self.layout)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip to the global gradient norm over every shard; returns that norm (data_parallel.py)."""
+        from modelcarve.runtime.data_parallel import clip_gradients
+
+        return clip_gradients(self.chunks, max_norm, self.mesh, self.layout)

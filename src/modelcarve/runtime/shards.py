@@ -16,6 +16,9 @@ FSDP2's own DTensor placements), so a new parallelism needs nothing else.
   of the dp x cp group (zero 0/1; experts: the expert-data-parallel group).
 * ``record_tied_copy(chunk, copy_fqn, original_fqn)``: the parameter is a copy of another one of
   the full model (a tied LM head on the last pipeline stage); gradient-norm code counts it once.
+* ``record_padding(chunk, fqn, dim, true_size, padded)``: the parameter's vocabulary dimension is
+  padded (tensor.py pads a vocabulary tp does not divide); saving, exporting and gathering cut it
+  back to ``true_size``.
 """
 
 from __future__ import annotations
@@ -63,3 +66,12 @@ def tied_copy_names(chunk: nn.Module) -> dict[str, str]:
     """``{fqn of the copy: fqn of the original}`` for tied parameters duplicated onto this chunk
     (empty for chunks without such a copy); gradient-norm code counts these once."""
     return dict(getattr(unwrap(chunk), TIED_COPY_ATTR, {}) or {})
+
+
+def record_padding(chunk: nn.Module, fqn: str, dim: int, true_size: int, padded: int) -> None:
+    chunk.__dict__.setdefault("_mc_vocab_padding", {})[fqn] = (dim, true_size, padded)
+
+
+def padding_of(chunk: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """{fqn: (dim, true size, padded size)} of this chunk's vocabulary-padded parameters."""
+    return chunk.__dict__.get("_mc_vocab_padding", {})

@@ -35,7 +35,7 @@ What is sharded over the ``tp`` mesh axis (size t):
   padded (the planner counts V / t rows per rank). Padded columns are -inf inside
   ``vocab_parallel_cross_entropy`` (no loss, no gradient: the padded rows stay zero);
   ``full_vocab_logits`` gathers the logits and cuts them to V (and ``mask_padded_logits`` sets a
-  local shard's padded columns to -inf) so no padded id is ever sampled; ``padding_of(chunk)``
+  local shard's padded columns to -inf) so no padded id is ever sampled; ``shards.padding_of(chunk)``
   records ``{fqn: (dim, V, padded)}`` so gathered / saved weights are cut back to V
   (verify.gather_full) and checkpoint slices are zero-filled past V (checkpoint.load_sharded).
 
@@ -65,7 +65,7 @@ from torch import nn
 from modelcarve.runtime.mlp import FeedForward
 from modelcarve.runtime.model import Attention, MLAttention
 from modelcarve.runtime.moe import MoE
-from modelcarve.runtime.shards import record_partial_grad, record_shard
+from modelcarve.runtime.shards import record_padding, record_partial_grad, record_shard
 from modelcarve.spec.errors import LayoutError
 
 # --- collectives with autograd ----------------------------------------------------------
@@ -163,15 +163,6 @@ def padded_vocab_size(vocab_size: int, tp: int, granule: int = VOCAB_GRANULE) ->
         return vocab_size
     multiple = tp * granule
     return -(-vocab_size // multiple) * multiple
-
-
-def record_padding(chunk: nn.Module, fqn: str, dim: int, true_size: int, padded: int) -> None:
-    chunk.__dict__.setdefault("_mc_vocab_padding", {})[fqn] = (dim, true_size, padded)
-
-
-def padding_of(chunk: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """{fqn: (dim, true size, padded size)} of this chunk's vocabulary-padded parameters."""
-    return chunk.__dict__.get("_mc_vocab_padding", {})
 
 
 def mask_padded_logits(logits: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:

@@ -13,14 +13,15 @@ Data layout: the global batch [gbs, seq] is split into ``dp`` contiguous row blo
 gets rows [i gbs/dp, (i+1) gbs/dp)); each block into ``num_microbatches`` micro-batches of
 ``mbs`` rows. CP splits each micro-batch along the sequence (context.py: ``shard_batch``).
 
-Hooks: pp > 1 calls ``pipeline.build_pipeline(chunks, layout, mesh, loss_fn)`` whose runner's
+Hooks (parallelize.StepHooks, so this module imports no parallelism): pp > 1 takes the
+runner of ``pipeline.build_pipeline(chunks, layout, mesh, loss_fn)``, whose
 ``step(tokens, targets, positions) -> loss`` runs forward+backward over this replica's
 micro-batches. The pipeline keeps torch's own convention instead: its ``loss_fn`` is the
 micro-batch MEAN (``sum / (mbs x seq / cp)``), torch's ``scale_grads`` divides the accumulated
 gradients by the micro-batch count, and the returned loss is already the global mean; so the
 step divides the summed gradients by ``dp x cp`` afterwards and does not reduce the loss again.
-Both paths yield the gradient of the global-batch mean. cp > 1 calls
-``context.shard_batch(tokens, targets, mesh, layout) -> (tokens, targets, positions)``.
+Both paths yield the gradient of the global-batch mean. cp > 1 takes this rank's piece of each
+micro-batch from ``context.shard_batch(tokens, targets, mesh, layout) -> (tokens, targets, positions)``.
 
 Mixed precision: ``param_dtype=bf16`` runs forward and backward under ``torch.autocast`` (bf16
 matmuls) with fp32 master weights, fp32 gradients, fp32 reductions and fp32 AdamW state
@@ -38,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelcarve.runtime.data_parallel import build_optimizer, clip_gradients, reduce_gradients
 from modelcarve.runtime.mesh import axis_group, axis_rank, axis_size, device_type
+from modelcarve.runtime.parallelize import StepHooks
 from modelcarve.spec.errors import ModelcarveError
 
 
@@ -122,17 +123,8 @@ def make_data(source: str | None, vocab_size: int, seed: int = 0):
 
 def make_loss_fn(chunk: nn.Module | None, num_tokens: int):
     """``loss_fn(logits, targets) -> sum(CE) / num_tokens`` (vocab-parallel when the chunk's
-    LM head is tensor-parallel)."""
-    group = getattr(chunk, "tp_group", None) if getattr(chunk, "vocab_parallel", False) else None
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if group is not None:
-            from modelcarve.runtime.tensor import vocab_parallel_cross_entropy
-
-            return vocab_parallel_cross_entropy(logits, targets, group, chunk.spec.vocab_size).sum() / num_tokens
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.reshape(-1), reduction="sum") / num_tokens
-
-    return loss_fn
+    LM head is tensor-parallel: parallelize.StepHooks.loss_fn)."""
+    return StepHooks([chunk]).loss_fn(num_tokens)
 
 
 # --- the step ---------------------------------------------------------------------------
@@ -143,32 +135,24 @@ class Trainer:
 
     def __init__(self, chunks: list[nn.Module], layout, mesh, config: TrainConfig = TrainConfig()):
         self.chunks, self.layout, self.mesh, self.config = chunks, layout, mesh, config
+        self.hooks = StepHooks(chunks, layout, mesh)
         self.num_tokens = layout.global_batch * layout.seq
-        self.loss_fn = make_loss_fn(chunks[-1], self.num_tokens)
-        self.optimizer = build_optimizer(chunks, mesh, layout, **config.adamw())
+        self.loss_fn = self.hooks.loss_fn(self.num_tokens)
+        self.optimizer = self.hooks.optimizer(**config.adamw())
         self.runner = None
         if layout.pp > 1:
-            from modelcarve.runtime.pipeline import build_pipeline
-
             # pipeline.py's runner takes a per-micro-batch MEAN loss and divides the accumulated
             # gradients by the micro-batch count (torch's scale_grads): its gradients are this
             # replica's mean, so after the dp x cp SUM we divide by dp x cp (see forward_backward).
-            self.loss_fn = make_loss_fn(chunks[-1], layout.mbs * layout.seq // layout.cp)
-            self.runner = build_pipeline(chunks, layout, mesh, self.loss_fn)
+            self.loss_fn = self.hooks.loss_fn(layout.mbs * layout.seq // layout.cp)
+            self.runner = self.hooks.pipeline(self.loss_fn)
         self.dp_rank = axis_rank(mesh, "dp")
         self.device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
         if self.device.type == "meta":
             raise ModelcarveError("the model is still on the meta device; load its weights (checkpoint.load_sharded) first")
         self.is_moe = chunks[0].spec.is_moe
         if self.is_moe:
-            from modelcarve.runtime.expert import configure_moe
-
-            configure_moe(chunks, layout, mesh, capacity_factor=config.moe_capacity_factor,
-                          aux_loss_coef=config.moe_aux_loss_coef)
-            if self.runner is not None:
-                from modelcarve.runtime.expert import exclude_shape_inference
-
-                exclude_shape_inference(self.runner)
+            self.hooks.configure_moe(capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
 
     def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor):
         rows = tokens.shape[0] // self.layout.dp
@@ -186,11 +170,7 @@ class Trainer:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         with autocast(layout):
             if self.runner is not None:
-                positions = None
-                if layout.cp > 1:
-                    from modelcarve.runtime.context import shard_batch
-
-                    tokens, targets, positions = shard_batch(tokens, targets, self.mesh, layout)
+                tokens, targets, positions = self.hooks.shard_batch(tokens, targets)
                 # the runner returns the global-batch mean already (averaged over dp and cp)
                 loss = torch.as_tensor(self.runner.step(tokens, targets, positions), dtype=torch.float32)
                 loss = loss.detach().clone()
@@ -198,15 +178,11 @@ class Trainer:
                 loss = torch.zeros((), dtype=torch.float32, device=self.device)
                 model = self.chunks[0]
                 for tok, tgt in zip(tokens.split(layout.mbs), targets.split(layout.mbs)):
-                    positions = None
-                    if layout.cp > 1:
-                        from modelcarve.runtime.context import shard_batch
-
-                        tok, tgt, positions = shard_batch(tok, tgt, self.mesh, layout)
+                    tok, tgt, positions = self.hooks.shard_batch(tok, tgt)
                     mb_loss = self.loss_fn(model(tok, positions), tgt)
                     mb_loss.backward()
                     loss += mb_loss.detach().float()
-        reduce_gradients(self.chunks, self.mesh, layout)
+        self.hooks.reduce_gradients()
         replicas = layout.dp * layout.cp
         if replicas > 1 and self.runner is not None:
             scale_gradients(self.chunks, 1.0 / replicas)
@@ -215,7 +191,7 @@ class Trainer:
         return float(loss)
 
     def optimizer_step(self) -> float:
-        norm = clip_gradients(self.chunks, self.config.max_norm, self.mesh, self.layout)
+        norm = self.hooks.clip_gradients(self.config.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -231,9 +207,7 @@ class Trainer:
     def moe_stats(self) -> dict:
         """Per MoE layer, since the last call: tokens per expert and per rank, imbalance, drops
         (expert.py: moe_step_stats, collective); applies the router bias update."""
-        from modelcarve.runtime.expert import moe_step_stats
-
-        return moe_step_stats(self.chunks, self.mesh, self.layout, bias_rate=self.config.moe_bias_rate)
+        return self.hooks.moe_stats(bias_rate=self.config.moe_bias_rate)
 
 
 @torch.no_grad()
