@@ -201,8 +201,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors  # this rank's partition (even split assumed)
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
-        if layout.pp == 1:
-            msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp
+        msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
     acts = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts,
