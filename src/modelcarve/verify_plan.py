@@ -10,7 +10,8 @@ plan/step_traffic.py's prediction beside the measured one:
   byte (wire to 1e-6 relative: the ring formulas divide); torch pipelining's shape-metadata
   messages (integer dtypes) are reported as ``payload:send_meta``, not judged;
 * ``params``, ``grads``, ``optimizer``, ``comm_buffers`` equal to the byte; ``activations``
-  within 10% (the planner's per-layer formula against the peak saved-for-backward bytes);
+  within 10% (plan/runtime_activations.py against the peak saved-for-backward bytes), and
+  ``activations_fused`` (plan/activations.py's production-stack figure) beside it, not judged;
 * a quantity the per-op model does not cover (MoE/EP, CP, MLA, hsdp, interleaved schedules,
   ...) gets ``predicted`` None and ``ok`` None, and one ``model`` row says why: reported, not
   judged, never guessed.
@@ -75,9 +76,11 @@ class AgainstPlan:
         for name in ("params", "grads", "optimizer", "activations", "comm_buffers"):
             p, m = (pred.memory[name] if pred else None), self.mem.get(name, 0)
             ok = None
-            if p is not None:
+            if p is not None and m is not None:
                 ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
             out.append(_row(name, "-", "-", rank, p, m, ok))
+        if pred is not None:  # the training planner's production-stack estimate, for comparison only
+            out.append(_row("activations_fused", "-", "-", rank, pred.memory["activations_fused"], self.mem.get("activations"), None))
         if pred is None:
             out.append(_row("model", why, "-", rank, None, None, None, unit="-"))
         return out

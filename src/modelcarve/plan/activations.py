@@ -125,8 +125,8 @@ def layer_activation_terms(
         if attention == "flash":
             terms["attn_core"] = 4.0 * T * heads  # fp32 log-sum-exp per query row and head
         else:
-            # softmax output (2 bytes) + dropout mask (1) + dropout output (2) per score
-            terms["attn_core"] = (2.0 + 3.0 * mask) * T * heads * seq_ctx
+            # softmax output (a bytes) + dropout mask (1) + dropout output (a) per score
+            terms["attn_core"] = (a + (1.0 + a) * mask) * T * heads * seq_ctx
     terms["proj_input"] = q * T * heads * dv
     terms["dropout_masks"] = 2 * mask * T * h / rep
     if "layernorm" not in mods:

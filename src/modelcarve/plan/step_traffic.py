@@ -28,6 +28,10 @@ plan/activations.py for saved activations), dtype-aware: a value carried in ``d`
   fp32 vectors (max, sum of exponentials, target logit);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
   the first sends its input gradient back (torch's shape metadata messages are not predicted);
+* memory: fp32 parameters, gradients and AdamW moments (+ one fp32 step counter per tensor),
+  sharded by FSDP / partitioned by ZeRO; activations from plan/runtime_activations.py (what our
+  eager runtime saves) and, beside them, plan/activations.py's production-stack estimate;
+  comm_buffers the largest single message;
 * scalars: the loss averaged over dp (fp32) or broadcast from the last stage, and the global
   gradient norm all-reduced over the world in fp64.
 
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from modelcarve.plan import comm
 from modelcarve.plan.activations import layer_activation_bytes
+from modelcarve.plan.runtime_activations import rank_activation_bytes
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -203,8 +208,9 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
         msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    acts = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
-    memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts,
+    acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
+    fused = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
+    memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     return RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
 
@@ -238,7 +244,8 @@ def _in_flight(layout: "Layout", stage: int) -> int:
 
 
 def activation_bytes(spec: "ModelSpec", layout: "Layout", nl: int, first: bool, last: bool, in_flight: int = 1) -> float:
-    """Saved-for-backward bytes at the peak: plan/activations.py's per-layer terms at the
+    """The training planner's own estimate (a fused production stack, not our eager runtime;
+    reported beside the measured peak, not judged): plan/activations.py's per-layer terms at the
     layout's compute dtype (``bytes_per_value``), times the layers and micro-batches in flight."""
     tokens = layout.mbs * layout.seq
     one = layer_activation_bytes(spec, tokens=tokens, seq_ctx=layout.seq, tp=layout.tp, sp=layout.sp,
