@@ -11,9 +11,11 @@ Not in the matrix (yet): zero=1/2 — helper ``zero`` changes them to reduce-sca
 already predicts that form, the lead enables them here after merging. ep, cp, hsdp and the
 interleaved / zero-bubble schedules are not modelled per op: their rows are reported with
 ``predicted`` None and not judged (checked below that such a row never passes as "ok").
-Activations are reported against plan/activations.py's per-layer formula and not asserted here:
-it leaves out the head / loss and the fp32 attention scores the reference model saves (measured
-1.5-1.7x the formula on tiny-llama, see docs/notes in the report).
+Activations: plan/runtime_activations.py (what the eager runtime saves) is held within 10% in
+fp32 (it is exact there up to 28 bytes of boolean masks under tp). Under bf16 the measurement
+itself is off: memory_report skips "autocast copies of a weight" by shape, which drops
+activation casts that happen to share a local weight's shape and keeps transposed weight
+copies, so bf16 activation rows are reported, not asserted here.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ CASES = [
     f"dp=2,fsdp,gbs=4,{FP32}",
     f"tp=2,gbs=2,{FP32}",
     f"tp=2,sp,gbs=2,{FP32}",
-    "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16",  # bf16: forward TP messages in bf16, backward in fp32
+    "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16",  # bf16: TP messages in bf16 but the embedding's output
     "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16",
     f"pp=2,gbs=4,schedule=gpipe,{FP32}",
     f"pp=2,gbs=4,schedule=1f1b,{FP32}",
@@ -40,13 +42,19 @@ CASES = [
 ]
 
 
-def _worker():
+# 4 ranks accounted as 2 per node (--ranks-per-node 2): the dp / pp groups cross nodes, tp stays inside
+CASES_4 = [f"tp=2,sp,dp=2,gbs=4,{FP32}", f"pp=2,tp=2,gbs=4,{FP32}"]
+
+
+def _worker(cases, per_node=None):
     import torch.distributed as dist
 
+    from modelcarve.runtime import collectives
     from modelcarve.verify import verify_worker
 
+    collectives.configure(per_node)
     out = []
-    for layout in CASES:
+    for layout in cases:
         out.append(verify_worker("tiny-llama", layout, steps=2, against_plan=True))
         dist.barrier()
     return out
@@ -54,11 +62,16 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_distributed(_worker, 2, timeout=600)[0]
+    return run_distributed(_worker, 2, CASES, timeout=600)[0]
 
 
-def test_bytes_and_memory_equal_the_plan(reports):
-    for layout, report in zip(CASES, reports):
+@pytest.fixture(scope="module")
+def reports4():
+    return run_distributed(_worker, 4, CASES_4, 2, timeout=600)[0]
+
+
+def _check_exact(cases, reports):
+    for layout, report in zip(cases, reports):
         rows = report["against_plan"]
         assert {r["rank"] for r in rows} == {0, 1}
         if layout.startswith("cp="):
@@ -68,18 +81,34 @@ def test_bytes_and_memory_equal_the_plan(reports):
         for r in byte_rows + [r for r in rows if r["quantity"] in ("params", "grads", "optimizer", "comm_buffers")]:
             assert r["ok"] is True, (layout, r)
             assert r["predicted"] == pytest.approx(r["measured"], rel=1e-9, abs=0), (layout, r)
+        if "fp32" in layout:
+            for r in rows:
+                if r["quantity"] == "activations":
+                    assert r["ok"] is True and abs(r["predicted"] - r["measured"]) <= 0.10 * r["measured"], (layout, r)
         assert all(c["passed"] for c in report["checks"]), layout  # the layout still matches the reference
 
 
-def test_bf16_carries_half_the_forward_bytes(reports):
-    """Derivation: per micro-batch the 4 layers' 8 forward row-parallel outputs (1x16x64 values)
-    go in bf16 (2 bytes), the 10 others (backward, embedding, head) in fp32, so the TP hidden
-    traffic is 8*2048 + 10*4096 per micro-batch against 18*4096 in fp32."""
+def test_bytes_and_memory_equal_the_plan(reports):
+    _check_exact(CASES, reports)
+
+
+def test_combinations_and_tiers_equal_the_plan(reports4):
+    _check_exact(CASES_4, reports4)
+    rows = [r for rep in reports4 for r in rep["against_plan"]]
+    tiers = {(r["axis"], r["tier"]) for r in rows if r["quantity"].startswith("payload:")}
+    assert ("tp", "intra") in tiers and ("dp", "inter") in tiers and ("pp", "inter") in tiers
+
+
+def test_bf16_layout_carries_bf16(reports):
+    """Derivation: per micro-batch 18 TP all-reduces of a 1x16x64 hidden: the 4 layers' 8 forward
+    row-parallel outputs, 8 backward gradients and the head's input gradient carried in bf16
+    (2048 bytes; runtime/tensor.py casts the backward ones), the embedding's fp32 output (4096):
+    17*2048 + 4096 per micro-batch against 18*4096 in fp32."""
     fp32 = {r["quantity"]: r["measured"] for r in reports[2]["against_plan"] if r["rank"] == 0}
     bf16 = {r["quantity"]: r["measured"] for r in reports[4]["against_plan"] if r["rank"] == 0}
     scalars = 6 * 64 + 8  # cross-entropy vectors (fp32 both) and the fp64 norm
     assert fp32["payload:all_reduce"] - scalars == 2 * 18 * 4096
-    assert bf16["payload:all_reduce"] - scalars == 2 * (8 * 2048 + 10 * 4096)
+    assert bf16["payload:all_reduce"] - scalars == 2 * (17 * 2048 + 4096)
 
 
 def test_unmodelled_layout_is_reported_not_judged(reports):

@@ -19,11 +19,12 @@ plan/activations.py for saved activations), dtype-aware: a value carried in ``d`
   per micro-batch each decoder layer's parameters all-gathered in forward and again in
   backward, the root (embeddings, final norm, head) once, and every unit's gradient
   reduce-scattered;
-* tensor parallel, per micro-batch: without ``sp`` two all-reduces per layer in forward (in the
-  compute dtype: the row-parallel outputs) and two in backward (fp32 today: the gradients of
-  the fp32 norm outputs) of the ``mbs x seq x h`` hidden, plus the vocab-parallel embedding's forward
-  all-reduce and the column-parallel head's input-gradient all-reduce; with ``sp`` each of those
-  becomes an all-gather + reduce-scatter pair, and the replicated norm weights' gradients are
+* tensor parallel, per micro-batch: without ``sp`` two all-reduces per layer in forward (the
+  row-parallel outputs, compute dtype) and two in backward (gradients, carried in the compute
+  dtype by runtime/tensor.py) of the ``mbs x seq x h`` hidden, plus the vocab-parallel
+  embedding's forward all-reduce (fp32: the embedding output) and the column-parallel head's
+  input-gradient all-reduce (compute dtype); with ``sp`` each of those becomes an all-gather +
+  reduce-scatter pair (the forward all-gathers move the fp32 norm outputs), and the replicated norm weights' gradients are
   all-reduced once per step; the vocab-parallel cross entropy all-reduces three ``mbs x seq``
   fp32 vectors (max, sum of exponentials, target logit);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
@@ -218,13 +219,19 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
                 hidden: int, act: int) -> list[Message]:
     """Tensor-parallel messages of one step on one rank (see the module doc)."""
-    dt = layout.param_dtype
-    fwd = 2 * nl * m  # the row-parallel outputs of each layer's attention and MLP: compute dtype
-    rest = (2 * nl + int(first) + int(last)) * m  # backward, the embedding's forward, the head's backward: fp32
-    ops = ("all_gather", "reduce_scatter") if layout.sp else ("all_reduce",)
-    out = []
-    for op in ops:
-        out += [Message(op, group, dt, hidden * act, fwd), Message(op, group, "fp32", hidden * 4, rest)]
+    dt, region = layout.param_dtype, hidden * act
+    f32 = hidden * 4
+    # per micro-batch: forward, each layer's row-parallel outputs (compute dtype) and the
+    # embedding's output (fp32); under sp also the gathered norm outputs and the head's input
+    # (fp32); backward, every gradient in the compute dtype (runtime/tensor.py carries them so)
+    if layout.sp:
+        out = [Message("all_gather", group, "fp32", f32, (2 * nl + int(last)) * m),
+               Message("all_gather", group, dt, region, (2 * nl + int(first)) * m),
+               Message("reduce_scatter", group, dt, region, (4 * nl + int(last)) * m),
+               Message("reduce_scatter", group, "fp32", f32, int(first) * m)]
+    else:
+        out = [Message("all_reduce", group, dt, region, (4 * nl + int(last)) * m),
+               Message("all_reduce", group, "fp32", f32, int(first) * m)]
     if layout.sp:  # the replicated norm weights' gradients, once per step
         norms = nl * spec.layer_norms + int(last)
         out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
