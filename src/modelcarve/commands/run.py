@@ -273,4 +273,6 @@ def print_report(report: dict) -> None:
         from modelcarve.commands.verify_plan_table import against_plan_table
 
         console.print(against_plan_table(report))
-    console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks)")
+    outside = sum(r["ok"] is False for r in report.get("against_plan") or [])
+    console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks"
+                  + (f", {outside} against-plan rows outside" if outside else "") + ")")
