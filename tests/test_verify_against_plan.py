@@ -113,3 +113,27 @@ def test_unmodelled_layout_is_reported_not_judged(reports):
     assert any(r["quantity"] == "model" and "context" in r["axis"] for r in rows)
     assert all(r["ok"] is None for r in rows if r["predicted"] is None)
     assert any(r["measured"] for r in rows if r["quantity"].startswith("payload:"))
+
+
+def test_plan_side_alone_needs_no_torch_and_sums_by_hand():
+    """The prediction from the spec alone: dp=2 all-reduces 4 bytes x P (tiny-llama's parameters,
+    fp32 gradients) + the 4-byte loss + the 8-byte fp64 norm; FSDP shards params to 4P/2; ZeRO-1
+    is RS + AG of 4P (branch ``zero``'s form); a 1F1B stage 0 holds min(m, pp) micro-batches."""
+    from modelcarve.plan.step_traffic import NotModelled, predict_rank
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+
+    spec = get_model("tiny-llama")
+    P = spec.total_params
+    dp = predict_rank(spec, Layout.parse(f"dp=2,gbs=4,{FP32}"), 0)
+    assert sum(m.payload * m.calls for m in dp.messages if m.op == "all_reduce") == 4 * P + 4 + 8
+    assert dp.memory["params"] == dp.memory["grads"] == 4 * P
+    assert predict_rank(spec, Layout.parse(f"dp=2,fsdp,gbs=4,{FP32}"), 1).memory["params"] == 4 * P // 2
+    z1 = predict_rank(spec, Layout.parse(f"dp=2,zero=1,gbs=4,{FP32}"), 0)
+    assert {(m.op, m.payload) for m in z1.messages if m.payload > 8} == {("reduce_scatter", 4 * P), ("all_gather", 4 * P)}
+    one = predict_rank(spec, Layout.parse(f"pp=2,gbs=1,{FP32}"), 0).memory["activations"]
+    assert predict_rank(spec, Layout.parse(f"pp=2,gbs=8,{FP32}"), 0).memory["activations"] == 2 * one
+    gpipe = predict_rank(spec, Layout.parse(f"pp=2,gbs=8,schedule=gpipe,{FP32}"), 0).memory["activations"]
+    assert gpipe == 8 * one
+    with pytest.raises(NotModelled):
+        predict_rank(get_model("tiny-moe"), Layout.parse(f"dp=2,ep=2,gbs=4,{FP32}"), 0)

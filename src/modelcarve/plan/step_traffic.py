@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan import comm
 from modelcarve.plan.activations import layer_activation_bytes
 from modelcarve.plan.runtime_activations import rank_activation_bytes
+from modelcarve.plan.schedule import in_flight_microbatches
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -241,13 +242,9 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
 
 
 def _in_flight(layout: "Layout", stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak: all of them under GPipe,
-    ``pp - stage`` under 1F1B (capped by m), one without a pipeline."""
-    if layout.pp == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return layout.num_microbatches
-    return min(layout.num_microbatches, layout.pp - stage)
+    """Micro-batches whose activations a stage holds at its peak (plan/schedule.py's rule: all
+    of them under GPipe, ``min(m, pp - stage)`` under 1F1B, one without a pipeline)."""
+    return int(in_flight_microbatches(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, stage))
 
 
 def activation_bytes(spec: "ModelSpec", layout: "Layout", nl: int, first: bool, last: bool, in_flight: int = 1) -> float:
