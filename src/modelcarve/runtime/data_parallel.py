@@ -170,6 +170,12 @@ def _copies(chunk, fqn, param, world_per_stage) -> int:
     return max(1, world_per_stage // sharded)
 
 
+def _sq_norm(g: torch.Tensor) -> torch.Tensor:
+    """A tensor's squared L2 norm in float64, from its norm in its own dtype (as torch's
+    ``clip_grad_norm_`` takes it per tensor): no float64 copy of the gradient is made."""
+    return torch.linalg.vector_norm(g).double().pow(2)
+
+
 def grad_norm(chunks: list[nn.Module], mesh, layout) -> torch.Tensor:
     """The L2 norm of the full model's gradient, identical on every rank: each rank sums the
     squares of its local slices weighted by 1/(ranks holding the same slice), one all-reduce
@@ -186,14 +192,14 @@ def grad_norm(chunks: list[nn.Module], mesh, layout) -> torch.Tensor:
     if zero_opt is not None:
         for chunk, fqn, p, n, piece in zero_opt.owned_grad_pieces():
             if (id(chunk), fqn) not in skip:
-                total += piece.double().pow(2).sum() * n / _copies(chunk, fqn, p, world_per_stage)
+                total += _sq_norm(piece) * n / _copies(chunk, fqn, p, world_per_stage)
     else:
         for chunk in chunks:
             for fqn, p in chunk.named_parameters():
                 if p.grad is None or (id(chunk), fqn) in skip:
                     continue
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                total += g.double().pow(2).sum() / _copies(chunk, fqn, p, world_per_stage)
+                total += _sq_norm(g) / _copies(chunk, fqn, p, world_per_stage)
     dist.all_reduce(total)
     return total.sqrt()
 
