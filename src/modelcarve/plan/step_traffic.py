@@ -205,7 +205,10 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
         elif layout.zero in (1, 2):
             msgs += [Message("reduce_scatter", dp_group, "fp32", local * MASTER_BYTES),
                      Message("all_gather", dp_group, "fp32", local * MASTER_BYTES)]
-            optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors  # this rank's partition (even split assumed)
+            # runtime/zero_optimizer.py: one flat fp32 shard of 1/n, its two moments, one step counter
+            optimizer = 2 * local * MASTER_BYTES // n + 4
+            if layout.zero == 2:
+                grads = local * MASTER_BYTES // n
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
         msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
