@@ -124,6 +124,7 @@ def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int,
     serve_t = result.get("serve") or {}
     queue = result.get("queue") or {}
     return dict(ttft_s=queue.get("ttft_s", serve_t.get("ttft_s")), tpot_s=serve_t.get("tpot_s"),
+                weight_dtype=(result.get("layout") or {}).get("weight_dtype"), parts=serve_t.get("decode_parts_s"),
                 unloaded_ttft_s=serve_t.get("ttft_s"), queueing_modelled=queued and bool(queue),
                 utilisation=queue.get("utilisation"), fits=result.get("fits"), reject=result.get("reject_reason"))
 
@@ -137,11 +138,15 @@ def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
         probed = meta["probed"] = Path(cluster).read_text()
         vocab = 4000 if args.quick else 16000
         for short in args.layouts.split(","):
-            # all three dtypes stated: the planner's default weight_dtype is bf16, the engine's is param_dtype
-            layout = f"{short},param_dtype=fp32,weight_dtype=fp32,kv_dtype=fp32"
+            # only param_dtype stated: the engine and `estimate --goal serve-*` both default the weight
+            # and KV dtypes to it (commands/serve_cli.engine_dtypes), so the two sides agree on their own
+            layout = f"{short},param_dtype=fp32"
             proc, url = serve(model, layout, 256 << 20)
             try:
                 rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+                # one request first: the server's first forward pays one-off costs (allocator, lazy
+                # initialisation) that neither the capacity estimate nor the measured rows should see
+                bench(url, 1000.0, 1, input_len, output_len, vocab)
                 if rates is None:  # a light and a heavier load for this layout (--load: 15% and 50% of one-at-a-time capacity)
                     probe = bench(url, 1000.0, 2, input_len, output_len, vocab)
                     e2e = probe["e2e_ms"]["mean"] / 1e3
@@ -153,14 +158,15 @@ def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
                     predicted = estimate(model, per_layout, layout, rate, input_len, output_len)
                     row = dict(layout=short, rate_rps=rate, measured_ttft_s=measured["ttft_ms"]["mean"] / 1e3,
                                measured_tpot_s=measured["tpot_ms"]["mean"] / 1e3, measured=measured,
-                               predicted=predicted)
+                               predicted=predicted, load_average=os.getloadavg())
                     if predicted.get("ttft_s") and predicted.get("tpot_s"):
                         row["ttft_ratio"] = predicted["ttft_s"] / row["measured_ttft_s"]
                         row["tpot_ratio"] = predicted["tpot_s"] / row["measured_tpot_s"]
                     rows.append(row)
                     print(f"{short:6} {rate:7.3f} req/s  TTFT measured {row['measured_ttft_s'] * 1e3:8.1f} ms  "
                           f"predicted {(predicted.get('ttft_s') or 0) * 1e3:8.1f} ms   TPOT measured "
-                          f"{row['measured_tpot_s'] * 1e3:7.1f} ms  predicted {(predicted.get('tpot_s') or 0) * 1e3:7.1f} ms",
+                          f"{row['measured_tpot_s'] * 1e3:7.1f} ms  predicted {(predicted.get('tpot_s') or 0) * 1e3:7.1f} ms"
+                          f"  load {os.getloadavg()[0]:.1f}",
                           flush=True)
             finally:
                 stop(proc)

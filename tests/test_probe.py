@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from modelcarve.commands.probe import cluster_dict, summarise
+from modelcarve.commands.probe import cluster_dict, overhead_from_steps, summarise
 from modelcarve.plan.comm import INTRA_EFFICIENCY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _rank(r, ar_small, ar_large):
-    return dict(rank=r, gemm_flops=dict(fp32=2e10, bf16=1e9), copy_bytes_per_s=4e9,
+    return dict(rank=r, gemm_flops=dict(fp32=2e10, bf16=1e9), copy_bytes_per_s=4e9, gemv_bytes_per_s=3e9,
                 comm=dict(all_reduce_small_s=ar_small, all_reduce_large_s=ar_large, all_to_all_small_s=1e-4,
                           all_to_all_large_s=0.01, send_recv_small_s=5e-5, send_recv_large_s=0.008,
                           small_bytes=8, large_bytes=16 << 20))
@@ -38,7 +38,21 @@ def test_summary_follows_plan_comm_conventions():
     assert probe["links"]["send_recv"]["bus_bytes_per_s"] == pytest.approx((16 << 20) / 0.008)
     cluster = cluster_dict(probe)
     assert cluster["intra_link"]["bytes_per_s"] == pytest.approx(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY)
-    assert cluster["device"]["peak_flops"]["fp32"] == 2e10 and cluster["device"]["hbm_bytes_per_s"] == 4e9
+    # achieved rates, marked so (efficiency 1): the GEMM rate and the GEMV weight-streaming rate
+    assert cluster["device"]["peak_flops"]["fp32"] == 2e10 and cluster["device"]["hbm_bytes_per_s"] == 3e9
+    assert cluster["device"]["gemm_efficiency"] == 1.0
+    probe["engine"] = overhead_from_steps(3e-3, 10e-3, 1, 8)
+    device = cluster_dict(probe)["device"]
+    assert device["layer_overhead_s"] == pytest.approx(1e-3) and device["step_overhead_s"] == pytest.approx(2e-3)
+
+
+def test_engine_overhead_is_the_affine_fit_of_two_step_times():
+    # t(L) = step + L x layer through (1, 3 ms) and (8, 10 ms): layer = 7 ms / 7 = 1 ms, step = 2 ms
+    fit = overhead_from_steps(3e-3, 10e-3, 1, 8)
+    assert fit["layer_overhead_s"] == pytest.approx(1e-3) and fit["step_overhead_s"] == pytest.approx(2e-3)
+    # a noisy pair (the longer model measured faster) gives no negative cost
+    fit = overhead_from_steps(3e-3, 2e-3, 1, 8)
+    assert fit["layer_overhead_s"] == 1e-6 and fit["step_overhead_s"] == pytest.approx(3e-3 - 1e-6)
 
 
 def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
@@ -53,6 +67,8 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert cluster.num_devices == 2
     assert cluster.device.peak_flops["fp32"] > 0 and cluster.device.hbm_bytes_per_s > 0
     assert cluster.intra_link.bytes_per_s > 0 and cluster.intra_link.latency_s > 0
+    assert cluster.device.gemm_efficiency == 1.0
+    assert cluster.device.step_overhead_s > 0 and cluster.device.layer_overhead_s > 0
 
 
 def test_serve_refuses_a_port_in_use_before_any_rank():

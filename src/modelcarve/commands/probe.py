@@ -8,19 +8,39 @@
 the way ``run`` and ``serve`` start their ranks) measure at the same time, so the figures are
 what each rank gets while the others work too:
 
-* GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of an ``n x n`` matmul;
+* GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of an ``n x n`` matmul
+  (``n = 512``: the size of a prefill chunk's GEMMs on a ~100M model);
+* weight-streaming rate: bytes over the median time of a GEMV (one row times a 64 MiB fp32
+  matrix, far larger than the caches): what a decode step's weight read achieves;
 * memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
-  STREAM's copy counts it);
+  STREAM's copy counts it; reported, not used by the planner);
 * gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
   by the ring's step count as ``plan/comm.py``'s alpha-beta model counts steps: ``2(n-1)`` for
   all-reduce, ``n-1`` for all-to-all, 1 for a send) and bus bandwidth of a 16 MiB message
   (``plan/comm.py``'s bytes per device over the time).
 
-The cluster file has one node of ``--probe-ranks`` devices. The link's ``bytes_per_s`` is the
-measured all-reduce bus bandwidth divided by ``plan.comm.INTRA_EFFICIENCY`` (the planner
-multiplies a link's nominal figure by it, so it predicts what was measured); the device's peaks
-and copy bandwidth are written as measured (the planner's own achievable fractions apply on top,
-fitted on GPUs: one of the limits ``benchmarks/serve_predicted_vs_measured.py`` reports).
+Then, in this process, the engine's own per-step host cost (``engine_overhead``): the engine
+(runtime/engine.py, one rank, fp32) decodes one greedy sequence on two tiny random llamas of
+1 and 8 layers (``ENGINE_LAYERS``) (hidden 64, vocabulary 512: their arithmetic is microseconds);
+the median decode step ``t(L)`` is affine in the layers, ``t(L) = step + L x layer``, so
+``layer = (t(L2) - t(L1)) / (L2 - L1)`` and ``step = t(L1) - L1 x layer``: scheduling, block
+tables, the plan, sampling and output bookkeeping (``step``) and one layer's kernel launches and
+Python (``layer``). Measured at run time, so a faster engine gives smaller figures.
+
+The cluster file has one node of ``--probe-ranks`` devices. Its device says what was measured in a
+form the planner uses as it is:
+
+* ``peak_flops``: the achieved GEMM rates, ``hbm_bytes_per_s``: the achieved GEMV weight-streaming
+  rate, with ``gemm_efficiency: 1.0``: they are achieved rates, so the serving planner applies none
+  of its GPU-fitted efficiency models on top (plan/serve_rates.py ``achieved``);
+* ``step_overhead_s`` and ``layer_overhead_s``: the engine's per-step and per-layer host costs,
+  which the serving planner adds to every engine step (plan/serve_rates.py ``engine_step_s`` and
+  ``layer_overhead_s``).
+
+The link: ``latency_s`` is the gloo alpha (latency per ring step of an 8-byte all-reduce), and
+``bytes_per_s`` is the measured all-reduce bus bandwidth (the beta) divided by
+``plan.comm.INTRA_EFFICIENCY`` (the planner multiplies a link's nominal figure by it, so it
+predicts what was measured). The per-collective figures (all-to-all, send/recv) are in ``--json``.
 """
 
 from __future__ import annotations
@@ -32,6 +52,10 @@ import statistics
 import time
 
 GEMM_N = 512
+GEMV_ROWS, GEMV_COLS = 4096, 4096
+"""The GEMV's matrix: 4096 x 4096 fp32 = 64 MiB, far past any CPU cache."""
+ENGINE_LAYERS = (1, 8)
+ENGINE_DECODE_STEPS = 24
 COPY_BYTES = 64 * 2**20
 SMALL_BYTES = 8
 LARGE_BYTES = 16 * 2**20
@@ -64,6 +88,11 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
             a = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
             b = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
             res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(lambda: torch.mm(a, b))
+        dist.barrier()
+        w = torch.randn(GEMV_COLS, GEMV_ROWS)
+        x = torch.randn(1, GEMV_COLS)
+        res["gemv_bytes_per_s"] = w.numel() * 4 / _timed(lambda: torch.mm(x, w))
+        del w, x
         dist.barrier()
         src = torch.ones(COPY_BYTES // 4)
         dst = torch.empty_like(src)
@@ -132,7 +161,66 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
             if p.is_alive():
                 p.kill()
                 p.join()
-    return summarise(list(results.values()), ranks, threads)
+    probe = summarise(list(results.values()), ranks, threads)
+    probe["engine"] = engine_overhead(threads)
+    return probe
+
+
+def _tiny_config(path, layers: int) -> str:
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                  hidden_act="silu", torch_dtype="float32")
+    out = os.path.join(path, f"tiny-{layers}.json")
+    with open(out, "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def _decode_step_s(model: str) -> float:
+    """Median seconds of one engine decode step (batch 1, greedy) of ``model`` on this process."""
+    from modelcarve.runtime.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=model, layout="tp=1,param_dtype=fp32", kv_cache_bytes=4 << 20, quiet=True))
+    try:
+        engine.add_request("probe", list(range(1, 17)),
+                           SamplingParams(max_tokens=ENGINE_DECODE_STEPS + 4, temperature=0.0, ignore_eos=True))
+        times = []
+        engine.step()  # the prefill
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[2:] or times)
+    finally:
+        engine.shutdown()
+
+
+def engine_overhead(threads: int) -> dict:
+    """The engine's per-step and per-layer host seconds (see module doc), from two tiny models."""
+    import tempfile
+
+    import torch
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        l1, l2 = ENGINE_LAYERS
+        m1, m2 = _tiny_config(tmp, l1), _tiny_config(tmp, l2)
+        # Interleaved, twice each, the lesser median of each kept: a neighbour's burst on a shared
+        # machine lands in one run, not in both.
+        t1 = t2 = float("inf")
+        for _ in range(2):
+            t1 = min(t1, _decode_step_s(m1))
+            t2 = min(t2, _decode_step_s(m2))
+    return overhead_from_steps(t1, t2, l1, l2)
+
+
+def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:
+    """``t(L) = step + L x layer`` through the two measured points (each term at least 1 us: a
+    noisy pair must not give a negative cost)."""
+    layer = max((t2 - t1) / (l2 - l1), 1e-6)
+    step = max(t1 - l1 * layer, 1e-6)
+    return dict(step_overhead_s=step, layer_overhead_s=layer, decode_step_s={str(l1): t1, str(l2): t2})
 
 
 def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
@@ -151,6 +239,7 @@ def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
                          small_s=comm[f"{op}_small_s"], large_s=comm[f"{op}_large_s"])
     return dict(ranks=ranks, threads_per_rank=threads, host=platform.node(), cpu=platform.processor() or platform.machine(),
                 gemm_flops=gemm, gemm_n=GEMM_N, copy_bytes_per_s=med(r["copy_bytes_per_s"] for r in per_rank),
+                gemv_bytes_per_s=med(r.get("gemv_bytes_per_s", r["copy_bytes_per_s"]) for r in per_rank),
                 copy_bytes=COPY_BYTES, links=links, large_bytes=int(comm["large_bytes"]), small_bytes=int(comm["small_bytes"]))
 
 
@@ -178,8 +267,11 @@ def cluster_dict(probe: dict) -> dict:
     flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
     flops.setdefault("tf32", flops["fp32"])
     device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
-                  hbm_bytes_per_s=float(probe["copy_bytes_per_s"]), devices_per_node=probe["ranks"],
-                  nics_per_node=1, source=source)
+                  hbm_bytes_per_s=float(probe["gemv_bytes_per_s"]), devices_per_node=probe["ranks"],
+                  nics_per_node=1, gemm_efficiency=1.0, source=source)
+    if "engine" in probe:
+        device.update(step_overhead_s=float(probe["engine"]["step_overhead_s"]),
+                      layer_overhead_s=float(probe["engine"]["layer_overhead_s"]))
     return dict(nodes=1, devices_per_node=probe["ranks"], device=device, intra_link=link, inter_link=dict(link),
                 nics_per_node=1)
 
@@ -215,6 +307,10 @@ def run_probe(args) -> int:
     for d, v in probe["gemm_flops"].items():
         t.add_row(f"GEMM {d} ({probe['gemm_n']}^3), per rank", f"{v / 1e9:,.1f} GFLOP/s")
     t.add_row("memory copy (read+write), per rank", f"{probe['copy_bytes_per_s'] / 1e9:,.2f} GB/s")
+    t.add_row("GEMV weight streaming, per rank", f"{probe['gemv_bytes_per_s'] / 1e9:,.2f} GB/s")
+    if "engine" in probe:
+        t.add_row("engine step, fixed host cost", f"{probe['engine']['step_overhead_s'] * 1e3:,.2f} ms")
+        t.add_row("engine step, host cost per layer", f"{probe['engine']['layer_overhead_s'] * 1e3:,.3f} ms")
     for op, v in probe["links"].items():
         t.add_row(f"gloo {op.replace('_', '-')}: latency per step", f"{v['latency_s'] * 1e6:,.1f} us")
         t.add_row(f"gloo {op.replace('_', '-')}: bus bandwidth ({probe['large_bytes'] >> 20} MiB)",

@@ -84,9 +84,33 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     return 0 if plan["layouts"] else 1
 
 
+def engine_dtypes(text: str, layout):
+    """``layout`` with the weight and KV dtypes the engine will run for the layout ``text``: one not
+    stated defaults to ``param_dtype`` (as ``runtime.engine.resolve_layout`` resolves it for
+    ``generate`` and ``serve``; the spec's own default, bf16, is the training/planning one), so that
+    ``estimate --goal serve-*`` costs the dtypes the server runs. A JSON layout states its fields."""
+    import json as _json
+    from pathlib import Path
+
+    text = str(text).strip()
+    if text.startswith("{") or text.endswith(".json"):
+        raw = _json.loads(text if text.startswith("{") else Path(text).read_text())
+        stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
+    else:
+        stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
+    changes = {}
+    if "weight_dtype" not in stated:
+        changes["weight_dtype"] = layout.param_dtype
+    if "kv_dtype" not in stated:
+        changes["kv_dtype"] = layout.param_dtype
+    return layout.replace(**changes) if changes else layout
+
+
 def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     from modelcarve.plan.goals import get_goal
 
+    if isinstance(getattr(args, "layout", None), str):
+        layout = engine_dtypes(args.layout, layout)
     if getattr(args, "phase", None) or args.goal == "serve-disagg":
         from modelcarve.commands.serve_frontier_cli import run_frontier_estimate
 

@@ -39,12 +39,12 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     out = c.output_len
     per_pp = drain / pp / out  # a sequence's prefill share of each token once pp micro-batches run
     if prefill > ttft_bound:  # even one sequence alone misses the TTFT bound
-        round_s = pp * _step_slope(c, 1)[0]
+        round_s = pp * _step_slope(c, 1)[0] + c.step_s
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
     top = -(-max_b // (pp if pp < max_b else max_b))
     lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
     step, slope, other, other_slope, grows = _step_slope(c, top)
-    round_s = pp * step
+    round_s = pp * step + c.step_s
     per_seq = drain / (pp if pp < max_b else max_b) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
@@ -97,9 +97,9 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
                 nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
         q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
         step, slope, other, other_slope, grows = _step_slope(c, q)
-        round_s = pp * step
+        round_s = pp * step + c.step_s
     if lo == 0:
-        round_s = pp * _step_slope(c, 1)[0] if q != 1 else round_s
+        round_s = pp * _step_slope(c, 1)[0] + c.step_s if q != 1 else round_s
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
     # Inside band lo every batch shares its round: bisect on the arithmetic alone.
     round_s = lo_round

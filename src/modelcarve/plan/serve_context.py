@@ -87,7 +87,10 @@ class _Ctx:
     step, each taking the cheapest of the affine ``pieces`` (latency s, s per sequence) but no
     less than ``floor``, plus an ``extra`` affine term (tp: the logits all-gather)."""
     fixed_s: float = 0.0
-    """Per-layer fixed overhead of the stage's decode step (LAYER_OVERHEAD_S x layers)."""
+    """Per-layer fixed overhead of the stage's decode step (``serve_rates.layer_overhead_s`` x layers)."""
+    step_s: float = 0.0
+    """Fixed seconds of every engine step (decode round or prefill chunk), once per step, not per
+    stage: ``serve_rates.engine_step_s`` (the probed host overhead and the plan broadcast)."""
     prefill_s: float = -1.0
     """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
     prefill_token_s: float = -1.0
@@ -120,6 +123,7 @@ class _Mesh:
     k_elem: float
     expert_miss: float
     fixed_s: float
+    step_s: float
     comm_lines: tuple
     prefill_parts: tuple
     """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
@@ -209,6 +213,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     ctx.eff_parts = eff_parts
     ctx.comm_lines = mesh.comm_lines
     ctx.fixed_s = mesh.fixed_s
+    ctx.step_s = mesh.step_s
     ctx.mesh = mesh
     ctx.prefill_s = ctx.prefill_token_s = -1.0
     if len(_CTX) > 100_000:
@@ -233,7 +238,7 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         per_head = (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
     else:
         per_head = model.qk_head_dim + model.attn_v_head_dim
-    hbm = device.hbm_bytes_per_s * serve_rates.DECODE_HBM_EFFICIENCY
+    hbm = device.hbm_bytes_per_s * serve_rates.decode_hbm_efficiency(device)
     mesh = _Mesh(
         tier_tp=_tier(cluster, tp, 1),
         tier_ep=_tier(cluster, ep, tp),
@@ -247,7 +252,8 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         k_gemm_experts=2.0 * model.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers,
         k_elem=f.act_traffic_per_token / hbm,
         expert_miss=1.0 - model.top_k / model.num_experts if model.num_experts else 1.0,
-        fixed_s=f.stage_layers * serve_rates.LAYER_OVERHEAD_S,
+        fixed_s=f.stage_layers * serve_rates.layer_overhead_s(device),
+        step_s=serve_rates.engine_step_s(cluster, tp, pp, dp),
         comm_lines=(),
         prefill_parts=(),
         gemm={},

@@ -128,7 +128,7 @@ def prune(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: float) -> 
     bounds = _round_floor(c, max_b)
     if group_ceiling(c, max_b, ttft_bound, tpot_bound, bounds) > floor:
         return None
-    round_1 = c.pp * _stage_step(c, 1)  # the search's round at batch 1, the same operations
+    round_1 = c.pp * _stage_step(c, 1) + c.step_s  # the search's round at batch 1, the same operations
     if round_1 <= tpot_bound:
         return 0.0
     s0, k, d = bounds

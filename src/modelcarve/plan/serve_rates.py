@@ -45,10 +45,54 @@ _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}
 
 
+def achieved(device) -> bool:
+    """Whether ``device``'s peaks are achieved rates (a probed device: ``DeviceSpec.gemm_efficiency``
+    > 0), so no efficiency model applies on top of them."""
+    return getattr(device, "gemm_efficiency", 0.0) > 0.0
+
+
+def decode_hbm_efficiency(device) -> float:
+    """Fraction of ``hbm_bytes_per_s`` decode streams weights at: ``DECODE_HBM_EFFICIENCY`` of a
+    datasheet figure; for a probed device (whose figure is the achieved GEMV weight-streaming
+    rate) its ``gemm_efficiency`` (1.0 from ``hardware --probe``)."""
+    return device.gemm_efficiency if achieved(device) else DECODE_HBM_EFFICIENCY
+
+
+def prefill_hbm_efficiency(device) -> float:
+    """The same for prefill's weight read: ``plan.efficiency.HBM_EFFICIENCY``, or a probed device's flat fraction."""
+    return device.gemm_efficiency if achieved(device) else HBM_EFFICIENCY
+
+
+def layer_overhead_s(device) -> float:
+    """Fixed seconds per layer per engine step: the probed ``DeviceSpec.layer_overhead_s`` (the host
+    cost of running one more layer, measured on the engine itself), else the GPU-fitted ``LAYER_OVERHEAD_S``."""
+    return device.layer_overhead_s if getattr(device, "layer_overhead_s", 0.0) > 0.0 else LAYER_OVERHEAD_S
+
+
+def engine_step_s(cluster: ClusterSpec, tp: int, pp: int, dp: int) -> float:
+    """Fixed seconds every engine step costs once, whatever its size (0 on catalogue devices, whose
+    fitted per-layer constant carries it):
+
+    * ``DeviceSpec.step_overhead_s``: the host work of one step of the engine on one rank with a
+      trivial model (scheduling, block tables, sampling, detokenising), measured by ``hardware --probe``;
+    * with more than one rank, rank 0 broadcasts the step's plan to all ranks as two broadcasts (its
+      size, then its bytes: ``ModelRunner.broadcast``), each a tree of ``ceil(log2 world)`` messages of
+      the link's latency ``alpha`` (the plan is a few hundred bytes, so its bandwidth term is nil)."""
+    device = cluster.device
+    base = getattr(device, "step_overhead_s", 0.0)
+    world = tp * pp * dp
+    if base <= 0.0 or world <= 1:
+        return base
+    link = cluster.intra_link if world <= cluster.fast_domain else cluster.inter_link
+    return base + 2 * math.ceil(math.log2(world)) * link.latency_s
+
+
 def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:
     """Achievable fraction of the ``dtype`` dense peak for an (m x k) @ (k x n) GEMM: the training
     planner's model (``plan.efficiency.matmul_efficiency``), memoised (a plan asks for the same
-    shapes thousands of times)."""
+    shapes thousands of times); a probed device's flat ``gemm_efficiency`` (its peaks are achieved rates)."""
+    if achieved(device):
+        return device.gemm_efficiency
     key = (_device_key(device, dtype), m, n, k)
     eff = _EFF_CACHE.get(key)
     if eff is None:
@@ -78,6 +122,8 @@ def _decode_gemm_efficiency(c, m: int) -> float:
     ``m`` computed once per shape (``_eff_parts``): the batch search asks for a new ``m`` at
     almost every step. The same operations in the same order as
     ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
+    if achieved(c.device):
+        return c.device.gemm_efficiency
     frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k, fp8_ratio = c.eff_parts
     eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (-(-m // TILE) * TILE)) * pad_n * fp8_ratio
     memory_s = elem * (m * k + k * n + m * n) / hbm
@@ -89,7 +135,7 @@ def _decode_gemm_efficiency(c, m: int) -> float:
 def _device_key(device, dtype: str) -> tuple:
     """What a GEMM's efficiency depends on: a device from a cluster file may reuse a catalogue
     name with other figures, so the name alone is not a key."""
-    return (device.name, device.hbm_bytes_per_s, device.peak_flops.get(dtype), dtype)
+    return (device.name, device.hbm_bytes_per_s, device.peak_flops.get(dtype), dtype, getattr(device, "gemm_efficiency", 0.0))
 
 
 _ATTN_PEAK: dict[tuple, float] = {}
@@ -99,7 +145,12 @@ def _attn_peak(device) -> float:
     key = _device_key(device, "bf16")
     peak = _ATTN_PEAK.get(key)
     if peak is None:
-        peak = _ATTN_PEAK[key] = device.flops("bf16") * peak_fraction(device)
+        if achieved(device):
+            # Attention runs in the dtype of the activations; a probed device's fastest measured
+            # GEMM rate (fp32 on a CPU without native bf16) stands for it.
+            peak = _ATTN_PEAK[key] = max(device.peak_flops.values()) * device.gemm_efficiency
+        else:
+            peak = _ATTN_PEAK[key] = device.flops("bf16") * peak_fraction(device)
     return peak
 
 

@@ -48,6 +48,14 @@ under every all-reduce. Otherwise: ``plan.efficiency.HBM_EFFICIENCY`` for prefil
 planner's ``matmul_efficiency`` of the dense peak of the dtype the GEMMs run in (fp8 for fp8
 weights, int8 for W8A8, bf16 for W4A16 int4; ``plan.quant``).
 
+Probed devices (``hardware --probe``; ``DeviceSpec.gemm_efficiency > 0``): the peaks are achieved
+rates, so GEMMs run at ``gemm_efficiency`` (1.0) of them and weights stream at that fraction of
+``hbm_bytes_per_s`` (the measured GEMV rate), with no GPU-fitted efficiency on top; the per-layer
+overhead is the measured ``layer_overhead_s``; every engine step (a decode round, a prefill chunk)
+adds ``serve_rates.engine_step_s`` once (the measured host cost of a step, plus the plan broadcast's
+two alphas on several ranks), and prefill chunks pay the per-layer overhead too. Catalogue
+devices have none of these fields and are costed as above.
+
 The pieces: per-device and per-link rates and the fitted constants live in plan/serve_rates.py,
 a layout's batch-independent costs (memoised) in plan/serve_context.py; this module holds the
 decode step, the prefills and what a user sees (TTFT, TPOT, tokens/s).
@@ -59,10 +67,10 @@ import math
 from dataclasses import dataclass
 
 from modelcarve.plan import comm
-from modelcarve.plan.efficiency import HBM_EFFICIENCY, TILE
+from modelcarve.plan.efficiency import TILE
 from modelcarve.plan.serve_context import _Ctx, _context, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
 from modelcarve.plan.serve_memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes
-from modelcarve.plan.serve_rates import _decode_gemm_efficiency, gemm_efficiency
+from modelcarve.plan.serve_rates import _decode_gemm_efficiency, gemm_efficiency, prefill_hbm_efficiency
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
 
@@ -250,9 +258,13 @@ def _prefill_from(c: _Ctx, part: tuple, eff: float) -> float:
     tokens, _, chunks, per_tok, comm_s, hops = part
     f = c.f
     compute_s = tokens * per_tok / (c.peak * eff)
-    read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * HBM_EFFICIENCY)
-    stage = max(compute_s, read_s) + comm_s
-    return c.pp * stage + hops
+    read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * prefill_hbm_efficiency(c.device))
+    # A probed device's host overheads are paid by every engine step, prefill chunks included: per
+    # layer per chunk on each stage, and the step's own fixed cost once per chunk. (The GPU-fitted
+    # per-layer constant is fitted to decode and is not charged here: catalogue devices unchanged.)
+    layers_s = chunks * c.fixed_s if c.device.layer_overhead_s > 0.0 else 0.0
+    stage = max(compute_s, read_s) + comm_s + layers_s
+    return c.pp * stage + hops + chunks * c.step_s
 
 
 def serve_time(
@@ -301,7 +313,7 @@ def _ensure_prefill(c: _Ctx) -> None:
 def decode_tpot_s(c: _Ctx, batch: int) -> float:
     """TPOT of a user when no other request's prefill interleaves (``batch == 1``): the decode round."""
     micro = c.pp if c.pp < batch else batch
-    return (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro))
+    return (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro)) + c.step_s
 
 
 def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
@@ -315,7 +327,7 @@ def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
     if c.prefill_s < 0:
         _ensure_prefill(c)
     micro = c.pp if c.pp < batch else batch
-    round_s = (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro))
+    round_s = (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro)) + c.step_s
     per_seq = c.input_len * c.prefill_token_s / micro / c.output_len
     tpot = round_s + (batch - 1) * per_seq
     ttft = c.prefill_s + (round_s if batch > 1 else 0.0)
@@ -336,6 +348,7 @@ def _serve_time(c: _Ctx, batch: int) -> ServeTime:
     shares = {roof_kind: parts["roofline"], "communication": parts["tp"] + parts["ep"] + parts["pp"], "overhead": parts["overhead"]}
     bound = max(shares, key=shares.get)
     round_parts = {k: v * slots for k, v in parts.items()}
+    round_parts["step"] = c.step_s  # once per round (engine step), not per stage
     tiers = {"tp": (c.tp, c.tier_tp), "ep": (c.ep, c.tier_ep), "pp": (c.pp, c.tier_pp)}
     comm_info = {
         axis: {"tier": tier.name, "s_per_round": round_parts[axis], "bytes_per_round": sent[axis] * slots}

@@ -54,6 +54,11 @@ DEVICE_FIELDS = {
     "devices_per_node": Field("int", "devices per node (used when the cluster gives none)", 1, MAX_DEVICES_PER_NODE),
     "nvlink_domain": Field("int", "devices sharing intra_link when more than a node (NVL72: 72); 0 = the node",
                            0, MAX_DEVICES),
+    "gemm_efficiency": Field("number", "0 = model the achievable fraction of the peaks (GPU-fitted); > 0: peak_flops and "
+                             "hbm_bytes_per_s are achieved rates (hardware --probe writes 1) and the planner applies this "
+                             "fraction flat", 0, 1.0),
+    "step_overhead_s": Field("number", "measured host seconds every engine step costs (hardware --probe)", 0, 10.0),
+    "layer_overhead_s": Field("number", "measured host seconds per layer per engine step; 0 = the GPU-fitted constant", 0, 1.0),
     "source": Field("string", "where the figures come from"),
 }
 LINK_FIELDS = {

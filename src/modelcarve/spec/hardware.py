@@ -66,6 +66,16 @@ class DeviceSpec:
     devices_per_node: int = 8
     nvlink_domain: int = 0
     """Devices sharing ``intra_link`` when that is more than a node (NVL72 racks: 72); 0 = the node."""
+    gemm_efficiency: float = 0.0
+    """0: ``peak_flops`` / ``hbm_bytes_per_s`` are datasheet peaks and the planner models the achievable
+    fraction (GPU-fitted). > 0: they are achieved rates (``hardware --probe`` measures them and writes
+    1.0) and the serving planner multiplies by this fraction only, applying no efficiency model again."""
+    step_overhead_s: float = 0.0
+    """Host seconds every engine step costs however small (scheduling, block tables, sampling),
+    measured by ``hardware --probe``; 0 for catalogue devices (folded into layer_overhead there)."""
+    layer_overhead_s: float = 0.0
+    """Host seconds per layer per engine step, measured by ``hardware --probe``; 0 = the planner's
+    GPU-fitted ``serve_rates.LAYER_OVERHEAD_S``."""
     source: str = ""
 
     def flops(self, dtype: str) -> float:
