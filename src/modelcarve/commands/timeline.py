@@ -1,7 +1,7 @@
 """``--timeline PNG`` of ``run`` and ``estimate``: the pipeline's Gantt chart, measured and modelled.
 
     modelcarve run --model tiny-llama --layout "pp=2,mbs=1,gbs=8,schedule=1f1b" --steps 3 --timeline t.png
-    modelcarve estimate --model llama-3-8b --cluster 1x8xH100 --layout "pp=4,gbs=32,seq=2048" --timeline t.png
+    modelcarve estimate --model llama-3.1-8b --cluster 1x8xH100 --layout "pp=4,dp=2,gbs=32,seq=2048" --timeline t.png
 
 ``run``: rank 0 draws its pipeline's last unmeasured step (runtime/timeline.py's records) above
 the planner's model of the same layout (plan/timeline.py), each with its bubble and plan/schedule.py's
