@@ -158,3 +158,12 @@ def test_estimate_timeline_flag_draws_the_model_and_refuses_pp1(tmp_path, capsys
     assert main(["estimate", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--layout",
                  "tp=8,mbs=1,gbs=32,seq=2048", "--timeline", str(tmp_path / "x.png")]) == 2
     assert "pp=1" in capsys.readouterr().err
+
+
+def test_run_timeline_refuses_a_layout_without_a_pipeline_before_launch(tmp_path, capsys):
+    from modelcarve.cli import main
+
+    assert main(["run", "--model", "tiny-llama", "--init", "random", "--layout", "dp=2,gbs=2,seq=16",
+                 "--timeline", str(tmp_path / "t.png")]) == 2
+    assert "--timeline draws a pipeline" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()
