@@ -25,6 +25,7 @@ def register(sub) -> None:
     estimate = sub.add_parser("estimate", help="memory, step time and link traffic of one layout")
     _common(estimate)
     estimate.add_argument("--layout", required=True, help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536,seq=2048" or layout.json')
+    estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
     estimate.set_defaults(func=_estimate)
 
     plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")
@@ -100,6 +101,9 @@ def _estimate(args) -> int:
         options.pop("global_batch", None)
         options.pop("seq", None)
     result = goal.evaluate(model, cluster, layout, **options)
+    from modelcarve.commands.timeline import draw_estimate
+
+    draw_estimate(getattr(args, "timeline", None), layout)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -57,6 +57,7 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="train a model with a layout on real processes (torchrun)")
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.add_argument("--timeline", metavar="PNG", help="draw the pipeline's last step per rank beside the planner's model")
     from modelcarve.commands.run_checkpoint import add_checkpoint_flags
 
     add_checkpoint_flags(p)
@@ -187,10 +188,13 @@ def _run(args) -> int:
         report = os.path.join(tmp, "run.json")
         from modelcarve.commands.run_checkpoint import checkpoint_payload
 
-        payload = _payload(args, 10) | dict(report=report, quiet=bool(args.json)) | checkpoint_payload(args)
+        from modelcarve.commands import timeline
+
+        payload = _payload(args, 10) | dict(report=report, quiet=bool(args.json)) | checkpoint_payload(args) | timeline.check(args.timeline, layout)
         code = _launch("run", args, payload, per_node, under)
         if code:
             return code if code > 128 else 1
+        timeline.draw_run(args.timeline, layout, report)
         if args.json and os.path.exists(report):
             print(open(report).read())
     return 0

@@ -47,7 +47,7 @@ def build(model_name: str, layout, seed: int):
 
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
                lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
-               moe: dict | None = None, checkpoint: dict | None = None) -> dict | None:
+               moe: dict | None = None, checkpoint: dict | None = None, timeline: bool = False) -> dict | None:
     from modelcarve.runtime.memory_report import measure_step
     from modelcarve.runtime.metrics import CommCounter, StepTimer, memory_stats
     from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
@@ -81,6 +81,10 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
             else:
                 with timer:
                     out = trainer.step(tokens, targets)
+            if timeline and trainer.runner is not None and step >= steps - 2:  # the last step not slowed by measure_step
+                from modelcarve.runtime.timeline import local_records
+
+                timeline = local_records(trainer.runner) if step == steps - 2 or steps - start == 1 else timeline
             history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
             if progress:
                 progress.update(history[-1])
@@ -96,11 +100,16 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
                                                       comm_table=comm.log.table() if comm.log else {})
     mems = [None] * dist.get_world_size()
     dist.all_gather_object(mems, mem)
+    if isinstance(timeline, dict):  # --timeline: rank 0 gets its pipeline's records (runtime/timeline.py)
+        from modelcarve.runtime.timeline import gather_records
+
+        timeline = gather_records(timeline, trainer.runner)
     if not _rank0():
         return None
     result = dict(model=spec.name, layout=lay.short(), layout_fields=lay.to_dict(), world_size=dist.get_world_size(),
                   steps=steps, history=history, tokens_per_s=timer.tokens_per_s(), memory=mems,
-                  params=spec.total_params, moe=out.get("moe") if history else None) | ckpt.summary()
+                  params=spec.total_params, moe=out.get("moe") if history else None) | ckpt.summary() | (
+                      dict(timeline=timeline) if isinstance(timeline, list) else {})
     if not quiet:
         _print_memory(result)
         if result["moe"]:

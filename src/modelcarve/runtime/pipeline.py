@@ -5,7 +5,8 @@ Uses ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
 CPU/gloo (checked in tests/test_runtime_pipeline.py). What is ours: the split (pipeline_split.py),
 the loss normalisation, the tied-embedding gradient sum, the loss broadcast and clear errors,
 plus two measurements torch does not give: each rank's timed list of compute actions per step
-(``runner.actions``, ``runner.gather_actions()``: the data of a pipeline timeline figure) and
+(``runner.actions``, ``runner.gather_actions()``; its sends/recvs with the time each was posted in
+``runner.actions.comms``: the data of runtime/timeline.py's figure) and
 the point-to-point bytes it sent (``runner.sent_bytes``).
 
 Usage (the order parallelize.py / train.py use)::
@@ -87,6 +88,9 @@ class _ActionLog(list):
 
     t0 = 0.0
     sent_bytes = 0
+    t0_wall = 0.0  # time.time() at t0: lines up the ranks' clocks in runtime/timeline.py
+    end_s = 0.0  # when the schedule's step returned, seconds since t0
+    comms: list  # (kind "send"/"recv", dir "F"/"B", stage, peer stage, microbatch, issued_s)
 
     def timed(self, stage: int, microbatch: int, kind: str, run):
         start = time.perf_counter()
@@ -120,11 +124,24 @@ class _RecordingStage(PipelineStage):
 
     # Sends are counted here: the schedules call isend directly (not through a function a
     # wrapper around torch.distributed could see, metrics.CommCounter).
+    # Each send/recv is logged when the schedule asks for its ops (when it is posted).
     def get_fwd_send_ops(self, fwd_chunk_id):
-        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
+        return self._count(self._posted("send", "F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id)))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
+        return self._count(self._posted("send", "B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id)))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._posted("recv", "F", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._posted("recv", "B", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def _posted(self, kind: str, direction: str, chunk: int, ops):
+        if ops:
+            peer = self.stage_index + (1 if (kind == "send") == (direction == "F") else -1)
+            self._log.comms.append((kind, direction, self.stage_index, peer, chunk, time.perf_counter() - self._log.t0))
+        return ops
 
     def _count(self, ops):
         self._log.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
@@ -169,9 +186,7 @@ class PipelineRunner:
             )
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        self.actions.clear()
-        self.actions.t0 = time.perf_counter()
-        self.actions.sent_bytes = 0
+        self._start_log()
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         try:
@@ -184,6 +199,7 @@ class PipelineRunner:
             )
         except RuntimeError as err:
             raise self._step_error(err) from err
+        self.actions.end_s = time.perf_counter() - self.actions.t0
         self._sync_tied_grads()
         return self._reduce_loss(losses, tokens.device)
 
@@ -193,9 +209,7 @@ class PipelineRunner:
         [batch, seq, V(/tp)] on the rank holding the last stage, None on the others."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        self.actions.clear()
-        self.actions.t0 = time.perf_counter()
-        self.actions.sent_bytes = 0
+        self._start_log()
         args = (tokens,) if self.has_first else ()
         try:
             # the schedule evaluates loss_fn on the last stage: the ids serve as stand-in targets
@@ -203,6 +217,13 @@ class PipelineRunner:
         except RuntimeError as err:
             raise self._step_error(err) from err
         return logits if self.has_last else None
+
+    def _start_log(self) -> None:
+        self.actions.clear()
+        self.actions.comms = []
+        self.actions.t0, self.actions.t0_wall = time.perf_counter(), time.time()
+        self.actions.sent_bytes = 0
+        self.actions.end_s = 0.0
 
     def gather_actions(self) -> dict[int, list[Action]]:
         """Every pipeline rank's actions of the last step, ``{pp_rank: [Action, ...]}`` (for the
@@ -267,6 +288,7 @@ def build_pipeline(
     group = mesh.get_group("pp")
     device = _device_of(chunks[0])
     log = _ActionLog()
+    log.comms = []
     stages = [
         _RecordingStage(chunk, stage, stages_total, device, group=group, log=log)
         for chunk, stage in zip(chunks, expected)
