@@ -193,9 +193,10 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
 
 
 def format_report(report: dict) -> str:
-    gib = 2**30
+    top = max([max(r["predicted"][c], r["measured"][c]) for r in report["rows"] for c in CATEGORIES] + [1.0])
+    unit, gib = next((u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1)) if top >= b)
     lines = [f"{report['model']} {report['layout']}: world size {report['world_size']}, "
-             f"{report['distinct_ranks']} distinct ranks ({report['elapsed_s']} s); GiB predicted / measured"]
+             f"{report['distinct_ranks']} distinct ranks ({report['elapsed_s']} s); {unit} predicted / measured"]
     lines.append(f"{'rank':>6} {'x ranks':>7} {'pp':>3} {'layers':>6}  " + "  ".join(f"{c:>24}" for c in CATEGORIES))
     for r in report["rows"]:
         cells = "  ".join(f"{r['predicted'][c] / gib:>11.3f} /{r['measured'][c] / gib:>11.3f}" for c in CATEGORIES)
