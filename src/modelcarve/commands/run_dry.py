@@ -27,9 +27,10 @@ def dry_run(args) -> int:
     spec = get_model(args.model)
     cluster = parse_cluster(args.cluster)
     layout.validate(spec, cluster)
-    from modelcarve.commands.run import _require_torch
+    import importlib.util
 
-    _require_torch()
+    if importlib.util.find_spec("torch") is None:
+        raise LayoutError("--dry-run needs PyTorch, which is not installed: pip install torch==2.13.0 (CPU)")
     from modelcarve.runtime.dry_run_bytes import dry_run_bytes, format_report
 
     report = dry_run_bytes(args.model, layout, cluster)
