@@ -121,14 +121,14 @@ def measure(model_name: str, layout) -> dict:
     """{pp_rank: {"params": [...], "ranks": {q: (w, g, o)}}} for every pipeline rank (module doc)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint import load_model, model_spec
     from modelcarve.runtime.mesh import build_mesh, destroy, init_distributed
     from modelcarve.runtime.parallelize import check_runtime, parallelize
 
     if dist.is_initialized():
         raise LayoutError("the dry run needs a process without a process group (it plays the ranks itself)")
-    model, spec = load_model(model_name, device="meta", dtype=torch.float32)
-    check_runtime(layout, spec, world_size=layout.world_size)
+    check_runtime(layout, model_spec(model_name), world_size=layout.world_size)  # before the 10 s build
+    model, _spec = load_model(model_name, device="meta", dtype=torch.float32)
     per_stage = layout.tp * layout.cp * layout.dp
     out = {}
     for p in range(layout.pp):
