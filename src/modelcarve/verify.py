@@ -271,6 +271,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
             ref = reference_step(reference, ref_opt, tokens, targets, TrainConfig(lr=lr, max_norm=0.0), bf16)
             losses.append((loss, ref["loss"]))
             checks.append(compare(f"loss/step{step}", torch.tensor(loss), torch.tensor(ref["loss"]), tol["loss"], "rel"))
+        if hasattr(trainer.optimizer, "full_gradients"):  # ZeRO-1/2 hold the reduced gradient in shards
+            trainer.optimizer.full_gradients()
         grads = gather_full(chunks, "grad")
         if rank0:
             step_diff, step_grad = 0.0, 0.0
