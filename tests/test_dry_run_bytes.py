@@ -1,17 +1,15 @@
-"""runtime/dry_run_bytes.py: the byte rules against torch (ZeroRedundancyOptimizer's partition,
-FSDP2's shards, AdamW's state), and the planner's top training layouts at full world size.
+"""runtime/dry_run_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
+planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
-meta device under the fake process group (~35 s and ~55 s here). Their per-rank figures do NOT
-all equal the planner's today, for three stated reasons (docs in /work/notes/report-dryrun.md):
-the runtime keeps fp32 weights where the planner counts a bf16 copy plus an fp32 master in the
-optimiser; torch's ZeRO-1 partitions whole tensors (uneven) where the planner divides evenly;
-the planner gives every stage ceil(layers / pp) layers where pipeline_split balances with the
-embedding and head counted. What must agree, and is asserted exactly: every rank of a stage
-with the planner's layer count has the planner's gradient bytes (fp32, 4 bytes a parameter on
-both sides), and the total optimiser bytes of a stage's ZeRO group equal the planner's
-per-rank figure times the group (a partition loses no element). The full equality is a strict
-xfail: it starts failing (XPASS) the day both sides agree, so the test is then tightened.
+meta device under the fake process group. Their per-rank figures do NOT all equal the
+planner's today, for two stated reasons (/work/notes/report-dryrun.md): the runtime keeps fp32
+weights (4 bytes) where the planner counts bf16 weights (2 bytes) with the fp32 master in the
+optimiser; the planner gives every stage ceil(layers / pp) layers where pipeline_split balances
+with the embedding and head counted. What must agree, and is asserted: every rank of a stage
+with the planner's layer count has the planner's gradient bytes exactly (fp32 on both sides)
+and its ZeRO-1 optimiser bytes within the bucket padding. The full equality is a strict xfail:
+it starts failing (XPASS) the day both sides agree, so the test is then tightened.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from modelcarve.runtime.dry_run_bytes import dry_run_bytes, fsdp_local, zero1_partition
+from modelcarve.runtime.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
 
@@ -45,17 +43,6 @@ def fake_world():
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def test_zero1_partition_is_torchs(fake_world):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    fake_world(0, 4)
-    shapes = [(7, 3), (50,), (4, 4), (2,), (9, 2), (1,), (30,), (5, 5)]
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-3)
-    torch_sizes = [sum(p.numel() for g in groups for p in g["params"]) for groups in opt._partition_parameters()]
-    assert zero1_partition([p.numel() for p in params], 4) == torch_sizes
 
 
 def test_fsdp_local_is_fsdp2s(fake_world):
@@ -107,20 +94,14 @@ def test_full_scale_gradients_and_zero_totals(full_scale):
             assert r["measured"]["gradients"] == r["predicted"]["gradients"], r
             matched += r["ranks"]
     assert matched > full_scale["world_size"] // 2
-    # ZeRO-1 loses no state (dense models): each tp rank's dp x cp group partitions that rank's
-    # parameters, so a stage's optimiser bytes over its tp x cp x dp ranks are 8 bytes (two fp32
-    # moments) x parameters x tp, i.e. 2 x (4-byte gradient bytes of one rank) x tp
-    if not spec.is_moe:
-        by_stage: dict = {}
-        for r in rows:
-            s = by_stage.setdefault(r["pp_rank"], [0.0, 0.0])
-            s[0] += r["measured"]["optimizer_states"] * r["ranks"]
-            s[1] = r["measured"]["gradients"]
-        assert len(by_stage) == fields["pp"]
-        for opt_total, grads in by_stage.values():
-            assert opt_total == 2.0 * grads * fields["tp"]
+    # and their ZeRO-1 optimiser state (fp32 master + two moments of the owned range) is the
+    # planner's within the bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
+    tol = tolerance_bytes(Layout(**fields))
+    for r in rows:
+        if r["layers"] == nls and r["stage_kind"] == "middle" and (not spec.is_moe or r["pp_rank"] > 2):
+            assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
 
-@pytest.mark.xfail(strict=True, reason="fp32 runtime weights, whole-tensor ZeRO-1 and ceil(layers/pp) stages differ "
+@pytest.mark.xfail(strict=True, reason="fp32 runtime weights and ceil(layers/pp) planner stages differ "
                    "from the planner (see the module doc)")
 def test_full_scale_equals_planner(full_scale):
     assert full_scale["ok"], [r for r in full_scale["rows"] if not r["ok"]][:2]

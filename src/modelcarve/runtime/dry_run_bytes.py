@@ -21,18 +21,18 @@ tests/test_dry_run_bytes.py):
 * gradients: autograd accumulates ``.grad`` in the parameter's shape and dtype; FSDP2
   reduce-scatters into the sharded gradient, so the same local elements x 4;
 * optimiser: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (2 x 4 bytes per
-  local element; its ``step`` counters are host scalars, not device memory). ZeRO-1 is torch's
-  ZeroRedundancyOptimizer (data_parallel.build_optimizer): whole parameters are assigned
-  greedily, largest first, to the group rank holding the fewest elements so far
-  (``zero1_partition``), one partition per gradient group (dense: dp x cp; experts: their
-  expert-data-parallel group).
+  local element; its ``step`` counters are host scalars, not device memory). ZeRO-1/2 is
+  zero_optimizer.ShardedAdamW: one flat bucket per gradient group (dense: dp x cp; experts:
+  their expert-data-parallel group), padded to a multiple of the group size ``n``; each rank
+  owns ``padded / n`` elements and keeps an fp32 master copy of them plus the two moments (12
+  bytes each). ZeRO-1 keeps the whole padded flat gradient buffer, ZeRO-2 its owned range.
 
 The planner's figures (``planner_figures``) are plan/train_model.py's ``state_parts`` of the
 layout's stage kind (first / middle / last / only) for the same cluster: weights, gradients,
 optimizer_states. ``compare`` marks a category different when it is off by more than
-``TOLERANCE_BYTES`` (the planner divides element counts by the shard count as a real number; a
-whole-element partition is off by under one element of each of the two gradient groups: 2 x 8
-bytes at most).
+``tolerance_bytes(layout)``: the planner divides element counts by ``n`` as a real number, the
+buckets pad each group to a multiple of ``n``, so a category may exceed the planner's by under
+``n`` elements per bucket, at most 12 bytes each: 12 x (n_dense + n_expert) bytes.
 """
 
 from __future__ import annotations
@@ -46,17 +46,14 @@ from modelcarve.spec.errors import LayoutError
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train.py, check_runtime)
 CATEGORIES = ("weights", "gradients", "optimizer_states")
-TOLERANCE_BYTES = 16.0
+ZERO_STATE_BYTES = 12  # zero_optimizer: fp32 master of the owned range + exp_avg + exp_avg_sq
 
 
-def zero1_partition(numels: list[int], world: int) -> list[int]:
-    """Elements each group rank holds under torch's ZeroRedundancyOptimizer partition (largest
-    parameter first, to the rank with the fewest elements so far, lowest rank on ties)."""
-    sizes = [0] * world
-    for n in sorted(numels, reverse=True):
-        r = sizes.index(min(sizes))
-        sizes[r] += n
-    return sizes
+def tolerance_bytes(layout) -> float:
+    """Largest padding difference between the planner's real-valued shards and the buckets'."""
+    n_dense = (layout.dp_shard or layout.dp) * layout.cp
+    n_exp = max(1, layout.tp * layout.cp * layout.dp // (layout.expert_tp * layout.ep))
+    return float(12 * (n_dense + n_exp))
 
 
 def fsdp_local(shape: tuple, index: int, n: int) -> int:
@@ -86,7 +83,7 @@ def _stage_params(chunks) -> list[tuple[str, tuple, int, bool]]:
     return rows
 
 
-def _rank_figures(layout, params, q: int, cache: dict) -> tuple[float, float, float]:
+def _rank_figures(layout, params, q: int) -> tuple[float, float, float]:
     """(weights, gradients, optimiser) bytes of the stage rank ``q`` (0 <= q < tp x cp x dp)."""
     tp, cp, dp, ep = layout.tp, layout.cp, layout.dp, layout.ep
     replicas = dp * cp
@@ -104,17 +101,14 @@ def _rank_figures(layout, params, q: int, cache: dict) -> tuple[float, float, fl
     if zero == 0:
         return elems * MASTER_BYTES, elems * MASTER_BYTES, 2.0 * elems * MASTER_BYTES
     dense_n = (layout.dp_shard * cp) if layout.dp_shard and layout.dp_shard < dp else replicas
-    if layout.folded:
-        expert_n, expert_i = max(1, tp * cp * dp // (layout.expert_tp * ep)), q // (layout.expert_tp * ep)
-    else:
-        expert_n, expert_i = max(1, replicas // ep), f // ep
-    if "zero1" not in cache:  # one partition per stage, shared by its ranks
-        dense = [local for _f, _s, local, e in params if not e]
-        experts = [local for _f, _s, local, e in params if e]
-        cache["zero1"] = (zero1_partition(dense, dense_n), zero1_partition(experts, expert_n) if experts else None)
-    dense_p, expert_p = cache["zero1"]
-    held = dense_p[f % dense_n] + (expert_p[expert_i] if expert_p else 0)
-    return elems * MASTER_BYTES, elems * MASTER_BYTES, 2.0 * held * MASTER_BYTES
+    expert_n = max(1, tp * cp * dp // (layout.expert_tp * ep)) if layout.folded else max(1, replicas // ep)
+    grads = opt = 0
+    for expert, n in ((False, dense_n), (True, expert_n)):
+        total = sum(local for _f, _s, local, e in params if e == expert)
+        padded = -(-total // n) * n  # zero_optimizer._Bucket: one flat bucket per gradient group
+        grads += padded if zero == 1 else padded // n  # ZeRO-1 keeps the flat buffer, ZeRO-2 its range
+        opt += padded // n
+    return elems * MASTER_BYTES, grads * MASTER_BYTES, ZERO_STATE_BYTES * opt
 
 
 def measure(model_name: str, layout) -> dict:
@@ -137,8 +131,7 @@ def measure(model_name: str, layout) -> dict:
             init_distributed()
             chunks = parallelize(model, layout, build_mesh(layout))
             params = _stage_params(chunks)
-            cache: dict = {}
-            ranks = {q: _rank_figures(layout, params, q, cache) for q in range(per_stage)}
+            ranks = {q: _rank_figures(layout, params, q) for q in range(per_stage)}
             out[p] = {"params": params, "ranks": ranks, "stages": [getattr(c, "stage_index", 0) for c in chunks],
                       "layers": sum(len(getattr(c, "layer_ids", list(c.layers.keys()))) for c in chunks)}
         finally:
@@ -165,7 +158,7 @@ def stage_kind(pp_rank: int, pp: int) -> str:
 
 def dry_run_bytes(model_name: str, layout, cluster) -> dict:
     """The JSON report: world_size, one row per distinct rank (predicted and measured bytes per
-    category), and ``ok`` (every category within TOLERANCE_BYTES)."""
+    category), and ``ok`` (every category within ``tolerance_bytes``)."""
     from modelcarve.runtime.checkpoint import model_spec
 
     t0 = time.perf_counter()
@@ -173,6 +166,7 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
     predicted = planner_figures(spec, cluster, layout)
     measured = measure(model_name, layout)
     per_stage = layout.tp * layout.cp * layout.dp
+    tol = tolerance_bytes(layout)
     rows = []
     for p, m in measured.items():
         pred = predicted[stage_kind(p, layout.pp)]
@@ -185,7 +179,7 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
             rows.append({
                 "rank": ranks[0], "ranks": len(ranks), "pp_rank": p, "stage_kind": stage_kind(p, layout.pp),
                 "layers": m["layers"], "predicted": pred, "measured": meas, "difference": diff,
-                "ok": all(abs(d) <= TOLERANCE_BYTES for d in diff.values()),
+                "ok": all(abs(d) <= tol for d in diff.values()),
             })
     return {"model": spec.name, "layout": layout.short(), "world_size": layout.world_size,
             "distinct_ranks": len(rows), "rows": rows, "ok": all(r["ok"] for r in rows),
