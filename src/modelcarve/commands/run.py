@@ -58,6 +58,11 @@ def register(sub) -> None:
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.add_argument("--timeline", metavar="PNG", help="draw the pipeline's last step per rank beside the planner's model")
+    p.add_argument("--dry-run", action="store_true",
+                   help="start no ranks: build every distinct rank's shard on the meta device under a fake process group "
+                        "of the full world size and compare its weight/gradient/optimiser bytes with the planner's for "
+                        "--cluster (exit 1 on any difference)")
+    p.add_argument("--cluster", default=None, help="--dry-run: the cluster the planner's figures are for, e.g. 256x8xH100")
     from modelcarve.commands.run_checkpoint import add_checkpoint_flags
 
     add_checkpoint_flags(p)
@@ -183,6 +188,10 @@ def _payload(args, steps_default: int) -> dict:
 
 
 def _run(args) -> int:
+    if args.dry_run:
+        from modelcarve.commands.run_dry import dry_run
+
+        return dry_run(args)
     layout, spec, per_node, under = _prepare(args)
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "run.json")

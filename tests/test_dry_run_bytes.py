@@ -1,0 +1,123 @@
+"""runtime/dry_run_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
+planner's top training layouts at full world size.
+
+The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
+meta device under the fake process group. Their per-rank figures do NOT all equal the
+planner's today, for two stated reasons (/work/notes/report-dryrun.md): the runtime keeps fp32
+weights (4 bytes) where the planner counts bf16 weights (2 bytes) with the fp32 master in the
+optimiser; the planner gives every stage ceil(layers / pp) layers where pipeline_split balances
+with the embedding and head counted. What must agree, and is asserted: every rank of a stage
+with the planner's layer count has the planner's gradient bytes exactly (fp32 on both sides)
+and its ZeRO-1 optimiser bytes within the bucket padding. The full equality is a strict xfail:
+it starts failing (XPASS) the day both sides agree, so the test is then tightened.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from modelcarve.runtime.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
+from modelcarve.spec.hardware import parse_cluster
+from modelcarve.spec.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+# the planner's own winners: `plan --goal train --emit` (commands in the module doc of the report)
+DSV3 = ("deepseek-v3", "256x8xH100", dict(cp=4, dp=16, ep=8, pp=32, tp=1, zero=1, mbs=1, gbs=15360, seq=4096,
+                                           schedule="zero-bubble", grad_dtype="fp32", optim_dtype="fp32"))
+L405 = ("llama-3.1-405b", "2048x8xH100", dict(cp=8, dp=32, ep=1, pp=16, tp=4, sp=True, zero=1, mbs=1, gbs=2048,
+                                               seq=8192, schedule="zero-bubble", grad_dtype="fp32", optim_dtype="fp32"))
+
+
+@pytest.fixture
+def fake_world():
+    def start(rank, world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_fsdp_local_is_fsdp2s(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    for rank in range(4):
+        fake_world(rank, 4)
+        with torch.device("meta"):
+            m = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Linear(10, 3))  # dim 0 of 10, 3, 3: uneven
+        fully_shard(m, mesh=init_device_mesh("cpu", (4,)))
+        for p in m.parameters():
+            assert isinstance(p, DTensor)
+            assert p.to_local().numel() == fsdp_local(tuple(p.shape), rank, 4), (rank, tuple(p.shape))
+        dist.destroy_process_group()
+
+
+def test_adamw_state_is_two_fp32_copies_per_element():
+    params = [torch.nn.Parameter(torch.zeros(s, device="meta")) for s in ((6, 4), (3,))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    opt.step()
+    for p in params:
+        state = opt.state[p]
+        device_bytes = sum(t.numel() * t.element_size() for t in state.values() if t.device == p.device and t.dim())
+        assert device_bytes == 2 * 4 * p.numel()
+
+
+@pytest.fixture(scope="module", params=[DSV3, L405], ids=["deepseek-v3-256x8", "llama-405b-2048x8"])
+def full_scale(request):
+    model, cluster, fields = request.param
+    return dry_run_bytes(model, Layout(**fields), parse_cluster(cluster))
+
+
+def test_full_scale_gradients_and_zero_totals(full_scale):
+    from modelcarve.runtime.checkpoint import model_spec
+
+    rows = full_scale["rows"]
+    assert full_scale["world_size"] in (2048, 16384)
+    assert sum(r["ranks"] for r in rows) == full_scale["world_size"]
+    spec = model_spec(full_scale["model"])
+    fields = (DSV3 if spec.name == DSV3[0] else L405)[2]
+    nls = -(-spec.num_layers // fields["pp"])
+    matched = 0
+    for r in rows:
+        if r["layers"] == nls and r["stage_kind"] == "middle" and (not spec.is_moe or r["pp_rank"] > 2):
+            assert r["measured"]["gradients"] == r["predicted"]["gradients"], r
+            matched += r["ranks"]
+    assert matched > full_scale["world_size"] // 2
+    # and their ZeRO-1 optimiser state (fp32 master + two moments of the owned range) is the
+    # planner's within the bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
+    tol = tolerance_bytes(Layout(**fields))
+    for r in rows:
+        if r["layers"] == nls and r["stage_kind"] == "middle" and (not spec.is_moe or r["pp_rank"] > 2):
+            assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
+
+@pytest.mark.xfail(strict=True, reason="fp32 runtime weights and ceil(layers/pp) planner stages differ "
+                   "from the planner (see the module doc)")
+def test_full_scale_equals_planner(full_scale):
+    assert full_scale["ok"], [r for r in full_scale["rows"] if not r["ok"]][:2]
+
+
+def test_cli_dry_run_json_and_exit_code(tmp_path):
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"tp": 2, "dp": 2, "pp": 2, "zero": 1, "gbs": 8, "seq": 64}))
+    out = subprocess.run([sys.executable, "-m", "modelcarve.cli", "run", "--dry-run", "--model", "tiny-llama",
+                          "--layout", str(layout), "--cluster", "8xH100", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode in (0, 1), out.stderr
+    report = json.loads(out.stdout)
+    assert report["world_size"] == 8
+    assert {"predicted", "measured"} <= set(report["rows"][0])
+    assert out.returncode == (0 if report["ok"] else 1)
+    bad = subprocess.run([sys.executable, "-m", "modelcarve.cli", "run", "--dry-run", "--model", "tiny-llama",
+                          "--layout", str(layout)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--cluster" in bad.stderr and "Traceback" not in bad.stderr
