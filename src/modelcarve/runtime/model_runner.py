@@ -169,14 +169,14 @@ class ModelRunner:
         from modelcarve.runtime.tensor import full_vocab_logits
 
         chunk = self.chunk
-        positions = torch.cat([torch.arange(start, start + len(ids)) for ids, start, _, _ in items]).to(self.device)
+        ctx = StepContext([(start, len(ids), table) for ids, start, table, _ in items], self.block_size, self.device)
+        positions = ctx.positions
         if h is None:
             ids = torch.tensor([t for it in items for t in it[0]], dtype=torch.long, device=self.device)[None]
             h = chunk.tok_embeddings(ids)
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
-        self.cache.ctx = StepContext([(start, len(ids), table) for ids, start, table, _ in items], self.block_size,
-                                     self.device)
+        self.cache.ctx = ctx
         rope = chunk.rope(positions, h.dtype)
         for layer in chunk.layers.values():
             h = layer(h, rope)
