@@ -63,25 +63,30 @@ PACK_FRACTION = 0.25
 """The packed copies are made only when they take at most this share of free memory."""
 
 
+def _packable(mod) -> bool:
+    return (type(mod) is torch.nn.Linear and type(mod.weight) is torch.nn.Parameter
+            and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu")
+
+
 def prepack_linears(chunk, free_bytes: int) -> int:
     """Give the plain fp32 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers kept)
-    a oneDNN-packed copy (``PackedLinear``) when those copies fit in ``PACK_FRACTION`` of
-    ``free_bytes``; returns how many. Nothing happens without oneDNN."""
+    and the LM head a oneDNN-packed copy (``PackedLinear``) when those copies fit in
+    ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return 0
-    found = []
+    found = []  # (owner module, attribute, linear)
     for block in chunk.layers.values():
         for part in (block.attention, block.feed_forward):
             for name, mod in part.named_modules():
-                if (name and "router" not in name.split(".") and type(mod) is torch.nn.Linear
-                        and type(mod.weight) is torch.nn.Parameter and mod.weight.dtype == torch.float32
-                        and mod.weight.device.type == "cpu"):
-                    found.append((part, name, mod))
+                if name and "router" not in name.split(".") and _packable(mod):
+                    owner, _, leaf = name.rpartition(".")
+                    found.append((part.get_submodule(owner) if owner else part, leaf, mod))
+    if getattr(chunk, "output", None) is not None and _packable(chunk.output):
+        found.append((chunk, "output", chunk.output))
     if sum(mod.weight.nbytes for *_, mod in found) > PACK_FRACTION * free_bytes:
         return 0
-    for part, name, mod in found:
-        owner, _, leaf = name.rpartition(".")
-        setattr(part.get_submodule(owner) if owner else part, leaf, PackedLinear(mod))
+    for owner, leaf, mod in found:
+        setattr(owner, leaf, PackedLinear(mod))
     return len(found)
 
 
