@@ -3,7 +3,9 @@
 ``ModelRunner(model, layout, ...)`` on every rank: loads the weights (a checkpoint slice by slice,
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
-(runtime/quant.py), sizes and allocates the paged KV cache (kv_cache.py; the block count is the
+(runtime/quant.py) -- or, for fp32 weights on CPU, gives the layers' and the head's linears a
+oneDNN-packed copy for multi-row steps (``PackedLinear``, when it fits in a quarter of free
+memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
 minimum over ranks) and installs paged attention (paged_attention.py).
 
 ``execute(plan)`` runs one engine step on this rank. ``plan`` is a list, per DP replica, of

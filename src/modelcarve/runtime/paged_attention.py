@@ -4,17 +4,22 @@ A step's tokens (from several sequences: prefill chunks and single decode tokens
 the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
 describes the packing: per sequence its queries (``q_len`` tokens at positions
 ``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
-cache once this step's k/v are written), the slot of every new token, and the slots of every
-sequence's context (``gather``, padded to the longest with slot 0).
+cache once this step's k/v are written), the slot of every new token, and every sequence's
+block table padded to the longest with block 0 (``block_index``). It is built with a few tensor
+operations per step (no per-position Python lists).
 
 Each attention call (``install(chunk, cache)`` sets ``attn.kv_cache`` on every layer; the model
 file only calls it instead of its own core attention):
 
 1. writes the new tokens' k/v (MLA: normalised latent and rotated k_rot) into their slots;
-2. gathers each sequence's context from the cache ``[n, L, ...]``, and its queries ``[n, Q, ...]``;
+2. gathers each sequence's context from the cache ``[n, L, ...]`` as whole blocks (one
+   ``index_select`` of block-sized rows per stored tensor and layer; ``L`` = the longest context
+   rounded up to a block, or exactly the context for a single sequence), and its queries
+   ``[n, Q, ...]`` (a decode-only step, one query per sequence, needs no gather: a view);
 3. runs ``scaled_dot_product_attention`` with a boolean mask per sequence: key ``j`` is visible to a
    query at position ``p`` when ``j <= p`` and, for a sliding-window layer, ``j > p - window``
-   (transformers' rule); padded queries see key 0 only, and are dropped;
+   (transformers' rule), so keys past a sequence's context (block padding) are never seen;
+   padded queries see key 0 only, and are dropped;
 4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
 
 MLA recomputes the keys and values of the whole context from the cached latent (``wkv_b``),
