@@ -45,7 +45,8 @@ def _worker(seq: int, reps: int) -> dict:
 
     from modelcarve.runtime.mesh import new_group
     from modelcarve.runtime.metrics import CommCounter
-    from modelcarve.runtime.ring_attention import ring_attention, zigzag_shard
+    from modelcarve.runtime.ring_attention import ring_attention
+    from modelcarve.runtime.zigzag import zigzag_shard
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = new_group(list(range(cp))) if cp > 1 else None

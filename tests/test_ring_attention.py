@@ -17,13 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelcarve.runtime.ring_attention import (
-    check_divisible,
-    ring_attention,
-    zigzag_indices,
-    zigzag_shard,
-    zigzag_unshard,
-)
+from modelcarve.runtime.ring_attention import ring_attention
+from modelcarve.runtime.zigzag import check_divisible, zigzag_indices, zigzag_shard, zigzag_unshard
 from modelcarve.spec.errors import LayoutError
 
 

@@ -162,6 +162,7 @@ def _launch(args, per_node: int) -> int:
                 _killpg(proc.pid, signal.SIGTERM)
 
         old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        killed_after = None
         try:
             while True:
                 try:
@@ -170,15 +171,28 @@ def _launch(args, per_node: int) -> int:
                 except subprocess.TimeoutExpired:
                     first = signals["first"]
                     if first is not None and time.monotonic() - first > args.drain_timeout + 30:
+                        killed_after = time.monotonic() - first
                         _killpg(proc.pid, signal.SIGKILL)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
             _killpg(proc.pid, signal.SIGKILL)  # nothing of the server outlives it
         relay.join(5)
-    if code and not any(line.startswith("modelcarve:") for line in tail):
-        sys.stderr.write("".join(tail[-40:]))
+    if code:
+        _explain_exit(code, tail, killed_after)
     return 1 if code else 0
+
+
+def _explain_exit(code: int, tail: list[str], killed_after: float | None) -> None:
+    """One line on why the ranks' launcher failed, and torchrun's own report when no rank said why."""
+    if killed_after is not None:
+        sys.stderr.write(f"modelcarve: the ranks were still running {killed_after:.0f} s after the signal "
+                         "(--drain-timeout + 30 s); killed them\n")
+    elif not any(line.startswith("modelcarve: rank") for line in tail):
+        # no rank reported an error (a rank crashed in C++, was killed, or torchrun failed):
+        # torchrun's summary names the rank and its exit code
+        sys.stderr.write(f"modelcarve: the ranks' launcher (torchrun) exited with code {code}; its last output:\n")
+        sys.stderr.write("".join(line for line in tail[-40:] if not line.startswith("modelcarve:")))
 
 
 def _relay(stream, tail: list[str]) -> None:

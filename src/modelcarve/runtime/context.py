@@ -40,12 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelcarve.runtime.ring_attention import (
-    check_divisible,
-    ring_attention,
-    zigzag_indices,
-    zigzag_unshard,
-)
+from modelcarve.runtime.ring_attention import ring_attention
+from modelcarve.runtime.zigzag import check_divisible, zigzag_indices, zigzag_unshard
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 

@@ -432,7 +432,7 @@ def _contiguous_gather(group):
 def _zigzag_gather(group):
     """Routing [b, s/cp, k] of this cp rank -> (the whole sequences' [b, s, k], this rank's positions),
     for context.py's zig-zag split (chunks r and 2cp-1-r)."""
-    from modelcarve.runtime.ring_attention import zigzag_indices, zigzag_unshard
+    from modelcarve.runtime.zigzag import zigzag_indices, zigzag_unshard
 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
 

@@ -4,8 +4,8 @@ Hand-written (no DTensor, no ``torch.distributed.tensor.experimental.context_par
 PyTorch's own context parallelism has no CPU sharding rule for SDPA, so it cannot run on
 gloo. This file owns the math and the ring; ``context.py`` plugs it into the model.
 
-Zig-zag layout
---------------
+Zig-zag layout (runtime/zigzag.py)
+----------------------------------
 A sequence of ``S`` tokens is cut into ``2 * cp`` chunks of ``c = S / (2 cp)`` tokens; cp rank
 ``i`` holds chunks ``i`` and ``2cp-1-i`` in that order (its local sequence is ``2c`` long and
 its positions increase). Under a causal mask every rank then does the same amount of work,
@@ -65,46 +65,6 @@ from modelcarve.spec.errors import LayoutError
 
 DEFAULT_TIMEOUT_S = 300.0
 _TAG_KV, _TAG_DKV = 0, 1
-
-
-# --- zig-zag sharding ---------------------------------------------------------------------
-def check_divisible(seq_len: int, cp: int) -> None:
-    """Refuse a sequence the zig-zag layout cannot split evenly (same rule as Layout.validate)."""
-    if cp < 1:
-        raise LayoutError(f"cp={cp} must be at least 1")
-    if seq_len % (2 * cp):
-        lower = seq_len // (2 * cp) * (2 * cp)
-        upper = lower + 2 * cp
-        hint = f"seq={lower} or seq={upper}" if lower else f"seq={upper}"
-        raise LayoutError(
-            f"seq={seq_len} is not a multiple of 2 x cp = {2 * cp} (zig-zag ring attention chunks); "
-            f"use {hint}, or pad each sequence at the end (under the causal mask no real token sees a "
-            f"later pad) and leave the pads out of the loss"
-        )
-
-
-def zigzag_indices(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Absolute positions [seq_len / cp] held by ``cp_rank``: chunk ``cp_rank`` then chunk ``2cp-1-cp_rank``."""
-    check_divisible(seq_len, cp)
-    if not 0 <= cp_rank < cp:
-        raise LayoutError(f"cp rank {cp_rank} is outside 0..{cp - 1}")
-    c = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
-    second = torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c, device=device)
-    return torch.cat([first, second])
-
-
-def zigzag_shard(x: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """This rank's zig-zag piece of ``x`` along ``dim`` (a copy, contiguous)."""
-    return x.index_select(dim, zigzag_indices(x.shape[dim], cp, cp_rank, device=x.device))
-
-
-def zigzag_unshard(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """Inverse of ``zigzag_shard``: ``pieces[r]`` is rank r's piece; returns the full sequence."""
-    cp = len(pieces)
-    halves = [p.chunk(2, dim=dim) for p in pieces]
-    ordered = [halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
-    return torch.cat(ordered, dim=dim)
 
 
 # --- the ring -----------------------------------------------------------------------------
