@@ -8,8 +8,9 @@ figure, and the published rows as the planner reads them (data/training_publishe
 * sliding-window layers (gpt-oss: even layers, window 128) in the flash attention share;
 * recomputation: one per recipe across systems, and the recipe's own where it is stated;
 * the calibration summary itself, as regression bounds on what benchmarks/calibrate_training.py
-  measured (MAPE 12.6% over 53 rows, 11.3% over the 32 fitted rows: bounds 13.5% / 12%, i.e.
-  the measured value plus under one point, so a change that loses accuracy fails here).
+  measured (on the publisher-corrected 25.11 rows and the refitted constants: MAPE 14.15% over 53
+  rows, 12.36% over the 32 fitted rows: bounds 15% / 13%, i.e. the measured value plus under one
+  point, so a change that loses accuracy fails here).
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def test_calibration_summary_regression_bounds():
                         c.source.startswith("MB-"))
     mape = sum(abs(e) for e, _ in errs.values()) / len(errs)
     fitted = [abs(e) for e, f in errs.values() if f]
-    assert mape <= 0.135, mape
-    assert sum(fitted) / len(fitted) <= 0.12
+    assert mape <= 0.15, mape
+    assert sum(fitted) / len(fitted) <= 0.13
     # the row that was +143% before the dispatcher stall was modelled
     assert abs(errs["qwen3-30b-a3b mxfp8 8xB200 (MB-25.11)"][0]) <= 0.15
     assert all(math.isfinite(e) for e, _ in errs.values())

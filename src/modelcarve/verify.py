@@ -217,11 +217,13 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
 
 
 def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: str | None = None,
-                  lr: float = 1e-3, dtype: str | None = None, moe: dict | None = None) -> dict | None:
+                  lr: float = 1e-3, dtype: str | None = None, moe: dict | None = None,
+                  against_plan: bool = False) -> dict | None:
     """Run on every rank after init_distributed(); returns the report on rank 0.
 
     ``moe``: MoE options of TrainConfig (moe_capacity_factor, moe_aux_loss_coef, moe_bias_rate),
-    applied to both runs. MoE models also get ``routing/step<i>/<layer>`` checks (tokens per
+    applied to both runs. ``against_plan``: the first step's bytes and memory beside the
+    planner's (verify_plan.py), in ``report["against_plan"]``. MoE models also get ``routing/step<i>/<layer>`` checks (tokens per
     expert and dropped assignments over the global batch equal the reference's, exactly) and
     the per-step expert statistics in ``report["moe"]``."""
     from modelcarve.runtime.checkpoint import load_model
@@ -252,6 +254,9 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     tol = TOLERANCES["bf16" if bf16 else "fp32"]
     checks: list[Check] = []
     ref_opt = torch.optim.AdamW(reference.parameters(), **config.adamw()) if rank0 else None
+    from modelcarve.verify_plan import AgainstPlan
+
+    probe = AgainstPlan(trainer, spec, layout) if against_plan else None
     losses = []
     grad_diff, allowance = 0.0, {}  # the largest gradient difference so far; per-parameter allowance
     for step in range(steps):
@@ -266,11 +271,16 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                 trainer.hooks.reset_moe_counts()
                 if rank0:
                     ref_hooks.reset_moe_counts()
-        loss = trainer.forward_backward(tokens, targets)
+        # the counted step: the second when there is one (the first follows the logits' forward,
+        # which leaves FSDP2's root unit gathered: not a steady-state step)
+        counted = probe if probe and step == min(1, steps - 1) else trainer
+        loss = counted.forward_backward(tokens, targets)
         if rank0:
             ref = reference_step(reference, ref_opt, tokens, targets, TrainConfig(lr=lr, max_norm=0.0), bf16)
             losses.append((loss, ref["loss"]))
             checks.append(compare(f"loss/step{step}", torch.tensor(loss), torch.tensor(ref["loss"]), tol["loss"], "rel"))
+        if hasattr(trainer.optimizer, "full_gradients"):  # ZeRO-1/2 hold the reduced gradient in shards
+            trainer.optimizer.full_gradients()
         grads = gather_full(chunks, "grad")
         if rank0:
             step_diff, step_grad = 0.0, 0.0
@@ -283,7 +293,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
                 step_diff, step_grad = max(step_diff, check.max_abs), max(step_grad, float(ref_g.abs().max()))
             if step > 0 and not bf16:
                 checks.append(Check(f"grad_max/step{step}", step_diff, step_diff, tol["grad"], "abs"))
-        norm = trainer.optimizer_step()
+        norm = counted.optimizer_step()
         if rank0:
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.max_norm or math.inf)
             checks.append(compare(f"grad_norm/step{step}", torch.tensor(norm), ref_norm, tol["loss"], "rel"))
@@ -319,6 +329,9 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     memory = [None] * dist.get_world_size()
     dist.all_gather_object(memory, memory_stats(chunks, trainer.optimizer))
     params = gather_full(chunks, "param")
+    from modelcarve.verify_plan import gather_rows, passed
+
+    plan_rows = gather_rows(probe.rows()) if probe else None
     if not rank0:
         return None
     for fqn, ref_p in reference.named_parameters():
@@ -335,10 +348,10 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         tolerances=tol,
         losses=[dict(parallel=a, reference=b) for a, b in losses],
         checks=[c.to_dict() for c in checks],
-        passed=all(c.passed for c in checks),
+        passed=all(c.passed for c in checks) and (plan_rows is None or passed(plan_rows)),
         moe=moe_stats,
         memory=memory,
-    )
+    ) | ({"against_plan": plan_rows} if plan_rows is not None else {})
 
 
 def summarise(report: dict) -> list[dict]:

@@ -69,6 +69,8 @@ def register(sub) -> None:
                         "--steps); transformers: our single-device model and the split layout vs transformers' "
                         "logits and greedy generations on the same checkpoint (--model must be a checkpoint)")
     v.add_argument("--new-tokens", type=int, default=8, help="--reference transformers: greedy tokens per prompt")
+    v.add_argument("--against-plan", action="store_true", help="also set one step's bytes per op x axis x tier and memory "
+                   "per category beside the planner's prediction (exit 1 if a judged row differs)")
     v.set_defaults(func=_verify)
 
 
@@ -212,6 +214,8 @@ def _verify(args) -> int:
     if getattr(args, "reference", "ours") == "transformers":
         _require_transformers(args.model)
         extra = dict(reference="transformers", new_tokens=args.new_tokens)
+    elif getattr(args, "against_plan", False):
+        extra = dict(against_plan=True)
     layout, spec, per_node, under = _prepare(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "verify.json")
@@ -265,4 +269,10 @@ def print_report(report: dict) -> None:
     failed = [c for c in report["checks"] if not c["passed"]]
     for c in failed[:20]:
         console.print(f"[red]FAIL[/] {c['name']}: max abs {c['max_abs']:.3e}, max rel {c['max_rel']:.3e} > tol {c['tol']:.0e}")
-    console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks)")
+    if report.get("against_plan") is not None:
+        from modelcarve.commands.verify_plan_table import against_plan_table
+
+        console.print(against_plan_table(report))
+    outside = sum(r["ok"] is False for r in report.get("against_plan") or [])
+    console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks"
+                  + (f", {outside} against-plan rows outside" if outside else "") + ")")

@@ -62,7 +62,8 @@ if TYPE_CHECKING:
     from modelcarve.spec.model import ModelSpec
 
 ACT_BYTES = 2.0
-"""Bytes per stored activation element (bf16/fp16)."""
+"""Bytes per stored activation element under bf16/fp16 compute (the default of every function
+here; ``bytes_per_value`` sets the compute dtype's size: 4 for an fp32 layout)."""
 
 
 def kv_heads_per_rank(model: "ModelSpec", tp: int) -> float:
@@ -85,22 +86,27 @@ def layer_activation_terms(
     dropout: bool = True,
     expert_tokens_factor: float = 1.0,
     expert_tp: int = 0,
-    gemm_input_bytes: float = ACT_BYTES,
+    gemm_input_bytes: float | None = None,
+    bytes_per_value: float = ACT_BYTES,
 ) -> dict[str, float]:
     """Bytes per component for one layer and one micro-batch of ``tokens`` tokens on one device.
 
     ``tokens`` = micro-batch size x local sequence (seq / cp); ``seq_ctx`` = keys each query sees;
     ``expert_tokens_factor`` scales the routed-expert terms (load imbalance on the busiest rank);
     ``expert_tp`` the expert tensor-parallel degree (0: ``tp``); ``gemm_input_bytes`` the bytes
-    per saved linear-layer input (1 under FP8, see the module doc)."""
+    per saved linear-layer input (1 under FP8, see the module doc; default ``bytes_per_value``);
+    ``bytes_per_value`` the bytes of one stored activation in the compute dtype (2 for bf16,
+    4 for fp32; the fp32 router logits and flash statistics stay 4)."""
     h = model.hidden_size
     T = float(tokens)
     rep = tp if sp else 1  # divisor of the norm/dropout regions
-    a = ACT_BYTES
+    a = float(bytes_per_value)
+    if gemm_input_bytes is None:
+        gemm_input_bytes = a
     if recompute == "full":
         return {"layer_input": a * T * h / rep}
     if recompute == "ops":
-        return _op_level_terms(model, T, tp, rep, moe, expert_tokens_factor, expert_tp or tp)
+        return _op_level_terms(model, T, tp, rep, moe, expert_tokens_factor, expert_tp or tp, a)
     mods = frozenset() if recompute == "none" else recompute_modules(recompute)
     q = gemm_input_bytes
     heads = model.num_heads / tp
@@ -119,8 +125,8 @@ def layer_activation_terms(
         if attention == "flash":
             terms["attn_core"] = 4.0 * T * heads  # fp32 log-sum-exp per query row and head
         else:
-            # softmax output (2 bytes) + dropout mask (1) + dropout output (2) per score
-            terms["attn_core"] = (2.0 + 3.0 * mask) * T * heads * seq_ctx
+            # softmax output (a bytes) + dropout mask (1) + dropout output (a) per score
+            terms["attn_core"] = (a + (1.0 + a) * mask) * T * heads * seq_ctx
     terms["proj_input"] = q * T * heads * dv
     terms["dropout_masks"] = 2 * mask * T * h / rep
     if "layernorm" not in mods:
@@ -136,29 +142,30 @@ def layer_activation_terms(
         routed = T * k * expert_tokens_factor * etp / tp  # tokens this device's expert shards see
         terms["router"] = 4.0 * T * E / rep
         terms["expert_tokens"] = (a + q) * routed * h  # the fc1 input (quantised under FP8) and the combine input
-        terms["expert_ffn"] = _ffn_terms(model, routed, fe, etp, act, q)
+        terms["expert_ffn"] = _ffn_terms(model, routed, fe, etp, act, q, a)
         if model.num_shared_experts:
-            terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp, act, q)
+            terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp, act, q, a)
     else:
-        terms["ffn"] = _ffn_terms(model, T, model.ffn_size, tp, act, q)
+        terms["ffn"] = _ffn_terms(model, T, model.ffn_size, tp, act, q, a)
     return terms
 
 
 def _ffn_terms(model: "ModelSpec", tokens: float, ffn: int, tp: int, act_recomputed: bool = False,
-               down_input_bytes: float = ACT_BYTES) -> float:
+               down_input_bytes: float = ACT_BYTES, a: float = ACT_BYTES) -> float:
     """MLP intermediates: SwiGLU gate + up outputs (2 + 2) and the product fed to the down
     projection; GeLU its input (2) and output; the down projection's input at
-    ``down_input_bytes`` and dropped when the activation is recomputed."""
-    kept = 4.0 if model.ffn_kind == "swiglu" else 2.0
+    ``down_input_bytes`` and dropped when the activation is recomputed; ``a`` bytes per value."""
+    kept = (2.0 if model.ffn_kind == "swiglu" else 1.0) * a
     down = 0.0 if act_recomputed else down_input_bytes
     return (kept + down) * tokens * ffn / tp
 
 
-def _op_level_terms(model: "ModelSpec", T: float, tp: int, rep: int, moe: bool, factor: float, etp: int) -> dict[str, float]:
+def _op_level_terms(model: "ModelSpec", T: float, tp: int, rep: int, moe: bool, factor: float, etp: int,
+                    a: float = ACT_BYTES) -> dict[str, float]:
     """Saved tensors under torchtitan's op-level SAC (module doc): the block input, q and v,
     the attention output and its fp32 statistics, the first MLP projection and the down
     projection's output (each MLP / expert over its tokens)."""
-    a, h = ACT_BYTES, model.hidden_size
+    h = model.hidden_size
     heads = model.num_heads / tp
     kvl = kv_heads_per_rank(model, tp)
     terms = {

@@ -45,12 +45,13 @@ TILE = 64
 HBM_EFFICIENCY = 0.8
 """Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
 
-BLACKWELL_PEAK_FRACTION = {"B200": 0.675, "GB200": 0.6, "GB300": 0.825}
+BLACKWELL_PEAK_FRACTION = {"B200": 0.75, "GB200": 0.675, "GB300": 0.85}
 """Fraction of the dense bf16 peak a large GEMM reaches on Blackwell, per system (B300 reads
 B200's): fitted to the 32 Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
 GB200 share the die, but the published GB200 runs are within a few percent of B200's on the same
 layouts despite GB200's 11% higher datasheet peak (1,200 W against 1,000 W), so each system has
-its own fraction."""
+its own fraction. Refitted 2026-12-03 on the publisher-corrected 25.11 tables (was 0.675 / 0.6 /
+0.825 on the draft tables; data/training_published.csv header)."""
 
 PEAK_FRACTION = {
     "A100": 0.75,
@@ -64,15 +65,16 @@ PEAK_FRACTION = {
 }
 """Fraction of the dense peak a large bf16 GEMM reaches, by device family (prefix match)."""
 DEFAULT_PEAK_FRACTION = 0.70
-FP8_PEAK_RATIO = 1.0
+FP8_PEAK_RATIO = 0.95
 """A large FP8 GEMM's fraction of the FP8 peak relative to a bf16 GEMM's fraction of the bf16
-peak: fitted to the FP8 / MXFP8 rows of the Megatron-Bridge summary (grid 0.80-1.00; the fit
-sits at 1.0: FP8 GEMMs reach the same fraction of their doubled peak, the FP8 recipe's costs
-being elsewhere: quantisation traffic, the bf16 attention core and LM head)."""
-MOE_TOKEN_BYTES = 32.0
+peak: fitted to the FP8 / MXFP8 rows of the Megatron-Bridge 25.11 summary (grid 0.80-1.00; the fit
+on the publisher-corrected rows sits at 0.95, on the draft rows it sat at 1.0: FP8 GEMMs reach
+nearly the same fraction of their doubled peak, the FP8 recipe's costs being elsewhere:
+quantisation traffic, the bf16 attention core and LM head)."""
+MOE_TOKEN_BYTES = 16.0
 """HBM bytes per routed token and hidden element an MoE layer's forward moves outside its GEMMs,
 the backward twice that. Permuting the dispatched copies and unpermuting the combined ones
-(bf16 read + write each) is 8; the fit to the Megatron-Bridge 25.11 rows gives 32 (grid 8-40), so
+(bf16 read + write each) is 8; the fit to the publisher-corrected Megatron-Bridge 25.11 rows gives 16 (grid 8-40; 32 on the draft rows), so
 this also carries what the model does not itemise for MoE layers (all-to-all staging copies,
 router top-k / probability kernels, grouped-GEMM padding). The held-out Megatron-Core Mixtral
 8x7B row (468 TFLOP/s) stays within its +-10% test."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from modelcarve.plan import comm
+from modelcarve.plan import comm, efficiency
 from modelcarve.plan.efficiency import HBM_EFFICIENCY, RAMP_DIM, TILE, matmul_efficiency, peak_fraction
 from modelcarve.spec.hardware import ClusterSpec
 
@@ -33,11 +33,13 @@ a 7B model, not the 1 ms its weight read alone would take."""
 ALLREDUCE_FLOOR_S = 10.5e-6
 """Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
 flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
-FP4_GEMM_FRACTION = 0.54
+FP4_GEMM_FRACTION = 0.49
 """Share of the FP4 (NVFP4/MXFP4 W4A4) dense peak the serving GEMMs reach relative to what the GEMM
 efficiency model gives other dtypes: block-scale handling and the bf16 epilogue. Fitted to the
 ``fit-fp4`` rows of data/serving_published.csv (TensorRT-LLM's Llama-3.1-405B NVFP4 on 4 B200, ten request
-shapes; ``serve_calibration.fit_fp4_fraction``: 0.54, rms log error 0.08); every other FP4 row is a check."""
+shapes; ``serve_calibration.fit_fp4_fraction``: 0.49, rms log error 0.08; it multiplies B200's GEMM peak
+fraction, so it was refitted from 0.54 when the training calibration moved that from 0.675 to 0.75: the
+product, what the rows see, is unchanged); every other FP4 row is a check."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}
@@ -66,7 +68,7 @@ def _eff_parts(device, dtype: str, n: int, k: int) -> tuple:
     return (
         peak_fraction(device), n / (n + RAMP_DIM), k / (k + RAMP_DIM), n / (math.ceil(n / TILE) * TILE),
         device.flops(dtype), 1.0 if dtype in ("fp8", "int8") else 0.5625 if dtype == "fp4" else 2.0,
-        device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k,
+        device.hbm_bytes_per_s * HBM_EFFICIENCY, n, k, efficiency.FP8_PEAK_RATIO if dtype == "fp8" else 1.0,
     )
 
 
@@ -76,8 +78,8 @@ def _decode_gemm_efficiency(c, m: int) -> float:
     ``m`` computed once per shape (``_eff_parts``): the batch search asks for a new ``m`` at
     almost every step. The same operations in the same order as
     ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
-    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k = c.eff_parts
-    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (-(-m // TILE) * TILE)) * pad_n
+    frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k, fp8_ratio = c.eff_parts
+    eff = frac * (m / (m + RAMP_DIM)) * ramp_n * ramp_k * (m / (-(-m // TILE) * TILE)) * pad_n * fp8_ratio
     memory_s = elem * (m * k + k * n + m * n) / hbm
     if memory_s > 2.0 * m * n * k / (peak * eff):
         eff = 2.0 * m * n * k / (peak * memory_s)

@@ -104,7 +104,9 @@ def model_entries(chunks: list[nn.Module], spec) -> tuple[dict[str, Box], dict[i
 
 
 def base_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The AdamW instances that hold state: ZeRO-1's local optimiser, each of several."""
+    """The AdamW instances that hold state: ZeRO-1/2's per-parameter view (zero_optimizer.py), each of several."""
+    if hasattr(optimizer, "checkpoint_view"):
+        return [optimizer.checkpoint_view()]
     if hasattr(optimizer, "optimizers"):
         return [o for sub in optimizer.optimizers for o in base_optimizers(sub)]
     return [getattr(optimizer, "optim", optimizer)]

@@ -144,7 +144,7 @@ def measure_step(trainer, tokens, targets) -> tuple[dict, dict]:
         torch.cuda.reset_peak_memory_stats()
     with CommLog(trainer.layout) as log, SavedActivations(trainer.chunks) as acts:
         loss = trainer.forward_backward(tokens, targets)
-        grads = grad_bytes(trainer.chunks)
+        grads = grad_bytes(trainer.chunks) + getattr(trainer.optimizer, "held_grad_bytes", lambda: 0)()
         norm = trainer.optimizer_step()
     out = dict(loss=loss, grad_norm=norm)
     if trainer.is_moe:

@@ -42,8 +42,6 @@ def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None
     check_model_coverage(spec)  # a model whose layers the reference lacks (runtime/coverage.py)
     layout.validate(spec, world_size=world_size)
     problems = []
-    if layout.zero == 2:
-        problems.append("zero=2 is not implemented by the runtime; use zero=1 (sharded optimiser) or fsdp (zero=3)")
     if layout.folded and layout.tp > 1 and not layout.sp and (layout.seq // layout.cp) % layout.tp:
         # (MoE parallel folding: each TP rank routes its own slice of the sequence, expert.py)
         problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "

@@ -97,15 +97,29 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.view(chunks[0].shape)
 
 
+def _carry_dtype(x: torch.Tensor):
+    """The dtype a backward message carries: the autocast dtype of the forward (bf16 layouts move
+    bf16 gradients, as Megatron does), None outside autocast (fp32 layouts: the gradient's own)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _carried(grad: torch.Tensor, dtype, collective):
+    """``collective`` applied to ``grad`` carried in ``dtype`` (None: as it is), back in grad's dtype."""
+    if dtype is None or grad.dtype == dtype:
+        return collective(grad)
+    return collective(grad.to(dtype)).to(grad.dtype)
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.carry = group, _carry_dtype(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _carried(grad.clone(), ctx.carry, lambda g: _all_reduce(g, ctx.group)), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -121,12 +135,12 @@ class _ReduceFromRegion(torch.autograd.Function):
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.carry = group, _carry_dtype(x)
         return _all_gather(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group), None
+        return _carried(grad, ctx.carry, lambda g: _reduce_scatter(g, 1, ctx.group)), None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -134,12 +148,12 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.carry = group, _carry_dtype(x)
         return _reduce_scatter(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
+        return _carried(grad, ctx.carry, lambda g: _all_gather(g, 1, ctx.group)), None
 
 
 def enter_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:

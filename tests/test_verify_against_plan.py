@@ -1,0 +1,140 @@
+"""verify --against-plan: one step's bytes per op x axis x tier and memory per category equal the
+planner's (plan/step_traffic.py), to the byte, on the runtime's layouts in one 2-rank gloo world.
+
+The measured side is runtime/collectives.py's CommLog (checked against torch's CommDebugMode in
+tests/test_collectives.py) and runtime/memory_report.py; the predicted side never sees a
+tensor. Bytes are integers summed from shapes x dtype sizes, so equality is exact; wire bytes
+come from the same ring formulas on both sides (1e-6 relative: float division).
+
+ZeRO-1 is the reduce-scatter + all-gather of runtime/zero_optimizer.py (branch ``zero``, merged).
+Not in the matrix: zero=2, whose bytes match too but whose gradient shard lives in the flat
+optimiser buffer, so memory_report measures grads = 0 (a measurement gap, reported). ep, cp, hsdp and the
+interleaved / zero-bubble schedules are not modelled per op: their rows are reported with
+``predicted`` None and not judged (checked below that such a row never passes as "ok").
+Activations: plan/runtime_activations.py (what the eager runtime saves) is held within 10% in
+fp32 (it is exact there up to 28 bytes of boolean masks under tp). Under bf16 the measurement
+itself is off: memory_report skips "autocast copies of a weight" by shape, which drops
+activation casts that happen to share a local weight's shape and keeps transposed weight
+copies, so bf16 activation rows are reported, not asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist import run_distributed  # noqa: E402
+
+FP32 = "seq=16,mbs=1,param_dtype=fp32"
+CASES = [
+    f"dp=2,gbs=4,{FP32}",
+    f"dp=2,zero=1,gbs=4,{FP32}",
+    f"dp=2,fsdp,gbs=4,{FP32}",
+    f"tp=2,sp,gbs=2,{FP32}",
+    "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16",  # bf16: TP messages in bf16 but the embedding's output
+    "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16",
+    f"pp=2,gbs=4,schedule=gpipe,{FP32}",
+    f"pp=2,gbs=4,schedule=1f1b,{FP32}",
+    f"cp=2,gbs=2,{FP32}",  # not modelled: reported, not judged
+]
+
+
+# 4 ranks accounted as 2 per node (--ranks-per-node 2): the dp / pp groups cross nodes, tp stays inside
+CASES_4 = [f"tp=2,sp,dp=2,gbs=4,{FP32}", f"pp=2,tp=2,gbs=4,{FP32}"]
+
+
+def _worker(cases, per_node=None):
+    import torch.distributed as dist
+
+    from modelcarve.runtime import collectives
+    from modelcarve.verify import verify_worker
+
+    collectives.configure(per_node)
+    out = []
+    for layout in cases:
+        out.append(verify_worker("tiny-llama", layout, steps=2, against_plan=True))
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_distributed(_worker, 2, CASES, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def reports4():
+    return run_distributed(_worker, 4, CASES_4, 2, timeout=600)[0]
+
+
+def _check_exact(cases, reports):
+    for layout, report in zip(cases, reports):
+        rows = report["against_plan"]
+        assert {r["rank"] for r in rows} == set(range(report["world_size"]))
+        if layout.startswith("cp="):
+            continue
+        byte_rows = [r for r in rows if r["quantity"].startswith(("payload:", "wire:")) and "send_meta" not in r["quantity"]]
+        assert byte_rows, layout
+        for r in byte_rows + [r for r in rows if r["quantity"] in ("params", "grads", "optimizer", "comm_buffers")]:
+            assert r["ok"] is True, (layout, r)
+            assert r["predicted"] == pytest.approx(r["measured"], rel=1e-9, abs=0), (layout, r)
+        if "fp32" in layout:
+            for r in rows:
+                if r["quantity"] == "activations":
+                    assert r["ok"] is True and abs(r["predicted"] - r["measured"]) <= 0.10 * r["measured"], (layout, r)
+        assert all(c["passed"] for c in report["checks"]), layout  # the layout still matches the reference
+
+
+def test_bytes_and_memory_equal_the_plan(reports):
+    _check_exact(CASES, reports)
+
+
+def test_combinations_and_tiers_equal_the_plan(reports4):
+    _check_exact(CASES_4, reports4)
+    rows = [r for rep in reports4 for r in rep["against_plan"]]
+    tiers = {(r["axis"], r["tier"]) for r in rows if r["quantity"].startswith("payload:")}
+    assert ("tp", "intra") in tiers and ("dp", "inter") in tiers and ("pp", "inter") in tiers
+
+
+def test_bf16_layout_carries_bf16(reports):
+    """Derivation: per micro-batch 18 TP all-reduces of a 1x16x64 hidden: the 4 layers' 8 forward
+    row-parallel outputs, 8 backward gradients and the head's input gradient carried in bf16
+    (2048 bytes; runtime/tensor.py casts the backward ones), the embedding's fp32 output (4096):
+    17*2048 + 4096 per micro-batch against 18*4096 in fp32."""
+    bf16 = {r["quantity"]: r["measured"] for r in reports[CASES.index("tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16")]["against_plan"] if r["rank"] == 0}
+    scalars = 6 * 64 + 8  # cross-entropy vectors (fp32) and the fp64 norm
+    assert bf16["payload:all_reduce"] - scalars == 2 * (17 * 2048 + 4096)  # fp32 would be 2 * 18 * 4096
+
+
+def test_unmodelled_layout_is_reported_not_judged(reports):
+    rows = reports[CASES.index(f"cp=2,gbs=2,{FP32}")]["against_plan"]
+    assert any(r["quantity"] == "model" and "context" in r["axis"] for r in rows)
+    assert all(r["ok"] is None for r in rows if r["predicted"] is None)
+    assert any(r["measured"] for r in rows if r["quantity"].startswith("payload:"))
+
+
+def test_plan_side_alone_needs_no_torch_and_sums_by_hand():
+    """The prediction from the spec alone: dp=2 all-reduces 4 bytes x P (tiny-llama's parameters,
+    fp32 gradients) + the 4-byte loss + the 8-byte fp64 norm; FSDP shards params to 4P/2; ZeRO-1
+    is RS + AG of 4P (branch ``zero``'s form); a 1F1B stage 0 holds min(m, pp) micro-batches."""
+    from modelcarve.plan.step_traffic import NotModelled, predict_rank
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+
+    spec = get_model("tiny-llama")
+    P = spec.total_params
+    dp = predict_rank(spec, Layout.parse(f"dp=2,gbs=4,{FP32}"), 0)
+    assert sum(m.payload * m.calls for m in dp.messages if m.op == "all_reduce") == 4 * P + 4 + 8
+    assert dp.memory["params"] == dp.memory["grads"] == 4 * P
+    assert predict_rank(spec, Layout.parse(f"dp=2,fsdp,gbs=4,{FP32}"), 1).memory["params"] == 4 * P // 2
+    z1 = predict_rank(spec, Layout.parse(f"dp=2,zero=1,gbs=4,{FP32}"), 0)
+    assert {(m.op, m.payload) for m in z1.messages if m.payload > 8} == {("reduce_scatter", 4 * P), ("all_gather", 4 * P)}
+    one = predict_rank(spec, Layout.parse(f"pp=2,gbs=1,{FP32}"), 0).memory["activations"]
+    assert predict_rank(spec, Layout.parse(f"pp=2,gbs=8,{FP32}"), 0).memory["activations"] == 2 * one
+    gpipe = predict_rank(spec, Layout.parse(f"pp=2,gbs=8,schedule=gpipe,{FP32}"), 0).memory["activations"]
+    assert gpipe == 8 * one
+    with pytest.raises(NotModelled):
+        predict_rank(get_model("tiny-moe"), Layout.parse(f"dp=2,ep=2,gbs=4,{FP32}"), 0)
