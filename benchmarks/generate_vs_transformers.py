@@ -15,7 +15,9 @@ Model: a llama-shaped random checkpoint of ~110M parameters (hidden 768, 12 laye
   transformers: one left-padded static batch running to the longest output (the usual way to
   batch ``generate``); useful tokens/s = sum of the requested outputs / wall time for both.
 * The two sides alternate (ours, transformers, ours, ...) for ``--rounds`` rounds, and the
-  medians are compared, so a shared machine's load hits both alike.
+  medians are compared, so a shared machine's load hits both alike; ``paired_ratios`` are the
+  per-round ratios (transformers' wall / ours of the same round) and ``load_1min_per_round`` the
+  1-minute load average at the start of each round.
 * Memory-bandwidth bound of a batch-1 decode step: weight bytes / copy bandwidth, where the
   bandwidth is measured here by ``dst.copy_(src)`` on 256 MiB fp32 tensors, counting read +
   write bytes (the STREAM "copy" convention). The JSON gives our batch-1 TPOT over that bound.
@@ -115,7 +117,9 @@ def main() -> None:
     agree = {}
     ours_run(engine, single, [4])  # warm-up both
     hf_run(hf, single, [4])
+    round_loads = []
     for _ in range(args.rounds):
+        round_loads.append(os.getloadavg()[0])
         for key, prompts, lengths in (("b1", single, [args.new]), ("mixed", mixed, mixed_new)):
             wall, first, toks = ours_run(engine, prompts, lengths)
             ours_runs[key].append((wall, first))
@@ -147,6 +151,11 @@ def main() -> None:
     }
     result["batch1"]["ratio"] = result["batch1"]["ours_tok_s"] / result["batch1"]["hf_tok_s"]
     result["mixed"]["ratio"] = result["mixed"]["ours_tok_s"] / result["mixed"]["hf_static_tok_s"]
+    result["load_1min_per_round"] = round_loads
+    for key, out in (("b1", "batch1"), ("mixed", "mixed")):  # same-round pairs: a load change hits both sides
+        pairs = [h / w for (w, _), h in zip(ours_runs[key], hf_runs[key])]
+        result[out]["paired_ratios"] = pairs
+        result[out]["paired_ratio_median"] = statistics.median(pairs)
     shutil.rmtree(tmp, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -80,8 +80,8 @@ def num_blocks_for(budget_bytes: float, block_size: int, per_token: int) -> int:
 class LayerStore:
     """One layer's slots: a tensor per stored vector (and its scales when quantised)."""
 
-    def __init__(self, attn, slots: int, kv_dtype: str, dtype: torch.dtype, device):
-        self.kind, self.dtype = kv_dtype, dtype
+    def __init__(self, attn, slots: int, kv_dtype: str, dtype: torch.dtype, device, block_size: int = 16):
+        self.kind, self.dtype, self.block_size = kv_dtype, dtype, block_size
         self.data: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor] = {}
         for name, shape in _vectors(attn):
@@ -98,12 +98,22 @@ class LayerStore:
             self.data[name][slots] = q
             self.scale[name][slots] = s
         else:
-            self.data[name][slots] = values.to(self.data[name].dtype)
+            data = self.data[name]
+            data.index_copy_(0, slots, values.to(data.dtype).reshape(-1, *data.shape[1:]))
 
-    def read(self, name: str, index: torch.Tensor) -> torch.Tensor:
+    def _blocks(self, t: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+        """Whole blocks of ``t`` [slots, ...] -> [n, len(blocks) / n * block_size, ...]: one
+        ``index_select`` of block-sized contiguous rows (several times faster than per-slot indexing)."""
+        flat = t.view(t.shape[0] // self.block_size, -1).index_select(0, blocks)
+        return flat.view(n, -1, *t.shape[1:])
+
+    def gather_blocks(self, name: str, blocks: torch.Tensor, n: int) -> torch.Tensor:
+        """The vectors of ``blocks`` (``n`` sequences' block tables, flattened) in the compute dtype."""
         if self.kind in KV_KINDS:
-            return dequantize_kv(self.data[name][index], self.scale[name][index], self.dtype)
-        return self.data[name][index].to(self.dtype)
+            return dequantize_kv(self._blocks(self.data[name], blocks, n), self._blocks(self.scale[name], blocks, n),
+                                 self.dtype)
+        out = self._blocks(self.data[name], blocks, n)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.data.values(), *self.scale.values()))
@@ -115,7 +125,7 @@ class KVCache:
     def __init__(self, chunk, num_blocks: int, block_size: int, kv_dtype: str, dtype: torch.dtype, device):
         self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
         slots = num_blocks * block_size
-        self.layers = {key: LayerStore(block.attention, slots, kv_dtype, dtype, device)
+        self.layers = {key: LayerStore(block.attention, slots, kv_dtype, dtype, device, block_size)
                        for key, block in chunk.layers.items()}
         self.ctx = None
 

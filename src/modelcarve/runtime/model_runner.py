@@ -3,7 +3,9 @@
 ``ModelRunner(model, layout, ...)`` on every rank: loads the weights (a checkpoint slice by slice,
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
-(runtime/quant.py), sizes and allocates the paged KV cache (kv_cache.py; the block count is the
+(runtime/quant.py) -- or, for fp32 weights on CPU, gives the layers' and the head's linears a
+oneDNN-packed copy for multi-row steps (``PackedLinear``, when it fits in a quarter of free
+memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
 minimum over ranks) and installs paged attention (paged_attention.py).
 
 ``execute(plan)`` runs one engine step on this rank. ``plan`` is a list, per DP replica, of
@@ -36,6 +38,58 @@ from modelcarve.runtime.paged_attention import StepContext, install
 from modelcarve.spec.errors import LayoutError
 
 DUMMY = ([0], 0, [0], False)
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` (fp32, CPU) with a second copy of its weight reordered into oneDNN's blocked
+    layout (``torch.ops.mkldnn._reorder_linear_weight``): a step of 2+ rows runs
+    ``torch.ops.mkldnn._linear_pointwise`` (measured here ~1.2-1.4x faster than the BLAS sgemm of
+    ``F.linear`` at the 2..16 rows of decode steps), one row keeps ``F.linear`` (BLAS gemv, ~25%
+    faster than oneDNN at one row). Same ``x W^T + b`` up to summation order (~1e-6 relative)."""
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+        self.out_features, self.in_features = lin.weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+PACK_FRACTION = 0.25
+"""The packed copies are made only when they take at most this share of free memory."""
+
+
+def _packable(mod) -> bool:
+    return (type(mod) is torch.nn.Linear and type(mod.weight) is torch.nn.Parameter
+            and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu")
+
+
+def prepack_linears(chunk, free_bytes: int) -> int:
+    """Give the plain fp32 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers kept)
+    and the LM head a oneDNN-packed copy (``PackedLinear``) when those copies fit in
+    ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return 0
+    found = []  # (owner module, attribute, linear)
+    for block in chunk.layers.values():
+        for part in (block.attention, block.feed_forward):
+            for name, mod in part.named_modules():
+                if name and "router" not in name.split(".") and _packable(mod):
+                    owner, _, leaf = name.rpartition(".")
+                    found.append((part.get_submodule(owner) if owner else part, leaf, mod))
+    if getattr(chunk, "output", None) is not None and _packable(chunk.output):
+        found.append((chunk, "output", chunk.output))
+    if sum(mod.weight.nbytes for *_, mod in found) > PACK_FRACTION * free_bytes:
+        return 0
+    for owner, leaf, mod in found:
+        setattr(owner, leaf, PackedLinear(mod))
+    return len(found)
 
 
 def _int4_group(chunk) -> int:
@@ -90,8 +144,10 @@ class ModelRunner:
             from modelcarve.runtime.quant import quantize_model
 
             quantize_model(chunk, weight_dtype, _int4_group(chunk) if weight_dtype == "int4" else 128)
-        self.chunk = chunk
         self.device = next(chunk.parameters()).device
+        if weight_dtype == "fp32" and self.dtype == torch.float32 and self.device.type == "cpu":
+            prepack_linears(chunk, free_memory_bytes(self.device))
+        self.chunk = chunk
         tp, dp = layout.tp, layout.dp
         self.tp_rank = self.rank % tp
         self.dp_rank = (self.rank // tp) % dp
@@ -169,14 +225,14 @@ class ModelRunner:
         from modelcarve.runtime.tensor import full_vocab_logits
 
         chunk = self.chunk
-        positions = torch.cat([torch.arange(start, start + len(ids)) for ids, start, _, _ in items]).to(self.device)
+        ctx = StepContext([(start, len(ids), table) for ids, start, table, _ in items], self.block_size, self.device)
+        positions = ctx.positions
         if h is None:
             ids = torch.tensor([t for it in items for t in it[0]], dtype=torch.long, device=self.device)[None]
             h = chunk.tok_embeddings(ids)
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
-        self.cache.ctx = StepContext([(start, len(ids), table) for ids, start, table, _ in items], self.block_size,
-                                     self.device)
+        self.cache.ctx = ctx
         rope = chunk.rope(positions, h.dtype)
         for layer in chunk.layers.values():
             h = layer(h, rope)

@@ -4,17 +4,22 @@ A step's tokens (from several sequences: prefill chunks and single decode tokens
 the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
 describes the packing: per sequence its queries (``q_len`` tokens at positions
 ``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
-cache once this step's k/v are written), the slot of every new token, and the slots of every
-sequence's context (``gather``, padded to the longest with slot 0).
+cache once this step's k/v are written), the slot of every new token, and every sequence's
+block table padded to the longest with block 0 (``block_index``). It is built with a few tensor
+operations per step (no per-position Python lists).
 
 Each attention call (``install(chunk, cache)`` sets ``attn.kv_cache`` on every layer; the model
 file only calls it instead of its own core attention):
 
 1. writes the new tokens' k/v (MLA: normalised latent and rotated k_rot) into their slots;
-2. gathers each sequence's context from the cache ``[n, L, ...]``, and its queries ``[n, Q, ...]``;
+2. gathers each sequence's context from the cache ``[n, L, ...]`` as whole blocks (one
+   ``index_select`` of block-sized rows per stored tensor and layer; ``L`` = the longest context
+   rounded up to a block, or exactly the context for a single sequence), and its queries
+   ``[n, Q, ...]`` (a decode-only step, one query per sequence, needs no gather: a view);
 3. runs ``scaled_dot_product_attention`` with a boolean mask per sequence: key ``j`` is visible to a
    query at position ``p`` when ``j <= p`` and, for a sliding-window layer, ``j > p - window``
-   (transformers' rule); padded queries see key 0 only, and are dropped;
+   (transformers' rule), so keys past a sequence's context (block padding) are never seen;
+   padded queries see key 0 only, and are dropped;
 4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
 
 MLA recomputes the keys and values of the whole context from the cached latent (``wkv_b``),
@@ -32,28 +37,41 @@ class StepContext:
 
     def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu"):
         bs = block_size
-        q_max = max(q for _, q, _ in seqs)
-        l_max = max(s + q for s, q, _ in seqs)
         n = len(seqs)
-        slots, q_index, q_pos, gather = [], [], [], []
-        valid = torch.zeros(n, q_max, dtype=torch.bool)
-        t = 0
-        for i, (start, q_len, table) in enumerate(seqs):
-            ctx = start + q_len
-            flat = [table[p // bs] * bs + p % bs for p in range(ctx)]
-            slots.extend(flat[start:])
-            gather.append(flat + [0] * (l_max - ctx))
-            q_index.append(list(range(t, t + q_len)) + [0] * (q_max - q_len))
-            q_pos.append(list(range(start, ctx)) + [0] * (q_max - q_len))
-            valid[i, :q_len] = True
-            t += q_len
-        self.num_tokens = t
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
-        self.q_index = torch.tensor(q_index, dtype=torch.long, device=device)
-        self.q_valid = valid.to(device)
-        self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=device)
-        self.k_pos = torch.arange(l_max, device=device)
+        starts = [s for s, _, _ in seqs]
+        q_lens = [q for _, q, _ in seqs]
+        ctx = [s + q for s, q in zip(starts, q_lens)]
+        l_max, q_max = max(ctx), max(q_lens)
+        nb = -(-l_max // bs)
+        rows = []
+        for (_, _, table), c in zip(seqs, ctx):
+            need = -(-c // bs)
+            rows.append(table[:need] + [0] * (nb - need))
+        tables = torch.tensor(rows, dtype=torch.long, device=device)             # [n, nb]
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        self.decode = q_max == 1
+        self.num_tokens = t = sum(q_lens)
+        if self.decode:  # one query per sequence: token i is sequence i
+            self.positions = start_t
+            slots = tables.gather(1, (start_t // bs)[:, None])[:, 0] * bs + start_t % bs
+            self.q_pos = start_t[:, None]
+            self.q_index = self.q_valid = None
+        else:
+            q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
+            offsets = torch.cumsum(q_len_t, 0) - q_len_t
+            seq_of = torch.repeat_interleave(torch.arange(n, device=device), q_len_t)
+            self.positions = start_t[seq_of] + torch.arange(t, device=device) - offsets[seq_of]
+            slots = tables[seq_of, self.positions // bs] * bs + self.positions % bs
+            j = torch.arange(q_max, device=device)[None]
+            self.q_valid = j < q_len_t[:, None]
+            self.q_index = torch.where(self.q_valid, offsets[:, None] + j, 0)
+            self.q_pos = torch.where(self.q_valid, start_t[:, None] + j, 0)
+        self.slot_mapping = slots
+        self.block_index = tables.view(-1)
+        self.num_seqs = n
+        # one sequence: its keys are the (contiguous) prefix of the gathered blocks
+        self.key_len = l_max if n == 1 else nb * bs
+        self.k_pos = torch.arange(self.key_len, device=device)
         self.decode_one = n == 1 and t == 1
         self._masks: dict = {}
 
@@ -70,12 +88,21 @@ class StepContext:
             self._masks[window] = allowed[:, None]
         return self._masks[window]
 
+    def keys(self, store, name: str) -> torch.Tensor:
+        """[n, L, ...] the context of every sequence from ``store`` (one gather of whole blocks)."""
+        out = store.gather_blocks(name, self.block_index, self.num_seqs)
+        return out[:, :self.key_len] if out.shape[1] != self.key_len else out
+
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """[1, heads, T, d] packed -> [n, heads, Q, d] per sequence."""
+        if self.decode:
+            return x[0].transpose(0, 1)[:, :, None]
         return x[0].transpose(0, 1)[self.q_index].permute(0, 2, 1, 3)
 
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
+        if self.decode:
+            return out[:, :, 0].transpose(0, 1)[None]
         return out.permute(0, 2, 1, 3)[self.q_valid].permute(1, 0, 2).unsqueeze(0)
 
 
@@ -95,8 +122,8 @@ class PagedGQA:
         ctx = self.cache.ctx
         self.store.write("k", ctx.slot_mapping, k[0].transpose(0, 1))
         self.store.write("v", ctx.slot_mapping, v[0].transpose(0, 1))
-        keys = self.store.read("k", ctx.gather).permute(0, 2, 1, 3)
-        values = self.store.read("v", ctx.gather).permute(0, 2, 1, 3)
+        keys = ctx.keys(self.store, "k").permute(0, 2, 1, 3)
+        values = ctx.keys(self.store, "v").permute(0, 2, 1, 3)
         out = _attend(ctx.queries(q), keys, values, ctx.mask(self.window), self.scale)
         return ctx.pack(out)
 
@@ -112,8 +139,8 @@ class PagedMLA:
         ctx = self.cache.ctx
         self.store.write("latent", ctx.slot_mapping, latent[0])
         self.store.write("k_rot", ctx.slot_mapping, k_rot[0, 0])
-        lat = self.store.read("latent", ctx.gather)           # [n, L, r]
-        rot = self.store.read("k_rot", ctx.gather)            # [n, L, rope]
+        lat = ctx.keys(self.store, "latent")                  # [n, L, r]
+        rot = ctx.keys(self.store, "k_rot")                   # [n, L, rope]
         n, length = lat.shape[:2]
         kv = attn.wkv_b(lat).view(n, length, -1, attn.nope + attn.v_dim)
         k_pass, v = kv.split([attn.nope, attn.v_dim], dim=-1)
