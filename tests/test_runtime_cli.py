@@ -24,7 +24,7 @@ def cli(*argv, timeout=240):
     [
         ("tp=3", [], "tp=3 does not divide 4 attention heads; valid tp: 1, 2, 4"),
         ("tp=2", ["--nproc-per-node", "4"], "use --nproc-per-node 2"),
-        ("dp=2,zero=2", [], "zero=2 is not implemented by the runtime"),
+        ("dp=2,param_dtype=fp16", [], "param_dtype=fp16 is not implemented by the runtime"),
         ("dp=2,sp", [], "sequence parallelism (sp) needs tp > 1"),
         ("dp=2,grad_dtype=bf16", [], "grad_dtype=bf16 is not implemented by the runtime"),
     ],
