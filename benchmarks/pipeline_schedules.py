@@ -36,27 +36,34 @@ def spawn(fn, world, *args):
     return run_distributed(fn, world, *args, timeout=1800, collective_s=300)
 
 
-def measure(model_name, cases, seq, steps):
-    """On every rank: for each (schedule, v, m), the timings of ``steps`` measured steps."""
+def pipeline_case(spec, schedule: str, v: int, m: int, seq: int):
+    """This rank's pp=2 runner for one (schedule, v, m) case of ``spec`` and its seeded batch."""
     import torch
     import torch.nn.functional as F
 
     from modelcarve.runtime.mesh import build_mesh
     from modelcarve.runtime.model import build_model
     from modelcarve.runtime.pipeline import build_pipeline, split_model
-    from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
+
+    layout = Layout.parse(f"pp=2,schedule={schedule},virtual_stages={v},gbs={m},mbs=1,seq={seq},param_dtype=fp32")
+    mesh = build_mesh(layout)
+    chunks = split_model(build_model(spec, seed=0), layout, mesh.get_local_rank("pp"))
+    runner = build_pipeline(chunks, layout, mesh, lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
+    targets = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
+    return runner, tokens, targets
+
+
+def measure(model_name, cases, seq, steps):
+    """On every rank: for each (schedule, v, m), the timings of ``steps`` measured steps."""
+    from modelcarve.spec.catalog import get_model
 
     spec = get_model(model_name)
     rows = []
     for schedule, v, m in cases:
-        layout = Layout.parse(f"pp=2,schedule={schedule},virtual_stages={v},gbs={m},mbs=1,seq={seq},param_dtype=fp32")
-        mesh = build_mesh(layout)
-        chunks = split_model(build_model(spec, seed=0), layout, mesh.get_local_rank("pp"))
-        runner = build_pipeline(chunks, layout, mesh, lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
-        targets = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
+        runner, tokens, targets = pipeline_case(spec, schedule, v, m, seq)
         step_s, busy_s = [], []
         for step in range(steps + 1):
             start = time.perf_counter()

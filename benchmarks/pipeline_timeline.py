@@ -27,26 +27,15 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble",
 
 
 def measure(model_name, cases, seq, steps):
-    import torch
-    import torch.nn.functional as F
+    from pipeline_schedules import pipeline_case
 
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.pipeline import build_pipeline, split_model
     from modelcarve.runtime.timeline import gather_records, local_records
     from modelcarve.spec.catalog import get_model
-    from modelcarve.spec.layout import Layout
 
     spec = get_model(model_name)
     rows = []
     for schedule, v, m in cases:
-        layout = Layout.parse(f"pp=2,schedule={schedule},virtual_stages={v},gbs={m},mbs=1,seq={seq},param_dtype=fp32")
-        mesh = build_mesh(layout)
-        chunks = split_model(build_model(spec, seed=0), layout, mesh.get_local_rank("pp"))
-        runner = build_pipeline(chunks, layout, mesh, lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
-        targets = torch.randint(0, spec.vocab_size, (m, seq), generator=gen)
+        runner, tokens, targets = pipeline_case(spec, schedule, v, m, seq)
         steps_recs = []
         for step in range(steps + 1):
             runner.step(tokens, targets)
