@@ -7,7 +7,7 @@ Usage::
     .venv/bin/python benchmarks/calibrate_serving.py --fit    # also refit the three decode constants
 
 The published figures and their sources are in data/serving_published.csv (header comments).
-Rows marked ``fit`` are those the decode constants of plan/serve_rates.py were fitted to
+Rows marked ``fit`` are those the decode constants of plan/serve/rates.py were fitted to
 (``--fit`` prints that fit; the constants are then written into serve_rates.py by hand, with the
 fit's figures beside them); ``check`` rows are independent checks; ``excluded`` rows are shown
 with the reason they are not used.
@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from modelcarve.plan import serve_rates
-from modelcarve.plan.serve_calibration import TOLERANCE, calibrate, fit_decode_constants
+from modelcarve.plan.serve import rates as serve_rates
+from modelcarve.plan.serve.calibration import TOLERANCE, calibrate, fit_decode_constants
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "serving_published.csv"
@@ -71,7 +71,7 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "`serve-throughput` goal on the publisher's layout with no latency bounds, so the planner picks the batch",
         "(the largest that fits, at most 1024); latency rows use `serve-latency` at the stated concurrency.",
         "",
-        "Three constants of `plan/serve_rates.py` are fitted to the rows marked **fit** (batch-1 latencies:",
+        "Three constants of `plan/serve/rates.py` are fitted to the rows marked **fit** (batch-1 latencies:",
         f"`DECODE_HBM_EFFICIENCY` = {serve_rates.DECODE_HBM_EFFICIENCY:.2f}, `LAYER_OVERHEAD_S` = "
         f"{serve_rates.LAYER_OVERHEAD_S * 1e6:.1f} µs, `ALLREDUCE_FLOOR_S` = {serve_rates.ALLREDUCE_FLOOR_S * 1e6:.1f} µs;",
         "`--fit` reruns the least-squares fit). The rows marked **check** are independent of every constant.",
@@ -82,7 +82,7 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
                                   for src in dict.fromkeys(r["source"] for r in checks)) + ".",
         f"FP4 rows: one constant, `FP4_GEMM_FRACTION` = {serve_rates.FP4_GEMM_FRACTION:.2f} (share of the FP4 peak), fitted to the "
         f"{sum(r['role'] == 'fit-fp4' for r in rows)} `fit-fp4` rows ({_summary([r for r in rows if r['role'] == 'fit-fp4'])}). "
-        "Wide-EP rows (sglang-disagg): no constant fitted; the exchange model is plan/serve_ep.py.",
+        "Wide-EP rows (sglang-disagg): no constant fitted; the exchange model is plan/serve/ep.py.",
         "",
         "| role | source | model | devices | layout | dtype (w/kv) | in/out | conc. | measured | predicted | error | batch | bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -116,7 +116,7 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "Qwen3-30B-A3B (FP4, one B200/GB200) is excluded: at 3.3B active parameters per token the engine's per-step",
         "host and scheduling cost, which the planner does not model, bounds it (the planner is 37-380% high).",
         "FP4 GEMMs: the GEMM efficiency model's memory roofline reads an FP4 weight as 0.5625 bytes (NVFP4 with its",
-        "scales; plan/efficiency.py), and one fitted constant scales the FP4 peak (FP4_GEMM_FRACTION).",
+        "scales; plan/cost/efficiency.py), and one fitted constant scales the FP4 peak (FP4_GEMM_FRACTION).",
         "",
         "Not modelled, and candidates for the remaining errors (none fitted): the KV-cache capacity an engine leaves",
         "after its activation buffers and CUDA graphs (the planner keeps 1 GiB plus one prefill chunk's activations),",

@@ -6,10 +6,10 @@ Usage::
                                             [--doc docs/calibration_training.md] [--no-fit]
 
 1. Fit: the two free constants of the GEMM-efficiency model (``RAMP_DIM`` and the A100's
-   ``PEAK_FRACTION``, plan/efficiency.py) by grid search, minimising the RMS of
+   ``PEAK_FRACTION``, plan/cost/efficiency.py) by grid search, minimising the RMS of
    log(predicted / published) TFLOP/s per GPU over the ten rows of Table 1 of Narayanan et al.
    2021, each run with its published layout. The fitted values are printed; the constants in
-   plan/efficiency.py are set from them by hand (and this script shows the errors of the values
+   plan/cost/efficiency.py are set from them by hand (and this script shows the errors of the values
    in the code, which are what the tests check).
 2. Check, with the constants as they are in the code: every Table 1 row predicted to fit in
    80 GB and within +-10% of its published TFLOP/s per GPU; the planner's own best layout for the
@@ -40,11 +40,11 @@ import math
 import time
 from pathlib import Path
 
-from modelcarve.plan import efficiency
-from modelcarve.plan import calibration
-from modelcarve.plan.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases, torchtitan_memory_cases
+from modelcarve.plan.cost import efficiency
+from modelcarve.plan.train import calibration
+from modelcarve.plan.train.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases, torchtitan_memory_cases
 from modelcarve.plan.search import search
-from modelcarve.plan.train_model import TrainCostModel
+from modelcarve.plan.train.model import TrainCostModel
 
 GIB = 2**30
 
@@ -324,7 +324,7 @@ MODELLING_NOTES = [
     "- **Dropless all-to-all dispatch stalls on the host.** Megatron's default dispatcher copies the per-expert",
     "  token counts to the host each MoE pass to size the all-to-all and the grouped GEMMs; the stream drains and",
     "  the GPU then runs no faster than the host launches the layer's remaining kernels, which grow with the local",
-    "  experts. Charged as max(0, host - GPU) per pass (plan/efficiency.py `MOE_HOST_S_PER_EXPERT`), only on rows",
+    "  experts. Charged as max(0, host - GPU) per pass (plan/cost/efficiency.py `MOE_HOST_S_PER_EXPERT`), only on rows",
     "  whose recipe uses that dispatcher (`dispatcher` column: the GB200 / GB300 presets use HybridEP, which sizes",
     "  buffers on the device). This is what made Qwen3-30B-A3B at micro-batch 1 on B200 run at 214 TFLOP/s against",
     "  547 on GB200 (+143% before, +8% now); Mixtral's single large local expert hides it.",

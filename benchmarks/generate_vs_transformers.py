@@ -60,7 +60,7 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 
 def ours_run(engine, prompts, lengths):
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     t0 = time.perf_counter()
     outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
@@ -97,7 +97,7 @@ def main() -> None:
     load_before = os.getloadavg()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from modelcarve.runtime.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
 
     tmp = tempfile.mkdtemp(prefix="gen_bench_")
     torch.manual_seed(0)

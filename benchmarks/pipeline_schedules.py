@@ -4,7 +4,7 @@ one step's timeline per schedule (the data of a pipeline figure).
     OMP_NUM_THREADS=1 python benchmarks/pipeline_schedules.py --out benchmarks/results/pipeline_schedules.json
 
 For pp=2 ranks (one process and one thread each) of small-llama (~20M parameters, 8 layers, fp32)
-and every schedule x micro-batch count, the runner (runtime/pipeline.py) runs ``--steps``
+and every schedule x micro-batch count, the runner (runtime/parallel/pipeline.py) runs ``--steps``
 forward+backward steps after one warm-up step. Per rank and step: the step's wall time, the time
 inside compute actions (F, B, I, W, timed by the runner), and so the idle fraction
 ``1 - busy / step``. The bubble reported is the mean over ranks and steps, set beside
@@ -41,9 +41,9 @@ def pipeline_case(spec, schedule: str, v: int, m: int, seq: int):
     import torch
     import torch.nn.functional as F
 
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.pipeline import build_pipeline, split_model
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.parallel.pipeline import build_pipeline, split_model
     from modelcarve.spec.layout import Layout
 
     layout = Layout.parse(f"pp=2,schedule={schedule},virtual_stages={v},gbs={m},mbs=1,seq={seq},param_dtype=fp32")
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--out", default="benchmarks/results/pipeline_schedules.json")
     args = parser.parse_args()
-    from modelcarve.plan.schedule import bubble_fraction
+    from modelcarve.plan.cost.schedule import bubble_fraction
     from modelcarve.spec.catalog import get_model
 
     cases = [(s, v, m) for s, v in SCHEDULES for m in args.microbatches]

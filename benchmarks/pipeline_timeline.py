@@ -1,5 +1,5 @@
-"""Measured pipeline bubble from the gathered timeline (runtime/timeline.py) against the planner's
-formula (plan/schedule.py) and model (plan/timeline.py), at m = 2p, 4p, 8p on pp=2 gloo ranks.
+"""Measured pipeline bubble from the gathered timeline (runtime/measure/timeline.py) against the planner's
+formula (plan/cost/schedule.py) and model (plan/predict/timeline.py), at m = 2p, 4p, 8p on pp=2 gloo ranks.
 
     OMP_NUM_THREADS=1 python benchmarks/pipeline_timeline.py --out benchmarks/results/pipeline_timeline.json
 
@@ -29,7 +29,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble",
 def measure(model_name, cases, seq, steps):
     from pipeline_schedules import pipeline_case
 
-    from modelcarve.runtime.timeline import gather_records, local_records
+    from modelcarve.runtime.measure.timeline import gather_records, local_records
     from modelcarve.spec.catalog import get_model
 
     spec = get_model(model_name)
@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/pipeline_timeline.json")
     parser.add_argument("--png-dir", default=None)
     args = parser.parse_args()
-    from modelcarve.plan.schedule import bubble_fraction
-    from modelcarve.plan.timeline import bubble, model_records
+    from modelcarve.plan.cost.schedule import bubble_fraction
+    from modelcarve.plan.predict.timeline import bubble, model_records
 
     cases = [(s, v, m) for s, v in SCHEDULES for m in args.microbatches]
     load_before = os.getloadavg()

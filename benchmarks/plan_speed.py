@@ -20,7 +20,7 @@ import platform
 import time
 from pathlib import Path
 
-from modelcarve.plan import train_goal
+from modelcarve.plan.train import goal as train_goal
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster

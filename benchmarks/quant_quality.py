@@ -11,11 +11,11 @@
 2. On ``--eval-batches`` held-out windows, compares each quantised variant with the unquantised
    fp32 model on every position: top-1 agreement (argmax equal), mean KL(p_ref || p_quant) in
    nats per token, and both models' held-out cross-entropy. Variants: weights int8, int4 g32 /
-   g64 / g128, fp8 (runtime/quant.py quantize_model, fp32 activations), and the KV cache in int8
+   g64 / g128, fp8 (runtime/engine/quant.py quantize_model, fp32 activations), and the KV cache in int8
    and fp8 (k and v quantised and dequantised per (token, head) exactly as quant.quantize_kv
    stores them, weights fp32).
 3. Writes each variant's figures beside the planner's stated quality cost of that dtype
-   (plan/quant.py WEIGHT_FORMATS / KV_FORMATS) and the measured resident weight bytes.
+   (plan/cost/quant.py WEIGHT_FORMATS / KV_FORMATS) and the measured resident weight bytes.
 
 These are quality figures, not timings; they do not depend on load (same seed, same result).
 """
@@ -51,7 +51,7 @@ def write_corpus(path: Path) -> dict:
 
 
 def _fake_quant_kv(kind: str):
-    from modelcarve.runtime.quant import dequantize_kv, quantize_kv
+    from modelcarve.runtime.engine.quant import dequantize_kv, quantize_kv
 
     def hook(module, args, kwargs):
         q, k, v = args[:3]
@@ -72,12 +72,12 @@ def _compare(ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tens
 def worker(workdir: str, steps: int, eval_batches: int, seq: int, gbs: int, lr: float) -> dict | None:
     import copy
 
-    from modelcarve.plan.quant import KV_FORMATS, QUALITY_SHORT, WEIGHT_FORMATS
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.quant import quantize_model, weight_bytes
-    from modelcarve.runtime.train import TokenFile, TrainConfig, Trainer, seed_everything
+    from modelcarve.plan.cost.quant import KV_FORMATS, QUALITY_SHORT, WEIGHT_FORMATS
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.engine.quant import quantize_model, weight_bytes
+    from modelcarve.runtime.train.trainer import TokenFile, TrainConfig, Trainer, seed_everything
     from modelcarve.spec.hf_config import spec_from_hf_config
     from modelcarve.spec.layout import Layout
 

@@ -1,4 +1,4 @@
-"""Ring attention (runtime/ring_attention.py) on CPU: time per rank, balance across ranks, bytes.
+"""Ring attention (runtime/parallel/ring_attention.py) on CPU: time per rank, balance across ranks, bytes.
 
     OMP_NUM_THREADS=1 python benchmarks/ring_attention.py --out benchmarks/results/ring_attention.json
 
@@ -43,10 +43,10 @@ def _worker(seq: int, reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import new_group
-    from modelcarve.runtime.metrics import CommCounter
-    from modelcarve.runtime.ring_attention import ring_attention
-    from modelcarve.runtime.zigzag import zigzag_shard
+    from modelcarve.runtime.distributed.mesh import new_group
+    from modelcarve.runtime.measure.metrics import CommCounter
+    from modelcarve.runtime.parallel.ring_attention import ring_attention
+    from modelcarve.runtime.distributed.zigzag import zigzag_shard
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     group = new_group(list(range(cp))) if cp > 1 else None
@@ -73,7 +73,7 @@ def _one_process_seconds(seq: int, reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from modelcarve.runtime.ring_attention import ring_attention
+    from modelcarve.runtime.parallel.ring_attention import ring_attention
 
     torch.set_num_threads(1)
     q, k, v, dout = _problem(seq)

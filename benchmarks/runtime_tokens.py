@@ -1,5 +1,5 @@
 """Training throughput (tokens/s) per layout on CPU for small-llama (~20M parameters), and our
-hand-written TP (runtime/tensor.py) against a plain ``parallelize_module`` TP baseline, same run.
+hand-written TP (runtime/parallel/tensor.py) against a plain ``parallelize_module`` TP baseline, same run.
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_tokens.py --out benchmarks/results/runtime_tokens.json
 
@@ -39,7 +39,7 @@ def spawn(fn, world, *args):
 
 
 def ours(model, layout, steps):
-    from modelcarve.runtime.launch import run_worker
+    from modelcarve.runtime.train.launch import run_worker
 
     result = run_worker(model=model, layout=layout, steps=steps, quiet=True)
     if result is None:
@@ -56,7 +56,7 @@ def _baseline_model(spec, layout):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.model.transformer import build_model
 
     model = build_model(spec, seed=0)
     mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
@@ -84,8 +84,8 @@ def tp_pair(model_name, layout_text, steps):
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from modelcarve.runtime.launch import build
-    from modelcarve.runtime.train import SyntheticData, TrainConfig, Trainer
+    from modelcarve.runtime.train.launch import build
+    from modelcarve.runtime.train.trainer import SyntheticData, TrainConfig, Trainer
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 

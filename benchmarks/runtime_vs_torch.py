@@ -42,7 +42,7 @@ def _torch_model(kind, spec, layout):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.model.transformer import build_model
 
     if kind == "tp2":
         from runtime_tokens import _baseline_model
@@ -67,8 +67,8 @@ def pair(kind, model_name, layout_text, steps):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from modelcarve.runtime.launch import build
-    from modelcarve.runtime.train import SyntheticData, TrainConfig, Trainer
+    from modelcarve.runtime.train.launch import build
+    from modelcarve.runtime.train.trainer import SyntheticData, TrainConfig, Trainer
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 

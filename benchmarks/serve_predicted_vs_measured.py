@@ -10,7 +10,7 @@ For a random-weight llama-shaped checkpoint (hidden 768, 12 layers, 12 heads, 20
 2. for each layout, ``modelcarve serve`` runs it (real uvicorn on 127.0.0.1) and
    ``modelcarve bench-serve --rate R --json`` sends Poisson load at two rates;
 3. ``modelcarve estimate --goal serve-latency --cluster probed.yaml --layout L --input-len I
-   --output-len O --rate R --json`` predicts TTFT (with queueing, plan/serve_queue.py, where the
+   --output-len O --rate R --json`` predicts TTFT (with queueing, plan/serve/queue.py, where the
    estimate has ``--rate``; without it the unloaded TTFT) and TPOT for the same workload.
 
 Measured figures are bench-serve's means (client clock); ratios are predicted / measured.

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.plan import serve_batch, serve_prune, serve_time
+from modelcarve.plan.serve import batch as serve_batch, prune as serve_prune, time as serve_time
 from modelcarve.plan.goals import get_goal
 from modelcarve.plan.search import search
 from modelcarve.spec.catalog import get_model

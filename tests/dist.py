@@ -60,7 +60,7 @@ def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
 
             import torch.distributed as dist
 
-            from modelcarve.runtime.mesh import init_distributed
+            from modelcarve.runtime.distributed.mesh import init_distributed
 
             # Joining waits up to JOIN_S for the other ranks, whatever collective_s is: on a
             # loaded machine importing torch can take one rank many seconds longer than another,

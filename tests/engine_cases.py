@@ -84,7 +84,7 @@ def drive(engine, prompts, params, submit_at=SUBMIT_AT) -> list[list[int]]:
 
 
 def greedy():
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
@@ -94,7 +94,7 @@ def run_layouts(ckpts: dict, layouts: list[tuple[str, str]], kv_cache_bytes: int
     Returns (rank 0) {(model, layout): (outputs, stats dict)}."""
     import torch.distributed as dist
 
-    from modelcarve.runtime.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
 
     results = {}
     for name, layout in layouts:

@@ -4,7 +4,7 @@ The import graph is built from the source alone (``ast``, nothing imported), and
 module reaches another counts: imports at the top, inside functions, under ``TYPE_CHECKING``,
 ``importlib.import_module(...)`` with a literal or an f-string naming modules (resolved
 against the strings of that file: a registry tuple of module names), and string constants that
-are whole module names (``"-m modelcarve.commands.worker"`` style launches). Moving an import
+are whole module names (``"-m modelcarve.commands.launching.worker"`` style launches). Moving an import
 into a function does not hide a cycle from this test.
 
 The layer rules themselves (spec -> plan -> runtime -> verify -> serve -> commands, no torch in
@@ -178,9 +178,9 @@ def test_import_graph_is_acyclic():
 
 
 def test_the_reference_model_knows_no_parallelism():
-    """runtime/model.py and its layers import nothing of the runtime but each other."""
+    """runtime/model/transformer.py and its layers import nothing of the runtime but each other."""
     graph, _ = import_graph()
-    model_layers = {"modelcarve.runtime.model", "modelcarve.runtime.moe", "modelcarve.runtime.mlp", "modelcarve.runtime.rope"}
+    model_layers = {"modelcarve.runtime.model.transformer", "modelcarve.runtime.model.moe", "modelcarve.runtime.model.mlp", "modelcarve.runtime.model.rope"}
     for name in sorted(model_layers & set(graph)):
         runtime = {m for m in graph[name] if m.startswith("modelcarve.runtime.")}
         assert runtime <= model_layers, f"{name} imports {sorted(runtime - model_layers)}"
@@ -193,19 +193,19 @@ PARALLELISMS = {  # runtime module -> the parallelism it belongs to
 
 
 def test_only_parallelize_brings_several_parallelisms_together():
-    """No module but runtime/parallelize.py imports the modules of two parallelisms (the train
-    step and verify.py take what they need of them through parallelize.StepHooks)."""
+    """No module but runtime/parallel/parallelize.py imports the modules of two parallelisms (the train
+    step and verify/reference.py take what they need of them through parallelize.StepHooks)."""
     graph, lines = import_graph()
     offenders = {}
     for name, targets in sorted(graph.items()):
-        if name == "modelcarve.runtime.parallelize":
+        if name == "modelcarve.runtime.parallel.parallelize":
             continue
         used = {PARALLELISMS[t.rsplit(".", 1)[1]]: t for t in targets
                 if t.startswith("modelcarve.runtime.") and t.rsplit(".", 1)[1] in PARALLELISMS}
         if len(used) > 1:
             offenders[name] = sorted(f"{t} (line {lines[(name, t)]})" for t in used.values())
     assert not offenders, f"modules bringing several parallelisms together: {offenders}"
-    assert len({PARALLELISMS[t.rsplit('.', 1)[1]] for t in graph["modelcarve.runtime.parallelize"]
+    assert len({PARALLELISMS[t.rsplit('.', 1)[1]] for t in graph["modelcarve.runtime.parallel.parallelize"]
                 if t.rsplit(".", 1)[1] in PARALLELISMS}) == 5  # it did find parallelize's own
 
 

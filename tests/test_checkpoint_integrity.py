@@ -1,6 +1,6 @@
 """A half-written or corrupted checkpoint step is never loaded; no pickle on a load path.
 
-Pure file-level checks (runtime/ckpt_commit.py needs no process group): step directories are
+Pure file-level checks (runtime/checkpoint/commit.py needs no process group): step directories are
 built by ``commit`` itself from a few files, then damaged the ways disks and crashes damage
 them (truncation, a flipped byte, a missing file, a save that never committed, an unlisted
 file, a broken manifest). The CLI refuses a damaged ``--resume`` target in one line naming the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from modelcarve.runtime import ckpt_commit as cc
+from modelcarve.runtime.checkpoint import commit as cc
 from modelcarve.spec.errors import ModelcarveError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -119,7 +119,7 @@ def test_cli_refuses_damaged_resume_in_one_line(tmp_path):
 
 def test_metadata_unpickler_refuses_code(tmp_path):
     """DCP's .metadata is a pickle: ours is read by a restricted unpickler that builds no callable."""
-    from modelcarve.runtime.dcp_checkpoint import _MetadataUnpickler
+    from modelcarve.runtime.checkpoint.dcp import _MetadataUnpickler
 
     class Evil:
         def __reduce__(self):

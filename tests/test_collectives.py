@@ -31,8 +31,8 @@ def _raw(out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from modelcarve.runtime.collectives import CommLog
-    from modelcarve.runtime.mesh import new_group
+    from modelcarve.runtime.distributed.collectives import CommLog
+    from modelcarve.runtime.distributed.mesh import new_group
     from modelcarve.spec.layout import Layout
 
     layout = Layout.parse("dp=2,tp=2")
@@ -83,11 +83,11 @@ def _model_steps(out):
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from modelcarve.runtime.checkpoint import load_model
-    from modelcarve.runtime.collectives import CommLog
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
+    from modelcarve.runtime.checkpoint.hf_load import load_model
+    from modelcarve.runtime.distributed.collectives import CommLog
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
     from modelcarve.spec.layout import Layout
 
     for name, text in (("tpsp", "tp=2,sp,dp=2,seq=16,gbs=2,mbs=1,param_dtype=fp32"),
@@ -170,7 +170,7 @@ def test_collectives_counted():
         assert sum(e[4] for e in sends) == pp["pipeline_sent"] > 0
         assert len(_rows(results[receiver]["pp"]["events"], "recv")) == len(sends)
     # the order check accepts what the runtime really issued (no false refusal)
-    from modelcarve.runtime.collectives import check_order
+    from modelcarve.runtime.distributed.collectives import check_order
 
     for name in ("tpsp", "pp"):
         check_order({rank: res[name]["sequence"] for rank, res in enumerate(results)})

@@ -27,8 +27,8 @@ LAYOUTS = [
 def _worker(path, ckpt):
     import torch.distributed as dist
 
-    from modelcarve.runtime.launch import run_worker
-    from modelcarve.verify import verify_worker
+    from modelcarve.runtime.train.launch import run_worker
+    from modelcarve.verify.reference import verify_worker
 
     reports = []
     for layout in LAYOUTS:
@@ -49,7 +49,7 @@ def test_dense_only_stage_does_not_hang(tmp_path):
     hf = save_tiny_moe("deepseek_v3", tmp_path / "ckpt")
     assert DEEPSEEK["num_hidden_layers"] == 3 and DEEPSEEK["first_k_dense_replace"] == 1
     assert (hf.config.num_hidden_layers, hf.config.first_k_dense_replace) == (3, 1)
-    from modelcarve.runtime.pipeline_split import stage_layer_ranges
+    from modelcarve.runtime.parallel.pipeline_split import stage_layer_ranges
     from modelcarve.spec.layout import Layout
 
     assert list(stage_layer_ranges(3, Layout.parse(LAYOUTS[0]))[0]) == [0]  # stage 0: the dense layer alone

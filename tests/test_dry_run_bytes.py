@@ -1,4 +1,4 @@
-"""runtime/dry_run_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
+"""runtime/measure/dry_run_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
 planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from modelcarve.runtime.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
+from modelcarve.runtime.measure.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
 
@@ -80,7 +80,7 @@ def full_scale(request):
 
 
 def test_full_scale_gradients_and_zero_totals(full_scale):
-    from modelcarve.runtime.checkpoint import model_spec
+    from modelcarve.runtime.checkpoint.hf_load import model_spec
 
     rows = full_scale["rows"]
     assert full_scale["world_size"] in (2048, 16384)

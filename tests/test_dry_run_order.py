@@ -16,7 +16,7 @@ def _record(program, world: int) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from modelcarve.runtime.collectives import CommLog
+    from modelcarve.runtime.distributed.collectives import CommLog
 
     sequences = {}
     for rank in range(world):
@@ -67,7 +67,7 @@ def _unpaired(rank, tp):
 
 
 def test_order_check():
-    from modelcarve.runtime.collectives import check_order
+    from modelcarve.runtime.distributed.collectives import check_order
     from modelcarve.spec.errors import LayoutError
 
     check_order(_record(_consistent, 4))
@@ -98,7 +98,7 @@ def test_layout_dry_run_order():
     """A tp=2 x sp x dp=2 step of tiny-llama played rank by rank under the fake process group:
     its real order is accepted; with the extra collective on rank 1 it is refused, naming ranks
     0 and 1 and the first collective (rank 1's all-reduce over the world) before any launch."""
-    from modelcarve.runtime.dry_run import check_layout_order
+    from modelcarve.runtime.measure.dry_run import check_layout_order
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout
 

@@ -3,7 +3,7 @@ options, log-probabilities against transformers, the tokenizer, and the KV arith
 the planner's.
 
 Oracles: transformers' own logits (logprobs), transformers' tokenizer (encode / decode, chat
-template), the planner's KV bytes per token (plan/serve_memory.py, written independently from
+template), the planner's KV bytes per token (plan/serve/memory.py, written independently from
 the model's spec), and the engine's own solo runs for properties that must not depend on
 batching (preemption, prefix caching, seeds).
 """
@@ -27,7 +27,7 @@ def llama(tmp_path_factory):
 
 
 def _engine(path, **kw):
-    from modelcarve.runtime.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
 
     kw.setdefault("kv_cache_bytes", 1 << 21)
     return Engine(EngineConfig(model=path, layout=kw.pop("layout", "param_dtype=fp32"), **kw))
@@ -41,7 +41,7 @@ def _prompts(n, lo, hi, seed=0):
 
 def _params(i):
     """Requests 0, 2, 4, 6 greedy; 1, 3, 5, 7 sampled with their own seed."""
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     if i % 2 == 0:
         return greedy()
@@ -83,7 +83,7 @@ def test_prefix_caching_same_tokens(llama):
 
 
 def test_sampling_options(llama):
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     path, _ = llama
     engine = _engine(path)
@@ -109,7 +109,7 @@ def test_sampling_options(llama):
 def test_logprobs_equal_transformers(llama):
     """Our logprobs of the greedy tokens vs log_softmax of transformers' logits: the logits agree
     to 1e-5 (tests/test_runtime_checkpoint.py), so the log-softmax to 2e-5."""
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     path, hf = llama
     p = _prompts(1, 12, 13, seed=6)[0]
@@ -123,7 +123,7 @@ def test_logprobs_equal_transformers(llama):
 def test_kv_bytes_equal_planner(llama):
     """Bytes per token and block count at start-up = the planner's KV arithmetic (fp32, bf16), and
     int8 / fp8 = the planner's 1 byte per element plus one fp16 scale per head vector."""
-    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.plan.serve.memory import shard_facts
 
     path, _ = llama
     for kv in ("fp32", "bf16", "int8", "fp8"):
@@ -141,7 +141,7 @@ def test_tokenizer_text_and_stop_strings(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     text = open(__file__).read() * 3
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -171,7 +171,7 @@ def test_tokenizer_text_and_stop_strings(tmp_path):
 
 
 def test_refusals(llama):
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.sampler import SamplingParams
     from modelcarve.spec.errors import ModelcarveError
 
     path, _ = llama

@@ -29,14 +29,14 @@ def ckpts(tmp_path_factory):
 
 
 def _engine(path, **kw):
-    from modelcarve.runtime.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=path, layout=f"tp=1,{FP32}", kv_cache_bytes=1 << 21, **kw))
 
 
 @pytest.mark.parametrize("name", list(CKPTS))
 def test_single_device_equals_transformers(ckpts, name):
-    from modelcarve.runtime.model_runner import PackedLinear
+    from modelcarve.runtime.engine.model_runner import PackedLinear
 
     path, prompts, refs = ckpts[name]
     engine = _engine(path)
@@ -47,7 +47,7 @@ def test_single_device_equals_transformers(ckpts, name):
 
 def test_broken_cache_fails(ckpts, monkeypatch):
     """Hide key position 3 from every later query: the outputs must stop matching transformers."""
-    from modelcarve.runtime import paged_attention
+    from modelcarve.runtime.engine import paged_attention
 
     real = paged_attention.StepContext.mask
 
@@ -92,8 +92,8 @@ def _kv_equals_planner(ckpts, results):
     """Bytes per token (the fullest rank) and the block count printed at start-up are the planner's
     KV arithmetic for the same model and layout (MLA: the latent on every TP rank; qwen3's one kv
     head replicated over tp=2; per pipeline stage)."""
-    from modelcarve.plan.serve_memory import shard_facts
-    from modelcarve.runtime.checkpoint import model_spec
+    from modelcarve.plan.serve.memory import shard_facts
+    from modelcarve.runtime.checkpoint.hf_load import model_spec
     from modelcarve.spec.layout import Layout
 
     for (name, text), (_, stats, _) in results.items():

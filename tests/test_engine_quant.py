@@ -1,8 +1,8 @@
 """Quantised weights and KV cache in the engine: measured resident bytes per rank vs the planner's.
 
-Measured: every parameter and buffer the rank holds (runtime/quant.py ``weight_bytes``) plus the
+Measured: every parameter and buffer the rank holds (runtime/engine/quant.py ``weight_bytes``) plus the
 KV cache tensors it allocated. Planned: ``shard_facts(...).weights_bytes`` plus ``num_blocks x
-block_size x kv_bytes_per_token`` (plan/serve_memory.py). Within 2% as the issue asks; the parts
+block_size x kv_bytes_per_token`` (plan/serve/memory.py). Within 2% as the issue asks; the parts
 are also checked on their own: the KV cache is exactly the planner's bytes times ``1 + 2 /
 head_dim`` for int8 / fp8 (one fp16 scale per head vector, which the planner neglects), and the
 weights within 2% (test_runtime_quant.py derives that bound: fp16 scales per channel / group).
@@ -32,10 +32,10 @@ def ckpt(tmp_path_factory):
 def measure(path: str, tp: int) -> list[dict]:
     import torch.distributed as dist
 
-    from modelcarve.plan.serve_memory import shard_facts
-    from modelcarve.runtime.engine import Engine, EngineConfig
-    from modelcarve.runtime.quant import weight_bytes
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.plan.serve.memory import shard_facts
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.quant import weight_bytes
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     rows = []
     for weight, kv in CASES:

@@ -32,7 +32,7 @@ BASE = "gbs=4,seq=16,mbs=1,param_dtype=fp32"
 def _train(cases):
     import torch.distributed as dist
 
-    from modelcarve.runtime.launch import run_worker
+    from modelcarve.runtime.train.launch import run_worker
 
     for model, layout, ckpt in cases:
         run_worker(model, layout, steps=2, quiet=True, checkpoint=dict(checkpoint_dir=ckpt, save_every=2))
@@ -57,8 +57,8 @@ def _export(ckpt: Path, out: Path, size="60KB"):
 
 
 def _ours(step_dir: Path, config: dict):
-    from modelcarve.runtime.export_hf import full_model_state
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.checkpoint.export_hf import full_model_state
+    from modelcarve.runtime.model.transformer import build_model
     from modelcarve.spec.hf_config import spec_from_hf_config
 
     model = build_model(spec_from_hf_config(config), dtype=torch.float32, seed=123)

@@ -42,11 +42,11 @@ CASES = {
 def _worker():
     import torch.distributed as dist
 
-    from modelcarve.runtime.checkpoint import load_model
-    from modelcarve.runtime.memory_report import measure_step
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.train import TrainConfig, Trainer, make_data, seed_everything
+    from modelcarve.runtime.checkpoint.hf_load import load_model
+    from modelcarve.runtime.measure.memory_report import measure_step
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
     from modelcarve.spec.layout import Layout
 
     out = {}

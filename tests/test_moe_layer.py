@@ -1,4 +1,4 @@
-"""Single-process tests of the MoE block (runtime/moe.py).
+"""Single-process tests of the MoE block (runtime/model/moe.py).
 
 Oracles: transformers' own MoE blocks (mixtral, qwen3_moe, deepseek_v3) on the same weights,
 outputs and gradients in fp32; Mixtral's ``load_balancing_loss_func`` for the aux loss; a
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from modelcarve.runtime.model import build_model
-from modelcarve.runtime.moe import MoE
+from modelcarve.runtime.model.transformer import build_model
+from modelcarve.runtime.model.moe import MoE
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hf_config import spec_from_hf_config
 
@@ -258,7 +258,7 @@ def save_tiny_moe(family: str, path, seed: int = 0):
 
 @pytest.mark.parametrize("family", sorted(CHECKPOINTS))
 def test_checkpoint_logits_equal_transformers(family, tmp_path):
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint.hf_load import load_model
 
     hf = save_tiny_moe(family, tmp_path)
     ours, spec = load_model(str(tmp_path))
@@ -276,7 +276,7 @@ def test_checkpoint_logits_equal_transformers(family, tmp_path):
 
 
 def test_bad_ep_is_refused_before_launch():
-    from modelcarve.runtime.parallelize import check_runtime
+    from modelcarve.runtime.parallel.parallelize import check_runtime
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout
 

@@ -1,7 +1,7 @@
 """The modelling terms the NeMo / Megatron-Bridge calibration added, each against a hand-derived
 figure, and the published rows as the planner reads them (data/training_published.csv).
 
-* all-to-all dispatcher host stall (plan/efficiency.py ``MOE_HOST_S_PER_EXPERT``): per MoE pass
+* all-to-all dispatcher host stall (plan/cost/efficiency.py ``MOE_HOST_S_PER_EXPERT``): per MoE pass
   max(0, host - GPU) with host = per-expert time x local experts; so forward + backward add at
   most 2 x host, nothing when the constant is 0, nothing for Mixtral's single large local expert
   (its expert GEMMs outlast the host), and with MLP recomputation a third pass;
@@ -19,10 +19,10 @@ import dataclasses
 
 import pytest
 
-from modelcarve.plan import efficiency
-from modelcarve.plan.calibration import _published_model, nemo_cases
-from modelcarve.plan.train_layer import _causal_share, layer_cost
-from modelcarve.plan.train_model import TrainCostModel, TrainOptions
+from modelcarve.plan.cost import efficiency
+from modelcarve.plan.train.calibration import _published_model, nemo_cases
+from modelcarve.plan.train.layer import _causal_share, layer_cost
+from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from modelcarve.plan import comm
+from modelcarve.plan.cost import comm
 from modelcarve.spec.hardware import parse_cluster
 
 A100 = parse_cluster("4x8xA100-80GB")  # NVLink3 300 GB/s, 8x HDR 25 GB/s per node

@@ -3,11 +3,11 @@ against figures derived by hand from the model's dimensions (issue 14)."""
 
 import pytest
 
-from modelcarve.plan import efficiency
-from modelcarve.plan.calibration import nemo_cases, torchtitan_memory_cases
-from modelcarve.plan.efficiency import HBM_EFFICIENCY, gemm_time_s
+from modelcarve.plan.cost import efficiency
+from modelcarve.plan.train.calibration import nemo_cases, torchtitan_memory_cases
+from modelcarve.plan.cost.efficiency import HBM_EFFICIENCY, gemm_time_s
 from modelcarve.plan.goals import get_goal
-from modelcarve.plan.train_model import LOGITS_BYTES_PER_ELEM, TrainCostModel, TrainOptions
+from modelcarve.plan.train.model import LOGITS_BYTES_PER_ELEM, TrainCostModel, TrainOptions
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout

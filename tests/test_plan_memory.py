@@ -3,10 +3,10 @@ activations per layer (Korthikanti et al. 2022), micro-batches in flight per sch
 
 import pytest
 
-from modelcarve.plan.activations import layer_activation_bytes
-from modelcarve.plan.calibration import megatron_gpt
-from modelcarve.plan.schedule import in_flight_microbatches
-from modelcarve.plan.train_model import TrainCostModel, TrainOptions, model_state_bytes_per_param
+from modelcarve.plan.cost.activations import layer_activation_bytes
+from modelcarve.plan.train.calibration import megatron_gpt
+from modelcarve.plan.cost.schedule import in_flight_microbatches
+from modelcarve.plan.train.model import TrainCostModel, TrainOptions, model_state_bytes_per_param
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
 

@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from modelcarve.plan.train_goal import enumerate_layouts
-from modelcarve.plan.train_model import TrainCostModel, TrainOptions
+from modelcarve.plan.train.goal import enumerate_layouts
+from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 

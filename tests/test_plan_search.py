@@ -5,9 +5,9 @@ import math
 import pytest
 
 from modelcarve.plan import goals
-from modelcarve.plan.schedule import bubble_fraction
+from modelcarve.plan.cost.schedule import bubble_fraction
 from modelcarve.plan.search import divisors, factorizations, search
-from modelcarve.plan.train_goal import enumerate_layouts, candidate_layout
+from modelcarve.plan.train.goal import enumerate_layouts, candidate_layout
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 
@@ -74,7 +74,7 @@ def test_train_candidates_are_valid_unique_layouts():
 
 
 def test_every_builtin_goal_is_found_even_after_one_goal_module_was_imported():
-    import modelcarve.plan.train_goal  # noqa: F401  registers "train" on import
+    import modelcarve.plan.train.goal  # noqa: F401  registers "train" on import
 
     names = goals.goal_names()
     assert "train" in names

@@ -10,10 +10,10 @@ import json
 import pytest
 
 from modelcarve.cli import main
-from modelcarve.plan.calibration import megatron_gpt, megatron_table1, moe_cases
+from modelcarve.plan.train.calibration import megatron_gpt, megatron_table1, moe_cases
 from modelcarve.plan.goals import get_goal
 from modelcarve.plan.search import search
-from modelcarve.plan.train_model import TrainCostModel, TrainOptions
+from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
@@ -183,7 +183,7 @@ def test_step_is_the_sum_of_its_parts_and_overlap_hides_dp_traffic():
 
 def test_korthikanti_530b_mfu_with_and_without_full_recomputation():
     # held out: 42.1% MFU with full recomputation, 54.2% with SP + selective (abstract of Korthikanti et al. 2022)
-    from modelcarve.plan.calibration import korthikanti2022
+    from modelcarve.plan.train.calibration import korthikanti2022
 
     full, selective = [_estimate(c) for c in korthikanti2022()]
     for case, est in zip(korthikanti2022(), (full, selective)):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modelcarve.cli import main
-from modelcarve.commands import prelaunch
+from modelcarve.commands.launching import prelaunch
 from modelcarve.commands import run as run_cmd
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

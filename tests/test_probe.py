@@ -1,5 +1,5 @@
 """``modelcarve hardware --probe``: what it writes is a cluster file the planner reads back, with
-figures derived from the measurements by plan/comm.py's own conventions; and a port in use is a
+figures derived from the measurements by plan/cost/comm.py's own conventions; and a port in use is a
 one-line refusal of ``serve`` before any rank starts.
 
 The conversion is checked on hand-made timings (no wall-clock assertion); one real probe on two
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from modelcarve.commands.probe import cluster_dict, overhead_from_steps, summarise
-from modelcarve.plan.comm import INTRA_EFFICIENCY
+from modelcarve.plan.cost.comm import INTRA_EFFICIENCY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

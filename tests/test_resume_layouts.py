@@ -46,7 +46,7 @@ def _segments(plan):
     """Run each (name, model, layout, steps, checkpoint) with the run worker; rank 0's results."""
     import torch.distributed as dist
 
-    from modelcarve.runtime.launch import run_worker
+    from modelcarve.runtime.train.launch import run_worker
 
     out = {}
     for name, model, layout, steps, checkpoint in plan:

@@ -1,4 +1,4 @@
-"""Ring attention (runtime/ring_attention.py) against full causal attention.
+"""Ring attention (runtime/parallel/ring_attention.py) against full causal attention.
 
 Single-process tests check the block math and the hand-written backward (gradcheck in fp64,
 group=None is one rank) and the zig-zag layout; one spawned gloo group per world size (2
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelcarve.runtime.ring_attention import ring_attention
-from modelcarve.runtime.zigzag import check_divisible, zigzag_indices, zigzag_shard, zigzag_unshard
+from modelcarve.runtime.parallel.ring_attention import ring_attention
+from modelcarve.runtime.distributed.zigzag import check_divisible, zigzag_indices, zigzag_shard, zigzag_unshard
 from modelcarve.spec.errors import LayoutError
 
 
@@ -87,7 +87,7 @@ def test_indivisible_lengths_are_refused():
 def _ring_worker() -> dict:
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import new_group
+    from modelcarve.runtime.distributed.mesh import new_group
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     group = new_group(list(range(world_size)))  # the whole world is the cp group
@@ -121,7 +121,7 @@ def _ring_worker() -> dict:
             results[(case, f"{dtype} {kernel}")] = errors
     # traffic of one forward + backward (fp32): (cp-1) K/V blocks forward, (cp-1) K/V blocks and
     # (cp-1) dK/dV blocks backward; CommCounter counts each message once, at its sender
-    from modelcarve.runtime.metrics import CommCounter
+    from modelcarve.runtime.measure.metrics import CommCounter
 
     x = torch.randn(2, 4, 8, 16, requires_grad=True)
     kv = torch.randn(2, 2, 8, 16, requires_grad=True)

@@ -36,7 +36,7 @@ def save_tiny(family: str, path, shard: bool = False, seed: int = 0) -> "transfo
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_equal_transformers(family, tmp_path):
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint.hf_load import load_model
 
     hf = save_tiny(family, tmp_path, shard=family == "llama")
     if family == "llama":
@@ -58,11 +58,11 @@ def _sharded_load(jobs):
 def _sharded_load_one(path, layouts):
     import torch.distributed as dist
 
-    from modelcarve.runtime.checkpoint import CheckpointReader, load_model, load_sharded
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
+    from modelcarve.runtime.checkpoint.hf_load import CheckpointReader, load_model, load_sharded
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
     from modelcarve.spec.layout import Layout
-    from modelcarve.verify import gather_full
+    from modelcarve.verify.reference import gather_full
 
     full, _ = load_model(path) if dist.get_rank() == 0 else (None, None)
     total = sum(t.numel() * t.element_size() for t in [CheckpointReader(path).read(n) for n in CheckpointReader(path).files])

@@ -58,7 +58,7 @@ def test_verify_exit_code_on_failure(monkeypatch, capsys):
     """A failing comparison makes ``verify`` exit 1 (the launch is replaced by a failing report)."""
     from modelcarve.cli import main
     from modelcarve.commands import run as run_cmd
-    from modelcarve.verify import compare
+    from modelcarve.verify.reference import compare
 
     bad = compare("param/norm.weight", __import__("torch").ones(3), __import__("torch").zeros(3), 1e-4)
     assert not bad.passed

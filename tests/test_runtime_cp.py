@@ -6,7 +6,7 @@ bf16, cp2 with selective recomputation (the ring itself re-runs in backward), cp
 tiny-moe cp2 x ep2 (experts sharded over the cp ranks) and a tiny MLA (deepseek_v3-style) model.
 
 Two drivers:
-* "verify": the whole runtime (parallelize -> Trainer with clipping -> verify.py gathering by
+* "verify": the whole runtime (parallelize -> Trainer with clipping -> verify/reference.py gathering by
   FQN): logits, loss, gradient norm, per-parameter gradients and parameters after the steps,
   within verify.TOLERANCES (fp32: loss 1e-5 relative, gradients and parameters 1e-4 absolute;
   bf16 looser).
@@ -44,7 +44,7 @@ def _batches(spec, layout):
 def _reference(spec, layout):
     """Loss and grads of every step, parameters after STEPS AdamW steps, and the optimiser's
     bias-corrected sqrt(v_hat) after each step (for verify.adamw_step_allowance), on one device."""
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.model.transformer import build_model
 
     model = build_model(spec, seed=0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -70,9 +70,9 @@ def _manual_step(spec, layout, mesh):
     count, and gradients are SUMMED over the dp x cp ranks."""
     import torch.distributed as dist
 
-    from modelcarve.runtime.context import apply_context_parallel, shard_batch
-    from modelcarve.runtime.mesh import axis_group, axis_rank
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.parallel.context import apply_context_parallel, shard_batch
+    from modelcarve.runtime.distributed.mesh import axis_group, axis_rank
+    from modelcarve.runtime.model.transformer import build_model
 
     group = axis_group(mesh, "dp_cp") if layout.dp > 1 else axis_group(mesh, "cp")
     share = layout.global_batch // layout.dp
@@ -108,7 +108,7 @@ def _compare(ref, got) -> dict:
     AdamW's arithmetic allows per element given the measured gradient differences; see
     verify.adamw_step_allowance: where a gradient is near eps a 1e-9 reassociation difference
     can move a parameter by ~lr = 1e-3, so the plain difference alone is not a fair test)."""
-    from modelcarve.verify import ULPS_PER_STEP, adamw_step_allowance
+    from modelcarve.verify.reference import ULPS_PER_STEP, adamw_step_allowance
 
     (ref_losses, ref_grads, ref_params, sqrt_v_hats), (losses, grads, params) = ref, got
     grad_diffs = [max((grads[t][n] - g).abs().max().item() for n, g in ref_grads[t].items()) for t in range(len(grads))]
@@ -128,13 +128,13 @@ def _compare(ref, got) -> dict:
 
 def _worker(cases: list[tuple[str, str, str, str]]) -> dict:
     """Each case is (model, layout, dtype, driver); driver "manual" is context.py alone (above),
-    "verify" the whole runtime: parallelize -> Trainer -> verify.py's gathering and comparison."""
+    "verify" the whole runtime: parallelize -> Trainer -> verify/reference.py's gathering and comparison."""
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import build_mesh
+    from modelcarve.runtime.distributed.mesh import build_mesh
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     results = {}
     for model, text, dtype, driver in cases:
@@ -184,7 +184,7 @@ def _cases(world_size: int, tmp_path) -> list[tuple[str, str, str, str]]:
         (llama, "cp=2,tp=2,gbs=2", "fp32", "verify"),
         (llama, "cp=2,tp=2,sp,gbs=2", "fp32", "verify"),
         (llama, "cp=2,dp=2,gbs=4", "fp32", "verify"),
-        (llama, "cp=2,pp=2,gbs=2", "fp32", "verify"),  # verify.py compares no logits under pp
+        (llama, "cp=2,pp=2,gbs=2", "fp32", "verify"),  # verify/reference.py compares no logits under pp
     ]
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelcarve.runtime.train import SyntheticData, TokenFile, make_data
+from modelcarve.runtime.train.trainer import SyntheticData, TokenFile, make_data
 from modelcarve.spec.errors import ModelcarveError
 
 

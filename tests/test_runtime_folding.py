@@ -1,7 +1,7 @@
 """MoE parallel folding in the runtime against the single-device reference, in real gloo processes.
 
 The expert mesh ETP x EP x EDP is laid over the same ranks as the attention mesh TP x CP x DP
-(runtime/expert.py ``folded_groups``), so EP may take the tensor-parallel ranks. One spawned
+(runtime/parallel/expert.py ``folded_groups``), so EP may take the tensor-parallel ranks. One spawned
 group of 4 ranks, looping over the layouts through ``verify_worker`` (what ``modelcarve verify``
 runs): logits, loss per step, every gradient at step 0, the largest gradient difference at later
 steps, the global gradient norm, every parameter after 3 AdamW steps, and tokens per expert and
@@ -59,10 +59,10 @@ LAYOUTS = [
 def _worker(dirs):
     import torch.distributed as dist
 
-    from modelcarve.runtime.expert import expert_groups
-    from modelcarve.runtime.mesh import build_mesh
+    from modelcarve.runtime.parallel.expert import expert_groups
+    from modelcarve.runtime.distributed.mesh import build_mesh
     from modelcarve.spec.layout import Layout
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     out = {"layouts": [], "groups": {}}
     for text in ("tp=2,dp=2,ep=4", "dp=4,ep=2,etp=2", "tp=2,dp=2,ep=2,etp=1"):
@@ -112,7 +112,7 @@ def test_expert_mesh_coordinates(world4):
 
 
 def test_check_runtime_runs_folded_layouts():
-    from modelcarve.runtime.parallelize import check_runtime
+    from modelcarve.runtime.parallel.parallelize import check_runtime
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout

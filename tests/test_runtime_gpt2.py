@@ -19,7 +19,7 @@ GPT2 = dict(vocab_size=263, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_
 
 
 def test_gpt2_logits_equal_transformers(tmp_path):
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint.hf_load import load_model
 
     hf = save_hf("GPT2Config", "GPT2LMHeadModel", tmp_path, base=GPT2)
     ours, spec = load_model(str(tmp_path))
@@ -30,7 +30,7 @@ def test_gpt2_logits_equal_transformers(tmp_path):
 
 
 def test_gpt2_untied_head(tmp_path):
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint.hf_load import load_model
 
     hf = save_hf("GPT2Config", "GPT2LMHeadModel", tmp_path, base=GPT2 | dict(tie_word_embeddings=False))
     ours, spec = load_model(str(tmp_path))

@@ -56,7 +56,7 @@ LAYOUTS = {
 def _run_cases(cases):
     import torch.distributed as dist
 
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     out = []
     for model, layout in cases:

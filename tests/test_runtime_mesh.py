@@ -12,7 +12,7 @@ def _mesh_worker(layouts):
     import torch
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import axis_group, axis_rank, axis_size, build_mesh, merged_mesh
+    from modelcarve.runtime.distributed.mesh import axis_group, axis_rank, axis_size, build_mesh, merged_mesh
     from modelcarve.spec.layout import Layout
 
     out = []
@@ -66,7 +66,7 @@ def _fault_during_run(tmp, bad_rank, mode):
         # from the third training step on, the bad rank crashes ("die") or stops taking part
         # ("stall": its main thread sleeps). Counted in steps, not seconds: a timer could fire
         # before the process group exists on a loaded machine, which is another failure.
-        import modelcarve.runtime.train as train
+        import modelcarve.runtime.train.trainer as train
 
         original = train.Trainer.step
         calls = {"n": 0}
@@ -80,7 +80,7 @@ def _fault_during_run(tmp, bad_rank, mode):
             return original(self, *a, **k)
 
         train.Trainer.step = step
-    from modelcarve.runtime.launch import main
+    from modelcarve.runtime.train.launch import main
 
     payload = dict(model="tiny-llama", layout="tp=2,seq=32,gbs=2", steps=100000, quiet=True, timeout_s=5)
     return main(["run", json.dumps(payload)])

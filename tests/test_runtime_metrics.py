@@ -4,7 +4,7 @@ from dist import run_distributed
 
 
 def _runs(cases):
-    from modelcarve.runtime.launch import run_worker
+    from modelcarve.runtime.train.launch import run_worker
 
     return [run_worker(model="tiny-llama", layout=layout, steps=2, quiet=True) for layout in cases]
 

@@ -40,9 +40,9 @@ LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-4, 1e-4
 def _block_cases():
     import torch.distributed as dist
 
-    from modelcarve.runtime.expert import expert_groups, shard_experts_ep
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.parallel.expert import expert_groups, shard_experts_ep
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.model.transformer import build_model
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 
@@ -157,7 +157,7 @@ LAYOUTS = {
 def _group_worker(world, dirs):
     import torch.distributed as dist
 
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     out = {"block": _block_cases() if world == 4 else None, "layouts": []}
     dist.barrier()
@@ -176,11 +176,11 @@ def _group_worker(world, dirs):
 def _sharded_load(path, layout_text):
     import torch.distributed as dist
 
-    from modelcarve.runtime.checkpoint import CheckpointReader, load_model, load_sharded
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
+    from modelcarve.runtime.checkpoint.hf_load import CheckpointReader, load_model, load_sharded
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
     from modelcarve.spec.layout import Layout
-    from modelcarve.verify import gather_full
+    from modelcarve.verify.reference import gather_full
 
     layout = Layout.parse(layout_text)
     mesh = build_mesh(layout)

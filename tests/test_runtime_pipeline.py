@@ -7,7 +7,7 @@ Two levels of end-to-end cases, both against the reference on the same weights a
   clipping) on the chunks; every rank compares its own parameters and gradients by FQN,
   including a tied head's copy; also forward-only logits, the executed actions, bytes sent;
 * verify cases (``_verify_case``): the whole train step through parallelize -> Trainer ->
-  verify.py (TP/DP/FSDP reductions, global-norm clipping, lr 1e-3), for the compositions.
+  verify/reference.py (TP/DP/FSDP reductions, global-norm clipping, lr 1e-3), for the compositions.
 
 Tolerances (fp32, the issue's): loss relative 1e-5, gradients 1e-4 abs, parameters after 3
 AdamW steps 1e-4 abs; bf16 runs use verify.TOLERANCES["bf16"].
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from dist import run_distributed
-from modelcarve.runtime.model import build_model
-from modelcarve.runtime.pipeline import balance_layers, split_model, stage_ids, tied_copy_names
-from modelcarve.runtime.pipeline_split import stage_layer_ranges
+from modelcarve.runtime.model.transformer import build_model
+from modelcarve.runtime.parallel.pipeline import balance_layers, split_model, stage_ids, tied_copy_names
+from modelcarve.runtime.parallel.pipeline_split import stage_layer_ranges
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
@@ -139,8 +139,8 @@ def test_split_errors_say_what_to_do():
 
 
 def test_unrunnable_pipelines_are_refused_before_any_rank_starts():
-    from modelcarve.runtime.parallelize import check_runtime
-    from modelcarve.runtime.pipeline_split import pipeline_problems
+    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.runtime.parallel.pipeline_split import pipeline_problems
 
     assert pipeline_problems(Layout.parse("pp=2,gbs=4,schedule=1f1b"), 4) == []
     assert pipeline_problems(Layout.parse("pp=2,gbs=1,schedule=gpipe"), 4) == []
@@ -202,8 +202,8 @@ def _run_case(case):
     the schedule accumulates in micro-batch order; parameters held to _adamw_param_bound)."""
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.pipeline import build_pipeline
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.pipeline import build_pipeline
 
     layout = Layout.parse(case["layout"])
     spec = _spec(case.get("layers", 4), case.get("tied", False))
@@ -270,8 +270,8 @@ def _run_case(case):
 
 
 def _error_case(case):
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.pipeline import build_pipeline
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.pipeline import build_pipeline
 
     layout = Layout.parse(case["layout"])
     mesh = build_mesh(layout)
@@ -288,10 +288,10 @@ def _error_case(case):
 
 def _verify_case(case):
     """The whole training step (parallelize -> Trainer: TP/DP reductions, global-norm clipping,
-    AdamW) through verify.py's worker; returns rank 0's failed checks and worst differences."""
+    AdamW) through verify/reference.py's worker; returns rank 0's failed checks and worst differences."""
     import torch.distributed as dist
 
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     report = verify_worker(case["model"], case["layout"], steps=STEPS)
     dist.barrier()
@@ -320,7 +320,7 @@ def tied_checkpoint(tmp_path_factory):
     the embedding only, as Hugging Face writes tied models), so verify runs can load it."""
     from safetensors.torch import save_file
 
-    from modelcarve.runtime.checkpoint import hf_name
+    from modelcarve.runtime.checkpoint.hf_load import hf_name
 
     path = tmp_path_factory.mktemp("tied_llama")
     config = dict(
@@ -408,9 +408,9 @@ def _in_flight(actions, release=("B", "I")):
 
 def _check_against_planner(results, names, cases):
     """The schedule torch ran holds, on every rank, exactly the activations the planner's
-    model (plan/schedule.py: in_flight_microbatches, from Narayanan et al. 2021 and the
+    model (plan/cost/schedule.py: in_flight_microbatches, from Narayanan et al. 2021 and the
     interleaved warm-up) says it holds; units of one micro-batch through the whole stage."""
-    from modelcarve.plan.schedule import in_flight_microbatches
+    from modelcarve.plan.cost.schedule import in_flight_microbatches
 
     for name in names:
         layout = Layout.parse(cases[name]["layout"])
@@ -484,8 +484,8 @@ def _hung_peer(collective_s, flag_dir):
 
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.pipeline import build_pipeline
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.pipeline import build_pipeline
     from modelcarve.spec.errors import ModelcarveError
 
     flag = os.path.join(flag_dir, "rank0_failed")

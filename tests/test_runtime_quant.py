@@ -1,4 +1,4 @@
-"""Weight-only quantisation (runtime/quant.py): PyTorch's CPU kernels compute what the stored
+"""Weight-only quantisation (runtime/engine/quant.py): PyTorch's CPU kernels compute what the stored
 weights say; the quantisation error stays within its arithmetic bound; the resident bytes of a
 quantised model's weights, single device and per tp2 rank (real gloo processes), are within 2%
 of the planner's figure (plan/serve_memory.shard_facts); KV helpers round-trip within their bound."""
@@ -28,7 +28,7 @@ def _weight(out=64, fan_in=256, seed=0):
 
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("fp8", 0)])
 def test_kernel_equals_its_stored_weights_and_error_bound(kind, group):
-    from modelcarve.runtime.quant import QuantLinear
+    from modelcarve.runtime.engine.quant import QuantLinear
 
     w, b = _weight(), torch.randn(64) * 0.1
     layer = QuantLinear(w, b, kind, group or 128)
@@ -52,9 +52,9 @@ def test_kernel_equals_its_stored_weights_and_error_bound(kind, group):
 
 
 def test_resident_bytes_match_planner_single_device():
-    from modelcarve.plan.serve_memory import shard_facts
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.quant import QuantLinear, quantize_model, weight_bytes
+    from modelcarve.plan.serve.memory import shard_facts
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.engine.quant import QuantLinear, quantize_model, weight_bytes
 
     spec = _spec()
     measured = {}
@@ -76,9 +76,9 @@ def test_resident_bytes_match_planner_single_device():
 
 def test_moe_experts_quantised_bytes_match_planner():
     """Routed and shared experts are quantised as the planner counts them (router and head not)."""
-    from modelcarve.plan.serve_memory import shard_facts
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.quant import QuantExperts, quantize_model, weight_bytes
+    from modelcarve.plan.serve.memory import shard_facts
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.engine.quant import QuantExperts, quantize_model, weight_bytes
     from modelcarve.spec.hf_config import spec_from_hf_config
 
     spec = spec_from_hf_config(CONFIG | dict(model_type="mixtral", intermediate_size=256, num_local_experts=4,
@@ -103,8 +103,8 @@ def test_moe_experts_quantised_bytes_match_planner():
 
 
 def test_bad_quantisation_requests_are_clear():
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.quant import quantize_model
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.engine.quant import quantize_model
     from modelcarve.spec.errors import LayoutError
 
     with pytest.raises(LayoutError, match="int4 group size 96"):
@@ -114,7 +114,7 @@ def test_bad_quantisation_requests_are_clear():
 
 
 def test_kv_helpers_round_trip():
-    from modelcarve.runtime.quant import dequantize_kv, kv_bytes_per_element, quantize_kv
+    from modelcarve.runtime.engine.quant import dequantize_kv, kv_bytes_per_element, quantize_kv
 
     k = torch.randn(2, 7, 4, 64, generator=torch.Generator().manual_seed(2))  # [b, s, heads, head_dim]
     k[0, 3] *= 50  # one loud token: its own scale
@@ -131,11 +131,11 @@ def test_kv_helpers_round_trip():
 def _tp_bytes():
     import torch.distributed as dist
 
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.quant import quantize_model, weight_bytes
-    from modelcarve.runtime.tensor import full_vocab_logits
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.engine.quant import quantize_model, weight_bytes
+    from modelcarve.runtime.parallel.tensor import full_vocab_logits
     from modelcarve.spec.layout import Layout
 
     spec = _spec()
@@ -159,7 +159,7 @@ def _tp_bytes():
 
 
 def test_resident_bytes_match_planner_per_tp2_rank():
-    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.plan.serve.memory import shard_facts
 
     spec = _spec()
     for result in run_distributed(_tp_bytes, 2, timeout=300):

@@ -4,8 +4,8 @@ twice, gradients do not change. (Under TP/FSDP: tests/test_runtime_layouts.py.)"
 import pytest
 import torch
 
-from modelcarve.runtime.model import build_model
-from modelcarve.runtime.parallelize import apply_recompute
+from modelcarve.runtime.model.transformer import build_model
+from modelcarve.runtime.parallel.parallelize import apply_recompute
 from modelcarve.spec.catalog import get_model
 
 

@@ -32,8 +32,8 @@ def _ids(seq: int, vocab: int = 128, batch: int = 2) -> torch.Tensor:
 
 
 def _ours(path, **spec_changes):
-    from modelcarve.runtime.checkpoint import load_full
-    from modelcarve.runtime.model import build_model
+    from modelcarve.runtime.checkpoint.hf_load import load_full
+    from modelcarve.runtime.model.transformer import build_model
     from modelcarve.spec.catalog import get_model
 
     spec = get_model(str(path))
@@ -123,7 +123,7 @@ def test_window_defaults_follow_transformers():
 
 
 def test_attention_mask_is_the_one_rule():
-    from modelcarve.runtime.model import attention_mask
+    from modelcarve.runtime.model.transformer import attention_mask
 
     q = torch.tensor([5, 6])  # e.g. two decode positions against a cache holding 0..6
     k = torch.arange(7)
@@ -146,7 +146,7 @@ def test_unsupported_rope_is_a_clear_error():
 
 
 def test_ring_attention_refuses_a_window_before_any_rank_starts():
-    from modelcarve.runtime.parallelize import check_runtime
+    from modelcarve.runtime.parallel.parallelize import check_runtime
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.hf_config import spec_from_hf_config
     from modelcarve.spec.layout import Layout

@@ -18,7 +18,7 @@ VOCAB = 263
 
 
 def test_padded_vocab_size_is_megatrons_rule():
-    from modelcarve.runtime.tensor import padded_vocab_size
+    from modelcarve.runtime.parallel.tensor import padded_vocab_size
 
     assert padded_vocab_size(263, 2) == 512  # next multiple of 2 x 128
     assert padded_vocab_size(50257, 2) == 50432  # gpt2 under tp2 (Megatron: 197 x 256)
@@ -27,7 +27,7 @@ def test_padded_vocab_size_is_megatrons_rule():
 
 
 def test_masked_and_gathered_logits_single_process():
-    from modelcarve.runtime.tensor import mask_padded_logits
+    from modelcarve.runtime.parallel.tensor import mask_padded_logits
 
     local = torch.zeros(2, 3, 256)
     masked = mask_padded_logits(local, 256, VOCAB)  # rank 1 of tp2: ids 256..511, true up to 262
@@ -37,13 +37,13 @@ def test_masked_and_gathered_logits_single_process():
 def _cases(paths):
     import torch.distributed as dist
 
-    from modelcarve.runtime.checkpoint import load_model, load_sharded
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
-    from modelcarve.runtime.shards import padding_of
-    from modelcarve.runtime.tensor import full_vocab_logits
+    from modelcarve.runtime.checkpoint.hf_load import load_model, load_sharded
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.distributed.shards import padding_of
+    from modelcarve.runtime.parallel.tensor import full_vocab_logits
     from modelcarve.spec.layout import Layout
-    from modelcarve.verify import gather_full, verify_worker
+    from modelcarve.verify.reference import gather_full, verify_worker
 
     out = {}
     for name, path, layouts in paths:

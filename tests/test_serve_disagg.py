@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (plan/serve_disagg.py) and the Pareto front (plan/pareto.py):
+"""Disaggregated prefill/decode (plan/serve/disagg.py) and the Pareto front (plan/serve/pareto.py):
 the pool split against a hand-solved case, each phase against the colocated model's own pieces,
 the KV hand-off against hand arithmetic, and the front's monotonicity."""
 
@@ -8,12 +8,12 @@ import random
 import pytest
 
 from modelcarve.cli import main
-from modelcarve.plan.pareto import front_of, pareto_front
+from modelcarve.plan.serve.pareto import front_of, pareto_front
 from modelcarve.plan.search import search
-from modelcarve.plan.serve_context import _context
-from modelcarve.plan.serve_disagg import choose_pools, decode_unit, kv_transfer_s, phase_estimate, prefill_unit
-from modelcarve.plan.serve_options import serve_options
-from modelcarve.plan.serve_time import _ensure_prefill, _rates, decode_tpot_s
+from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.disagg import choose_pools, decode_unit, kv_transfer_s, phase_estimate, prefill_unit
+from modelcarve.plan.serve.options import serve_options
+from modelcarve.plan.serve.time import _ensure_prefill, _rates, decode_tpot_s
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
@@ -136,11 +136,11 @@ DEEPEP_LOW_LATENCY = {16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (192,
 
 @pytest.mark.parametrize("ep", sorted(DEEPEP_LOW_LATENCY))
 def test_wide_ep_exchange_against_deepep(ep):
-    """plan/serve_ep.py against DeepEP's published kernel times, no constant fitted: bytes bound for other
+    """plan/serve/ep.py against DeepEP's published kernel times, no constant fitted: bytes bound for other
     nodes over the rank's NIC share (50 GB/s x NCCL's 0.86) plus one network latency. The model has no
     kernel launch / completion-signal time, so it is low, by 3-23% on these rows; 25% bounds that."""
-    from modelcarve.plan import comm
-    from modelcarve.plan.serve_ep import ep_exchange_s
+    from modelcarve.plan.cost import comm
+    from modelcarve.plan.serve.ep import ep_exchange_s
 
     model = get_model("deepseek-v3")  # hidden 7168, top-8
     tier = comm.group_tier(parse_cluster(f"{ep // 8}x8xH800"), ep, 1)
@@ -157,7 +157,7 @@ def test_wide_ep_exchange_against_deepep(ep):
 def test_windowed_layers_cap_the_kv_cache():
     """Gemma 3 27B (5 local layers of 1024 tokens per global one: 52 sliding, 10 full of 62) and gpt-oss-120b
     (18 of 36 layers with a 128-token window): a sequence's KV by hand, bf16, one device."""
-    from modelcarve.plan.serve_memory import memory_from_facts, shard_facts
+    from modelcarve.plan.serve.memory import memory_from_facts, shard_facts
 
     gemma = shard_facts(get_model("gemma-3-27b"), tp=1)
     per_layer = 2 * 16 * 128 * 2  # k and v, 16 kv heads of 128, bf16
@@ -175,7 +175,7 @@ def test_mla_serves_with_dp_attention_and_ep_experts():
     """DeepSeek-V3's MLA latent (512 + 64 per token per layer) has no head axis: TP replicates it on every
     rank, so a TP8 group holds 8 copies of each sequence's KV; DP attention (tp=1) holds one, and the
     experts are sharded over the EP ranks. The throughput plan picks that arrangement on 4 x 8 H200."""
-    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.plan.serve.memory import shard_facts
 
     model = get_model("deepseek-v3")
     latent = 61 * (512 + 64) * 1  # fp8 KV, all 61 layers

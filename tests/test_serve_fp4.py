@@ -3,11 +3,11 @@ bytes, the FP4 peak on Blackwell and the bf16 fallback elsewhere, and the qualit
 
 import pytest
 
-from modelcarve.plan.quant import KV_FORMATS, WEIGHT_FORMATS, quality_note
+from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS, quality_note
 from modelcarve.plan.search import search
-from modelcarve.plan.serve_context import _context
-from modelcarve.plan.serve_memory import shard_facts
-from modelcarve.plan import serve_rates
+from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.memory import shard_facts
+from modelcarve.plan.serve import rates as serve_rates
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 
@@ -59,7 +59,7 @@ def test_fp4_gemms_run_at_the_fp4_peak_on_blackwell_and_bf16_elsewhere():
 def test_fp4_prefill_is_faster_than_fp8_by_at_most_the_peak_ratio():
     """Compute-bound prefill: FP4's dense peak is twice FP8's on B200 (0.54 of it reached), so it takes at
     least half as long (the GEMM efficiency model is shared; attention and collectives do not speed up)."""
-    from modelcarve.plan.serve_time import serve_time
+    from modelcarve.plan.serve.time import serve_time
 
     model, cl = get_model("llama-3.1-70b"), parse_cluster("B200")
     fp8 = serve_time(model, cl, weight_dtype="fp8", kv_dtype="fp8", input_len=8192, output_len=16)

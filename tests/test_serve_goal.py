@@ -151,10 +151,10 @@ def test_result_json_shape(qwen):
 )
 def test_batch_search_finds_the_largest_admissible_batch(name, cluster, layout, tpot_ms, ttft_ms):
     """The bracketed search agrees with trying every batch."""
-    from modelcarve.plan.serve_goal import _largest_batch
-    from modelcarve.plan.serve_memory import max_sequences, shard_facts
-    from modelcarve.plan.serve_context import _context
-    from modelcarve.plan.serve_time import _rates
+    from modelcarve.plan.serve.goal import _largest_batch
+    from modelcarve.plan.serve.memory import max_sequences, shard_facts
+    from modelcarve.plan.serve.layout_costs import _context
+    from modelcarve.plan.serve.time import _rates
 
     model, cl = get_model(name), parse_cluster(cluster)
     f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
@@ -172,7 +172,7 @@ def test_batch_search_finds_the_largest_admissible_batch(name, cluster, layout, 
 
 
 def test_contrasts_explain_in_words_why_tp_stays_inside_the_node(qwen):
-    from modelcarve.plan.serve_why import contrasts
+    from modelcarve.plan.serve.why import contrasts
 
     cluster = cluster_from_dict(ETH_2NODES)
     plan = search(qwen, cluster, "serve-latency", top=1, **SHAPE)

@@ -14,8 +14,8 @@ import math
 
 import pytest
 
-from modelcarve.plan.serve_rates import gemm_efficiency
-from modelcarve.plan.serve_time import serve_time
+from modelcarve.plan.serve.rates import gemm_efficiency
+from modelcarve.plan.serve.time import serve_time
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 from modelcarve.spec.hf_config import spec_from_hf_config
 
@@ -103,9 +103,9 @@ def test_catalogue_devices_are_unchanged_by_the_new_terms():
 @pytest.mark.parametrize("text", ["tp=2", "tp=2,param_dtype=fp32", "pp=2,param_dtype=fp32,weight_dtype=int8",
                                   "param_dtype=fp16,kv_dtype=fp8", "tp=1,param_dtype=fp32,weight_dtype=bf16,kv_dtype=bf16"])
 def test_estimate_resolves_dtypes_as_the_engine_does(text):
-    """The oracle is the engine's own resolution (runtime/engine.py resolve_layout)."""
-    from modelcarve.commands.serve_cli import engine_dtypes
-    from modelcarve.runtime.engine import resolve_layout
+    """The oracle is the engine's own resolution (runtime/engine/engine.py resolve_layout)."""
+    from modelcarve.commands.serving_plan import engine_dtypes
+    from modelcarve.runtime.engine.engine import resolve_layout
     from modelcarve.spec.layout import Layout
 
     _, weight, kv = resolve_layout(text)

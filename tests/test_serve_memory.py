@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from modelcarve.plan.quant import WEIGHT_FORMATS, quality_note
-from modelcarve.plan.serve_memory import GiB, MEMORY_FRACTION, min_devices, serve_memory, shard_facts
+from modelcarve.plan.cost.quant import WEIGHT_FORMATS, quality_note
+from modelcarve.plan.serve.memory import GiB, MEMORY_FRACTION, min_devices, serve_memory, shard_facts
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import get_device
 

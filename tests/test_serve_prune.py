@@ -1,4 +1,4 @@
-"""Pruning in the search (``screen.above``, search.py; plan/serve_prune.py): the throughput
+"""Pruning in the search (``screen.above``, search.py; plan/serve/prune.py): the throughput
 screen's ceiling is an upper bound on every candidate's score, a pruned search returns exactly
 what an unpruned one returns, and the search's hook leaves goals that do not prune (training) as
 they were."""
@@ -7,13 +7,14 @@ import json
 
 import pytest
 
-from modelcarve.plan import goals, serve_goal
+from modelcarve.plan import goals
+from modelcarve.plan.serve import goal as serve_goal
 from modelcarve.plan.search import search
-from modelcarve.plan.serve_goal import _largest_batch
-from modelcarve.plan.serve_prune import group_ceiling
-from modelcarve.plan.serve_memory import max_sequences, shard_facts
-from modelcarve.plan.serve_context import _context
-from modelcarve.plan.serve_time import _ensure_prefill, _rates
+from modelcarve.plan.serve.goal import _largest_batch
+from modelcarve.plan.serve.prune import group_ceiling
+from modelcarve.plan.serve.memory import max_sequences, shard_facts
+from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.time import _ensure_prefill, _rates
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 

@@ -1,4 +1,4 @@
-"""TTFT with queueing (plan/serve_queue.py): the M/D/1 mean wait, by hand and against a simulation
+"""TTFT with queueing (plan/serve/queue.py): the M/D/1 mean wait, by hand and against a simulation
 of the queue (Lindley's recursion over seeded Poisson arrivals, an oracle independent of the
 Pollaczek-Khinchine formula), and ``estimate --rate`` end to end."""
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from modelcarve.cli import main
-from modelcarve.plan.serve_queue import md1_wait_s, queued_ttft
+from modelcarve.plan.serve.queue import md1_wait_s, queued_ttft
 
 
 def test_hand_derived_wait():

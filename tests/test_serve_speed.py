@@ -5,14 +5,14 @@ every candidate at every batch through the public ``serve_time``."""
 
 import pytest
 
-from modelcarve.plan import serve_goal
-from modelcarve.plan.efficiency import matmul_efficiency
+from modelcarve.plan.serve import goal as serve_goal
+from modelcarve.plan.cost.efficiency import matmul_efficiency
 from modelcarve.plan.search import search
-from modelcarve.plan.serve_memory import max_sequences, shard_facts
-from modelcarve.plan.efficiency import TILE
-from modelcarve.plan.serve_context import _context
-from modelcarve.plan.serve_rates import _decode_gemm_efficiency
-from modelcarve.plan.serve_time import _rates, _stage_step, _step_slope, serve_time
+from modelcarve.plan.serve.memory import max_sequences, shard_facts
+from modelcarve.plan.cost.efficiency import TILE
+from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.rates import _decode_gemm_efficiency
+from modelcarve.plan.serve.time import _rates, _stage_step, _step_slope, serve_time
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 
@@ -165,8 +165,8 @@ def test_context_and_facts_builders_set_every_field():
     (for speed): a field added to either must be assigned there too."""
     import dataclasses
 
-    from modelcarve.plan.serve_memory import ShardFacts
-    from modelcarve.plan.serve_context import _Ctx
+    from modelcarve.plan.serve.memory import ShardFacts
+    from modelcarve.plan.serve.layout_costs import _Ctx
 
     c = _context(get_model("kimi-k2"), parse_cluster("4x8xH200"), 8, 2, 2, 2, "fp8", "bf16", 2048, 256)
     for record, cls in ((c, _Ctx), (c.f, ShardFacts)):

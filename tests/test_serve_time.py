@@ -7,17 +7,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelcarve.plan import comm
-from modelcarve.plan.efficiency import matmul_efficiency
-from modelcarve.plan.serve_memory import shard_facts
-from modelcarve.plan.serve_rates import (
+from modelcarve.plan.cost import comm
+from modelcarve.plan.cost.efficiency import matmul_efficiency
+from modelcarve.plan.serve.memory import shard_facts
+from modelcarve.plan.serve.rates import (
     ALLREDUCE_FLOOR_S,
     DECODE_HBM_EFFICIENCY,
     LAYER_OVERHEAD_S,
     experts_touched_fraction,
     tp_all_reduce_s,
 )
-from modelcarve.plan.serve_time import serve_time
+from modelcarve.plan.serve.time import serve_time
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 
@@ -172,7 +172,7 @@ def test_ep_all_to_all_across_nodes_is_hand_derived():
     """Kimi K2 with 16-way EP over two 8xH200 nodes (attention data-parallel, tp=1), one sequence
     per rank: per MoE layer a dispatch and a combine of 8 routed copies of a 7168-wide token, x1.25
     for the busiest rank (the default); half of them leave the node through the device's own NDR NIC,
-    as DeepEP sends them (plan/serve_ep.py): one network latency, dispatch in fp8 with a fp32 scale
+    as DeepEP sends them (plan/serve/ep.py): one network latency, dispatch in fp8 with a fp32 scale
     per 128 (1.03125 bytes per element), combine in bf16."""
     model = get_model("kimi-k2")
     cluster = parse_cluster("2x8xH200")
@@ -192,7 +192,7 @@ def test_load_imbalance_scales_the_ep_all_to_all():
     cluster = parse_cluster("2x8xH200")
     even = serve_time(model, cluster, tp=1, dp=16, ep=16, weight_dtype="fp8", batch=8, load_imbalance=1.0)
     skew = serve_time(model, cluster, tp=1, dp=16, ep=16, weight_dtype="fp8", batch=8, load_imbalance=2.0)
-    latency = 5e-6 * 2 * model.num_moe_layers  # the alpha part (one per exchange, plan/serve_ep.py) does not scale
+    latency = 5e-6 * 2 * model.num_moe_layers  # the alpha part (one per exchange, plan/serve/ep.py) does not scale
     assert skew.decode_parts["ep"] - latency == pytest.approx(2 * (even.decode_parts["ep"] - latency))
     assert skew.tpot_s > even.tpot_s
 

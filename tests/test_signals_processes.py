@@ -66,7 +66,7 @@ def _ranks(pid: int) -> dict[int, int]:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"modelcarve.commands.worker" in cmd and b"torch.distributed.run" not in cmd:
+        if b"modelcarve.commands.launching.worker" in cmd and b"torch.distributed.run" not in cmd:
             for kv in env:
                 if kv.startswith(b"RANK="):
                     out[int(kv[5:])] = p
@@ -160,7 +160,7 @@ def test_sigterm_saves_stops_every_rank_and_resumes(tmp_path, uninterrupted):
     assert "stopped by SIGTERM after step" in err, err[-2000:]
     assert "ranks joined; building tiny-llama" in err and "model ready in" in err  # start-up is visible
     assert not run.leftovers(), "processes left after SIGTERM"
-    from modelcarve.runtime.ckpt_commit import committed_steps
+    from modelcarve.runtime.checkpoint.commit import committed_steps
 
     steps = [s for s, _ in committed_steps(ckpt)]
     assert len(steps) == 1 and 3 <= steps[0] < TOTAL, steps
@@ -219,7 +219,7 @@ def test_stalled_rank_ends_the_run_within_1_2x_timeout():
 
 
 def test_killed_rank_restarts_from_last_checkpoint(tmp_path, uninterrupted):
-    from modelcarve.runtime.ckpt_commit import committed_steps
+    from modelcarve.runtime.checkpoint.commit import committed_steps
 
     ckpt = tmp_path / "ckpt"
     run = Run("--checkpoint-dir", str(ckpt), "--save-every", "4", "--max-restarts", "2", "--json", steps=TOTAL)

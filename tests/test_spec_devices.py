@@ -2,7 +2,7 @@
 
 import pytest
 
-from modelcarve.plan import comm
+from modelcarve.plan.cost import comm
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.hardware import cluster_from_dict, device_names, get_device, parse_cluster
 

@@ -162,7 +162,7 @@ def test_catalogued_real_models_equal_transformers(name):
 
 def test_runtime_refuses_models_whose_layers_it_lacks():
     """Planned but not run: the coverage check names the missing layers; supported families pass."""
-    from modelcarve.runtime.coverage import missing_layers
+    from modelcarve.runtime.model.coverage import missing_layers
     from modelcarve.spec.catalog import get_model
 
     assert missing_layers(get_model("llama-3.1-8b")) == [] and missing_layers(get_model("deepseek-v3")) == []
@@ -209,7 +209,7 @@ def test_deepseek_v2_reference_model_matches_transformers(tmp_path, extra):
     logits of magnitude ~7 through 3 layers; 1e-4 is ~100x the differences of summation order observed (5e-6)."""
     from hf_tiny import logits_diff, save_hf
 
-    from modelcarve.runtime.checkpoint import load_model
+    from modelcarve.runtime.checkpoint.hf_load import load_model
 
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2,

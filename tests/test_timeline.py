@@ -1,5 +1,5 @@
-"""The pipeline timeline: measured records of real 2-rank gloo steps (runtime/timeline.py), the
-planner's model (plan/timeline.py) against plan/schedule.py's bubble formulas, and the PNG.
+"""The pipeline timeline: measured records of real 2-rank gloo steps (runtime/measure/timeline.py), the
+planner's model (plan/predict/timeline.py) against plan/cost/schedule.py's bubble formulas, and the PNG.
 
 No timings are asserted: only what a schedule fixes (which actions, their order on each rank,
 a send posted before the matching recv ends, a bubble in [0, 1]).
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dist import run_distributed
-from modelcarve.plan.schedule import bubble_fraction
-from modelcarve.plan.timeline import bubble, complete_comms, model_records
+from modelcarve.plan.cost.schedule import bubble_fraction
+from modelcarve.plan.predict.timeline import bubble, complete_comms, model_records
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.layout import Layout
 
@@ -27,10 +27,10 @@ def _loss_fn(logits, targets):
 
 
 def _worker(cases):
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.model import build_model
-    from modelcarve.runtime.pipeline import build_pipeline, split_model
-    from modelcarve.runtime.timeline import gather_records, local_records
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.model.transformer import build_model
+    from modelcarve.runtime.parallel.pipeline import build_pipeline, split_model
+    from modelcarve.runtime.measure.timeline import gather_records, local_records
 
     spec = dataclasses.replace(get_model("tiny-llama"), num_layers=4)
     out = {}
@@ -74,7 +74,7 @@ def test_every_microbatch_has_one_forward_and_one_backward_per_stage(measured, c
 def test_1f1b_warms_up_then_alternates_and_gpipe_runs_all_forwards_first(measured):
     m = 4
     one = _compute(measured[CASES[0]], 0)
-    # stage 0 of 1F1B (torch's Schedule1F1B, as plan/timeline.py's model): the warm-up forwards
+    # stage 0 of 1F1B (torch's Schedule1F1B, as plan/predict/timeline.py's model): the warm-up forwards
     # (p - rank = 2) before the first backward, then one backward, one forward, ...
     assert one == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("F", 0, 3), ("B", 0, 2), ("B", 0, 3)]
     assert one == [(k, s, mb) for k, s, mb in _compute(model_records("1f1b", 2, m), 0)]

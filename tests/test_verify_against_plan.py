@@ -1,17 +1,17 @@
 """verify --against-plan: one step's bytes per op x axis x tier and memory per category equal the
-planner's (plan/step_traffic.py), to the byte, on the runtime's layouts in one 2-rank gloo world.
+planner's (plan/predict/step_traffic.py), to the byte, on the runtime's layouts in one 2-rank gloo world.
 
-The measured side is runtime/collectives.py's CommLog (checked against torch's CommDebugMode in
-tests/test_collectives.py) and runtime/memory_report.py; the predicted side never sees a
+The measured side is runtime/distributed/collectives.py's CommLog (checked against torch's CommDebugMode in
+tests/test_collectives.py) and runtime/measure/memory_report.py; the predicted side never sees a
 tensor. Bytes are integers summed from shapes x dtype sizes, so equality is exact; wire bytes
 come from the same ring formulas on both sides (1e-6 relative: float division).
 
-ZeRO-1 is the reduce-scatter + all-gather of runtime/zero_optimizer.py (branch ``zero``, merged).
+ZeRO-1 is the reduce-scatter + all-gather of runtime/parallel/zero_optimizer.py (branch ``zero``, merged).
 Not in the matrix: zero=2, whose bytes match too but whose gradient shard lives in the flat
 optimiser buffer, so memory_report measures grads = 0 (a measurement gap, reported). ep, cp, hsdp and the
 interleaved / zero-bubble schedules are not modelled per op: their rows are reported with
 ``predicted`` None and not judged (checked below that such a row never passes as "ok").
-Activations: plan/runtime_activations.py (what the eager runtime saves) is held within 10% in
+Activations: plan/predict/activations.py (what the eager runtime saves) is held within 10% in
 fp32 (it is exact there up to 28 bytes of boolean masks under tp). Under bf16 the measurement
 itself is off: memory_report skips "autocast copies of a weight" by shape, which drops
 activation casts that happen to share a local weight's shape and keeps transposed weight
@@ -49,8 +49,8 @@ CASES_4 = [f"tp=2,sp,dp=2,gbs=4,{FP32}", f"pp=2,tp=2,gbs=4,{FP32}"]
 def _worker(cases, per_node=None):
     import torch.distributed as dist
 
-    from modelcarve.runtime import collectives
-    from modelcarve.verify import verify_worker
+    from modelcarve.runtime.distributed import collectives
+    from modelcarve.verify.reference import verify_worker
 
     collectives.configure(per_node)
     out = []
@@ -102,7 +102,7 @@ def test_combinations_and_tiers_equal_the_plan(reports4):
 def test_bf16_layout_carries_bf16(reports):
     """Derivation: per micro-batch 18 TP all-reduces of a 1x16x64 hidden: the 4 layers' 8 forward
     row-parallel outputs, 8 backward gradients and the head's input gradient carried in bf16
-    (2048 bytes; runtime/tensor.py casts the backward ones), the embedding's fp32 output (4096):
+    (2048 bytes; runtime/parallel/tensor.py casts the backward ones), the embedding's fp32 output (4096):
     17*2048 + 4096 per micro-batch against 18*4096 in fp32."""
     bf16 = {r["quantity"]: r["measured"] for r in reports[CASES.index("tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16")]["against_plan"] if r["rank"] == 0}
     scalars = 6 * 64 + 8  # cross-entropy vectors (fp32) and the fp64 norm
@@ -120,7 +120,7 @@ def test_plan_side_alone_needs_no_torch_and_sums_by_hand():
     """The prediction from the spec alone: dp=2 all-reduces 4 bytes x P (tiny-llama's parameters,
     fp32 gradients) + the 4-byte loss + the 8-byte fp64 norm; FSDP shards params to 4P/2; ZeRO-1
     is RS + AG of 4P (branch ``zero``'s form); a 1F1B stage 0 holds min(m, pp) micro-batches."""
-    from modelcarve.plan.step_traffic import NotModelled, predict_rank
+    from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 

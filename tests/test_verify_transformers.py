@@ -26,10 +26,10 @@ LAYOUTS = ["tp=2,seq=32,gbs=2,param_dtype=fp32", "pp=2,seq=32,gbs=2,param_dtype=
 def _worker(path, layouts, break_rope):
     import torch.distributed as dist
 
-    from modelcarve.verify_transformers import verify_transformers_worker
+    from modelcarve.verify.against_transformers import verify_transformers_worker
 
     if break_rope:  # a reference with the plain rope table: must not pass
-        import modelcarve.runtime.model as model
+        import modelcarve.runtime.model.transformer as model
 
         plain = model.rope_cos_sin
         model.rope_cos_sin = lambda pos, dim, spec, dtype: plain(pos, dim, spec.replace(rope_scaling=()), dtype)

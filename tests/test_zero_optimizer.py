@@ -42,9 +42,9 @@ CASES = {"dp": COMMON, "dp_small_buckets": COMMON, "zero1": f"{COMMON},zero=1", 
 
 
 def _build(text):
-    from modelcarve.runtime.checkpoint import load_model
-    from modelcarve.runtime.mesh import build_mesh
-    from modelcarve.runtime.parallelize import parallelize
+    from modelcarve.runtime.checkpoint.hf_load import load_model
+    from modelcarve.runtime.distributed.mesh import build_mesh
+    from modelcarve.runtime.parallel.parallelize import parallelize
     from modelcarve.spec.layout import Layout
 
     layout = Layout.parse(text)
@@ -59,11 +59,11 @@ def _worker():
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from modelcarve.runtime import grad_buckets
-    from modelcarve.runtime.checkpoint import load_model
-    from modelcarve.runtime.collectives import CommLog
-    from modelcarve.runtime.memory_report import measure_step
-    from modelcarve.runtime.train import TrainConfig, Trainer, make_data
+    from modelcarve.runtime.parallel import grad_buckets
+    from modelcarve.runtime.checkpoint.hf_load import load_model
+    from modelcarve.runtime.distributed.collectives import CommLog
+    from modelcarve.runtime.measure.memory_report import measure_step
+    from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data
 
     rank = dist.get_rank()
     out = {"exact": {}, "oracle": {}, "comm": {}, "mem": {}}
@@ -203,7 +203,7 @@ ZERO2_4 = [
 def _verify_cases(cases):
     import torch.distributed as dist
 
-    from modelcarve.verify import verify_worker
+    from modelcarve.verify.reference import verify_worker
 
     out = []
     for model, layout in cases:

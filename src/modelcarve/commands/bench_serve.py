@@ -87,13 +87,13 @@ def _bench(args) -> int:
     summary = summarise(results, duration, cfg)
     summary["model"] = cfg.model or summary.get("model")
     if args.plot:
-        from modelcarve.report.serve_bench import bench_figure
+        from modelcarve.report.bench import bench_figure
 
         bench_figure(summary, args.plot)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        from modelcarve.report.serve_bench import bench_table
+        from modelcarve.report.bench import bench_table
         from modelcarve.report.tables import console
 
         console().print(bench_table(summary))

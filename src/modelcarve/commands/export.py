@@ -5,7 +5,7 @@
 
 The directory (config.json, sharded safetensors, model.safetensors.index.json) loads with
 transformers' ``AutoModelForCausalLM.from_pretrained`` and with ``modelcarve run --model``.
-The work is runtime/export_hf.py's.
+The work is runtime/checkpoint/export_hf.py's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _export(args) -> int:
     if importlib.util.find_spec("torch") is None:
         raise ModelcarveError("export needs PyTorch, which is not installed: pip install torch")
     limit = parse_size(args.max_shard_size)
-    from modelcarve.runtime.export_hf import export_checkpoint
+    from modelcarve.runtime.checkpoint.export_hf import export_checkpoint
 
     done = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=limit)
     for skipped in done["skipped"]:

@@ -7,7 +7,7 @@ Everything that can be refused is refused before any rank starts (one line, exit
 and dtypes (``engine.check_generation``), the checkpoint, prompt ids outside the vocabulary,
 a text prompt for a model without a tokenizer, a prompt longer than the context, and with
 ``--kv-cache-bytes`` a prompt + ``--max-tokens`` the KV budget cannot hold (the planner's KV
-arithmetic, plan/serve_memory.py, plus the int8 / fp8 scales). One rank runs in this process;
+arithmetic, plan/serve/memory.py, plus the int8 / fp8 scales). One rank runs in this process;
 more start through torchrun on this module (``python -m modelcarve.commands.generate
 generate '<json>'``), rank 0 printing.
 
@@ -70,11 +70,11 @@ def _prompt_ids(text: str, vocab: int) -> list[int]:
 
 
 def _kv_tokens(spec, layout, kv_dtype: str, budget: float, block_size: int) -> int:
-    from modelcarve.plan.serve_memory import shard_facts
+    from modelcarve.plan.serve.memory import shard_facts
 
     facts = shard_facts(spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, kv_dtype=kv_dtype)
     per_token = facts.kv_bytes_per_token
-    if kv_dtype in ("int8", "fp8"):  # plus one fp16 scale per stored vector (runtime/kv_cache.py)
+    if kv_dtype in ("int8", "fp8"):  # plus one fp16 scale per stored vector (runtime/engine/kv_cache.py)
         vector = spec.head_dim if spec.attention_kind != "mla" else (spec.kv_lora_rank + spec.qk_rope_head_dim) / 2
         per_token *= 1 + 2 / vector
     return (int(budget // (block_size * per_token)) - 1) * block_size
@@ -82,9 +82,9 @@ def _kv_tokens(spec, layout, kv_dtype: str, budget: float, block_size: int) -> i
 
 def prepare(args) -> dict:
     """Every refusal known in advance; returns the workers' arguments."""
-    from modelcarve.commands import prelaunch
-    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint, model_spec
-    from modelcarve.runtime.engine import check_generation, resolve_layout
+    from modelcarve.commands.launching import prelaunch
+    from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint, model_spec
+    from modelcarve.runtime.engine.engine import check_generation, resolve_layout
 
     prelaunch.check_inputs(args)  # no weights -> refused, never generated from random weights
     if not args.prompt and not args.prompt_ids:
@@ -101,7 +101,7 @@ def prepare(args) -> dict:
         check_checkpoint(args.model, spec)
     prompts = []
     if args.prompt:
-        from modelcarve.runtime.tokenizer import load_tokenizer
+        from modelcarve.runtime.engine.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.model) if os.path.isdir(args.model) else None
         if tok is None:
@@ -120,7 +120,7 @@ def prepare(args) -> dict:
                 raise ModelcarveError(f"a prompt of {len(ids)} tokens plus --max-tokens {args.max_tokens} needs {need} "
                                       f"tokens of KV cache but --kv-cache-bytes {args.kv_cache_bytes:.0f} holds {room}; "
                                       f"raise --kv-cache-bytes or lower --max-tokens")
-    from modelcarve.runtime.tokenizer import has_tokenizer
+    from modelcarve.runtime.engine.tokenizer import has_tokenizer
 
     if args.stop and not (os.path.isdir(args.model) and has_tokenizer(args.model)):
         raise ModelcarveError("--stop strings need the checkpoint's tokenizer; this model has none")
@@ -138,8 +138,8 @@ def prepare(args) -> dict:
 
 
 def worker(args: dict) -> dict | None:
-    from modelcarve.runtime.engine import Engine, EngineConfig
-    from modelcarve.runtime.sampler import SamplingParams
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.sampler import SamplingParams
 
     quiet = args.get("quiet", False)
     rank = int(os.environ.get("RANK", "0"))
@@ -252,7 +252,7 @@ def _generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from modelcarve.runtime.launch import main as launch_main
+    from modelcarve.runtime.train.launch import main as launch_main
 
     return launch_main(argv, {"generate": _report_worker}, prog="modelcarve.commands.generate")
 

@@ -58,7 +58,7 @@ def _common(p) -> None:
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    from modelcarve.commands.serve_cli import add_serve_arguments
+    from modelcarve.commands.serving_plan import add_serve_arguments
 
     add_serve_arguments(p)
 
@@ -83,7 +83,7 @@ def _estimate(args) -> int:
 
     model, cluster, goal = _load(args)
     layout = Layout.parse(args.layout)
-    from modelcarve.commands.serve_cli import is_serve_goal, run_serve_estimate
+    from modelcarve.commands.serving_plan import is_serve_goal, run_serve_estimate
 
     if is_serve_goal(args.goal):
         return run_serve_estimate(args, model, cluster, layout)
@@ -128,7 +128,7 @@ def _plan(args) -> int:
         if value:
             files.output_path(value, flag)  # before the search, not after it
     model, cluster, goal = _load(args)
-    from modelcarve.commands.serve_cli import is_serve_goal, run_serve_plan
+    from modelcarve.commands.serving_plan import is_serve_goal, run_serve_plan
 
     if is_serve_goal(args.goal):
         return run_serve_plan(args, model, cluster, top=args.top)

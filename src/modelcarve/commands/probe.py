@@ -15,12 +15,12 @@ what each rank gets while the others work too:
 * memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
   STREAM's copy counts it; reported, not used by the planner);
 * gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
-  by the ring's step count as ``plan/comm.py``'s alpha-beta model counts steps: ``2(n-1)`` for
+  by the ring's step count as ``plan/cost/comm.py``'s alpha-beta model counts steps: ``2(n-1)`` for
   all-reduce, ``n-1`` for all-to-all, 1 for a send) and bus bandwidth of a 16 MiB message
-  (``plan/comm.py``'s bytes per device over the time).
+  (``plan/cost/comm.py``'s bytes per device over the time).
 
 Then, in this process, the engine's own per-step host cost (``engine_overhead``): the engine
-(runtime/engine.py, one rank, fp32) decodes one greedy sequence on two tiny random llamas of
+(runtime/engine/engine.py, one rank, fp32) decodes one greedy sequence on two tiny random llamas of
 1 and 8 layers (``ENGINE_LAYERS``) (hidden 64, vocabulary 512: their arithmetic is microseconds);
 the median decode step ``t(L)`` is affine in the layers, ``t(L) = step + L x layer``, so
 ``layer = (t(L2) - t(L1)) / (L2 - L1)`` and ``step = t(L1) - L1 x layer``: scheduling, block
@@ -32,9 +32,9 @@ form the planner uses as it is:
 
 * ``peak_flops``: the achieved GEMM rates, ``hbm_bytes_per_s``: the achieved GEMV weight-streaming
   rate, with ``gemm_efficiency: 1.0``: they are achieved rates, so the serving planner applies none
-  of its GPU-fitted efficiency models on top (plan/serve_rates.py ``achieved``);
+  of its GPU-fitted efficiency models on top (plan/serve/rates.py ``achieved``);
 * ``step_overhead_s`` and ``layer_overhead_s``: the engine's per-step and per-layer host costs,
-  which the serving planner adds to every engine step (plan/serve_rates.py ``engine_step_s`` and
+  which the serving planner adds to every engine step (plan/serve/rates.py ``engine_step_s`` and
   ``layer_overhead_s``).
 
 The link: ``latency_s`` is the gloo alpha (latency per ring step of an 8-byte all-reduce), and
@@ -179,7 +179,7 @@ def _tiny_config(path, layers: int) -> str:
 
 def _decode_step_s(model: str) -> float:
     """Median seconds of one engine decode step (batch 1, greedy) of ``model`` on this process."""
-    from modelcarve.runtime.engine import Engine, EngineConfig, SamplingParams
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model=model, layout="tp=1,param_dtype=fp32", kv_cache_bytes=4 << 20, quiet=True))
     try:
@@ -256,7 +256,7 @@ def _mem_total() -> int:
 
 def cluster_dict(probe: dict) -> dict:
     """The cluster file (spec/hardware.py's format) for what was measured."""
-    from modelcarve.plan.comm import INTRA_EFFICIENCY
+    from modelcarve.plan.cost.comm import INTRA_EFFICIENCY
 
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     source = (f"measured by modelcarve hardware --probe on {probe['host']} at {when}: {probe['ranks']} ranks x "

@@ -6,7 +6,7 @@
 
 Both check the layout against the model and the number of ranks BEFORE any process starts
 (a LayoutError with the fix, exit 2), then start the ranks through torchrun
-(``python -m torch.distributed.run ... -m modelcarve.commands.worker``); when this process is
+(``python -m torch.distributed.run ... -m modelcarve.commands.launching.worker``); when this process is
 already a torchrun rank they run in place. ``--nnodes/--node-rank/--master-addr/--master-port``
 go to torchrun for several machines. ``verify`` prints one row per compared quantity (logits,
 loss, gradients, parameters after N AdamW steps) with max abs/rel differences and pass/fail,
@@ -63,7 +63,7 @@ def register(sub) -> None:
                         "of the full world size and compare its weight/gradient/optimiser bytes with the planner's for "
                         "--cluster (exit 1 on any difference)")
     p.add_argument("--cluster", default=None, help="--dry-run: the cluster the planner's figures are for, e.g. 256x8xH100")
-    from modelcarve.commands.run_checkpoint import add_checkpoint_flags
+    from modelcarve.commands.launching.checkpoint_flags import add_checkpoint_flags
 
     add_checkpoint_flags(p)
     p.set_defaults(func=_run)
@@ -84,7 +84,7 @@ def _prepare(args):
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
 
-    from modelcarve.commands import prelaunch
+    from modelcarve.commands.launching import prelaunch
 
     layout = Layout.parse(args.layout)
     if args.dtype:
@@ -106,16 +106,16 @@ def _prepare(args):
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun and "WORLD_SIZE" in os.environ else layout.world_size
     _require_torch()
-    from modelcarve.runtime.parallelize import check_runtime
+    from modelcarve.runtime.parallel.parallelize import check_runtime
 
     check_runtime(layout, spec, world_size=world)
-    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint
+    from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint
 
     if is_checkpoint(args.model):
         check_checkpoint(args.model, spec)
     prelaunch.check_launch(args, layout, spec, per_node)  # unused/integer tensors, predicted memory per rank
     if getattr(args, "check_order", False) and not under_torchrun:
-        from modelcarve.runtime.dry_run import check_layout_order
+        from modelcarve.runtime.measure.dry_run import check_layout_order
 
         check_layout_order(args.model, layout, args.seed)  # LayoutError names the ranks that disagree
     return layout, spec, per_node, under_torchrun
@@ -133,14 +133,14 @@ def _require_torch() -> None:
 
 def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bool) -> int:
     payload["timeout_s"] = args.timeout
-    from modelcarve.commands.launch_checks import check_rendezvous
+    from modelcarve.commands.launching.rendezvous import check_rendezvous
 
     check_rendezvous(args.master_addr, args.master_port, args.node_rank)
     if getattr(args, "ranks_per_node", None):
         payload["ranks_per_node"] = args.ranks_per_node
     port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
     if under_torchrun:
-        from modelcarve.commands.worker import main
+        from modelcarve.commands.launching.worker import main
 
         return main([command, json.dumps(payload)])
     restarts = int(getattr(args, "max_restarts", 0) or 0)
@@ -148,15 +148,15 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}", f"--master-port={port}", f"--max-restarts={restarts}",
-        "-m", "modelcarve.commands.worker", command, json.dumps(payload),
+        "-m", "modelcarve.commands.launching.worker", command, json.dumps(payload),
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("LOGLEVEL", "ERROR")
     env.setdefault("TORCHELASTIC_ERROR_FILE", "")
     # torchrun's own failure summary is long; our ranks print one line each (passed through live).
-    # supervise forwards signals, brings a stalled rank down, reaps (runtime/supervise.py)
-    from modelcarve.runtime.supervise import supervise
+    # supervise forwards signals, brings a stalled rank down, reaps (runtime/train/supervise.py)
+    from modelcarve.runtime.train.supervise import supervise
 
     if sys.stderr.isatty() or os.environ.get("MODELCARVE_PROGRESS") == "1":  # start-up lines for a person watching
         env["MODELCARVE_PROGRESS"] = "1"
@@ -189,13 +189,13 @@ def _payload(args, steps_default: int) -> dict:
 
 def _run(args) -> int:
     if args.dry_run:
-        from modelcarve.commands.run_dry import dry_run
+        from modelcarve.commands.launching.dry_run import dry_run
 
         return dry_run(args)
     layout, spec, per_node, under = _prepare(args)
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "run.json")
-        from modelcarve.commands.run_checkpoint import checkpoint_payload
+        from modelcarve.commands.launching.checkpoint_flags import checkpoint_payload
 
         from modelcarve.commands import timeline
 
@@ -212,7 +212,7 @@ def _run(args) -> int:
 def _require_transformers(model: str) -> None:
     import importlib.util
 
-    from modelcarve.runtime.checkpoint import is_checkpoint
+    from modelcarve.runtime.checkpoint.hf_load import is_checkpoint
 
     if importlib.util.find_spec("transformers") is None:
         raise ModelcarveError("verify --reference transformers needs transformers, which is not installed: "
@@ -251,7 +251,7 @@ def print_report(report: dict) -> None:
     from rich.table import Table
 
     from modelcarve.report.tables import console as wide_console
-    from modelcarve.verify import summarise
+    from modelcarve.verify.reference import summarise
 
     console = wide_console()
     if report.get("reference") == "transformers":
@@ -276,14 +276,14 @@ def print_report(report: dict) -> None:
         table.add_row(row["kind"], str(row["count"]), f"{row['max_abs']:.2e}", f"{row['max_rel']:.2e}", tol, result, row["worst"])
     console.print(table)
     if report.get("moe"):
-        from modelcarve.runtime.expert import moe_stats_table
+        from modelcarve.runtime.parallel.expert import moe_stats_table
 
         console.print(moe_stats_table(report["moe"][-1], "experts, last step (tokens = routed assignments)"))
     failed = [c for c in report["checks"] if not c["passed"]]
     for c in failed[:20]:
         console.print(f"[red]FAIL[/] {c['name']}: max abs {c['max_abs']:.3e}, max rel {c['max_rel']:.3e} > tol {c['tol']:.0e}")
     if report.get("against_plan") is not None:
-        from modelcarve.commands.verify_plan_table import against_plan_table
+        from modelcarve.report.against_plan import against_plan_table
 
         console.print(against_plan_table(report))
     outside = sum(r["ok"] is False for r in report.get("against_plan") or [])

@@ -76,9 +76,9 @@ def _prepare(args):
     if importlib.util.find_spec("torch") is None:
         raise ModelcarveError("serve needs PyTorch: pip install torch==2.13.0 (CPU) or a CUDA build, then "
                               "pip install 'modelcarve[runtime,serve]'")
-    from modelcarve.commands import prelaunch
-    from modelcarve.runtime.checkpoint import check_checkpoint, is_checkpoint, model_spec
-    from modelcarve.runtime.engine import check_generation, resolve_layout
+    from modelcarve.commands.launching import prelaunch
+    from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint, model_spec
+    from modelcarve.runtime.engine.engine import check_generation, resolve_layout
 
     prelaunch.check_inputs(args)  # a .bin-only or config-only directory is not served with random weights
     text = args.layout

@@ -3,8 +3,8 @@
     modelcarve run --model tiny-llama --layout "pp=2,mbs=1,gbs=8,schedule=1f1b" --steps 3 --timeline t.png
     modelcarve estimate --model llama-3.1-8b --cluster 1x8xH100 --layout "pp=4,dp=2,gbs=32,seq=2048" --timeline t.png
 
-``run``: rank 0 draws its pipeline's last unmeasured step (runtime/timeline.py's records) above
-the planner's model of the same layout (plan/timeline.py), each with its bubble and plan/schedule.py's
+``run``: rank 0 draws its pipeline's last unmeasured step (runtime/measure/timeline.py's records) above
+the planner's model of the same layout (plan/predict/timeline.py), each with its bubble and plan/cost/schedule.py's
 predicted one in the title. ``estimate``: the planner's model alone.
 """
 
@@ -29,8 +29,8 @@ def check(path: str | None, layout) -> dict:
 
 
 def model_panel(layout) -> tuple:
-    from modelcarve.plan.schedule import bubble_fraction
-    from modelcarve.plan.timeline import model_records
+    from modelcarve.plan.cost.schedule import bubble_fraction
+    from modelcarve.plan.predict.timeline import model_records
 
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     records = model_records(layout.schedule, p, m, v)

@@ -25,8 +25,8 @@ or None when the candidate would certainly be accepted with a score ``<= floor``
 bound, cheaper than the score). The search asks it once its top is full, with the top's lowest
 score, for goals without a ``family`` (a pruned candidate's score is never seen).
 
-The built-in goals are listed here (``train``: plan/train_goal.py; ``serve-latency`` and
-``serve-throughput``: plan/serve_goal.py; ``serve-disagg``: plan/serve_disagg.py); the goal modules do not import this one, so the
+The built-in goals are listed here (``train``: plan/train/goal.py; ``serve-latency`` and
+``serve-throughput``: plan/serve/goal.py; ``serve-disagg``: plan/serve/disagg.py); the goal modules do not import this one, so the
 registry sits above them. ``register`` adds another (tests, extensions).
 """
 
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
-from modelcarve.plan.serve_disagg import SERVE_DISAGG
-from modelcarve.plan.serve_goal import SERVE_LATENCY, SERVE_THROUGHPUT
-from modelcarve.plan.train_goal import GOAL as TRAIN
+from modelcarve.plan.serve.disagg import SERVE_DISAGG
+from modelcarve.plan.serve.goal import SERVE_LATENCY, SERVE_THROUGHPUT
+from modelcarve.plan.train.goal import GOAL as TRAIN
 from modelcarve.spec.errors import ModelcarveError
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""A Gantt chart of pipeline timelines (plain records of plan/timeline.py's form), measured or modelled.
+"""A Gantt chart of pipeline timelines (plain records of plan/predict/timeline.py's form), measured or modelled.
 
 Usage::
 
@@ -8,14 +8,14 @@ Usage::
 One panel per timeline, one row per pipeline rank: forwards, backwards (B, or I and W) as bars
 labelled with their micro-batch (interleaved: stage/micro-batch), sends and recvs as thin bars
 under the rank's row. Each panel's title gives its measured bubble (plan.timeline.bubble) and,
-when given, the predicted one (plan/schedule.py).
+when given, the predicted one (plan/cost/schedule.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from modelcarve.plan.timeline import COMPUTE, bubble
+from modelcarve.plan.predict.timeline import COMPUTE, bubble
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868", "send": "#8172b2", "recv": "#c44e52"}
 

@@ -1,1 +1,1 @@
-"""torch.distributed runtime: the reference model, each parallelism as its own module, training."""
+"""torch.distributed runtime: the reference model (model/), ranks and groups (distributed/), the parallelisms (parallel/), training (train/), checkpoints (checkpoint/), the generation engine (engine/) and measurement (measure/)."""

@@ -33,7 +33,7 @@ def _vocab(engine) -> int:
 
 def _engine_params(sp):
     """protocol.SamplingParams -> the engine's SamplingParams (same field names)."""
-    from modelcarve.runtime.engine import SamplingParams
+    from modelcarve.runtime.engine.engine import SamplingParams
 
     return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                           seed=sp.seed, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
@@ -127,7 +127,7 @@ def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dt
                  drain_timeout: float = 30.0, kv_cache_bytes: int | None = None, pidfile: str | None = None,
                  timeout_s: float = 120.0, max_num_seqs: int | None = None, log_level: str = "warning") -> None:
     """What every rank runs: build the engine; rank 0 serves HTTP, the others follow."""
-    from modelcarve.runtime.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.engine import Engine, EngineConfig
 
     if os.environ.get("MODELCARVE_DEBUG"):  # kill -USR1 <pid> prints every thread's stack
         import faulthandler
@@ -152,7 +152,7 @@ def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    from modelcarve.runtime.launch import main as launch_main
+    from modelcarve.runtime.train.launch import main as launch_main
 
     return launch_main(argv, {"serve": lambda args: serve_worker(**args)}, prog="modelcarve.serve.server")
 

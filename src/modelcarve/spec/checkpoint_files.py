@@ -7,7 +7,7 @@ dtype, shape, byte offsets). Each problem is one SpecError naming the file: a tr
 file, a shard the index names that is missing, an index without ``weight_map``, a ``weight_map``
 entry pointing outside the directory (``../x.safetensors``), a directory that holds only
 ``pytorch_model*.bin`` (pickles: never loaded, on purpose) or only ``config.json``. Tensor contents
-(NaN/Inf) are checked where they are read, in the ranks (runtime/checkpoint.py).
+(NaN/Inf) are checked where they are read, in the ranks (runtime/checkpoint/hf_load.py).
 """
 
 from __future__ import annotations

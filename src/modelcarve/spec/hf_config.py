@@ -59,7 +59,7 @@ def _ffn_kind(cfg: _Config, key: str = "hidden_act") -> str:
     raise SpecError(f"{cfg.name}: activation {act!r} is not supported; modelcarve models SwiGLU (silu) and GELU MLPs")
 
 
-# rope types the runtime computes (runtime/rope.py) and the keys each reads, as transformers does
+# rope types the runtime computes (runtime/model/rope.py) and the keys each reads, as transformers does
 _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),

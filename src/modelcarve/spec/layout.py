@@ -22,12 +22,12 @@ mesh (neighbouring ranks), then EP, then EDP.
 Precision: ``param_dtype=fp8`` (alias ``precision=fp8``) runs the linear layers' GEMMs in FP8 as
 Transformer Engine does (``fp8_scaling`` delayed or current, per-tensor scales), ``mxfp8`` with
 MX block scales (1 x 32, Blackwell); weights stay bf16 with fp32 master weights and Adam state,
-and attention core, embedding, LM head and router stay bf16 (plan/train_layer.py).
+and attention core, embedding, LM head and router stay bf16 (plan/train/layer.py).
 
 Recomputation: ``none``, ``selective`` (Korthikanti's attention core), ``full`` (whole layer),
 ``ops`` (torchtitan's op-level selective AC: matmul and attention outputs saved, element-wise
 ops recomputed), or a ``+``-joined list of Megatron ``--recompute-modules``:
-``core_attn+layernorm+mlp_act+mlp`` (see plan/activations.py for what each drops).
+``core_attn+layernorm+mlp_act+mlp`` (see plan/cost/activations.py for what each drops).
 
 Data-parallel sharding: ``zero`` 0 (plain all-reduce DP), 1 (optimiser state), 2 (+ gradients),
 3 (+ parameters; FSDP). ``dp_shard`` is the size of the group the ZeRO state is sharded over:

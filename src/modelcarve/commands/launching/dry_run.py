@@ -1,0 +1,38 @@
+"""``modelcarve run --dry-run``: per-rank weight / gradient / optimiser bytes of a layout at full
+scale, measured on the meta device under torch's fake process group, beside the planner's.
+
+    modelcarve run --dry-run --model deepseek-v3 --layout layout.json --cluster 256x8xH100 [--json]
+
+No rank is started and no device is needed (runtime/measure/dry_run_bytes.py). Exit 0 when every
+distinct rank matches the planner, 1 when any category differs, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+
+from modelcarve.spec.errors import LayoutError
+
+
+def dry_run(args) -> int:
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import parse_cluster
+    from modelcarve.spec.layout import Layout
+
+    if not args.cluster:
+        raise LayoutError("--dry-run compares with the planner's figures for a cluster; give --cluster, e.g. 256x8xH100")
+    layout = Layout.parse(args.layout)
+    if args.dtype:
+        layout = layout.replace(param_dtype=args.dtype)
+    spec = get_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    layout.validate(spec, cluster)
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise LayoutError("--dry-run needs PyTorch, which is not installed: pip install torch==2.13.0 (CPU)")
+    from modelcarve.runtime.measure.dry_run_bytes import dry_run_bytes, format_report
+
+    report = dry_run_bytes(args.model, layout, cluster)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0 if report["ok"] else 1

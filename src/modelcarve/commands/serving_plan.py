@@ -1,0 +1,138 @@
+"""The serving side of ``modelcarve plan`` and ``modelcarve estimate`` (goals serve-latency and
+serve-throughput): the request-shape and bound flags, and what is printed.
+
+Usage::
+
+    modelcarve plan --goal serve-latency --model qwen3-32b --cluster 2x8xH100 --input-len 2048 --output-len 256
+    modelcarve plan --goal serve-throughput --model kimi-k2 --cluster 2x8xH200 --ttft-ms 2000 --tpot-ms 50 --json
+    modelcarve estimate --goal serve-latency --model qwen3-32b --cluster 2xH100 --layout "tp=2,weight_dtype=fp8"
+
+``commands/plan.py`` owns the commands; it calls ``add_serve_arguments`` on its parsers and hands
+serving goals to ``run_serve_plan`` / ``run_serve_estimate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SERVE_GOALS = ("serve-latency", "serve-throughput", "serve-disagg")
+
+
+def is_serve_goal(name: str | None) -> bool:
+    return bool(name) and name in SERVE_GOALS
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("serving goals (serve-latency, serve-throughput)")
+    group.add_argument("--input-len", type=int, default=None, metavar="TOKENS", help="prompt tokens per request (default 2048)")
+    group.add_argument("--output-len", type=int, default=None, metavar="TOKENS", help="generated tokens per request (default 256)")
+    group.add_argument("--ttft-ms", type=float, default=None, metavar="MS", help="bound on time to first token")
+    group.add_argument("--tpot-ms", type=float, default=None, metavar="MS", help="bound on time per output token")
+    group.add_argument("--batch", type=int, default=None, metavar="N",
+                       help="sequences in flight per replica (latency default 1; throughput: chosen)")
+    group.add_argument("--weight-dtypes", default=None, metavar="LIST",
+                       help="weight dtypes to consider (default: the quality floor bf16,fp8; widen with e.g. "
+                            "bf16,fp8,int8,int4,fp4,mxfp4; each dtype's quality cost is shown)")
+    group.add_argument("--kv-dtypes", default=None, metavar="LIST", help="KV-cache dtypes to consider (default bf16,fp8; fp4 = NVFP4 KV)")
+    group.add_argument("--max-batch", type=int, default=None, metavar="N", help="largest batch per replica to consider (default 1024)")
+    group.add_argument("--phase", choices=["prefill", "decode"], default=None,
+                       help="estimate: cost one phase alone, as a disaggregated prefill or decode unit")
+    group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
+                       help="request rate: TTFT with queueing (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
+    group.add_argument("--pareto", action="store_true",
+                       help="plan: print the Pareto front of tok/s/device vs tok/s/user (with --plot PNG: draw it)")
+
+
+def serve_options_from_args(args: argparse.Namespace) -> dict:
+    keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance",
+            "rate")
+    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+
+
+def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) -> int:
+    from modelcarve.plan.search import nothing_qualifies, search
+    from modelcarve.plan.serve.why import contrasts
+
+    options = serve_options_from_args(args)
+    if getattr(args, "pareto", False) or args.goal == "serve-disagg":
+        from modelcarve.commands.frontier import run_frontier_plan
+
+        return run_frontier_plan(args, model, cluster, options, top=top)
+    plan = search(model, cluster, args.goal, top=top, **options)
+    why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
+    if getattr(args, "json", False):
+        print(json.dumps(dict(plan, why=why), indent=2, default=str))
+    elif not plan["layouts"]:
+        raise nothing_qualifies(plan, f"no layout of {model.name} qualifies for {args.goal} on {cluster.name}")
+    else:
+        from modelcarve.report.serving import print_serve_plan
+        from modelcarve.report.tables import console as make_console
+
+        console = make_console()  # readable width when piped, not rich's 80 columns
+        console.print(f"{model.name} on {cluster.describe()}")
+        print_serve_plan(plan, goal_name=args.goal, why=why, console=console)
+        console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
+    emit = getattr(args, "emit", None)
+    if emit and plan["layouts"]:
+        from modelcarve.spec.layout import Layout
+
+        with open(emit, "w") as handle:
+            handle.write(Layout.from_dict(plan["layouts"][0]["layout"]).to_json() + "\n")
+    if getattr(args, "plot", None) and not getattr(args, "json", False):
+        print(f"note: --plot draws training plans only; nothing written to {args.plot}")
+    return 0 if plan["layouts"] else 1
+
+
+def engine_dtypes(text: str, layout):
+    """``layout`` with the weight and KV dtypes the engine will run for the layout ``text``: one not
+    stated defaults to ``param_dtype`` (as ``runtime.engine.resolve_layout`` resolves it for
+    ``generate`` and ``serve``; the spec's own default, bf16, is the training/planning one), so that
+    ``estimate --goal serve-*`` costs the dtypes the server runs. A JSON layout states its fields."""
+    import json as _json
+    from pathlib import Path
+
+    text = str(text).strip()
+    if text.startswith("{") or text.endswith(".json"):
+        raw = _json.loads(text if text.startswith("{") else Path(text).read_text())
+        stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
+    else:
+        stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
+    changes = {}
+    if "weight_dtype" not in stated:
+        changes["weight_dtype"] = layout.param_dtype
+    if "kv_dtype" not in stated:
+        changes["kv_dtype"] = layout.param_dtype
+    return layout.replace(**changes) if changes else layout
+
+
+def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
+    from modelcarve.plan.goals import get_goal
+
+    if isinstance(getattr(args, "layout", None), str):
+        layout = engine_dtypes(args.layout, layout)
+    if getattr(args, "phase", None) or args.goal == "serve-disagg":
+        from modelcarve.commands.frontier import run_frontier_estimate
+
+        return run_frontier_estimate(args, model, cluster, layout, serve_options_from_args(args))
+    note = None
+    group = layout.tp * layout.pp * layout.cp
+    if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
+        # A serving layout names the model-parallel group; the other devices are replicas.
+        layout = layout.replace(dp=cluster.num_devices // group)
+        note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
+    result = get_goal(args.goal).evaluate(model, cluster, layout, **serve_options_from_args(args))
+    if getattr(args, "rate", None) is not None:
+        from modelcarve.commands.frontier import attach_queue
+
+        attach_queue(args, result)
+    if note and not getattr(args, "json", False):
+        print(note)
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        from modelcarve.report.serving import print_serve_estimate
+        from modelcarve.report.tables import console as make_console
+
+        print_serve_estimate(result, make_console())
+    return 0 if result["fits"] and not result["reject_reason"] else 1

@@ -1,0 +1,1 @@
+"""The cost primitives every goal shares: collectives, GEMM efficiency, activation bytes, pipeline schedules, serving dtypes."""

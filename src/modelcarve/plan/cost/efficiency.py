@@ -1,0 +1,151 @@
+"""Achievable fraction of a device's dense peak for one GEMM shape, and compute-time helpers.
+
+Usage::
+
+    from modelcarve.plan.cost.efficiency import matmul_efficiency, gemm_time_s
+    eff = matmul_efficiency(device, m=4096, n=1536, k=12288)     # 0..1 of the dense bf16 peak
+    seconds = gemm_time_s(device, 4096, 1536, 12288)
+
+The model (three factors and a roofline; each states why)
+---------------------------------------------------------
+1. ``peak_fraction`` of the device: what cuBLAS reaches on a large, well-shaped GEMM. Tensor
+   cores never run at the datasheet clock under sustained load (power capping), and the
+   epilogue / prologue of every tile costs cycles.
+2. A size ramp ``d / (d + RAMP_DIM)`` for each of ``m``, ``n``, ``k``: small dimensions cannot
+   fill all SMs (``m``, ``n``: too few output tiles, wave quantisation) or amortise the tile
+   prologue (``k``: too few main-loop iterations). This is why GEMMs slow down as tensor
+   parallelism shrinks the per-device matrices and why fine-grained experts run below peak.
+3. Padding to the tile grid: ``m`` and ``n`` are computed in tiles of ``TILE`` (partial tiles
+   cost a whole tile).
+4. Roofline: a GEMM cannot run faster than it can stream its operands once from HBM
+   (``2 (mk + kn + mn)`` bytes for 16-bit operands) at ``HBM_EFFICIENCY`` of the datasheet
+   bandwidth.
+
+Calibration. ``RAMP_DIM`` and the A100's ``peak_fraction`` are the two constants fitted to the
+ten rows of Table 1 of Narayanan et al. 2021 by grid search (RAMP_DIM 64, A100 0.75: RMS log
+error 0.025 over the ten rows, worst row 6.0%; benchmarks/calibrate_training.py prints the fit
+and each row's error; docs/calibration_training.md keeps the result). The peak fractions of the
+other devices are set from the same kind of evidence per generation (Hopper runs large bf16
+GEMMs at a lower fraction of its higher peak than Ampere: about 0.7 of 989 TFLOP/s in
+published cuBLAS sweeps), and are marked as assumptions in ``PEAK_FRACTION_SOURCE``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import DeviceSpec
+
+RAMP_DIM = 64.0
+"""Dimension at which the size ramp halves throughput (fitted to Table 1, see module doc)."""
+TILE = 64
+"""Granularity m and n are padded to (smallest common cuBLAS tensor-core tile edge)."""
+HBM_EFFICIENCY = 0.8
+"""Achievable fraction of datasheet HBM bandwidth for streaming kernels (STREAM-like copy)."""
+
+BLACKWELL_PEAK_FRACTION = {"B200": 0.75, "GB200": 0.675, "GB300": 0.85}
+"""Fraction of the dense bf16 peak a large GEMM reaches on Blackwell, per system (B300 reads
+B200's): fitted to the 32 Megatron-Bridge 25.11 rows (benchmarks/calibrate_training.py). B200 and
+GB200 share the die, but the published GB200 runs are within a few percent of B200's on the same
+layouts despite GB200's 11% higher datasheet peak (1,200 W against 1,000 W), so each system has
+its own fraction. Refitted 2026-12-03 on the publisher-corrected 25.11 tables (was 0.675 / 0.6 /
+0.825 on the draft tables; data/training_published.csv header)."""
+
+PEAK_FRACTION = {
+    "A100": 0.75,
+    "H100": 0.72,
+    "H800": 0.72,
+    "H200": 0.74,
+    "MI300X": 0.55,
+    "MI325X": 0.55,
+    "L40S": 0.75,
+    "RTX4090": 0.80,
+}
+"""Fraction of the dense peak a large bf16 GEMM reaches, by device family (prefix match)."""
+DEFAULT_PEAK_FRACTION = 0.70
+FP8_PEAK_RATIO = 0.95
+"""A large FP8 GEMM's fraction of the FP8 peak relative to a bf16 GEMM's fraction of the bf16
+peak: fitted to the FP8 / MXFP8 rows of the Megatron-Bridge 25.11 summary (grid 0.80-1.00; the fit
+on the publisher-corrected rows sits at 0.95, on the draft rows it sat at 1.0: FP8 GEMMs reach
+nearly the same fraction of their doubled peak, the FP8 recipe's costs being elsewhere:
+quantisation traffic, the bf16 attention core and LM head)."""
+MOE_TOKEN_BYTES = 16.0
+"""HBM bytes per routed token and hidden element an MoE layer's forward moves outside its GEMMs,
+the backward twice that. Permuting the dispatched copies and unpermuting the combined ones
+(bf16 read + write each) is 8; the fit to the publisher-corrected Megatron-Bridge 25.11 rows gives 16 (grid 8-40; 32 on the draft rows), so
+this also carries what the model does not itemise for MoE layers (all-to-all staging copies,
+router top-k / probability kernels, grouped-GEMM padding). The held-out Megatron-Core Mixtral
+8x7B row (468 TFLOP/s) stays within its +-10% test."""
+
+MOE_HOST_S_PER_EXPERT = 2.0e-4
+"""Host seconds to launch one local expert's kernels in one MoE pass (forward, backward or
+recomputed forward) under the dropless all-to-all dispatcher (``TrainOptions.moe_dispatcher =
+'alltoall'``): the per-expert token counts are copied to the host to size the all-to-all and the
+grouped GEMMs, which drains the stream, and the GPU then runs no faster than the host launches
+the rest of the layer (train_layer.py charges max(0, host - GPU) per pass). It matters only where
+the layer's GPU work is small against it: many small local experts and few tokens (Qwen3-30B-A3B
+at micro-batch 1 on B200); Mixtral's one large local expert hides it. HybridEP / DeepEP
+dispatchers ('fused') size their buffers on the device and do not stall. Fitted to the
+Megatron-Bridge 25.11 rows (grid 0-0.3 ms, benchmarks/calibrate_training.py)."""
+
+
+def moe_host_launch_s(local_experts: float) -> float:
+    """Host launch time of one MoE layer pass after the count synchronisation (see MOE_HOST_S_PER_EXPERT)."""
+    return MOE_HOST_S_PER_EXPERT * local_experts
+
+
+PEAK_FRACTION_SOURCE = {
+    "A100": "fitted to Narayanan et al. 2021 Table 1 (benchmarks/calibrate_training.py)",
+    "Blackwell": "fitted to the NeMo / Megatron-Bridge B200 / GB200 / GB300 rows (benchmarks/calibrate_training.py)",
+    "default": "assumption: large cuBLAS/hipBLASLt GEMMs on Hopper/CDNA3 reach 0.55-0.75 of dense peak",
+}
+
+
+def peak_fraction(device: "DeviceSpec") -> float:
+    """The device family's achievable fraction of dense peak on a large GEMM."""
+    name = device.name.upper()
+    for family in ("GB300", "GB200", "B300", "B200"):
+        if name.startswith(family):  # read at call time: the calibration refits it
+            return BLACKWELL_PEAK_FRACTION["B200" if family == "B300" else family]
+    for family, fraction in PEAK_FRACTION.items():
+        if name.startswith(family.upper()):
+            return fraction
+    return DEFAULT_PEAK_FRACTION
+
+
+def _ramp(d: float) -> float:
+    return d / (d + RAMP_DIM)
+
+
+def _padded(d: float) -> float:
+    return d / (math.ceil(d / TILE) * TILE)
+
+
+def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype: str = "bf16") -> float:
+    """Achievable fraction (0..1) of ``device``'s dense ``dtype`` peak for an (m x k) @ (k x n) GEMM."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    eff = peak_fraction(device) * _ramp(m) * _ramp(n) * _ramp(k) * _padded(m) * _padded(n)
+    if dtype == "fp8":
+        eff *= FP8_PEAK_RATIO
+    peak = device.flops(dtype)
+    elem = 1.0 if dtype in ("fp8", "int8") else 0.5625 if dtype == "fp4" else 2.0  # fp4: NVFP4 weights with their scales
+    memory_s = elem * (m * k + k * n + m * n) / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
+    compute_s = 2.0 * m * n * k / (peak * eff)
+    if memory_s > compute_s:
+        eff = 2.0 * m * n * k / (peak * memory_s)
+    return eff
+
+
+def gemm_time_s(device: "DeviceSpec", m: float, n: float, k: float, batch: float = 1.0, dtype: str = "bf16") -> float:
+    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n) at the achievable rate."""
+    if batch <= 0 or m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return batch * 2.0 * m * n * k / (device.flops(dtype) * matmul_efficiency(device, m, n, k, dtype))
+
+
+def memory_bound_time_s(device: "DeviceSpec", nbytes: float) -> float:
+    """Seconds for a kernel that streams ``nbytes`` through HBM (element-wise ops, norms, softmax)."""
+    return nbytes / (device.hbm_bytes_per_s * HBM_EFFICIENCY)

@@ -1,0 +1,1 @@
+"""The planner's forecast of our own runtime (eager PyTorch on torch.distributed): per-rank collectives and memory, saved activations, the pipeline timeline; what verify --against-plan and run --dry-run compare with."""

@@ -1,0 +1,81 @@
+"""Bytes our reference runtime (eager PyTorch, runtime/model/transformer.py) saves for backward, per rank.
+
+plan/cost/activations.py sizes what a fused production stack keeps (Megatron / Transformer Engine:
+fused SwiGLU, fused norms, GQA keys not expanded). modelcarve's own runtime is eager PyTorch and
+saves more; to check the planner against it (``verify --against-plan``) this module counts the
+tensors it really saves, term by term, per micro-batch of ``T = mbs x seq`` tokens on one rank
+(``t`` = tp, ``rep`` = t under sequence parallelism else 1, ``c`` the compute dtype's bytes,
+residual stream, norms, logits and the loss in fp32):
+
+* each RMSNorm: its input and its normalised output ``2 x 4 T h / rep`` and the fp32 inverse
+  RMS ``4 T / rep``;
+* attention: the projections' input (fp32: one tensor for q, k, v; bf16: autocast's three
+  casts), q and the keys and values expanded to every query head (``repeat_kv``) ``3 c T nh hd
+  / t``, the materialised softmax ``c T (nh/t) s`` and its fp32 row statistics ``4 T nh / t``,
+  the output projection's input ``c T nh hd / t``;
+* SwiGLU MLP: its input (one fp32 tensor, or two bf16 casts), gate, up and SiLU outputs
+  ``3 c T f / t`` and the down projection's input ``c T f / t``;
+* per stage: rotary cos / sin ``2 x 4 s hd``; first stage the token ids (int64); last stage the
+  final norm, the head's input, the fp32 logits ``4 T V / t``, the targets (int64) and the loss.
+
+Peak over a step: the stage's layers x the micro-batches in flight (1 without a pipeline).
+Recomputation and MoE/MLA layers are not covered (``None``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from modelcarve.spec.layout import Layout
+    from modelcarve.spec.model import ModelSpec
+
+FP32 = 4
+INDEX = 8  # int64 token ids and targets
+
+
+def _norm(T: float, h: int, rep: int) -> float:
+    return 2 * FP32 * T * h / rep + FP32 * T / rep
+
+
+def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int) -> dict[str, float]:
+    """Saved bytes of one dense decoder layer and one micro-batch on one TP rank."""
+    h, hd, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    rep = tp if sp else 1
+    heads = spec.num_heads / tp
+    casts_attn, casts_mlp = (1, 1) if c == FP32 else (3, 2)
+    return {
+        "norms": 2 * _norm(T, h, rep),
+        "attn_input": casts_attn * c * T * h,
+        "qkv": 3 * c * T * heads * hd,
+        "scores": c * T * heads * seq + FP32 * T * heads,
+        "proj_input": c * T * heads * hd,
+        "mlp_input": casts_mlp * c * T * h,
+        "mlp": 4 * c * T * f / tp,
+    }
+
+
+def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, first: bool, last: bool) -> dict[str, float]:
+    """Once per stage and micro-batch: rotary tables, token ids, final norm, head input, logits, loss."""
+    rep = tp if sp else 1
+    out = {"rope": 2 * FP32 * seq * spec.head_dim}
+    if first:
+        out["token_ids"] = INDEX * T
+    if last:
+        out["final_norm"] = _norm(T, spec.hidden_size, rep)
+        out["head_input"] = c * T * spec.hidden_size
+        out["logits"] = FP32 * T * spec.vocab_size / tp
+        out["targets"] = INDEX * T + FP32
+    return out
+
+
+def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, first: bool, last: bool,
+                          in_flight: int = 1) -> float | None:
+    """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
+    if layout.recompute != "none" or spec.is_moe or spec.attention_kind != "gqa" or spec.ffn_kind != "swiglu":
+        return None
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    T = layout.mbs * layout.seq
+    one = layers * sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c).values())
+    one += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last).values())
+    return float(one * in_flight)

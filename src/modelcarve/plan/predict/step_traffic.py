@@ -1,0 +1,261 @@
+"""The planner's per-step prediction of one rank's collectives (op x group) and memory by category.
+
+Usage::
+
+    from modelcarve.plan.predict.step_traffic import predict_rank
+    pred = predict_rank(spec, layout, rank=0, stage_layers=4)
+    pred.messages        # [Message(op, group, dtype, payload, calls), ...]
+    pred.memory          # {"params", "grads", "optimizer", "activations", "comm_buffers"}
+
+What the runtime issues per training step (one optimiser step over ``m`` micro-batches), from
+the same formulas the planner's time model uses (plan/cost/comm.py for wire bytes,
+plan/cost/activations.py for saved activations), dtype-aware: a value carried in ``d`` bytes counts
+``d`` bytes (fp32 layouts carry 4, bf16 layouts 2 where the runtime computes in bf16).
+
+* data parallel (``zero=0``): one all-reduce of every local gradient over the dp x cp group
+  (bucketed or not, the payload is the sum of the gradients: compare bytes, not calls);
+  ZeRO-1/2: reduce-scatter of the gradients + all-gather of the parameters over dp (Megatron's
+  distributed optimiser, the runtime of branch ``zero``); FSDP (``fsdp``, one shard group):
+  per micro-batch each decoder layer's parameters all-gathered in forward and again in
+  backward, the root (embeddings, final norm, head) once, and every unit's gradient
+  reduce-scattered;
+* tensor parallel, per micro-batch: without ``sp`` two all-reduces per layer in forward (the
+  row-parallel outputs, compute dtype) and two in backward (gradients, carried in the compute
+  dtype by runtime/parallel/tensor.py) of the ``mbs x seq x h`` hidden, plus the vocab-parallel
+  embedding's forward all-reduce (fp32: the embedding output) and the column-parallel head's
+  input-gradient all-reduce (compute dtype); with ``sp`` each of those becomes an all-gather +
+  reduce-scatter pair (the forward all-gathers move the fp32 norm outputs), and the replicated norm weights' gradients are
+  all-reduced once per step; the vocab-parallel cross entropy all-reduces three ``mbs x seq``
+  fp32 vectors (max, sum of exponentials, target logit);
+* pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
+  the first sends its input gradient back (torch's shape metadata messages are not predicted);
+* memory: fp32 parameters, gradients and AdamW moments (+ one fp32 step counter per tensor),
+  sharded by FSDP / partitioned by ZeRO; activations from plan/predict/activations.py (what our
+  eager runtime saves) and, beside them, plan/cost/activations.py's production-stack estimate;
+  comm_buffers the largest single message;
+* scalars: the loss averaged over dp (fp32) or broadcast from the last stage, and the global
+  gradient norm all-reduced over the world in fp64.
+
+Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i dp + dp_i) cp
++ cp_i) tp + tp_i``); the caller names their axis and tier. ``NotModelled`` is raised for what
+this model does not cover (MoE, MLA, cp, hsdp, interleaved and zero-bubble schedules, FSDP with
+tp or pp, biases): the verify table marks those quantities as unpredicted instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.cost import comm
+from modelcarve.plan.cost.activations import layer_activation_bytes
+from modelcarve.plan.predict.activations import rank_activation_bytes
+from modelcarve.plan.cost.schedule import in_flight_microbatches
+
+if TYPE_CHECKING:
+    from modelcarve.spec.layout import Layout
+    from modelcarve.spec.model import ModelSpec
+
+DTYPE_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "float32": 4, "bfloat16": 2, "float64": 8}
+MASTER_BYTES = 4
+"""The runtime keeps fp32 parameters, gradients and AdamW moments whatever the compute dtype."""
+
+
+class NotModelled(ValueError):
+    """The layout or model uses a feature this per-op model does not predict."""
+
+
+@dataclass(frozen=True)
+class Message:
+    op: str
+    group: tuple
+    dtype: str
+    payload: int
+    calls: int = 1
+
+    def wire(self) -> float:
+        """Bytes this rank sends for the ``calls`` messages (plan/cost/comm.py's ring formulas)."""
+        n = len(self.group)
+        total = self.payload * self.calls
+        if self.op == "all_reduce":
+            return comm.ring_all_reduce_bytes(total, n)
+        if self.op == "all_gather":
+            return comm.all_gather_bytes(total, n)
+        if self.op in ("reduce_scatter", "broadcast"):
+            return comm.reduce_scatter_bytes(total, n)
+        if self.op == "all_to_all":
+            return comm.all_to_all_bytes(total, n)
+        return float(total)  # send
+
+
+@dataclass
+class RankPrediction:
+    messages: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+def rank_of(layout: "Layout", pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+    return ((pp * layout.dp + dp) * layout.cp + cp) * layout.tp + tp
+
+
+def coords_of(layout: "Layout", rank: int) -> dict:
+    out = {}
+    for axis in ("tp", "cp", "dp", "pp"):
+        size = getattr(layout, axis)
+        out[axis] = rank % size
+        rank //= size
+    return out
+
+
+def group_along(layout: "Layout", rank: int, axis: str) -> tuple:
+    """Global ranks of ``rank``'s group along one mesh axis ('tp', 'dp', 'pp', 'cp', 'world')."""
+    if axis == "world":
+        return tuple(range(layout.world_size))
+    c = coords_of(layout, rank)
+    return tuple(rank_of(layout, **(c | {axis: i})) for i in range(getattr(layout, axis)))
+
+
+# --- parameters a rank holds ----------------------------------------------------------------
+def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
+    problems = []
+    if spec.is_moe:
+        problems.append("MoE layers")
+    if spec.attention_kind != "gqa":
+        problems.append(f"{spec.attention_kind} attention")
+    if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm or spec.position_kind != "rope":
+        problems.append("biases / qk-norm / learned positions")
+    if spec.tied_embeddings and (layout.tp > 1 or layout.pp > 1):
+        problems.append("tied embeddings split over tp or pp")
+    if layout.cp > 1 or layout.ep > 1:
+        problems.append("context / expert parallelism")
+    if layout.dp_shard:
+        problems.append("hsdp")
+    if layout.virtual_stages > 1 or layout.schedule not in ("1f1b", "gpipe"):
+        problems.append(f"the {layout.schedule} schedule")
+    if layout.zero == 3 and (layout.tp > 1 or layout.pp > 1):
+        problems.append("fsdp together with tp or pp")
+    if problems:
+        raise NotModelled("not modelled per op: " + ", ".join(problems))
+
+
+def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
+    """Element counts of one dense decoder layer's parameter tensors on a TP rank."""
+    h, hd = spec.hidden_size, spec.head_dim
+    kvl = max(spec.num_kv_heads / tp, 1.0)
+    tensors = [h * spec.num_heads * hd // tp, int(h * hd * kvl), int(h * hd * kvl), spec.num_heads * hd * h // tp]
+    f = spec.ffn_size // tp
+    tensors += [h * f, h * f, f * h] if spec.ffn_kind == "swiglu" else [h * f, f * h]
+    tensors += [h] * spec.layer_norms  # replicated norm weights
+    return tensors
+
+
+def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[int]:
+    """Embedding (first stage), final norm and LM head (last stage) on a TP rank."""
+    h, v = spec.hidden_size, spec.vocab_size // tp
+    out = [v * h] if first else []
+    if last:
+        out += [h] + ([] if spec.tied_embeddings else [v * h])
+    return out
+
+
+def even_stage_layers(num_layers: int, pp: int, stage: int) -> int:
+    """Layers of one stage under the runtime's default split when ``pp`` divides the layers."""
+    if num_layers % pp:
+        raise NotModelled("pass stage_layers: the layer count does not divide evenly over pp")
+    return num_layers // pp
+
+
+# --- the prediction -------------------------------------------------------------------------
+def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None) -> RankPrediction:
+    """Messages and memory of one rank for one training step (see the module doc)."""
+    _check_supported(spec, layout)
+    c = coords_of(layout, rank)
+    stage, tp = c["pp"], layout.tp
+    first, last = stage == 0, stage == layout.pp - 1
+    nl = stage_layers if stage_layers is not None else even_stage_layers(spec.num_layers, layout.pp, stage)
+    m = layout.num_microbatches
+    act = DTYPE_SIZE[layout.param_dtype]
+    hidden = layout.mbs * layout.seq * spec.hidden_size  # elements of one micro-batch's hidden state
+    layer, root = layer_tensors(spec, tp), root_tensors(spec, tp, first, last)
+    local = nl * sum(layer) + sum(root)
+    n_tensors = nl * len(layer) + len(root)
+    msgs: list[Message] = []
+    dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp", "tp", "pp"))
+
+    if tp > 1:
+        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act)
+    if layout.pp > 1:
+        if not last:
+            msgs.append(Message("send", (rank, rank_of(layout, **(c | {"pp": stage + 1}))), "fp32", hidden * 4, m))
+        if not first:
+            msgs.append(Message("send", (rank, rank_of(layout, **(c | {"pp": stage - 1}))), "fp32", hidden * 4, m))
+        msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
+    params = grads = local * MASTER_BYTES
+    optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
+    if layout.dp > 1:
+        n = layout.dp
+        if layout.zero == 3:
+            unit_l, unit_r = sum(layer) * MASTER_BYTES, sum(root) * MASTER_BYTES
+            gathers = [Message("all_gather", dp_group, "fp32", unit_l, 2 * nl * m), Message("all_gather", dp_group, "fp32", unit_r, m)]
+            msgs += gathers + [Message("reduce_scatter", dp_group, "fp32", unit_l, nl * m),
+                               Message("reduce_scatter", dp_group, "fp32", unit_r, m)]
+            params = grads = local * MASTER_BYTES // n
+            optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors
+        elif layout.zero in (1, 2):
+            msgs += [Message("reduce_scatter", dp_group, "fp32", local * MASTER_BYTES),
+                     Message("all_gather", dp_group, "fp32", local * MASTER_BYTES)]
+            # runtime/parallel/zero_optimizer.py: one flat fp32 shard of 1/n, its two moments, one step counter
+            optimizer = 2 * local * MASTER_BYTES // n + 4
+            if layout.zero == 2:
+                grads = local * MASTER_BYTES // n
+        else:
+            msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
+        msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
+    msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
+    acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
+    fused = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
+    memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
+                  comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
+    return RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
+                hidden: int, act: int) -> list[Message]:
+    """Tensor-parallel messages of one step on one rank (see the module doc)."""
+    dt, region = layout.param_dtype, hidden * act
+    f32 = hidden * 4
+    # per micro-batch: forward, each layer's row-parallel outputs (compute dtype) and the
+    # embedding's output (fp32); under sp also the gathered norm outputs and the head's input
+    # (fp32); backward, every gradient in the compute dtype (runtime/parallel/tensor.py carries them so)
+    if layout.sp:
+        out = [Message("all_gather", group, "fp32", f32, (2 * nl + int(last)) * m),
+               Message("all_gather", group, dt, region, (2 * nl + int(first)) * m),
+               Message("reduce_scatter", group, dt, region, (4 * nl + int(last)) * m),
+               Message("reduce_scatter", group, "fp32", f32, int(first) * m)]
+    else:
+        out = [Message("all_reduce", group, dt, region, (4 * nl + int(last)) * m),
+               Message("all_reduce", group, "fp32", f32, int(first) * m)]
+    if layout.sp:  # the replicated norm weights' gradients, once per step
+        norms = nl * spec.layer_norms + int(last)
+        out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
+    if last:  # vocab-parallel cross entropy: max, sum of exponentials, target logit
+        out.append(Message("all_reduce", group, "fp32", layout.mbs * layout.seq * 4, 3 * m))
+    return out
+
+
+def _in_flight(layout: "Layout", stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak (plan/cost/schedule.py's rule: all
+    of them under GPipe, ``min(m, pp - stage)`` under 1F1B, one without a pipeline)."""
+    return int(in_flight_microbatches(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, stage))
+
+
+def activation_bytes(spec: "ModelSpec", layout: "Layout", nl: int, first: bool, last: bool, in_flight: int = 1) -> float:
+    """The training planner's own estimate (a fused production stack, not our eager runtime;
+    reported beside the measured peak, not judged): plan/cost/activations.py's per-layer terms at the
+    layout's compute dtype (``bytes_per_value``), times the layers and micro-batches in flight."""
+    tokens = layout.mbs * layout.seq
+    one = layer_activation_bytes(spec, tokens=tokens, seq_ctx=layout.seq, tp=layout.tp, sp=layout.sp,
+                                 recompute=layout.recompute, attention="materialized", dropout=False,
+                                 bytes_per_value=DTYPE_SIZE[layout.param_dtype])
+    return float(one * nl * in_flight)

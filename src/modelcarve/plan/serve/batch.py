@@ -1,0 +1,116 @@
+"""The throughput goal's choice of batch: the largest that meets the TTFT and TPOT bounds.
+
+``_largest_batch(ctx, max_b, ttft_bound, tpot_bound)`` searches bands of batches that share one
+decode step (see its docstring), with a few decode-step evaluations per layout where trying
+every batch would take ``max_b``; tests/test_serve_speed.py checks it against trying every batch.
+"""
+
+from __future__ import annotations
+
+from modelcarve.plan.serve.time import _ensure_prefill, _step_slope
+
+_INF = float("inf")
+
+
+def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple[int, tuple]:
+    """Largest batch in 1..max_b meeting both bounds (TPOT and TTFT grow with the batch), or 1
+    if none does, with its ``_rates``.
+
+    A batch ``b`` runs ``min(pp, b)`` micro-batches of ``q = ceil(b / micro)`` sequences, so all
+    the batches of one *band* ``(q - 1) pp < b <= q pp`` share one decode step and differ only in
+    arithmetic on it. The search is over bands, one decode-step evaluation each, starting from
+    the largest: Newton's method on the bounds' slack at a band's first batch, aimed with the
+    step's slopes (``_step_slope``: attention, element-wise traffic and collectives are affine in
+    the batch, the GEMMs affine on either side of their roofline, so the aim lands on the answer
+    or next to it), kept inside the bracket of bands known to pass and to fail, bisecting if it
+    stalls; then a bisection inside the last passing band, with no further step evaluations.
+    A band passes or fails on the exact figures (the same operations as ``_rates``), or fails
+    without an evaluation when the step's proven growth (``_step_slope``) already breaks a bound
+    with a margin; the slopes only choose which band to try next, so a poor aim costs
+    evaluations, never a different batch (given, as any bracketing search assumes, that the
+    bounds' slack falls with the batch; tests/test_serve_speed.py compares with trying every
+    batch). Typically 2-3 decode-step evaluations per layout, where trying every batch takes
+    max_b."""
+    if c.prefill_s < 0:
+        _ensure_prefill(c)
+    pp = c.pp
+    prefill = c.prefill_s
+    drain = c.input_len * c.prefill_token_s  # prefill seconds one sequence adds, before sharing
+    out = c.output_len
+    per_pp = drain / pp / out  # a sequence's prefill share of each token once pp micro-batches run
+    if prefill > ttft_bound:  # even one sequence alone misses the TTFT bound
+        round_s = pp * _step_slope(c, 1)[0] + c.step_s
+        return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
+    top = -(-max_b // (pp if pp < max_b else max_b))
+    lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
+    step, slope, other, other_slope, grows = _step_slope(c, top)
+    round_s = pp * step + c.step_s
+    per_seq = drain / (pp if pp < max_b else max_b) / out
+    if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
+        return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
+    lo_round = 0.0
+    tries = 0
+    rise_pp = pp * per_pp  # what each band adds to TPOT through the prefill share
+    # A band that a lower bound proves to fail needs no evaluation; the margin covers rounding.
+    tpot_over, ttft_over = tpot_bound * (1 + 1e-12), ttft_bound * (1 + 1e-12)
+    while True:
+        b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
+        per_seq = drain / (pp if pp < b else b) / out
+        tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
+        if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
+            lo, lo_round = q, round_s
+            if grows >= 0 and q + 1 < hi:
+                # The next band's round is at least this one's plus what the step surely grows
+                # by (see _step_slope).
+                least = round_s + pp * grows
+                if least + q * rise_pp > tpot_over or prefill + least > ttft_over:
+                    hi = q + 1
+        else:
+            hi = q
+        if hi - lo <= 1:
+            break
+        tries += 1
+        nq = (lo + hi) // 2 if lo else (hi + 1) // 2
+        if tries <= 6:
+            # Where each bound is met on the tangent of each roofline side; the step is the
+            # larger side, so the answer is the nearest of the two sides' crossings.
+            ttft_slack = ttft_bound - (prefill + round_s)
+            aim = _INF
+            d = pp * slope + rise_pp
+            if d > 0:
+                aim = q + tpot_slack / d
+            if slope > 0:
+                x = q + ttft_slack / (pp * slope)
+                if x < aim:
+                    aim = x
+            gap = pp * (other - step)  # the other side's round minus the actual round (<= 0)
+            d = pp * other_slope + rise_pp
+            if d > 0:
+                x = q + (tpot_slack - gap) / d
+                if x < aim:
+                    aim = x
+            if other_slope > 0:
+                x = q + (ttft_slack - gap) / (pp * other_slope)
+                if x < aim:
+                    aim = x
+            if aim == aim:  # not NaN
+                nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
+        q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
+        step, slope, other, other_slope, grows = _step_slope(c, q)
+        round_s = pp * step + c.step_s
+    if lo == 0:
+        round_s = pp * _step_slope(c, 1)[0] + c.step_s if q != 1 else round_s
+        return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
+    # Inside band lo every batch shares its round: bisect on the arithmetic alone.
+    round_s = lo_round
+    b_lo, b_hi = (1 if lo == 1 else (lo - 1) * pp + 1), min(lo * pp, max_b)
+    while b_lo < b_hi:
+        mid = (b_lo + b_hi + 1) // 2
+        per_seq = drain / (pp if pp < mid else mid) / out
+        if tpot_bound - (round_s + (mid - 1) * per_seq) >= 0 and ttft_bound - (prefill + round_s) >= 0:
+            b_lo = mid
+        else:
+            b_hi = mid - 1
+    per_seq = drain / (pp if pp < b_lo else b_lo) / out
+    ttft = prefill + (round_s if b_lo > 1 else 0.0)
+    return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))

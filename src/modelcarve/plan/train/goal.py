@@ -1,0 +1,229 @@
+"""The "train" goal: every layout of a training job, screened fast, ranked by tokens/s.
+
+Usage::
+
+    from modelcarve.plan.search import search
+    result = search(get_model("gpt3-175b"), parse_cluster("128x8xA100-80GB"), "train",
+                    global_batch=1536, seq=2048, top=5)
+
+The space (``candidates``): every factorisation ``devices = tp x cp x pp x dp`` with tp dividing
+the heads and FFN sizes (and kv heads or their multiple), pp at most the layer count, cp with
+chunks of at least ``MIN_CP_CHUNK`` tokens (shorter chunks leave ring attention nothing to
+overlap), dp dividing the global batch; ep dividing the experts and dp x cp (MoE); every
+micro-batch size dividing the per-replica batch up to ``MAX_MBS`` and ``MAX_MB_TOKENS``; SP on/off when tp > 1;
+recomputation none/selective/full (op-level modes are estimated when a layout names them, not
+searched); expert parallelism also folded over the TP ranks with expert TP 1 (MoE parallel
+folding); param_dtype bf16, or the one ``precision`` names (fp8, fp8-cs, mxfp8); ZeRO 0-3 when there is a data-parallel group, plus HSDP
+(ZeRO-3 sharded inside a node, replicated across); schedules 1F1B, GPipe, zero-bubble and
+interleaved 1F1B with every virtual-stage count that divides the layers per stage (when the
+micro-batch count is a multiple of pp, as Megatron requires).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Iterator
+
+from modelcarve.plan.factors import divisors
+from modelcarve.plan.train.model import FIELDS, TrainCostModel, TrainOptions
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import Layout
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+MAX_MBS = 32
+"""Largest micro-batch size tried."""
+MAX_MB_TOKENS = 32768
+"""Most tokens per micro-batch tried (mbs x seq): beyond it every GEMM's m dimension is already
+saturated (the efficiency ramp is within 0.3% of its limit), so larger micro-batches only add
+activation memory and bubble."""
+MIN_CP_CHUNK = 256
+"""Fewest tokens per context-parallel rank tried."""
+MAX_VIRTUAL = 8
+"""Most model chunks per pipeline rank tried (interleaved 1F1B)."""
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(TrainOptions)}
+
+
+class TrainGoal:
+    """Maximise training tokens/s subject to the worst device's memory."""
+
+    name = "train"
+    description = "training throughput (tokens/s) of one optimiser step, memory-feasible"
+
+    def __init__(self) -> None:
+        self._models: dict = {}
+
+    # --- cost models are cached per (model, cluster, options) -----------------------------------
+    def cost_model(self, model: "ModelSpec", cluster: "ClusterSpec", **options) -> TrainCostModel:
+        opts = TrainOptions(**{k: v for k, v in options.items() if k in _OPTION_FIELDS and v is not None})
+        key = (model, cluster, opts)
+        cost = self._models.get(key)
+        if cost is None:
+            if len(self._models) > 16:
+                self._models.clear()
+            cost = self._models[key] = TrainCostModel(model, cluster, opts)
+        return cost
+
+    # --- the Goal protocol ---------------------------------------------------------------------------
+    def candidates(self, model: "ModelSpec", cluster: "ClusterSpec", **options) -> Iterator[tuple]:
+        gbs = options.get("global_batch")
+        seq = options.get("seq") or 2048
+        if not gbs:
+            raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
+        precisions = _precisions(cluster, options.get("precision"))
+        yield from enumerate_layouts(model, cluster, gbs, seq, precisions=precisions,
+                                     **{k: options[k] for k in ("max_mbs",) if k in options})
+
+    def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
+        return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
+
+    def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: tuple) -> str | None:
+        """Label of the kind of layout, for 'why not X' alternatives in a plan."""
+        tp, cp, pp, dp, ep, _mbs, _sp, _rc, zero = candidate[:9]
+        if len(candidate) > 15 and ep > 1 and candidate[15] != tp:
+            return "MoE parallel folding (EP over the TP ranks)"
+        if tp > cluster.fast_domain:
+            return "tensor parallelism across nodes"
+        if tp == 1 and pp == 1 and cp == 1 and zero == 3:
+            return "ZeRO-3 / FSDP alone"
+        if tp == 1 and pp == 1 and cp == 1:
+            return "data parallelism alone"
+        if pp == 1:
+            return "no pipeline"
+        return None
+
+    def evaluate(self, model: "ModelSpec", cluster: "ClusterSpec", candidate, **options) -> dict:
+        if isinstance(candidate, Layout):
+            options = dict(options)
+            gbs = options.get("global_batch")
+            if gbs and candidate.gbs and gbs != candidate.gbs:
+                raise LayoutError(f"the layout says gbs={candidate.gbs} but the global batch given is {gbs}; drop one")
+            if gbs and not candidate.gbs:
+                candidate = candidate.replace(gbs=gbs)
+            if options.get("seq") and options["seq"] != candidate.seq:
+                candidate = candidate.replace(seq=options["seq"])
+            candidate.validate(model, cluster)  # also checks the batch divides into micro-batches
+            options["global_batch"], options["seq"] = candidate.global_batch, candidate.seq
+        cost = self.cost_model(model, cluster, **options)
+        return cost.estimate(candidate)
+
+    def score(self, result: dict) -> float:
+        tps = result["time"]["tokens_per_s"]
+        return tps if result["fits"] else -1.0 / tps
+
+    def compare(self, result: dict, best: dict) -> str:
+        """Why ``result`` ranks below ``best``: the part of its step that grew most against the winner's."""
+        step, best_step = result["time"]["step_s"], best["time"]["step_s"]
+        parts, best_parts = _step_parts(result), _step_parts(best)
+        key = max(parts, key=lambda k: parts[k][1] / step - best_parts[k][1] / best_step)
+        label, seconds = parts[key]
+        ratio = result["time"]["tokens_per_s"] / best["time"]["tokens_per_s"]
+        return (
+            f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {label} {seconds / step:.0%} "
+            f"of its step (winner: {best_parts[key][1] / best_step:.0%})"
+        )
+
+
+_AXIS_NAMES = {"tp": "tensor-parallel all-reduces", "cp": "context-parallel exchanges", "ep": "expert all-to-alls",
+               "pp": "pipeline sends", "dp": "data-parallel gradient and parameter collectives"}
+
+
+def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
+    """Parts of a step by key, each with the words (subject and verb) that name it in this layout."""
+    t, c = result["time"], result["comm"]
+    parts = {
+        "compute": ("compute (GEMMs and element-wise kernels) takes", t["compute_s"] - t["recompute_s"]),
+        "recompute": ("recomputing activations takes", t["recompute_s"]),
+        "bubble": ("the pipeline bubble takes", t["bubble_s"]),
+        "optimizer": ("the optimizer step takes", t["optimizer_s"]),
+    }
+    for axis, seconds in c["exposed_s_by_axis"].items():
+        link = "across nodes" if c["link_by_axis"][axis] == "inter" else "inside the node"
+        parts[axis] = (f"exposed {_AXIS_NAMES[axis]} {link} take", seconds)
+    return parts
+
+
+def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
+                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),)) -> Iterator[tuple]:
+    """Every valid training layout as a candidate tuple (field order: train_model.FIELDS), for
+    each (param_dtype, fp8_scaling) in ``precisions`` (bf16 unless the user asks for FP8)."""
+    n = cluster.num_devices
+    L = model.num_layers
+    moe = model.is_moe
+    kv = model.num_kv_heads
+
+    def tp_ok(t: int) -> bool:
+        if model.num_heads % t or model.ffn_size % t:
+            return False
+        if moe and model.expert_ffn_size % t:
+            return False
+        if model.attention_kind == "gqa" and kv % t and t % kv:
+            return False
+        return True
+
+    inner_cache: dict = {}
+    for tp in (t for t in divisors(n) if tp_ok(t)):
+        sps = (False, True) if tp > 1 and seq % tp == 0 else (False,)
+        for pp in (p for p in divisors(n // tp) if p <= L):
+            for cp in divisors(n // (tp * pp)):
+                if cp > 1 and (seq % (2 * cp) or seq // cp < MIN_CP_CHUNK):
+                    continue
+                dp = n // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                per_replica = global_batch // dp
+                # (ep, etp): EP inside dp x cp with expert TP = TP, and (MoE parallel folding) EP
+                # taking the tensor-parallel ranks too, with expert TP 1
+                eps = [(e, tp) for e in divisors(math.gcd(model.num_experts, dp * cp))] if moe else [(1, tp)]
+                if moe and tp > 1:
+                    eps += [(e, 1) for e in divisors(math.gcd(model.num_experts, dp * cp * tp)) if (dp * cp) % e]
+                shards = [0]
+                if dp > 1:
+                    in_node = cluster.fast_domain // (tp * cp)
+                    if 1 < in_node < dp and dp % in_node == 0:  # HSDP: shard inside a node, replicate across
+                        shards.append(in_node)
+                zeros = [(z, 0) for z in (0, 1, 2, 3)] + [(3, s) for s in shards[1:]] if dp * cp > 1 else [(0, 0)]
+                for mbs in (b for b in divisors(per_replica) if b <= max_mbs and (b == 1 or b * seq <= MAX_MB_TOKENS)):
+                    n_mb = per_replica // mbs
+                    key = (pp, n_mb)
+                    scheds = inner_cache.get(key)
+                    if scheds is None:
+                        scheds = inner_cache[key] = _schedules(L, pp, n_mb)
+                    for ep, etp in eps:
+                        for sp in sps:
+                            for rc in ("none", "selective", "full"):
+                                for zero, shard in zeros:
+                                    for sched, v in scheds:
+                                        for prec, scaling in precisions:
+                                            yield (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                   prec, "fp32", "fp32", etp, scaling)
+
+
+def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:
+    """(param_dtype, fp8_scaling) pairs the search tries: bf16, or the precision asked for
+    (``--precision fp8`` / ``fp8-cs`` / ``mxfp8``), checked against the device."""
+    if not precision or precision == "bf16":
+        return (("bf16", "delayed"),)
+    probe = Layout.parse(f"precision={precision}")
+    probe.validate_precision(cluster)
+    return ((probe.param_dtype, probe.fp8_scaling),)
+
+
+def _schedules(L: int, pp: int, n_mb: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)]
+    if L % pp == 0 and n_mb % pp == 0:
+        out += [("interleaved-1f1b", v) for v in divisors(L // pp) if 1 < v <= MAX_VIRTUAL]
+    return out
+
+
+def candidate_layout(candidate: tuple, global_batch: int, seq: int) -> Layout:
+    """The Layout a candidate tuple stands for."""
+    return Layout(**dict(zip(FIELDS, candidate)), gbs=global_batch, seq=seq)
+
+
+GOAL = TrainGoal()

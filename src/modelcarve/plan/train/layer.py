@@ -1,0 +1,238 @@
+"""One transformer layer's cost for one micro-batch on one device: compute time, per-axis
+communication (seconds and bytes), and the activation bytes it keeps.
+
+Usage (through the cost model, which caches one result per shape)::
+
+    layer = layer_cost(cost_model, moe=False, tp=8, cp=1, ep=1, mbs=1, sp=True, recompute="selective", seq=2048)
+    layer["compute_s"], layer["tp_s"], layer["act_bytes"]
+
+Compute: every GEMM at ``matmul_efficiency`` of its per-device shape, element-wise work (norms,
+residual adds, dropout, rotary, activation functions, MoE permutation; the softmax of
+materialised attention) at HBM speed; backward twice the forward (flash attention 2.5x);
+recomputation adds the forward (full) or the attention core (selective). Communication: TP two
+all-reduces of ``2 T h`` bytes each way (+2 for a full recompute), CP's ring exchange of K/V
+hidden behind the attention core, EP's dispatch and combine all-to-alls scaled by the
+load-imbalance factor. Activations: plan/cost/activations.py.
+
+FP8 (compute key ``fp8``, ``fp8cs``, ``mxfp8``): the linear layers' GEMMs (QKV, projection, MLP,
+experts) run at the device's FP8 peak (plan/cost/efficiency.py, with its FP8 fraction); the attention
+core, the router and the LM head stay bf16, as in Transformer Engine recipes; each linear
+layer's input is quantised in the forward and its output gradient in the backward, at HBM
+speed (``quantise_bytes``). Weight casts happen once per step (cached) and are not charged.
+
+Expert tensor parallelism ``etp`` (MoE parallel folding): a local expert's GEMMs are split
+``etp`` ways and see the tokens of ``etp`` TP ranks: ``T k etp ep / (t E)`` tokens per local
+expert; the all-to-all runs over EP ranks ``etp`` apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.cost import comm, efficiency
+from modelcarve.plan.cost.activations import ACT_BYTES, kv_heads_per_rank, layer_activation_terms
+from modelcarve.plan.cost.efficiency import memory_bound_time_s
+from modelcarve.spec.layout import recompute_modules
+
+if TYPE_CHECKING:
+    from modelcarve.plan.train.protocol import TrainCost
+
+FLASH_EFFICIENCY = 0.85
+"""Flash attention's throughput relative to a plain GEMM of the same shape (FlashAttention-2
+reaches about 70% of A100 peak forward, a large GEMM about 80%)."""
+FLASH_BACKWARD = 2.5
+"""Flash attention's backward costs 2.5 forwards (it recomputes the scores: 5 matmuls vs 2)."""
+
+
+def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+               etp: int = 0) -> dict:
+    """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp)."""
+    m, o, dev = cost.model, cost.options, cost.device
+    etp = etp or tp
+    h = m.hidden_size
+    T = mbs * seq / cp
+    s_loc = seq / cp
+    heads = m.num_heads / tp
+    dqk, dv = m.qk_head_dim, m.attn_v_head_dim
+    kvl = kv_heads_per_rank(m, tp)
+    rep = tp if sp else 1
+    mods = _modules(recompute)
+    g = 0.0  # forward GEMM seconds outside the attention core
+    if m.attention_kind == "mla":
+        rq = m.q_lora_rank or 0
+        if rq:
+            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
+        else:
+            g += cost._gemm(T, heads * dqk, h)
+        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
+        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
+    else:
+        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
+    g_o = cost._gemm(T, h, heads * dv)
+    g += g_o
+    g_k = cost._gemm(T, kvl * dqk, h)  # op-level SAC recomputes k (and o and the second MLP input)
+    # attention core: QK^T and PV, batch = mbs x local heads; bf16 under FP8 recipes
+    batch = mbs * heads
+    core = cost._gemm(s_loc, seq, dqk, batch, "bf16") + cost._gemm(s_loc, dv, seq, batch, "bf16")
+    ew_norm = 8.0 * T * h / rep
+    ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
+    if m.position_kind == "rope":
+        ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
+    if o.attention == "flash":
+        core = core * _causal_share(m, seq) / FLASH_EFFICIENCY
+        core_bwd = core * FLASH_BACKWARD
+        core_ew = 0.0
+    else:
+        core_bwd = 2.0 * core
+        core_ew = (9.0 if o.dropout else 4.0) * batch * s_loc * seq  # softmax (+ dropout) traffic
+    a2a_bytes = 0.0
+    # elements entering (forward) and leaving (backward gradients) the linear layers: what FP8 quantises
+    q_in = T * (h / rep + heads * dv + h / rep)
+    q_out = T * ((heads + kvl) * dqk + kvl * dv + h)
+    if moe:
+        k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
+        n_in = 3 if m.ffn_kind == "swiglu" else 2
+        g += cost._gemm(T, E, h, 1.0, "bf16")  # router
+        local = E / ep
+        per_expert = T * k * o.load_imbalance * ep * etp / (tp * E)  # tokens per local expert
+        g_ffn = cost._gemm(per_expert, (n_in - 1) * fe / etp, h, local) + cost._gemm(per_expert, h, fe / etp, local)
+        g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
+        routed = T * k * o.load_imbalance  # elements of expert intermediates per device: routed x fe / tp
+        ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
+        ew_moe = efficiency.MOE_TOKEN_BYTES * routed * h * etp / tp
+        q_in += routed * (h * etp + fe) / tp
+        q_out += routed * ((n_in - 1) * fe + h * etp) / tp
+        if m.num_shared_experts:
+            fs = m.num_shared_experts * fe
+            g_ffn += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
+            ew_act += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * fs / tp
+            q_in += T * (h / rep + fs / tp)
+            q_out += T * ((n_in - 1) * fs / tp + h)
+        g += g_ffn
+        ew += ew_act + ew_moe
+        # each TP rank dispatches 1/t of the tokens; the busiest rank receives imbalance x the mean
+        a2a_bytes = 2.0 * T * k * h / tp * o.load_imbalance
+    else:
+        f = m.ffn_size
+        n_in = 2 if m.ffn_kind == "swiglu" else 1
+        g_ffn = cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
+        g_up2 = cost._gemm(T, f / tp, h) if n_in == 2 else cost._gemm(T, h, f / tp)
+        g += g_ffn
+        ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
+        ew += ew_act
+        q_in += T * f / tp
+        q_out += T * (n_in * f / tp + h)
+    qf, qb = quantise_bytes(cost._dtype)
+    q_fwd_s = memory_bound_time_s(dev, qf * q_in)
+    q_bwd_s = memory_bound_time_s(dev, qb * q_out)
+    ew_s = memory_bound_time_s(dev, ew)
+    core_ew_s = memory_bound_time_s(dev, core_ew)
+    fwd = g + core + ew_s + core_ew_s + q_fwd_s
+    bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
+    stall_fwd = stall_bwd = 0.0
+    if moe and o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
+        host = efficiency.moe_host_launch_s(m.num_experts / ep)
+        moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
+        stall_fwd, stall_bwd = max(0.0, host - moe_fwd), max(0.0, host - 2.0 * moe_fwd)
+    fwd += stall_fwd
+    bwd += stall_bwd
+    # communication per layer (seconds; bytes each device sends)
+    act = 2.0 * T * h
+    tp_tier = cost.tier(tp, 1)
+    tp_one = comm.all_reduce_s(act, tp, tp_tier) * (1.0 - o.tp_overlap)
+    tp_bytes_one = comm.ring_all_reduce_bytes(act, tp)
+    cp_tier = cost.tier(cp, tp)
+    kv = 2.0 * T * kvl * (dqk + dv)
+    cp_fwd_bytes = (cp - 1) * kv if cp > 1 else 0.0
+    cp_fwd = (cp - 1) * comm.p2p_s(kv, cp_tier) if cp > 1 else 0.0
+    cp_exposed = max(0.0, cp_fwd - core) + max(0.0, 2.0 * cp_fwd - core_bwd)
+    cp_exposed += comm.OVERLAP_COMPUTE_COST * max(0.0, 3.0 * cp_fwd - cp_exposed)  # hidden, yet it slows compute
+    ep_tier = cost.tier(ep, etp)
+    ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
+    ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
+    ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
+    n_tp = 4 + (2 if recompute == "full" else 0)
+    n_ep = 4 + (2 if recompute == "full" or "mlp" in mods else 0)
+    if recompute == "full":
+        rc = fwd
+    elif recompute == "ops":
+        # matmuls not saved (k, o, the second MLP input projection) and every element-wise op
+        rc = g_k + g_o + g_up2 + ew_s + q_fwd_s
+    else:
+        rc = 0.0
+        if "core_attn" in mods:
+            rc += core + core_ew_s
+        if "layernorm" in mods:
+            rc += memory_bound_time_s(dev, ew_norm)
+        if "mlp" in mods:
+            rc += g_ffn + memory_bound_time_s(dev, ew_act + (ew_moe if moe else 0.0))
+            rc += stall_fwd
+        elif "mlp_act" in mods:
+            rc += memory_bound_time_s(dev, ew_act)
+    act_kwargs = dict(
+        tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
+        expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
+    )
+    act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
+    work = 0.0
+    if recompute == "full":  # the layer being recomputed holds its full activations
+        work = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+    return {
+        "compute_s": fwd + bwd + rc,
+        "recompute_s": rc,
+        "fwd_s": fwd,
+        "bwd_s": bwd,
+        "tp_s": n_tp * tp_one,
+        "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
+        "cp_s": cp_exposed,
+        "cp_total_s": 3.0 * cp_fwd,
+        "ep_s": n_ep * ep_one,
+        "tp_bytes": n_tp * tp_bytes_one,
+        "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
+        "cp_bytes": 3.0 * cp_fwd_bytes,
+        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "ep_bytes": n_ep * ep_bytes_one,
+        "ep_nic": n_ep * ep_nic_one,
+        "act_bytes": sum(act_terms.values()),
+        "act_terms": act_terms,
+        "work_bytes": work,
+    }
+
+
+def _causal_share(model, seq: int) -> float:
+    """Share of the ``seq x seq`` score blocks a flash kernel computes, averaged over the layers:
+    half under a causal mask; a sliding-window or chunked layer (``local_layers``, gpt-oss, Gemma 3,
+    Llama 4) sees at most ``local_window`` keys per query."""
+    # spec/model.py names them sliding_layers / sliding_window (local_* in older specs)
+    local = len(getattr(model, "sliding_layers", ()) or getattr(model, "local_layers", ()) or ())
+    window = getattr(model, "sliding_window", 0) or getattr(model, "local_window", 0) or 0
+    if not local or not window:
+        return 0.5
+    f = local / model.num_layers
+    w = min(window, seq)
+    local_share = (w * seq - w * w / 2.0) / (seq * seq)  # causal band of width w
+    return (1.0 - f) * 0.5 + f * local_share
+
+
+def _modules(recompute: str) -> frozenset:
+    if recompute in ("none", "full", "ops"):
+        return frozenset()
+    return recompute_modules(recompute)
+
+
+def quantise_bytes(compute: str) -> tuple[float, float]:
+    """HBM bytes per element to quantise a linear layer's input (forward) and its output gradient
+    (backward) for compute key ``compute``: read bf16 (2) and write fp8 (1) = 3 with delayed
+    scaling (amax fused into the cast); current scaling reads the tensor once more for its amax
+    first (5); MXFP8 writes row- and column-wise copies with their 1 x 32 block scales (2 + 2 +
+    2/32). 0 for 16/32-bit compute."""
+    return {"fp8": (3.0, 3.0), "fp8cs": (5.0, 5.0), "mxfp8": (4.0625, 4.0625)}.get(compute, (0.0, 0.0))
+
+
+def saved_input_bytes(compute: str) -> float:
+    """Bytes per element of a saved linear-layer input (plan/cost/activations.py module doc)."""
+    if compute in ("fp8", "fp8cs"):
+        return 1.0
+    if compute == "mxfp8":
+        return 1.0 + 1.0 / 32.0
+    return ACT_BYTES

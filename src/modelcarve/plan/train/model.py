@@ -1,0 +1,590 @@
+"""Training cost model: memory of the worst device, step time and link traffic of one layout.
+
+Usage::
+
+    from modelcarve.plan.train.model import TrainCostModel, TrainOptions
+    cost = TrainCostModel(model, cluster, TrainOptions(global_batch=1536, seq=2048))
+    result = cost.estimate(Layout.parse("tp=8,pp=2,dp=32,mbs=4,recompute=full"))  # the JSON dict
+    score, category, reason = cost.screen(cost.key(layout))                       # the fast path
+
+One code path (``_evaluate``) serves both: the search screens hundreds of thousands of layouts
+with ``detail=False`` (plain floats, per-model and per-(tp, cp, pp, mbs, ...) constants cached),
+then asks for the breakdown of the finalists with ``detail=True``; the two cannot disagree.
+This module owns the options, the caches and the assembly of a step; one layer's cost is in
+plan/train/layer.py, model states and data-parallel traffic in plan/train/states.py, the JSON
+and its warnings in plan/train/report.py.
+
+What a step costs (per device; see the helpers' docstrings for each formula)
+---------------------------------------------------------------------------
+* Compute per micro-batch and stage: every GEMM of a layer at ``matmul_efficiency`` of its
+  per-device shape (TP shrinks n or k, fine-grained experts shrink m), memory-bound element-wise
+  work (norms, residuals, activation functions, softmax of materialised attention, MoE
+  permutation) at HBM speed; backward = 2x forward (flash attention: 2.5x, it recomputes the
+  scores); recomputation adds the forward (full) or the attention core (selective).
+* TP: two all-reduces of ``2 T h`` bytes per layer forward, two backward (with SP: all-gather +
+  reduce-scatter, same bytes), two more for a full recompute; exposed (Megatron runs them on the
+  critical path) unless ``tp_overlap`` says what fraction is hidden.
+* CP: ring exchange of K and V (forward) and of K, V, dK, dV (backward), hidden behind the
+  attention core; only the excess is exposed.
+* EP: dispatch + combine all-to-all per MoE layer forward, twice backward, times the
+  load-imbalance factor (the busiest rank sets the pace); exposed.
+* PP: one activation send per micro-batch and chunk boundary each way (``2 T h / t`` bytes with
+  Megatron's scatter-gather); on the critical path, except that the interleaved schedule's
+  steady-state sends overlap compute when ``overlap_p2p`` (Megatron-Core).
+* DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1; ZeRO-2
+  keeps only its gradient shard, so it reduce-scatters after every micro-batch), or
+  per-micro-batch parameter all-gathers and gradient reduce-scatters (ZeRO-3/FSDP; HSDP adds an
+  all-reduce across replicas); gradient reduction hides behind the last micro-batch's backward,
+  the parameter all-gather behind the first forward (when ``overlap_grad_reduce`` /
+  ``overlap_param_gather``), ZeRO-3 traffic behind each micro-batch's compute.
+* Bubble by schedule (plan/cost/schedule.py); the optimiser step streams its state through HBM.
+* Candidates carry ``etp`` (expert TP; MoE parallel folding) and ``fp8_scaling``; FP8 / MXFP8
+  GEMMs, quantisation traffic and FP8 weight caches are plan/train/layer.py's and
+  plan/train/states.py's. Memory: states + activations of the micro-batches in flight + loss
+  logits (``TrainOptions.loss``) + buffers, the allocator's ``fragmentation`` of the transient
+  part, the itemised runtime reserve; a layout fits within ``(1 - memory_headroom)`` of the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.cost import comm
+from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
+from modelcarve.plan.cost.schedule import bubble_time_units, in_flight_microbatches
+from modelcarve.plan.train.layer import layer_cost
+from modelcarve.plan.train.report import build_report
+from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for callers of this module
+    DP_BUCKET_BYTES,
+    FP8_DTYPES,
+    FRAGMENTATION,
+    GIB,
+    MEMORY_HEADROOM,
+    RESERVED_BYTES,
+    dp_traffic,
+    fp8_cache_bytes,
+    model_state_bytes_per_param,
+    optimizer_bytes_per_param,
+    reserved_bytes,
+    state_factors,
+    weight_bytes,
+)
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import DTYPE_BYTES, Layout
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+_GEMM_DTYPE = {"fp8cs": "fp8", "mxfp8": "fp8"}
+"""Compute keys whose GEMMs run at another dtype's peak (MXFP8 and current scaling: the FP8 rate)."""
+
+__all__ = [
+    "FIELDS", "GIB", "RESERVED_BYTES", "FRAGMENTATION", "DP_BUCKET_BYTES", "TrainCostModel", "TrainOptions",
+    "model_state_bytes_per_param", "optimizer_bytes_per_param",
+]
+
+LOGITS_BYTES_PER_ELEM = 10.0
+"""Bytes per logit on the last stage with an unfused cross entropy: bf16 logits, their fp32 copy
+in the cross entropy, and the fp32 softmax it keeps for backward."""
+LOSS_KINDS = ("materialized", "fused", "chunked")
+FUSED_LOGITS_BYTES_PER_ELEM = 2.0
+"""Megatron's fused vocab-parallel cross entropy (``--cross-entropy-loss-fusion``): the bf16
+logits are kept and the softmax gradient is written into them in place."""
+
+_PER_LAYER_SUMS = (
+    "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
+    "ep_bytes", "ep_nic", "act_bytes",
+)
+
+STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device memory"
+ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
+
+# candidate tuple fields (the search's currency; Layout converts to and from it)
+FIELDS = (
+    "tp", "cp", "pp", "dp", "ep", "mbs", "sp", "recompute", "zero", "dp_shard", "schedule", "virtual_stages",
+    "param_dtype", "grad_dtype", "optim_dtype", "etp", "fp8_scaling",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """Workload and system facts a layout does not carry."""
+
+    global_batch: int = 0
+    """Sequences per optimiser step; 0 takes the layout's gbs."""
+    seq: int = 0
+    """Sequence length; 0 takes the layout's seq."""
+    attention: str = "flash"
+    """'flash' (no s^2 activations, causal blocks skipped) or 'materialized' (Megatron 2021)."""
+    dropout: bool = False
+    """Dropout layers present (their masks are stored); Megatron's 2021 GPT runs had them."""
+    overlap_grad_reduce: bool = True
+    """Gradient reduction overlaps the last backward (torch DDP, Megatron-Core); False: after it."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2 parameter all-gather overlaps the next forward."""
+    tp_overlap: float = 0.0
+    """Fraction of TP communication hidden behind GEMMs (0 without TE comm-GEMM overlap)."""
+    load_imbalance: float = 1.25
+    """Tokens on the busiest expert rank / the mean (MoE): scales expert compute and all-to-all."""
+    moe_dispatcher: str = "fused"
+    """MoE token dispatcher: 'fused' (DeepEP / HybridEP: kernels size their own buffers) or 'alltoall'
+    (dropless all-to-all: the per-expert counts go to the host each pass; plan/cost/efficiency.py)."""
+    scatter_gather_p2p: bool = True
+    """Pipeline sends carry 1/t of the activation and all-gather over NVLink (Megatron)."""
+    overlap_p2p: bool = True
+    """Interleaved-schedule pipeline sends overlap compute (Megatron-Core with virtual stages);
+    False: every send is on the critical path (Megatron 2021)."""
+    loss: str = "materialized"
+    """Cross entropy: 'materialized' (logits of the micro-batch whole, fp32 copies: 10 bytes per
+    logit), 'fused' (Megatron's fused vocab-parallel loss: 2 bytes per logit), 'chunked' (fused
+    linear + cross entropy over chunks of ``loss_chunk`` tokens, Liger / torchtune style: the
+    logits are never materialised whole)."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the chunked loss."""
+    fragmentation: float = FRAGMENTATION
+    """Caching-allocator overhead as a fraction of activations and transient buffers: 0.05 with
+    expandable segments (Megatron recipes set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``);
+    ``FRAGMENTATION_FIXED_SEGMENTS`` (0.20) for PyTorch's default allocator, fitted to torchtitan's
+    published reserved memory (benchmarks/calibrate_training.py)."""
+    memory_headroom: float = MEMORY_HEADROOM
+    """Fraction of device memory a layout must leave free to count as fitting (``--memory-headroom``,
+    default 0.05); 0 checks against the whole device (published runs that did run)."""
+
+
+class TrainCostModel:
+    """Cost of training ``model`` on ``cluster``; per-model constants are computed once."""
+
+    def __init__(self, model: "ModelSpec", cluster: "ClusterSpec", options: TrainOptions | None = None):
+        self.model, self.cluster = model, cluster
+        self.options = options or TrainOptions()
+        if self.options.attention not in ("flash", "materialized"):
+            raise LayoutError(f"attention={self.options.attention!r} must be 'flash' or 'materialized'")
+        if self.options.loss not in LOSS_KINDS:
+            raise LayoutError(f"loss={self.options.loss!r} must be one of: {', '.join(LOSS_KINDS)}")
+        if not 0.0 <= self.options.memory_headroom < 0.5:
+            raise LayoutError(f"memory headroom {self.options.memory_headroom} must be a fraction in [0, 0.5), e.g. 0.05")
+        if not 0.0 <= self.options.fragmentation < 1.0:
+            raise LayoutError(f"fragmentation {self.options.fragmentation} must be a fraction in [0, 1), e.g. 0.05")
+        self._growth = 1.0 + self.options.fragmentation
+        if self.options.loss_chunk < 1:
+            raise LayoutError(f"loss_chunk={self.options.loss_chunk} must be at least 1 token")
+        self.device = cluster.device
+        self.device_memory = cluster.device.memory_bytes
+        self.capacity = cluster.device.memory_bytes * (1.0 - self.options.memory_headroom)
+        self.seq = self.options.seq or 2048
+        self._profiles: dict = {}
+        self._tiers: dict = {}
+        self._layers: dict = {}
+        self._gemms: dict = {}
+        self._windows: dict = {}
+        self._traffic: dict = {}
+        self._stage_params: dict = {}
+        self._floors: dict = {}
+        self._states: dict = {}
+        self._last_pkey: tuple | None = None
+        self._last_dtype = "bf16"
+        self._last_etp = 0
+        self._dtype = "bf16"  # compute dtype of the profile being built
+        self._last_prof: dict | None = None
+        self._params()
+
+    # --- per-model constants -------------------------------------------------------------------
+    def _params(self) -> None:
+        m = self.model
+        h = m.hidden_size
+        norm = m._norm_params(h)
+        rep = 2 * norm  # the two pre-norms are replicated over TP
+        if m.attention_kind == "mla":
+            rq = m.q_lora_rank or 0
+            mla_rep = (h * rq + rq if rq else 0) + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+            rep += mla_rep
+            attn_split = m.attention_params - mla_rep
+        else:
+            attn_split = m.attention_params
+        self.attn_split, self.layer_rep = attn_split, rep
+        self.dense_split = attn_split + m.ffn_params(m.ffn_size)
+        self.moe_split = attn_split + m.num_shared_experts * m.expert_params
+        self.moe_rep = rep + m.router_params
+        self.moe_experts = m.num_experts * m.expert_params
+        self.vocab_h = m.vocab_size * h
+        self.pos = m.max_position * h if m.position_kind == "learned" else 0
+        self.final_norm = norm
+        self.moe_set = frozenset(m.moe_layers)
+        self.head_fwd_flops_token = 2.0 * m.vocab_size * h
+
+    # --- candidate <-> Layout ----------------------------------------------------------------------
+    @staticmethod
+    def key(layout: Layout) -> tuple:
+        return (
+            layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.mbs, layout.sp, layout.recompute,
+            layout.zero, layout.dp_shard, layout.schedule, layout.virtual_stages,
+            layout.param_dtype, layout.grad_dtype, layout.optim_dtype, layout.expert_tp, layout.fp8_scaling,
+        )
+
+    @staticmethod
+    def full_candidate(cand: tuple) -> tuple:
+        """A candidate with expert TP resolved and the FP8 scaling present (older 15-field tuples)."""
+        if len(cand) >= 17 and cand[15]:
+            return cand
+        tp, cp, dp, ep = cand[0], cand[1], cand[3], cand[4]
+        etp = (cand[15] if len(cand) > 15 else 0) or (tp if (dp * cp) % ep == 0 else 1)
+        return tuple(cand[:15]) + (etp, cand[16] if len(cand) > 16 else "delayed")
+
+    @staticmethod
+    def compute_key(cand: tuple) -> str:
+        """The GEMM precision a candidate runs: its param_dtype, ``fp8cs`` for current scaling."""
+        if cand[12] == "fp8" and cand[16] == "current":
+            return "fp8cs"
+        return cand[12]
+
+    def layout(self, cand: tuple) -> Layout:
+        values = dict(zip(FIELDS, cand))
+        if values.get("etp") == (values["tp"] if (values["dp"] * values["cp"]) % values["ep"] == 0 else 1):
+            values["etp"] = 0  # the default: keep the layout's one-line form unchanged
+        return Layout(**values, gbs=self.options.global_batch or values["mbs"] * values["dp"], seq=self.seq)
+
+    # --- tiers ---------------------------------------------------------------------------------------
+    def tier(self, group: int, inner: int) -> comm.Tier:
+        key = (group, inner)
+        tier = self._tiers.get(key)
+        if tier is None:
+            tier = self._tiers[key] = comm.group_tier(self.cluster, group, inner)
+        return tier
+
+    # --- per (tp, cp, pp, dp, ep, mbs, sp, recompute): stage compute and memory profile ---------------
+    def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                dtype: str = "bf16", etp: int = 0) -> dict:
+        """Compute and memory of every stage kind for one micro-batch (GEMMs at ``dtype``'s peak:
+        a param_dtype, or ``fp8cs`` for FP8 with current scaling; ``etp`` expert TP, 0 = tp)."""
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp)
+        prof = self._profiles.get(key)
+        if prof is None:
+            self._dtype = dtype
+            prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp)
+        return prof
+
+    def _layer_cached(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                      etp: int) -> dict:
+        key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq, self._dtype, etp if moe else tp)
+        layer = self._layers.get(key)
+        if layer is None:
+            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        return layer
+
+    def _moe_counts(self, nls: int) -> tuple[int, int, int]:
+        """MoE layers among the first, the last and the worst middle window of ``nls`` layers."""
+        counts = self._windows.get(nls)
+        if counts is None:
+            L = self.model.num_layers
+            first = sum(1 for i in range(min(nls, L)) if i in self.moe_set)
+            last = sum(1 for i in range(max(0, L - nls), L) if i in self.moe_set)
+            counts = self._windows[nls] = (first, last, min(nls, self.model.num_moe_layers))
+        return counts
+
+    def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float:
+        """Seconds of a GEMM at the profile's precision, or at ``dtype`` (bf16 for the GEMMs FP8
+        recipes keep in bf16: attention core, router, LM head)."""
+        dt = dtype or _GEMM_DTYPE.get(self._dtype, self._dtype)
+        if dtype and self._dtype in ("fp32", "fp16"):
+            dt = self._dtype  # a 16/32-bit run keeps its own dtype everywhere
+        key = (m, n, k, batch, dt)
+        t = self._gemms.get(key)
+        if t is None:
+            t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch, dt)
+        return t
+
+    def stage_params(self, tp: int, pp: int, ep: int, etp: int = 0) -> list[tuple]:
+        """Per stage kind: (kind, index, MoE layers, dense params, expert params, one layer's
+        params, linear-layer params) held by one device of the stage, before ZeRO sharding
+        (``etp``: expert TP, 0 = tp)."""
+        etp = etp or tp
+        key = (tp, pp, ep, etp)
+        rows = self._stage_params.get(key)
+        if rows is not None:
+            return rows
+        m = self.model
+        nls = math.ceil(m.num_layers / pp)
+        moe_first, moe_last, moe_mid = self._moe_counts(nls)
+        kinds = [("first", moe_first, 0), ("last", moe_last, pp - 1)] if pp > 1 else [("only", moe_first, 0)]
+        if pp > 2:
+            kinds.insert(1, ("middle", moe_mid, 1))
+        rows = []
+        for kind, n_moe, index in kinds:
+            n_dense = nls - n_moe
+            layer_split = n_dense * self.dense_split + n_moe * self.moe_split
+            layer_rep = n_dense * self.layer_rep + n_moe * self.moe_rep
+            params_dense = layer_split / tp + layer_rep
+            linear = layer_split / tp  # weights of the layers' GEMMs (what FP8 caches quantised)
+            if kind in ("first", "only"):
+                params_dense += self.vocab_h / tp + self.pos
+            if kind in ("last", "only"):
+                params_dense += self.final_norm
+                if not m.tied_embeddings or pp > 1:
+                    params_dense += self.vocab_h / tp
+            params_exp = n_moe * self.moe_experts / (ep * etp)
+            layer = (self.dense_split if n_dense else self.moe_split) / tp + ((self.moe_experts / (ep * etp)) if n_moe else 0.0)
+            rows.append((kind, index, n_moe, params_dense, params_exp, layer, linear + params_exp))
+        self._stage_params[key] = rows
+        return rows
+
+    def stage_states(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0) -> list[float]:
+        """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers, + FP8 weight caches)
+        per stage kind, bytes, in ``stage_params`` order; independent of micro-batching, so
+        cached per mesh and ZeRO."""
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp)
+        states = self._states.get(key)
+        if states is None:
+            per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
+            n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
+            cache = fp8_cache_bytes(p_dt)
+            states = self._states[key] = [
+                per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
+                + cache * (lin if zero < 3 else layer)  # FSDP caches only the gathered layer's quantised copy
+                for _, _, _, pd, pe, layer, lin in self.stage_params(tp, pp, ep, etp)
+            ]
+            edp = max(1, tp * cp * dp // (etp * ep))
+            self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
+        return states
+
+    @staticmethod
+    def _shards(tp: int, cp: int, dp: int, ep: int, zero: int, dp_shard: int, etp: int) -> tuple[int, int]:
+        """Ranks dense and expert ZeRO state is sharded over: dp_shard x cp, and the expert-data-
+        parallel ranks among them (tp x cp x shard / (etp x ep))."""
+        if not zero:
+            return 1, 1
+        shard = dp_shard or dp
+        return shard * cp, max(1, shard * cp * tp // (etp * ep))
+
+    def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0) -> float:
+        """Model states of the fullest stage plus the runtime reserve: no schedule or micro-batch
+        can bring a layout below this."""
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp or tp)
+        if key not in self._floors:
+            self.stage_states(*key)
+        return self._floors[key]
+
+    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp) -> dict:
+        m, o = self.model, self.options
+        nls = math.ceil(m.num_layers / pp)
+        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        h, V = m.hidden_size, m.vocab_size
+        T = mbs * seq / cp
+        # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
+        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+        head_s = 3.0 * head_fwd + loss_s
+        logits_bytes = self._logits_bytes(T, V / tp, h)
+        stages = {}
+        for kind, index, n_moe, params_dense, params_exp, layer, _lin in self.stage_params(tp, pp, ep, etp):
+            n_dense = nls - n_moe
+            last = kind in ("last", "only")
+            stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
+            if last:
+                stage["compute_s"] += head_s
+                stage["fwd_s"] += head_fwd
+                stage["bwd_s"] += 2 * head_fwd + loss_s
+            stage.update(
+                index=index,
+                layers=nls,
+                moe_layers=n_moe,
+                params_dense=params_dense,
+                params_expert=params_exp,
+                work_bytes=max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
+                logits_bytes=logits_bytes if last else 0.0,
+                layer_params=layer,
+                linear_params=_lin,
+            )
+            stages[kind] = stage
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        pp_tier = self.tier(pp, dp * cp * tp)
+        gbs = o.global_batch or mbs * dp
+        slow = max(stages.values(), key=lambda st: st["compute_s"] + st["tp_s"] + st["cp_s"] + st["ep_s"])
+        return {
+            "stages": stages,
+            "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
+            "params_rows": [(st["params_dense"], st["params_expert"], st["layer_params"]) for st in stages.values()],
+            "slow": slow,
+            "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
+            "n_mb": gbs // (mbs * dp),
+            "tokens": gbs * seq,
+            "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp),
+            "dense": dense,
+            "moe": moe,
+            "p2p_s": comm.p2p_s(p2p_bytes, pp_tier) if pp > 1 else 0.0,
+            "p2p_bytes": p2p_bytes if pp > 1 else 0.0,
+            "p2p_nic": p2p_bytes if pp > 1 and pp_tier.members_per_node else 0.0,
+            "buffers": (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0)
+            + (2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0),
+            "dp": {},
+        }
+
+    def _logits_bytes(self, T: float, v_local: float, h: int) -> float:
+        """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
+        whole logits with fp32 copies, the fused loss's bf16 logits, or one chunk's logits plus
+        the fp32 gradient of the hidden states the chunked loss accumulates."""
+        loss = self.options.loss
+        if loss == "fused":
+            return FUSED_LOGITS_BYTES_PER_ELEM * T * v_local
+        if loss == "chunked":
+            return LOGITS_BYTES_PER_ELEM * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
+        return LOGITS_BYTES_PER_ELEM * T * v_local
+
+    def _dp_entry(self, prof: dict, cand: tuple) -> dict:
+        """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
+        cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
+        tp, cp, pp, dp, ep = prof["key"][:5]
+        etp = prof["key"][8]
+        states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15], etp)
+        buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+        base = buffers * self._growth + reserved
+        return {
+            "states": states,
+            "buffers": buffers,
+            "reserved": reserved,
+            "base_bytes": base,
+            "floor_bytes": max(states) + base,
+            "exposed_s": None,
+        }
+
+    def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
+        """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
+        tp, cp, dp, ep, etp = prof["key"][0], prof["key"][1], prof["key"][3], prof["key"][4], prof["key"][8]
+        zero, dp_shard = cand[8], cand[9]
+        pb, gb = weight_bytes(cand[12]), DTYPE_BYTES[cand[13]]
+        ob = optimizer_bytes_per_param(cand[12], cand[14])
+        n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
+        st = prof["stages"][kind]
+        pd, pe = st["params_dense"], st["params_expert"]
+        full, local = pd + pe, pd / n_dense + pe / n_exp
+        cache = fp8_cache_bytes(cand[12])
+        return {
+            "weights": pb * (full if zero < 3 else local),
+            "gradients": gb * (full if zero < 2 else local),
+            "optimizer_states": ob * (full if zero == 0 else local),
+            "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] if zero == 3 else 0.0,
+            "fp8_weight_cache": cache * (st["linear_params"] if zero < 3 else st["layer_params"]),
+        }
+
+    def _dp_comm(self, prof: dict, d: dict, cand: tuple) -> None:
+        """Exposed data-parallel time and optimiser time of one (profile, ZeRO, dtypes), into ``d``:
+        the traffic (``_dp_traffic``) set against this profile's compute windows."""
+        o = self.options
+        slow, n_mb = prof["slow"], prof["n_mb"]
+        r = dp_traffic(self, prof, cand)
+        win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
+        win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
+        if cand[8] == 3:
+            per_mb = r["per_mb_s"]
+            # the first layer's gather cannot be prefetched; the rest hides behind the micro-batch's compute
+            exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + r["first_gather_s"])
+            exposed += max(0.0, r["replica_s"] - win_b)
+            total = n_mb * per_mb + r["replica_s"]
+            nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
+        elif cand[8] == 2:
+            # a gradient reduce-scatter per micro-batch (only the shard is kept), each behind its backward
+            exposed = n_mb * max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
+            total = n_mb * r["reduce_s"] + r["gather_s"]
+            nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
+        else:
+            exposed = max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
+            total = r["reduce_s"] + r["gather_s"]
+            nbytes, nic = r["step_bytes"], r["step_nic"]
+        exposed += comm.OVERLAP_COMPUTE_COST * max(0.0, total - exposed)  # hidden traffic still slows compute
+        d.update(
+            exposed_s=exposed + r["tied_s"] + r["optimizer_s"],
+            optimizer_s=r["optimizer_s"],
+            total_s=total + r["tied_s"],
+            bytes=nbytes,
+            nic=nic,
+            tier=r["tier"],
+        )
+
+    # --- one layout ------------------------------------------------------------------------------------
+    def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
+        """(tokens/s, reject category, reject reason) of a candidate tuple; the search's fast path."""
+        return self._evaluate(cand, False)
+
+    def estimate(self, layout: Layout | tuple) -> dict:
+        """The estimate JSON of one layout (see commands/plan.py for the field contract)."""
+        cand = self.key(layout) if isinstance(layout, Layout) else layout
+        return self._evaluate(cand, True)
+
+    def _evaluate(self, cand: tuple, detail: bool = False):
+        if len(cand) < 17 or not cand[15]:
+            cand = self.full_candidate(cand)
+        tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+        etp = cand[15]
+        if not detail:
+            floor = self._floors.get(cand[:5] + cand[8:10] + cand[12:16])
+            if floor is None:
+                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16])
+            if floor > self.capacity:
+                # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
+                return -floor, STATES_DO_NOT_FIT, None
+        pkey = cand[:8]
+        dtype = cand[12]
+        if dtype == "fp8" and cand[16] == "current":  # compute_key, inlined on the search's hot path
+            dtype = "fp8cs"
+        if pkey == self._last_pkey and dtype == self._last_dtype and etp == self._last_etp:
+            prof = self._last_prof
+        else:
+            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp)
+            self._last_pkey, self._last_prof, self._last_dtype, self._last_etp = pkey, prof, dtype, etp
+        dkey = (zero, dp_shard) + cand[12:]
+        d = prof["dp"].get(dkey)
+        if d is None:
+            d = prof["dp"][dkey] = self._dp_entry(prof, cand)
+        if not detail and d["floor_bytes"] > self.capacity:
+            # no schedule brings this below capacity: one micro-batch's buffers already overflow
+            return -d["floor_bytes"], ACTIVATIONS_DO_NOT_FIT, None
+        if d["exposed_s"] is None:
+            self._dp_comm(prof, d, cand)
+        n_mb = prof["n_mb"]
+
+        # --- memory: every stage kind, keep the worst ---------------------------------------------
+        peak, worst, worst_inflight = -1.0, None, 0.0
+        base = d["base_bytes"]
+        growth = self._growth
+        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
+        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
+            if simple:
+                inflight = pp - index if pp - index < n_mb else n_mb
+            else:
+                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
+            total = states + (inflight * act_mb + fixed) * growth + base
+            if total > peak:
+                peak, worst, worst_inflight = total, kind, inflight
+        fits = peak <= self.capacity
+
+        # --- time ------------------------------------------------------------------------------------
+        t_mb = prof["t_mb"]
+        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
+        p2p_total = p2p = 0.0
+        if pp > 1:
+            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
+            if v > 1 and self.options.overlap_p2p:
+                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
+                # warm-up and cool-down sends stay on the critical path
+                edge = 2.0 * (pp - 1) * prof["p2p_s"]
+                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
+        step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
+        tokens_per_s = prof["tokens"] / step
+        if not detail:
+            if fits:
+                return tokens_per_s, None, None
+            return tokens_per_s, ACTIVATIONS_DO_NOT_FIT, None
+
+        return build_report(
+            self, cand, prof, d, peak=peak, worst=worst, inflight=worst_inflight, fits=fits, n_mb=n_mb,
+            idle=idle, t_mb=t_mb, p2p=p2p, p2p_total=p2p_total, step=step, tokens_per_s=tokens_per_s,
+        )

@@ -1,0 +1,181 @@
+"""The training estimate as JSON (the field contract other tools read) and its warnings in words.
+
+Fields: ``fits``; ``memory`` {``peak_bytes``, ``capacity_bytes``, ``worst_stage``, ``breakdown``
+in bytes}; ``time`` {``step_s``, ``tokens_per_s``, ``tflops_per_device`` (Narayanan et al. 2021
+Eq. 3: recomputation counted), ``mfu`` (recomputation not counted), ``compute_s`` (recomputation
+included), ``recompute_s``, ``bubble_s``,
+``optimizer_s``, ``microbatches``}; ``comm`` {``bytes_per_step_by_link`` (intra, inter: bytes
+one device sends per step), ``bytes_per_step_by_axis``, ``exposed_s``, ``exposed_s_by_link``,
+``exposed_s_by_axis``, ``total_s_by_axis``, ``hidden_s_by_axis``, ``link_by_axis``};
+``bubble_fraction``; ``warnings``; ``reject_reason``. The step is the sum of compute, bubble,
+optimizer and the exposed communication of every axis.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.train.states import GIB
+
+if TYPE_CHECKING:
+    from modelcarve.plan.train.protocol import TrainCost
+    from modelcarve.spec.layout import Layout
+
+
+def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: float, worst: str,
+                 inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, p2p_total: float, step: float,
+                 tokens_per_s: float) -> dict:
+    """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
+    tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+    etp = cand[15]
+    seq, tokens = cost.seq, prof["tokens"]
+    p_dt = cand[12]
+    st_w = prof["stages"][worst]
+    act = inflight * st_w["act_bytes"] + st_w["work_bytes"] + st_w["logits_bytes"]
+    buffers = d["buffers"]
+    breakdown = cost.state_parts(prof, cand, worst)
+    breakdown.update({
+        "activations": inflight * st_w["act_bytes"],
+        "recompute_working_layer": st_w["work_bytes"],
+        "logits": st_w["logits_bytes"],
+        "comm_buffers": buffers,
+        "allocator_fragmentation": cost.options.fragmentation * (act + buffers),
+        "reserved_runtime": d["reserved"],
+    })
+    breakdown = {k: int(round(x)) for k, x in breakdown.items()}
+    peak_int = sum(breakdown.values())
+    peak_dev = cost.device.flops(p_dt)
+    n_dev = tp * cp * pp * dp
+    model_flops = 3.0 * cost.model.forward_flops_per_token(seq) * tokens
+    rc_flops = 0.0
+    if recompute == "full":
+        rc_flops = (cost.model.forward_flops_per_token(seq) - cost.head_fwd_flops_token) * tokens
+    elif recompute in ("selective", "core_attn") or recompute.startswith("core_attn+"):
+        rc_flops = cost.model.attention_flops_per_token(seq) * tokens
+    # other op-level modes recompute element-wise ops (no FLOPs counted) or GEMMs whose share the
+    # per-layer times carry; Eq. 3 counting applies to full and attention-core recomputation only
+    slow = prof["slow"]
+    axis_tier = {
+        "tp": cost.tier(tp, 1).name, "cp": cost.tier(cp, tp).name, "ep": cost.tier(ep, etp).name,
+        "pp": cost.tier(pp, dp * cp * tp).name if pp > 1 else "intra",
+        "dp": d["tier"],
+    }
+    # per-micro-batch communication in the bubble is part of the bubble, not counted again here
+    exposed_axis = {
+        "tp": n_mb * slow["tp_s"], "cp": n_mb * slow["cp_s"], "ep": n_mb * slow["ep_s"],
+        "pp": p2p, "dp": d["exposed_s"] - d["optimizer_s"],
+    }
+    total_axis = {
+        "tp": n_mb * slow["tp_total_s"], "cp": n_mb * slow["cp_total_s"], "ep": n_mb * slow["ep_s"],
+        "pp": p2p_total, "dp": d["total_s"],
+    }
+    bytes_axis = {
+        "tp": n_mb * slow["tp_bytes"], "cp": n_mb * slow["cp_bytes"], "ep": n_mb * slow["ep_bytes"],
+        "pp": 2.0 * n_mb * v * prof["p2p_bytes"], "dp": d["bytes"],
+    }
+    nic_axis = {
+        "tp": n_mb * slow["tp_nic"], "cp": n_mb * slow["cp_nic"], "ep": n_mb * slow["ep_nic"],
+        "pp": 2.0 * n_mb * v * prof["p2p_nic"], "dp": d["nic"],
+    }
+    inter = sum(nic_axis.values())
+    by_link = {"intra": int(round(sum(bytes_axis.values()) - inter)), "inter": int(round(inter))}
+    exposed_link = {"intra": 0.0, "inter": 0.0}
+    for axis, seconds in exposed_axis.items():
+        exposed_link[axis_tier[axis]] += seconds
+    layout = cost.layout(cand)
+    warnings = _warnings(cost, layout, exposed_axis, step, idle / (n_mb + idle) if idle else 0.0, fits)
+    reason = None
+    cap = cost.capacity / GIB
+    where = "the device" if worst == "only" else f"the {worst} pipeline stage"
+    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16]) > cost.capacity:
+        # the stage with the most model state (not necessarily the one with the highest peak)
+        fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
+                              key=lambda kv: kv[1])
+        where = "the device" if fullest == "only" else f"the {fullest} pipeline stage"
+        reason = (
+            f"weights, gradients and optimizer states alone need {states / GIB:.1f} GiB of {cap:.1f} GiB on {where}"
+            f" (with {d['reserved'] / GIB:.1f} GiB kept for the CUDA context, workspaces and NCCL buffers"
+            f"{_headroom_words(cost)})"
+            + ("" if zero == 3 else "; a higher ZeRO stage, more TP/PP or EP shard them")
+        )
+    elif not fits:
+        reason = (
+            f"needs {peak_int / GIB:.1f} GiB of {cap:.1f} GiB on {where}: activations of "
+            f"{inflight:.3g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
+            + ("" if cand[7] == "full" else " (recomputation would shrink them)")
+        )
+    return {
+        "goal": "train",
+        "layout": layout.to_dict(),
+        "short": layout.short(),
+        "fits": fits,
+        "memory": {
+            "peak_bytes": peak_int,
+            "capacity_bytes": int(cost.capacity),
+            "device_bytes": int(cost.device_memory),
+            "headroom": cost.options.memory_headroom,
+            "worst_stage": worst,
+            "breakdown": breakdown,
+        },
+        "time": {
+            "step_s": step,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": (model_flops + rc_flops) / step / n_dev / 1e12,
+            "mfu": model_flops / (step * n_dev * peak_dev),
+            "compute_s": n_mb * slow["compute_s"],
+            "recompute_s": n_mb * slow["recompute_s"],
+            "bubble_s": idle * t_mb,
+            "optimizer_s": d["optimizer_s"],
+            "microbatches": n_mb,
+        },
+        "comm": {
+            "bytes_per_step_by_link": by_link,
+            "bytes_per_step_by_axis": {k: int(round(x)) for k, x in bytes_axis.items()},
+            "exposed_s": sum(exposed_axis.values()),
+            "exposed_s_by_link": exposed_link,
+            "exposed_s_by_axis": exposed_axis,
+            "total_s_by_axis": total_axis,
+            "hidden_s_by_axis": {k: max(0.0, total_axis[k] - exposed_axis[k]) for k in total_axis},
+            "link_by_axis": axis_tier,
+        },
+        "bubble_fraction": idle / (n_mb + idle) if idle else 0.0,
+        "warnings": warnings,
+        "reject_reason": reason,
+    }
+
+
+def _headroom_words(cost: "TrainCost") -> str:
+    r = cost.options.memory_headroom
+    return f", and {r:.0%} of the device left free as headroom" if r else ""
+
+
+def _warnings(cost: "TrainCost", layout: Layout, exposed: dict, step: float, bubble: float, fits: bool) -> list[str]:
+    """Sentences about what this layout spends its step on, when it is worth saying."""
+    cl = cost.cluster
+    per_node = cl.fast_domain  # the NVLink domain: the node, or an NVL72 rack
+    out = []
+    nic = link_words(cl.inter_link.name)
+    if layout.tp > per_node:
+        out.append(
+            f"tp={layout.tp} spans {layout.tp // per_node} nodes: its all-reduces over {nic} take "
+            f"{exposed['tp'] / step:.0%} of the step"
+        )
+    if layout.cp > 1 and layout.cp * layout.tp > per_node:
+        out.append(f"cp={layout.cp} crosses nodes: ring attention over {nic} exposes {exposed['cp'] / step:.0%} of the step")
+    if layout.ep > 1 and layout.ep * layout.expert_tp > per_node:
+        out.append(f"ep={layout.ep} crosses nodes: all-to-all over {nic} takes {exposed['ep'] / step:.0%} of the step")
+    if bubble > 0.15:
+        out.append(f"pipeline bubble is {bubble:.0%} of the step; more micro-batches or interleaving shrink it")
+    if exposed["dp"] / step > 0.10:
+        out.append(f"data-parallel traffic not hidden by compute takes {exposed['dp'] / step:.0%} of the step")
+    if exposed["tp"] / step > 0.25 and layout.tp <= per_node:
+        out.append(f"tensor-parallel all-reduces take {exposed['tp'] / step:.0%} of the step")
+    return out
+
+
+def link_words(name: str) -> str:
+    """A catalogue link name as a sentence says it (``ib-hdr`` -> ``InfiniBand HDR``)."""
+    kind, _, rest = name.partition("-")
+    words = {"ib": "InfiniBand", "eth": "Ethernet", "nvlink3": "NVLink 3", "nvlink4": "NVLink 4",
+             "nvlink5": "NVLink 5", "pcie4": "PCIe 4", "pcie5": "PCIe 5", "xgmi": "Infinity Fabric"}
+    return f"{words.get(kind, kind)} {rest.upper()}".strip() if kind in words else name

@@ -1,0 +1,205 @@
+"""Model states and data-parallel traffic: bytes per parameter by ZeRO stage, the stated memory
+margins, and the data-parallel collectives of one mesh.
+
+Usage::
+
+    from modelcarve.plan.train.states import model_state_bytes_per_param
+    model_state_bytes_per_param(zero=1, n=64)     # 4 + 12/64 bytes for bf16 + fp32 Adam
+
+Mixed-precision Adam keeps bf16/fp16 weights (2 bytes), gradients in ``grad_dtype`` (Megatron's
+fp32 main gradients: 4; the ZeRO paper's fp16: 2) and fp32 master weights and two moments (12):
+Rajbhandari et al. 2020's 16 bytes per parameter, 4 + 12/N with ZeRO-1, 2 + 14/N with ZeRO-2,
+16/N with ZeRO-3, ``N`` the ranks the state is sharded over (dp x cp; for experts, the
+expert-data-parallel group).
+
+FP8 training (``param_dtype`` fp8 / mxfp8, as Transformer Engine under Megatron-Core runs it
+without ``--fp8-param-gather``): the weights stay bf16 (2 bytes), master weights and moments
+fp32 (12), and every linear layer's weight is also cached quantised for the micro-batches of a
+step (TE's weight workspaces, ``is_first_microbatch``): ``FP8_WEIGHT_CACHE_BYTES`` per linear
+parameter, row-wise and column-wise copies (the forward GEMM reads W, the data-gradient GEMM
+W^T; on Hopper FP8 GEMMs take only the TN layout, on Blackwell MXFP8 scales run along one
+direction).
+
+Runtime memory that is no tensor of the model (``reserved_bytes``), explicit: the CUDA context
+(``CUDA_CONTEXT_BYTES``), cuBLAS / Transformer Engine workspaces (``WORKSPACE_BYTES``) and
+NCCL's buffers, ``NCCL_BYTES_PER_COMM`` per communicator the layout opens (one per parallel
+axis larger than 1; the pipeline's two neighbours count as two). The caching allocator's
+fragmentation is ``FRAGMENTATION`` of the activations and transient buffers (model states are
+allocated once and do not fragment).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.cost import comm
+from modelcarve.plan.cost.efficiency import memory_bound_time_s
+from modelcarve.spec.layout import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from modelcarve.plan.train.protocol import TrainCost
+
+GIB = 2**30
+MIB = 2**20
+CUDA_CONTEXT_BYTES = 600 * MIB
+"""CUDA context with lazily loaded kernels (CUDA 12, PyTorch + TE): what nvidia-smi shows for an
+idle process on H100 (500-600 MiB); stated, not fitted."""
+WORKSPACE_BYTES = 256 * MIB
+"""cuBLAS(Lt) and Transformer Engine GEMM workspaces (32 MiB per stream and handle, several
+streams for communication overlap)."""
+NCCL_BYTES_PER_COMM = 128 * MIB
+"""One NCCL communicator's buffers: NCCL_BUFFSIZE (4 MiB, the default) per channel and
+direction, 16 channels on NVLink (NCCL docs, NCCL_BUFFSIZE / NCCL_MIN_NCHANNELS)."""
+RESERVED_BYTES = CUDA_CONTEXT_BYTES + WORKSPACE_BYTES + 4 * NCCL_BYTES_PER_COMM
+"""Runtime reserve of a typical 3-D layout (four communicators); ``reserved_bytes`` counts them."""
+FRAGMENTATION = 0.05
+"""Caching-allocator fragmentation, as a fraction of activations and buffers (a stated margin:
+PyTorch's allocator reserves 3-10% above allocated on training steps; expandable segments keep
+it near the low end)."""
+FRAGMENTATION_FIXED_SEGMENTS = 0.20
+"""The same overhead with PyTorch's default allocator (fixed segments, eager kernels): fitted to
+torchtitan's published reserved memory of Llama 3.1 8B with FSDP and op-level SAC on 8 H100 (82.4
+GiB, benchmarks/llama3_h100_202412_torchtitan.md Table 1); its other rows are the check."""
+MEMORY_HEADROOM = 0.05
+"""Default fraction of device memory a planned layout must leave free (``--memory-headroom``):
+winners are not placed at 97-99% of memory, where a longer sequence or a driver update OOMs."""
+FP8_WEIGHT_CACHE_BYTES = 2.0
+"""Bytes per linear-layer parameter of the quantised weight copies TE keeps for a step (fp8
+row-wise + column-wise; MX scales add 1/32 each, counted in ``fp8_cache_bytes``)."""
+FP8_DTYPES = ("fp8", "mxfp8")
+
+
+def fp8_cache_bytes(param_dtype: str) -> float:
+    """Quantised-weight workspace bytes per linear-layer parameter for ``param_dtype``."""
+    if param_dtype == "fp8":
+        return FP8_WEIGHT_CACHE_BYTES
+    if param_dtype == "mxfp8":
+        return FP8_WEIGHT_CACHE_BYTES * (1.0 + 1.0 / 32.0)
+    return 0.0
+
+
+def weight_bytes(param_dtype: str) -> float:
+    """Bytes per stored weight: FP8 training keeps its weights in bf16."""
+    return 2.0 if param_dtype in FP8_DTYPES else DTYPE_BYTES[param_dtype]
+
+
+def reserved_bytes(tp: int, cp: int, pp: int, dp: int, ep: int, edp: int) -> float:
+    """Runtime memory outside the model's tensors for a layout's communicators (module doc)."""
+    comms = sum(1 for n in (tp, cp, dp, ep, edp) if n > 1) + (2 if pp > 1 else 0)
+    return CUDA_CONTEXT_BYTES + WORKSPACE_BYTES + NCCL_BYTES_PER_COMM * comms
+DP_BUCKET_BYTES = 2 * 40e6
+"""Gradient-reduction buckets in flight (two of Megatron's 40 MB buckets)."""
+
+
+def state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
+    """Bytes per parameter held in full, bytes per parameter sharded over the ZeRO group, and
+    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``."""
+    pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
+    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    if zero == 0:
+        return pb + gb + ob, 0.0, 0.0
+    if zero == 1:
+        return pb + gb, ob, 0.0
+    if zero == 2:
+        return pb, gb + ob, 0.0
+    return 0.0, pb + gb + ob, 2 * pb + gb
+
+
+def optimizer_bytes_per_param(param_dtype: str = "bf16", optim_dtype: str = "fp32") -> float:
+    """Adam state per parameter: two moments, plus a master copy when it differs from the
+    compute dtype (mixed precision: 4 + 4 + 4 = 12 bytes)."""
+    o = DTYPE_BYTES[optim_dtype]
+    return 2 * o + (0.0 if param_dtype == optim_dtype else o)  # fp8 compute: an fp32 master copy
+
+
+def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", grad_dtype: str = "bf16",
+                                optim_dtype: str = "fp32") -> float:
+    """Bytes per parameter of weights + gradients + Adam state with ZeRO stage ``zero`` over
+    ``n`` ranks (Rajbhandari et al. 2020: 16, 4 + 12/N, 2 + 14/N, 16/N for fp16 mixed precision)."""
+    p, g, o = weight_bytes(param_dtype), DTYPE_BYTES[grad_dtype], optimizer_bytes_per_param(param_dtype, optim_dtype)
+    if zero == 0:
+        return p + g + o
+    if zero == 1:
+        return p + g + o / n
+    if zero == 2:
+        return p + (g + o) / n
+    return (p + g + o) / n
+
+
+def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
+    """Data-parallel collectives of the stage with the most parameters: seconds and bytes
+    (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
+    it is shared by every micro-batch size and recomputation mode."""
+    tp, cp, pp, dp, ep = prof["key"][:5]
+    etp = prof["key"][8]
+    zero, dp_shard = cand[8], cand[9]
+    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp) + cand[12:15]
+    cached = cost._traffic.get(key)
+    if cached is not None:
+        return cached
+    p_dt, g_dt, o_dt = cand[12:15]
+    pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
+    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    shard = (dp_shard or dp) if zero else 1
+    n_dense = shard * cp if zero else 1
+    # expert mesh ETP x EP x EDP over the same ranks as TP x CP x DP (MoE parallel folding)
+    edp = max(1, tp * dp * cp // (etp * ep))
+    n_exp = max(1, shard * cp * tp // (etp * ep)) if zero else 1
+    big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
+    pd, pe = big["params_dense"], big["params_expert"]
+    dense_t = cost.tier(dp * cp, tp)
+    exp_t = cost.tier(edp, etp * ep)
+    r = {"tier": dense_t.name, "reduce_s": 0.0, "gather_s": 0.0, "per_mb_s": 0.0, "first_gather_s": 0.0,
+         "replica_s": 0.0, "per_mb_bytes": 0.0, "per_mb_nic": 0.0, "step_bytes": 0.0, "step_nic": 0.0}
+    if zero == 0:
+        r["reduce_s"] = comm.all_reduce_s(gb * pd, dp * cp, dense_t) + comm.all_reduce_s(gb * pe, edp, exp_t)
+        b1, b2 = comm.ring_all_reduce_bytes(gb * pd, dp * cp), comm.ring_all_reduce_bytes(gb * pe, edp)
+        r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
+    elif zero in (1, 2):
+        r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
+        r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
+        rs1, rs2 = comm.reduce_scatter_bytes(gb * pd, dp * cp), comm.reduce_scatter_bytes(gb * pe, edp)
+        ag1, ag2 = comm.all_gather_bytes(pb * pd, dp * cp), comm.all_gather_bytes(pb * pe, edp)
+        reduce_bytes, reduce_nic = rs1 + rs2, comm.nic_bytes(rs1, dense_t) + comm.nic_bytes(rs2, exp_t)
+        gather_bytes, gather_nic = ag1 + ag2, comm.nic_bytes(ag1, dense_t) + comm.nic_bytes(ag2, exp_t)
+        if zero == 1:
+            r["step_bytes"], r["step_nic"] = reduce_bytes + gather_bytes, reduce_nic + gather_nic
+        else:
+            # ZeRO-2 keeps only its gradient shard, so it reduce-scatters after every micro-batch
+            r["per_mb_bytes"], r["per_mb_nic"] = reduce_bytes, reduce_nic
+            r["step_bytes"], r["step_nic"] = gather_bytes, gather_nic
+    else:
+        sd_t = cost.tier(shard * cp, tp)
+        r["tier"] = sd_t.name
+        se_n = max(1, shard * cp * tp // (etp * ep))
+        se_t = cost.tier(se_n, etp * ep)
+        # FSDP gathers and reduces layer by layer: one collective's latency per layer each
+        nl = max(1, big["layers"])
+        per_mb = nl * (
+            2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
+            + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
+        )
+        r["per_mb_s"], r["first_gather_s"] = per_mb, per_mb / (3.0 * nl)
+        b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
+        b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+        r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
+        replicas = dp // shard
+        if replicas > 1:
+            rep_t = cost.tier(replicas, tp * cp * shard)
+            local = gb * (pd / (shard * cp) + pe / se_n)
+            r["replica_s"] = comm.all_reduce_s(local, replicas, rep_t)
+            b3 = comm.ring_all_reduce_bytes(local, replicas)
+            r["step_bytes"], r["step_nic"] = b3, comm.nic_bytes(b3, rep_t)
+            if rep_t.name == "inter":
+                r["tier"] = "inter"
+    r["tied_s"] = 0.0
+    if pp > 1 and cost.model.tied_embeddings:
+        # the first and last stages hold copies of the tied embedding: all-reduce its gradient
+        emb_t = cost.tier(2, dp * cp * tp * (pp - 1))
+        r["tied_s"] = comm.all_reduce_s(gb * cost.vocab_h / tp, 2, emb_t)
+        b4 = comm.ring_all_reduce_bytes(gb * cost.vocab_h / tp, 2)
+        r["step_bytes"] += b4
+        r["step_nic"] += comm.nic_bytes(b4, emb_t)
+    r["optimizer_s"] = memory_bound_time_s(cost.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
+    cost._traffic[key] = r
+    return r

@@ -1,0 +1,387 @@
+"""The generation engine loop: requests in, one scheduler step at a time, tokens out.
+
+Interface (kept in step with /work/notes/engine_api.md, which the server builds on)::
+
+    engine = Engine(EngineConfig(model=PATH, layout="tp=2"))     # collective: every rank
+    if engine.is_driver:                                          # global rank 0
+        engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=32, temperature=0))
+        while engine.has_unfinished():
+            for out in engine.step(): ...                         # RequestOutput per request
+        engine.shutdown()                                         # ends the followers' loop
+    else:
+        engine.follow()
+
+Rank 0 owns one Scheduler (and BlockManager) per DP replica; each ``step()`` asks every
+replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its own share
+(model_runner.py), receives the logits of the sampling rows, samples (sampler.py), detokenises
+incrementally, checks stops and frees finished sequences. New requests go to the replica with
+the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
+another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
+sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
+default to its ``param_dtype`` (``resolve_layout``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from modelcarve.runtime.engine.block_manager import BlockManager
+from modelcarve.runtime.engine.sampler import SamplingParams, StopChecker, make_generator, sample
+from modelcarve.runtime.engine.scheduler import Scheduler, Sequence
+from modelcarve.spec.errors import LayoutError, ModelcarveError
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams", "resolve_layout"]
+
+HEARTBEAT_S = 5.0
+"""An idle ``step()`` sends an empty plan this often, so followers never wait a whole collective
+timeout for work (call ``step()`` regularly, e.g. every few ms, even with nothing to do)."""
+RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
+WEIGHT_RUNTIME = RUNTIME_DTYPES + ("int8", "int4", "fp8")
+KV_RUNTIME = RUNTIME_DTYPES + ("int8", "fp8")
+
+
+def resolve_layout(layout, dtype: str | None = None):
+    """(Layout, weight_dtype, kv_dtype) for generation from a Layout, a layout string or a JSON file
+    path; unstated weight/kv dtypes default to param_dtype; ``dtype`` overrides param_dtype."""
+    from modelcarve.spec.layout import Layout
+
+    if isinstance(layout, Layout):
+        lay, stated = layout, {"weight_dtype", "kv_dtype"}
+    else:
+        text = str(layout).strip()
+        lay = Layout.parse(text)  # every malformed layout is refused here, in one line
+        if text.startswith("{") or text.endswith(".json"):
+            raw = json.loads(text if text.startswith("{") else Path(text).read_text())
+            stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
+        else:
+            stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
+    if dtype:
+        lay = lay.replace(param_dtype=dtype)
+    weight = lay.weight_dtype if "weight_dtype" in stated else lay.param_dtype
+    kv = lay.kv_dtype if "kv_dtype" in stated else lay.param_dtype
+    if lay.pp > 1 and lay.schedule != "gpipe":
+        lay = lay.replace(schedule="gpipe")  # training schedules do not apply; the engine pipelines itself
+    return lay, weight, kv
+
+
+def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None):
+    """Refuse, before any rank starts, what the engine cannot run; returns the layout with its
+    training-only ``seq`` capped at the model's context (generation lengths are per request)."""
+    from modelcarve.runtime.parallel.parallelize import check_runtime
+
+    layout = layout.replace(seq=min(layout.seq, spec.max_position))
+    problems = []
+    if layout.sp:
+        problems.append("sp (sequence parallelism) is not supported for generation; drop sp")
+    if layout.param_dtype not in ("fp32", "bf16"):
+        problems.append(f"param_dtype={layout.param_dtype} cannot be executed; use fp32 or bf16")
+    if weight_dtype not in WEIGHT_RUNTIME:
+        problems.append(f"weight_dtype={weight_dtype} cannot be executed by this runtime; use one of {', '.join(WEIGHT_RUNTIME)}")
+    if kv_dtype not in KV_RUNTIME:
+        problems.append(f"kv_dtype={kv_dtype} cannot be executed by this runtime; use one of {', '.join(KV_RUNTIME)}")
+    if layout.cp > 1:
+        problems.append("cp > 1 (context parallelism) is not supported for generation; use cp=1")
+    if layout.virtual_stages > 1:
+        problems.append("virtual_stages > 1 is not supported for generation; use virtual_stages=1")
+    if layout.ep > 1 and layout.pp > 1:
+        problems.append("ep > 1 with pp > 1 is not supported for generation; use pp=1 with ep")
+    if problems:
+        raise LayoutError("; ".join(problems))
+    check_runtime(layout, spec, world_size=world_size)
+    return layout
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    layout: object = "tp=1"
+    kv_cache_bytes: float | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    prefix_caching: bool = True
+    dtype: str | None = None
+    weight_dtype: str | None = None
+    kv_dtype: str | None = None
+    seed: int = 0
+    timeout_s: float = 120.0
+    quiet: bool = True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list
+    new_logprobs: list | None
+    token_ids: list
+    new_text: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: object
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    logprobs: list | None = None
+    """All chosen tokens' logprobs so far (when requested)."""
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    block_size: int
+    kv_bytes_per_token: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    steps: int
+    plan_bytes: int
+    logit_bytes: int
+    prompt_tokens: int
+    generation_tokens: int
+    microbatches: int = 0
+    """Forwards rank 0 ran (pp > 1: several per step)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Engine:
+    """See module doc."""
+
+    def __init__(self, cfg: EngineConfig):
+        from modelcarve.runtime.checkpoint.hf_load import is_checkpoint, model_spec
+        from modelcarve.runtime.engine.model_runner import ModelRunner
+
+        self.cfg = cfg
+        layout, weight, kv = resolve_layout(cfg.layout, cfg.dtype)
+        weight, kv = cfg.weight_dtype or weight, cfg.kv_dtype or kv
+        spec = model_spec(cfg.model)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or layout.world_size > 1:
+            from modelcarve.runtime.distributed.mesh import init_distributed
+
+            init_distributed(cfg.timeout_s)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        layout = check_generation(layout, spec, weight, kv, world_size=world)
+        self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
+        self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
+                                  block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
+                                  max_num_seqs=cfg.max_num_seqs)
+        self.spec = self.runner.spec
+        self.is_driver = self.runner.rank == 0
+        self.tokenizer = None
+        eos: tuple = ()
+        if is_checkpoint(cfg.model) or Path(cfg.model).is_dir():
+            from modelcarve.runtime.engine.tokenizer import eos_token_ids, load_tokenizer
+
+            self.tokenizer = load_tokenizer(cfg.model) if self.is_driver else None
+            eos = eos_token_ids(cfg.model, self.tokenizer)
+        self.stopper = StopChecker(eos)
+        self.schedulers = [Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size, cfg.prefix_caching),
+                                     cfg.max_num_batched_tokens, cfg.max_num_seqs) for _ in range(layout.dp)]
+        self.seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._aborted: list[str] = []
+        self._lock = threading.Lock()
+        self._steps = self._prompt_tokens = self._gen_tokens = 0
+        self._next_key = 0
+        self._last_plan = time.monotonic()
+
+    # --- requests -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def context_length(self) -> int:
+        return self.spec.max_position
+
+    def check_prompt(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise ModelcarveError if a prompt of ``n_prompt`` tokens cannot run (context, KV budget)."""
+        if n_prompt < 1:
+            raise ModelcarveError("the prompt is empty; give at least one token")
+        if n_prompt >= self.context_length:
+            raise ModelcarveError(f"the prompt has {n_prompt} tokens but the model's context is "
+                                  f"{self.context_length}; shorten the prompt")
+        need = min(n_prompt + max_tokens, self.context_length)
+        capacity = (self.runner.num_blocks - 1) * self.cfg.block_size
+        if need > capacity:
+            raise ModelcarveError(f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) needs {need} tokens "
+                                  f"of KV cache but the budget holds {capacity} ({self.runner.num_blocks - 1} blocks of "
+                                  f"{self.cfg.block_size}); raise --kv-cache-bytes or lower max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt_token_ids]
+        if any(t < 0 or t >= self.spec.vocab_size for t in ids):
+            raise ModelcarveError(f"prompt token ids must be in [0, {self.spec.vocab_size}) for this model")
+        if params.stop and self.tokenizer is None:
+            raise ModelcarveError("stop strings need the checkpoint's tokenizer, which this model has none of; "
+                                  "use stop token ids")
+        self.check_prompt(len(ids), params.max_tokens)
+        with self._lock:
+            if request_id in self.seqs:
+                raise ModelcarveError(f"request id {request_id!r} is already in use")
+            seq = Sequence(request_id, ids, params, arrival_time=time.perf_counter())
+            seq.key = self._next_key
+            self._next_key += 1
+            loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+            seq.replica = loads.index(min(loads))
+            self.seqs[request_id] = seq
+            if not params.greedy:
+                self._generators[request_id] = make_generator(params.seed)
+            self.schedulers[seq.replica].add(seq)
+            self._prompt_tokens += len(ids)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self.seqs:
+                self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.seqs)
+
+    # --- the step --------------------------------------------------------------------------
+    def _output(self, seq: Sequence, new: list[int], new_lp: list | None) -> RequestOutput:
+        text = seq.text
+        # a later token can rewrite the tail of the decoded text (byte-level merges): only text
+        # extending what was already returned is emitted (the full ``text`` is always current)
+        if text.startswith(seq.emitted_text):
+            new_text = text[len(seq.emitted_text):]
+            seq.emitted_text = text
+        else:
+            new_text = ""
+        return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
+                             seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
+                             seq.arrival_time, seq.first_token_time, seq.finish_time,
+                             list(seq.logprobs) if seq.params.logprobs else None)
+
+    def _finish(self, seq: Sequence, reason: str, stop=None) -> None:
+        seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop
+        seq.finish_time = time.perf_counter()
+        self.schedulers[seq.replica].remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            for rid in self._aborted:
+                seq = self.seqs.get(rid)
+                if seq is not None:
+                    self._finish(seq, "abort")
+                    outputs.append(self._output(seq, [], None))
+            self._aborted.clear()
+            scheduled = [s.schedule() for s in self.schedulers]
+        if not any(scheduled):
+            if self.runner.world > 1 and time.monotonic() - self._last_plan > min(HEARTBEAT_S, self.cfg.timeout_s / 4):
+                self.runner.broadcast([])  # keeps idle followers inside their collective timeout
+                self._last_plan = time.monotonic()
+            return outputs
+        self._last_plan = time.monotonic()
+        plan = [[(item.seq.tokens[item.start:item.start + item.count], item.start, list(item.seq.block_table),
+                  item.sample) for item in items] for items in scheduled]
+        self.runner.broadcast(plan)
+        logits = self.runner.execute(plan)
+        self._steps += 1
+        with self._lock:
+            for replica, items in enumerate(scheduled):
+                self.schedulers[replica].after_step(items)
+                rows = [item.seq for item in items if item.sample]
+                if not rows:
+                    continue
+                block = torch.cat(logits[replica]) if len(logits[replica]) != 1 else logits[replica][0]
+                outputs += self._sample(rows, block)
+        return outputs
+
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        params = [s.params for s in rows]
+        banned = []
+        for s in rows:
+            p = s.params
+            banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.stopper.eos_ids))
+                          if len(s.output) < p.min_tokens else None)
+        tokens, logprobs = sample(logits, params, [self._generators.get(s.request_id) for s in rows], banned)
+        now = time.perf_counter()
+        outs = []
+        for seq, tok, lp in zip(rows, tokens, logprobs):
+            if seq.finished or seq.request_id not in self.seqs:
+                continue
+            before = len(seq.text)
+            seq.output.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._gen_tokens += 1
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output)
+                if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
+                    seq.text = text
+            limit = min(seq.params.max_tokens, self.context_length - len(seq.prompt))
+            reason, stop, cut = self.stopper.check(seq.output, seq.text if self.tokenizer else None, seq.params,
+                                                   before, limit)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+            if reason is not None:
+                if self.tokenizer is not None and cut is None:
+                    seq.text = self.tokenizer.decode(seq.output)  # the held-back tail, if any
+                self._finish(seq, reason, stop)
+            outs.append(self._output(seq, [tok], [lp] if seq.params.logprobs else None))
+        return outs
+
+    # --- other ranks, end, stats ------------------------------------------------------------
+    def follow(self) -> None:
+        """Non-zero ranks: execute rank 0's step plans until ``shutdown()``."""
+        while True:
+            plan = self.runner.broadcast(None)
+            if plan is None:
+                return
+            self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        if self.is_driver and self.runner.world > 1:
+            self.runner.broadcast(None)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            total = sum(s.blocks.usable_blocks for s in self.schedulers)
+            free = sum(s.blocks.num_free() for s in self.schedulers)
+            return EngineStats(
+                running=sum(len(s.running) for s in self.schedulers),
+                waiting=sum(len(s.waiting) for s in self.schedulers),
+                kv_blocks_total=total, kv_blocks_used=total - free, kv_blocks_free=free,
+                block_size=self.cfg.block_size, kv_bytes_per_token=self.runner.max_bytes_per_token,
+                prefix_cache_queries=sum(s.blocks.query_tokens for s in self.schedulers),
+                prefix_cache_hits=sum(s.blocks.hit_tokens for s in self.schedulers),
+                preemptions=sum(s.preemptions for s in self.schedulers), steps=self._steps,
+                plan_bytes=self.runner.plan_bytes, logit_bytes=self.runner.logit_bytes,
+                prompt_tokens=self._prompt_tokens, generation_tokens=self._gen_tokens,
+                microbatches=self.runner.microbatches)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Convenience (rank 0): run ``prompts`` together to completion; final outputs in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._next_key + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while any(rid not in final for rid in ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+One ``Scheduler`` per model replica, on rank 0, over that replica's ``BlockManager``. Each
+``schedule()`` builds one step under a token budget (``max_num_batched_tokens``):
+
+1. running sequences, oldest first: a decoding sequence takes 1 token, one still in prefill
+   the rest of its prompt (or what the budget leaves: chunked prefill). When the blocks it needs
+   are not free, the *newest* running sequence not yet given work this step is preempted (its
+   blocks freed, back to the front of the queue; it is recomputed later from its prompt plus
+   the tokens it already generated, so its output does not change) -- possibly itself.
+2. then, if nothing was preempted, waiting sequences in arrival order while the budget, the
+   ``max_num_seqs`` limit and the free blocks allow, each first taking over the cached blocks
+   of its prompt's prefix (block_manager.py).
+
+A sequence whose scheduled tokens reach the end of what it knows (prompt + generated) gets a
+new token sampled from the step's logits; a partial prefill chunk does not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from modelcarve.runtime.engine.block_manager import BlockManager
+
+_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state (owned by rank 0)."""
+
+    request_id: str
+    prompt: list[int]
+    params: object
+    arrival_time: float = 0.0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    computed: int = 0          # tokens whose KV is in the cache
+    registered: int = 0        # leading blocks registered for prefix caching
+    cached_tokens: int = 0     # prompt tokens taken from the prefix cache
+    replica: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: object = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""
+    emitted_text: str = ""    # the text already returned (a prefix of ``text``)
+    order: int = field(default_factory=lambda: next(_order))
+    key: int = -1              # small integer id sent to the model ranks
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output if self.output else self.prompt
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int     # first position computed this step
+    count: int     # tokens computed this step
+    sample: bool   # the step yields this sequence's next token
+
+
+class Scheduler:
+    """Waiting queue and running set of one replica (see module doc)."""
+
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 512, max_num_seqs: int = 64):
+        self.blocks = blocks
+        self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.computed = seq.registered = 0
+        self.waiting.insert(0, seq)
+        self.preemptions += 1
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.budget
+        out: list[Scheduled] = []
+        given: set[int] = set()
+        preempted = False
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            count = min(len(seq) - seq.computed, budget)
+            while not self.blocks.grow(seq.block_table, seq.computed + count):
+                victims = [s for s in self.running if id(s) not in given]
+                victim = max(victims, key=lambda s: s.order)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            given.add(id(seq))
+            out.append(Scheduled(seq, seq.computed, count, seq.computed + count == len(seq)))
+            budget -= count
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            cached = self.blocks.match_prefix(tokens) if seq.computed == 0 else []
+            seq.block_table[:0] = cached
+            seq.computed = len(cached) * self.blocks.block_size
+            seq.registered = len(cached)
+            if not seq.output:
+                seq.cached_tokens = seq.computed
+            count = min(len(seq) - seq.computed, budget)
+            if not self.blocks.grow(seq.block_table, seq.computed + count):
+                self.blocks.release(seq.block_table)
+                seq.computed = seq.registered = 0
+                break
+            self.waiting.pop(0)
+            self.blocks.count_query(len(tokens), len(cached))
+            self.running.append(seq)
+            out.append(Scheduled(seq, seq.computed, count, seq.computed + count == len(seq)))
+            budget -= count
+        return out
+
+    def after_step(self, done: list[Scheduled]) -> None:
+        """Record the computed tokens (and register full blocks for prefix caching)."""
+        for item in done:
+            seq = item.seq
+            seq.computed = item.start + item.count
+            seq.registered = self.blocks.register(seq.block_table, seq.tokens, seq.computed, seq.registered)

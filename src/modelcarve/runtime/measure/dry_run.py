@@ -1,0 +1,69 @@
+"""The collectives every rank of a layout would issue, recorded without a real process group.
+
+``collective_sequences(model, layout)`` plays each rank in turn in this one process under
+torch's fake process group (the ``fake`` backend of the full world size: every collective
+returns at once and exchanges nothing): build the mesh, the model, ``parallelize``, one training
+step, recorded by collectives.CommLog. ``check_layout_order`` hands the sequences to
+collectives.check_order, which refuses (LayoutError, naming the two ranks and the first
+collective where they disagree) a layout whose ranks would deadlock. The step runs on real
+CPU tensors of the model, so this is for small models (the tiny test models, a smoke check
+before a long launch); data-dependent routing (MoE all-to-all splits) is not exchanged under
+the fake backend, so MoE layouts are refused here, and so are pipelines (torch's schedules
+exchange their shapes as pickled objects, which the fake backend cannot carry).
+
+``hook(rank)`` (tests) is called on each rank after ``parallelize`` and may change what that
+rank issues, e.g. to inject a deliberately mismatched collective.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from modelcarve.spec.errors import LayoutError
+
+
+def collective_sequences(model_name: str, layout, seed: int = 0, hook=None) -> dict:
+    """rank -> CommLog.sequence() of one training step of ``layout`` (see the module doc)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from modelcarve.runtime.checkpoint.hf_load import load_model
+    from modelcarve.runtime.distributed.collectives import CommLog
+    from modelcarve.runtime.distributed.mesh import build_mesh, destroy, init_distributed
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
+
+    if layout.pp > 1:
+        raise LayoutError("the collective-order dry run does not run pipelines yet (torch's schedules exchange "
+                          "shapes as pickled objects, which the fake process group cannot carry); use pp=1")
+    if dist.is_initialized():
+        raise LayoutError("the dry run needs a process without a process group (it plays every rank itself)")
+    sequences = {}
+    for rank in range(layout.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        try:
+            init_distributed()
+            seed_everything(seed)
+            mesh = build_mesh(layout)
+            model, spec = load_model(model_name, seed=seed)
+            if spec.is_moe:
+                raise LayoutError("the collective-order dry run does not run MoE models (routing is data-dependent)")
+            trainer = Trainer(parallelize(model, layout, mesh), layout, mesh, TrainConfig(seed=seed))
+            if hook is not None:
+                hook(rank, trainer)
+            tokens, targets = make_data(None, spec.vocab_size, seed).batch(0, layout.global_batch, layout.seq)
+            with CommLog(layout) as log:
+                trainer.step(tokens, targets)
+            sequences[rank] = log.sequence()
+        finally:
+            destroy()
+    return sequences
+
+
+def check_layout_order(model_name: str, layout, seed: int = 0, hook=None) -> int:
+    """Raise LayoutError if the ranks of ``layout`` would issue collectives in different orders;
+    returns the number of collectives checked."""
+    from modelcarve.runtime.distributed.collectives import check_order
+
+    sequences = collective_sequences(model_name, layout, seed, hook)
+    check_order(sequences)
+    return sum(len(s) for s in sequences.values())

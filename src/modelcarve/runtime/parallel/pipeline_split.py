@@ -1,0 +1,236 @@
+"""Pipeline split: which decoder layers, embeddings and head each pipeline stage holds.
+
+Pure module surgery on the reference ``Transformer`` (runtime/model/transformer.py); no collectives, so it
+also runs without a process group. ``pipeline.py`` turns the chunks into
+``torch.distributed.pipelining`` stages and runs the schedules.
+
+Stages and ranks
+----------------
+``num_stages = pp * virtual_stages``. Stage ``s`` lives on pipeline rank ``s % pp``: with
+``virtual_stages = v`` rank ``r`` holds the ``v`` chunks for stages ``r, r + pp, r + 2 pp, ...``
+(the interleaved placement of Megatron's virtual pipeline and of torch's
+``ScheduleInterleaved1F1B``). Each stage holds a contiguous run of layers; the token (and, for
+gpt2, position) embedding sits on stage 0, the final norm and the LM head on the last stage.
+Every chunk is a ``Transformer`` whose absent parts are ``None`` and whose ``layers`` keeps
+only its own keys, so parameter FQNs equal the unsplit model's (``layers.5.attention.wq.weight``
+stays that name on whichever stage holds layer 5).
+
+How many layers per stage
+-------------------------
+Explicit: ``layers_per_stage=[3, 5, 4, 4]`` (one count per stage, in stage order, each >= 1,
+summing to the layer count). Default: :func:`balance_layers`, which minimises the costliest
+stage when a decoder layer costs 1 and the embedding and the LM head cost ``embed_cost`` and
+``head_cost`` layers on top of the first and last stage (both 1 by default, the rule of
+Megatron-LM's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-
+split``); among the splits with that lowest maximum it takes the most even layer counts, and
+on ties gives the extra layer to a later stage (under 1F1B the early stages keep more
+micro-batches' activations alive). 4 layers on 2 stages: [2, 2]; 6 layers on 4 stages:
+[1, 2, 2, 1]; 8 layers on 4 stages: [2, 2, 2, 2]; 5 layers on 2 stages: [2, 3].
+
+Tied embeddings
+---------------
+With ``spec.tied_embeddings`` the LM head reuses the token-embedding matrix. When the first and
+the last stage are different chunks, the last chunk gets its own ``output`` Linear holding a
+copy of the embedding weight (as Megatron-LM does) and records it (shards.py's
+``record_tied_copy``: ``{"output.weight": "tok_embeddings.weight"}``). The pipeline runner
+(``pipeline.py``) then sums the two gradients over a group made of the first- and last-stage
+ranks after every step, so both copies receive the full gradient and stay equal under any
+optimiser. Gradient-norm code must count the copy once: skip the parameters named by
+shards.py's ``tied_copy_names``. Checkpoint loaders fill ``output.weight`` of such a chunk from
+``tok_embeddings.weight`` (the checkpoint has only one of them).
+
+Memory: chunks share their modules with the input model (no parameter is copied, except the
+tied head above); drop your reference to the whole model afterwards so the layers of other
+stages can be freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from modelcarve.runtime.distributed.shards import record_tied_copy
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.layout import Layout
+
+
+def num_stages(layout: Layout) -> int:
+    return layout.pp * layout.virtual_stages
+
+
+def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages held by pipeline rank ``pp_rank``, in order: ``pp_rank + i * pp``."""
+    if not 0 <= pp_rank < layout.pp:
+        raise LayoutError(f"pp_rank={pp_rank} is outside 0..{layout.pp - 1} for pp={layout.pp}")
+    return [pp_rank + i * layout.pp for i in range(layout.virtual_stages)]
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def pipeline_problems(layout: Layout, num_layers: int) -> list[str]:
+    """What keeps ``layout``'s pipeline from running a model of ``num_layers`` layers, each
+    with its fix (empty when it can run). Pure: the CLI calls it before starting any rank."""
+    if layout.pp * layout.virtual_stages <= 1:
+        return []
+    problems = []
+    n, pp, stages = layout.num_microbatches, layout.pp, num_stages(layout)
+    if layout.schedule not in SCHEDULES:
+        problems.append(f"schedule={layout.schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
+    if layout.virtual_stages > 1 and layout.schedule in ("gpipe", "1f1b"):
+        problems.append(f"virtual_stages={layout.virtual_stages} needs schedule=interleaved-1f1b")
+    if layout.schedule != "gpipe" and n < pp:
+        problems.append(
+            f"schedule {layout.schedule} needs at least pp={pp} micro-batches, got {n}; "
+            f"raise gbs to {pp * layout.mbs * layout.dp} or use schedule=gpipe"
+        )
+    elif layout.schedule in ("interleaved-1f1b", "zero-bubble") and n % pp:
+        problems.append(
+            f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={pp}; "
+            f"set gbs to a multiple of {pp * layout.mbs * layout.dp}"
+        )
+    if stages > num_layers:
+        problems.append(
+            f"pp x virtual_stages = {stages} stages but the model has {num_layers} layers (each stage needs one); "
+            f"lower pp x virtual_stages to at most {num_layers}"
+        )
+    return problems
+
+
+def balance_layers(
+    num_layers: int, num_stages: int, *, embed_cost: float = 1.0, head_cost: float = 1.0
+) -> list[int]:
+    """Layer count per stage minimising the costliest stage (see the module doc for the costs)."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one layer); "
+            f"lower pp x virtual_stages to at most {num_layers}"
+        )
+    if embed_cost < 0 or head_cost < 0:
+        raise LayoutError(f"embed_cost={embed_cost} and head_cost={head_cost} must be >= 0")
+    extra = [0.0] * num_stages
+    extra[0] += embed_cost
+    extra[-1] += head_cost
+
+    def capacity(limit: float) -> list[int]:
+        # Most layers each stage can take without costing more than ``limit``.
+        return [int(limit - e + 1e-9) for e in extra]
+
+    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extra})
+    for limit in candidates:
+        caps = capacity(limit)
+        if min(caps) >= 1 and sum(caps) >= num_layers:
+            break
+    # Among the splits within that limit, the most even layer counts: fill one layer at a time
+    # into the stage with the fewest layers that still has room (latest stage on ties: under
+    # 1F1B the early stages keep more micro-batches' activations alive).
+    counts = [1] * num_stages
+    for _ in range(num_layers - num_stages):
+        room = [i for i in range(num_stages) if counts[i] < caps[i]]
+        counts[min(room, key=lambda i: (counts[i], -i))] += 1
+    return counts
+
+
+def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, stages: int) -> list[int]:
+    counts = [int(c) for c in layers_per_stage]
+    if len(counts) != stages:
+        raise LayoutError(
+            f"layers_per_stage has {len(counts)} entries but the layout has pp x virtual_stages = {stages} "
+            f"stages; give one count per stage"
+        )
+    if min(counts) < 1 or sum(counts) != num_layers:
+        raise LayoutError(
+            f"layers_per_stage={counts} must be counts >= 1 summing to the model's {num_layers} layers "
+            f"(they sum to {sum(counts)})"
+        )
+    return counts
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    layout: Layout,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+) -> list[range]:
+    """For every stage (in stage order) the range of layer indices it holds."""
+    stages = num_stages(layout)
+    if layers_per_stage is not None:
+        counts = check_layers_per_stage(layers_per_stage, num_layers, stages)
+    else:
+        counts = balance_layers(num_layers, stages, embed_cost=embed_cost, head_cost=head_cost)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def split_model(
+    model: nn.Module,
+    layout: Layout,
+    pp_rank: int,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    embed_cost: float = 1.0,
+    head_cost: float = 1.0,
+) -> list[nn.Module]:
+    """The chunks pipeline rank ``pp_rank`` holds, one per virtual stage, in stage order.
+
+    Each chunk is a ``Transformer`` sharing modules with ``model`` and carrying
+    ``stage_index``, ``num_stages`` and ``layer_ids``; with pp x virtual_stages == 1 the
+    model itself is returned (as the single chunk, with those attributes set).
+    """
+    layer_keys = list(model.layers.keys())
+    ranges = stage_layer_ranges(
+        len(layer_keys), layout, layers_per_stage=layers_per_stage, embed_cost=embed_cost, head_cost=head_cost
+    )
+    stages = len(ranges)
+    chunks = []
+    for stage in stage_ids(layout, pp_rank):
+        keys = [layer_keys[i] for i in ranges[stage]]
+        chunk = model if stages == 1 else _make_chunk(model, keys, first=stage == 0, last=stage == stages - 1)
+        chunk.stage_index = stage
+        chunk.num_stages = stages
+        chunk.layer_ids = [int(k) for k in keys]
+        chunks.append(chunk)
+    return chunks
+
+
+def _make_chunk(model: nn.Module, keys: list[str], *, first: bool, last: bool) -> nn.Module:
+    """A shallow copy of ``model`` holding only ``keys`` of its layers and the ends it owns."""
+    # A fresh Module (own hook and child dicts: FSDP2/TP hooks on one chunk must not reach the
+    # others) sharing the children and the plain attributes (spec, rope_dim) of ``model``.
+    chunk = type(model).__new__(type(model))
+    nn.Module.__init__(chunk)
+    for key, value in model.__dict__.items():
+        if not key.startswith("_") and key != "training":
+            chunk.__dict__[key] = value
+    chunk.train(model.training)
+    for name, param in model._parameters.items():
+        chunk.register_parameter(name, param)
+    for name, buf in model._buffers.items():
+        chunk.register_buffer(name, buf, persistent=name not in model._non_persistent_buffers_set)
+    chunk._modules.update(model._modules)
+    chunk.layers = nn.ModuleDict({key: model.layers[key] for key in keys})
+    if not first:
+        chunk.tok_embeddings = None
+        if getattr(model, "pos_embeddings", None) is not None:
+            chunk.pos_embeddings = None
+    if not last:
+        chunk.norm = None
+        chunk.output = None
+    elif not first and _is_tied(model):
+        weight = model.tok_embeddings.weight
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+        head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        chunk.output = head
+        record_tied_copy(chunk, "output.weight", "tok_embeddings.weight")
+    return chunk
+
+
+def _is_tied(model: nn.Module) -> bool:
+    output, emb = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return output is not None and emb is not None and output.weight is emb.weight

@@ -1,0 +1,1 @@
+"""Training: one step for any layout, a rank's life under torchrun, signals, and the launcher's supervision."""

@@ -1,0 +1,131 @@
+"""verify --against-plan: one training step's measured bytes and memory beside the planner's.
+
+``AgainstPlan(trainer, spec, layout)`` wraps the first training step of ``verify_worker``:
+``forward_backward`` and ``optimizer_step`` run under runtime/distributed/collectives.py's ``CommLog`` (the
+gathers verify does for its own comparisons fall outside it) and runtime/measure/memory_report.py's
+saved-activation hooks; ``rows()`` then sets, for this rank, every quantity of
+plan/predict/step_traffic.py's prediction beside the measured one:
+
+* ``payload:<op>`` and ``wire:<op>`` per axis x tier (unit ``bytes``): must be equal, to the
+  byte (wire to 1e-6 relative: the ring formulas divide); torch pipelining's shape-metadata
+  messages (integer dtypes) are reported as ``payload:send_meta``, not judged;
+* ``params``, ``grads``, ``optimizer``, ``comm_buffers`` equal to the byte; ``activations``
+  within 10% (plan/predict/activations.py against the peak saved-for-backward bytes), and
+  ``activations_fused`` (plan/cost/activations.py's production-stack figure) beside it, not judged;
+* a quantity the per-op model does not cover (MoE/EP, CP, MLA, hsdp, interleaved schedules,
+  ...) gets ``predicted`` None and ``ok`` None, and one ``model`` row says why: reported, not
+  judged, never guessed.
+
+Rows: ``{"quantity", "axis", "tier", "rank", "unit", "predicted", "measured", "ok"}``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
+from modelcarve.runtime.distributed import collectives
+from modelcarve.runtime.measure.memory_report import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
+
+ACTIVATION_TOLERANCE = 0.10
+EXACT = ("params", "grads", "optimizer", "comm_buffers")
+_META = {"int32", "int64", "uint8", "bool"}
+
+
+class AgainstPlan:
+    def __init__(self, trainer, spec, layout):
+        self.trainer, self.spec, self.layout = trainer, spec, layout
+        self.events: list = []
+        self.mem: dict = {}
+
+    def forward_backward(self, tokens, targets):
+        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts:
+            loss = self.trainer.forward_backward(tokens, targets)
+        self.events += log.events
+        self.mem["activations"] = acts.peak
+        self.mem["grads"] = grad_bytes(self.trainer.chunks)
+        return loss
+
+    def optimizer_step(self):
+        with collectives.CommLog(self.layout) as log:
+            norm = self.trainer.optimizer_step()
+        self.events += log.events
+        self.mem["params"] = param_bytes(self.trainer.chunks)
+        self.mem["optimizer"] = optimizer_bytes(self.trainer.optimizer)
+        self.mem["comm_buffers"] = max((e.payload for e in self.events if e.op != "recv"), default=0)
+        return norm
+
+    def stage_layers(self) -> int:
+        return sum(len(c.layers) for c in self.trainer.chunks if getattr(c, "layers", None) is not None)
+
+    def rows(self) -> list[dict]:
+        rank, per_node = dist.get_rank(), collectives.ranks_per_node()
+        measured = measured_bytes(self.events)
+        try:
+            pred = predict_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers())
+        except NotModelled as exc:
+            pred, why = None, str(exc)
+        predicted = predicted_bytes(pred.messages, self.layout, rank, per_node) if pred else {}
+        out = []
+        for key in sorted(set(measured) | set(predicted)):
+            quantity, axis, tier = key
+            p, m = predicted.get(key, 0 if pred else None), measured.get(key, 0)
+            judged = pred is not None and not quantity.endswith("send_meta")
+            ok = (abs(p - m) <= 1e-6 * max(abs(m), 1.0)) if judged else None
+            out.append(_row(quantity, axis, tier, rank, p if judged else (p if pred else None), m, ok))
+        for name in ("params", "grads", "optimizer", "activations", "comm_buffers"):
+            p, m = (pred.memory[name] if pred else None), self.mem.get(name, 0)
+            ok = None
+            if p is not None and m is not None:
+                ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
+            out.append(_row(name, "-", "-", rank, p, m, ok))
+        if pred is not None:  # the training planner's production-stack estimate, for comparison only
+            out.append(_row("activations_fused", "-", "-", rank, pred.memory["activations_fused"], self.mem.get("activations"), None))
+        if pred is None:
+            out.append(_row("model", why, "-", rank, None, None, None, unit="-"))
+        return out
+
+
+def _row(quantity, axis, tier, rank, predicted, measured, ok, unit="bytes") -> dict:
+    return dict(quantity=quantity, axis=axis, tier=tier, rank=rank, unit=unit, predicted=predicted,
+                measured=measured, ok=ok)
+
+
+def measured_bytes(events) -> dict:
+    """{(quantity, axis, tier): bytes} from CommLog events (receives carry no bytes)."""
+    out: dict = {}
+    for e in events:
+        if e.op == "recv":
+            continue
+        op = "send_meta" if e.op == "send" and e.dtype in _META else e.op
+        for kind, value in (("payload", e.payload), ("wire", e.wire)):
+            key = (f"{kind}:{op}", e.axis, e.tier)
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def predicted_bytes(messages, layout, rank: int, per_node: int) -> dict:
+    """The planner's messages keyed as :func:`measured_bytes` keys the runtime's (same axis
+    names and tiers: collectives.axis_of / tier_of of the predicted group)."""
+    out: dict = {}
+    for msg in messages:
+        if msg.op == "send":
+            peer = msg.group[1]
+            axis, tier = collectives.axis_of((rank, peer), layout), collectives.tier_of([peer], per_node, rank)
+        else:
+            axis, tier = collectives.axis_of(msg.group, layout), collectives.tier_of(msg.group, per_node)
+        for kind, value in (("payload", msg.payload * msg.calls), ("wire", msg.wire())):
+            key = (f"{kind}:{msg.op}", axis, tier)
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def gather_rows(rows: list[dict]) -> list[dict] | None:
+    """Every rank's rows on rank 0 (None elsewhere)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    return [r for part in everyone for r in part] if dist.get_rank() == 0 else None
+
+
+def passed(rows: list[dict]) -> bool:
+    return all(r["ok"] is not False for r in rows)
