@@ -3,7 +3,8 @@
 Axes and how they nest
 ----------------------
 ``world = dp x cp x tp x pp`` ranks. On the device mesh, TP is innermost (neighbouring ranks,
-inside a node), then CP, then DP, and PP outermost: rank = ((pp_i*dp + dp_i)*cp + cp_i)*tp + tp_i.
+inside a node), then CP, then DP, and PP outermost: rank = ((pp_i*dp + dp_i)*cp + cp_i)*tp + tp_i
+(``Layout.coords`` / ``Layout.rank_of``; spec/ranks.py is the one implementation, the expert mesh's too).
 
 Expert parallelism does not add ranks. As in Megatron-Core, the experts of an MoE layer are
 sharded over an EP group carved out of the ``dp x cp`` ranks that hold the same attention
@@ -181,6 +182,18 @@ class Layout:
     def folded(self) -> bool:
         """Experts use their own mesh (etp differs from tp): MoE parallel folding."""
         return self.ep > 1 and self.expert_tp != self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This layout's ``{"pp", "dp", "cp", "tp"}`` coordinates of global ``rank`` (spec/ranks.py)."""
+        from modelcarve.spec import ranks
+
+        return ranks.coords(self, rank)
+
+    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at these coordinates (spec/ranks.py: TP innermost, PP outermost)."""
+        from modelcarve.spec import ranks
+
+        return ranks.rank_of(self, pp=pp, dp=dp, cp=cp, tp=tp)
 
     def short(self) -> str:
         """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2``."""

@@ -51,6 +51,7 @@ from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.activations import layer_activation_bytes
 from modelcarve.plan.predict.activations import rank_activation_bytes
 from modelcarve.plan.cost.schedule import in_flight_microbatches
+from modelcarve.spec.ranks import coords, group_along, rank_of
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -93,27 +94,6 @@ class RankPrediction:
     messages: list = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
-
-
-def rank_of(layout: "Layout", pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
-    return ((pp * layout.dp + dp) * layout.cp + cp) * layout.tp + tp
-
-
-def coords_of(layout: "Layout", rank: int) -> dict:
-    out = {}
-    for axis in ("tp", "cp", "dp", "pp"):
-        size = getattr(layout, axis)
-        out[axis] = rank % size
-        rank //= size
-    return out
-
-
-def group_along(layout: "Layout", rank: int, axis: str) -> tuple:
-    """Global ranks of ``rank``'s group along one mesh axis ('tp', 'dp', 'pp', 'cp', 'world')."""
-    if axis == "world":
-        return tuple(range(layout.world_size))
-    c = coords_of(layout, rank)
-    return tuple(rank_of(layout, **(c | {axis: i})) for i in range(getattr(layout, axis)))
 
 
 # --- parameters a rank holds ----------------------------------------------------------------
@@ -170,7 +150,7 @@ def even_stage_layers(num_layers: int, pp: int, stage: int) -> int:
 def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None) -> RankPrediction:
     """Messages and memory of one rank for one training step (see the module doc)."""
     _check_supported(spec, layout)
-    c = coords_of(layout, rank)
+    c = coords(layout, rank)
     stage, tp = c["pp"], layout.tp
     first, last = stage == 0, stage == layout.pp - 1
     nl = stage_layers if stage_layers is not None else even_stage_layers(spec.num_layers, layout.pp, stage)

@@ -42,10 +42,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelcarve.plan.cost.comm import all_gather_bytes, reduce_scatter_bytes, ring_all_reduce_bytes
+from modelcarve.spec.ranks import MESH_AXES, coords
 
 _state: dict = {"ranks_per_node": None}
 
-AXES = ("pp", "dp", "cp", "tp")
+AXES = MESH_AXES
 
 
 def configure(ranks_per_node: int | None = None) -> None:
@@ -66,16 +67,6 @@ def tier_of(ranks, per_node: int, me: int | None = None) -> str:
     return "intra" if len(nodes) <= 1 else "inter"
 
 
-def coords(rank: int, layout) -> dict:
-    """Mesh coordinates of a global rank: rank = ((pp_i*dp + dp_i)*cp + cp_i)*tp + tp_i."""
-    out = {}
-    for axis in reversed(AXES):
-        size = getattr(layout, axis)
-        out[axis] = rank % size
-        rank //= size
-    return out
-
-
 def axis_of(ranks, layout) -> str:
     """The layout axis a group spans: 'tp', 'pp', 'dp_cp', 'ep', 'edp', 'dp_cp_shard', ... ;
     'world' for every rank, 'self' for one."""
@@ -86,7 +77,7 @@ def axis_of(ranks, layout) -> str:
         return "self"
     if len(ranks) == layout.world_size:
         return "world"
-    cs = [coords(r, layout) for r in ranks]
+    cs = [coords(layout, r) for r in ranks]
     varying = [a for a in AXES if len({c[a] for c in cs}) > 1]
     full = 1
     for a in varying:

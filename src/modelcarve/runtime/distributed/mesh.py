@@ -33,11 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.ranks import MESH_AXES
 
-AXES = ("pp", "dp", "cp", "tp")
+AXES = MESH_AXES
 DEFAULT_TIMEOUT_S = 120.0
 
-_state: dict = {"timeout": timedelta(seconds=DEFAULT_TIMEOUT_S), "merged": {}}
+_state: dict = {"timeout": timedelta(seconds=DEFAULT_TIMEOUT_S), "merged": {}, "sealed": False}
 
 
 def backend_name() -> str:
@@ -92,7 +93,8 @@ def _options():
     return opts
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh over every rank, ``arange(world).reshape(shape)`` (spec/ranks.py's order), with our timeout."""
     ranks = torch.arange(dist.get_world_size(), dtype=torch.int).reshape(shape)
     if dist.get_backend() == "fake":  # runtime/measure/dry_run.py: torch's fake process group, no timeout to carry
         return DeviceMesh(device_type(), ranks, mesh_dim_names=names)
@@ -114,8 +116,8 @@ def build_mesh(layout: Layout) -> DeviceMesh:
     if not dist.is_initialized():
         raise ModelcarveError("build_mesh needs init_distributed() first")
     check_world(layout, dist.get_world_size())
-    _state["merged"] = {}
-    mesh = _mesh((layout.pp, layout.dp, layout.cp, layout.tp), AXES)
+    _state["merged"], _state["sealed"] = {}, False
+    mesh = device_mesh((layout.pp, layout.dp, layout.cp, layout.tp), AXES)
     _state["layout"] = layout
     return mesh
 
@@ -147,6 +149,7 @@ def merged_mesh(mesh: DeviceMesh, name: str, hsdp_shard: int | None = None) -> D
     key = (name, hsdp_shard)
     if key in _state["merged"]:
         return _state["merged"][key]
+    _check_open(f"the merged mesh {name!r}")
     parts = name.split("_")
     idx = [AXES.index(p) for p in parts]
     if idx != list(range(idx[0], idx[0] + len(idx))):
@@ -162,7 +165,7 @@ def merged_mesh(mesh: DeviceMesh, name: str, hsdp_shard: int | None = None) -> D
     else:
         mid, mid_names = [merged], [name]
     # other dims get distinct names so the root mesh is valid; only the merged dims are sliced
-    full = _mesh(
+    full = device_mesh(
         tuple(before + mid + after),
         tuple(f"_{n}" for n in names_before) + tuple(mid_names) + tuple(f"_{n}" for n in names_after),
     )
@@ -173,10 +176,25 @@ def merged_mesh(mesh: DeviceMesh, name: str, hsdp_shard: int | None = None) -> D
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
     """A process group with the collective timeout (every rank must call this, in the same order)."""
+    _check_open(f"a group of ranks {list(ranks)[:8]}")
     return dist.new_group(ranks, timeout=_state["timeout"])
+
+
+def seal_groups(mesh: DeviceMesh) -> None:
+    """Every group of this mesh exists (parallelize.create_groups made them all, eagerly, in one
+    order): from now on asking for a new one is a bug, raised at once on the rank that asks,
+    rather than a hang of the ranks that do not (new_group is a collective over the world).
+    ``build_mesh`` opens a new mesh again."""
+    _state["sealed"] = True
+
+
+def _check_open(what: str) -> None:
+    if _state["sealed"]:
+        raise ModelcarveError(f"{what} was asked for after parallelize.create_groups sealed the mesh: create it "
+                              "there, on every rank (a group made lazily by some ranks hangs the others)")
 
 
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state["merged"] = {}
+    _state["merged"], _state["sealed"] = {}, False

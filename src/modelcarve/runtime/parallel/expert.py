@@ -57,6 +57,7 @@ from torch import nn
 
 from modelcarve.runtime.model.moe import MoE, in_backward
 from modelcarve.runtime.distributed.shards import record_grad_group, record_shard
+from modelcarve.spec import ranks
 from modelcarve.spec.errors import LayoutError
 
 # --- autograd all-to-all ----------------------------------------------------------------
@@ -192,88 +193,48 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
 
 def expert_groups(mesh, layout) -> dict:
     """This rank's EP and expert-data-parallel groups (created once per mesh, on every rank)."""
-    from modelcarve.runtime.distributed.mesh import axis_rank, new_group
-
     # kept on the mesh object: every rank builds the same meshes in the same order, so every rank
     # creates the groups (a collective) at the same point
     cache = mesh.__dict__.setdefault("_mc_expert_groups", {})
     key = (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
     if key in cache:
         return cache[key]
-    if layout.folded:
-        cache[key] = me = folded_groups(layout)
-        return me
-    pp, dpcp, tp, ep = layout.pp, layout.dp * layout.cp, layout.tp, layout.ep
-    if dpcp % ep:
+    dpcp = layout.dp * layout.cp
+    if not layout.folded and dpcp % layout.ep:
         valid = [d for d in range(1, dpcp + 1) if dpcp % d == 0]
-        raise LayoutError(f"ep={ep} must divide dp x cp = {dpcp}; valid ep: {valid}")
-    f = axis_rank(mesh, "dp") * layout.cp + axis_rank(mesh, "cp")
-    me = {"ep_rank": f % ep, "ep": ep, "edp": dpcp // ep, "edp_rank": f // ep}
-    # every rank creates every group, in the same order (new_group is collective)
-    for p in range(pp):
-        for t in range(tp):
-            def rank(ff: int) -> int:
-                return (p * dpcp + ff) * tp + t
-
-            for g in range(dpcp // ep):
-                ranks = [rank(g * ep + i) for i in range(ep)]
-                group = new_group(ranks)
-                if dist.get_rank() in ranks:
-                    me["ep_group"], me["ep_ranks"] = group, ranks
-            for i in range(ep):
-                ranks = [rank(g * ep + i) for g in range(dpcp // ep)]
-                group = new_group(ranks)
-                if dist.get_rank() in ranks:
-                    me["edp_group"], me["edp_ranks"] = group, ranks
-    if layout.zero == 3 and ep > 1:  # FSDP2 shards the local experts over expert-dp: it needs a mesh
-        from modelcarve.runtime.distributed.mesh import _mesh
-
-        full = _mesh((pp, dpcp // ep, ep, tp), ("_pp", "edp", "_ep", "_tp"))
-        me["edp_mesh"] = full["edp"]
-    cache[key] = me
+        raise LayoutError(f"ep={layout.ep} must divide dp x cp = {dpcp}; valid ep: {valid}")
+    cache[key] = me = folded_groups(layout)
     return me
 
 
 def folded_groups(layout) -> dict:
-    """The expert mesh ETP x EP x EDP of MoE parallel folding (spec/layout.py) over each pipeline
-    stage's ``S = tp x cp x dp`` ranks, ETP innermost: with ``q = rank % S`` (PP is outermost),
-    ``etp_rank = q % etp``, ``ep_rank = (q // etp) % ep``, ``edp_rank = q // (etp x ep)``."""
-    from modelcarve.runtime.distributed.mesh import new_group
+    """This rank's groups on the expert mesh ETP x EP x EDP (spec/ranks.py: the one rank order)
+    over each pipeline stage's ``S = tp x cp x dp`` ranks, ETP innermost. Unfolded (``etp = tp``,
+    EP carved out of ``dp x cp``) is the same mesh, its ETP group being the TP group: no separate
+    ETP group is made then (``etp_group`` None)."""
+    from modelcarve.runtime.distributed.mesh import device_mesh, new_group
 
-    pp, etp, ep = layout.pp, layout.expert_tp, layout.ep
-    per_stage = layout.tp * layout.cp * layout.dp
-    edp = per_stage // (etp * ep)
-    q = dist.get_rank() % per_stage
-    me = {"ep": ep, "ep_rank": (q // etp) % ep, "etp": etp, "etp_rank": q % etp, "edp": edp,
-          "edp_rank": q // (etp * ep), "etp_group": None}
-
-    def rank(p: int, g: int, e: int, i: int) -> int:
-        return p * per_stage + (g * ep + e) * etp + i
-
+    etp, ep, edp = layout.expert_tp, layout.ep, layout.expert_dp
+    at = ranks.expert_coords(layout, dist.get_rank())
+    me = {"ep": ep, "ep_rank": at["ep"], "etp": etp, "etp_rank": at["etp"], "edp": edp,
+          "edp_rank": at["edp"], "etp_group": None}
+    axes = ("etp", "ep", "edp") if layout.folded and etp > 1 else ("ep", "edp")
     # every rank creates every group, in the same order (new_group is collective)
-    for p in range(pp):
-        for g in range(edp):
-            for e in range(ep):
-                if etp > 1:
-                    ranks = [rank(p, g, e, i) for i in range(etp)]
-                    group = new_group(ranks)
-                    if dist.get_rank() in ranks:
-                        me["etp_group"] = group
-            for i in range(etp):
-                ranks = [rank(p, g, e, i) for e in range(ep)]
-                group = new_group(ranks)
-                if dist.get_rank() in ranks:
-                    me["ep_group"], me["ep_ranks"] = group, ranks
-        for e in range(ep):
-            for i in range(etp):
-                ranks = [rank(p, g, e, i) for g in range(edp)]
-                group = new_group(ranks)
-                if dist.get_rank() in ranks:
-                    me["edp_group"], me["edp_ranks"] = group, ranks
-    if layout.zero == 3:  # FSDP2 shards the local experts over expert-dp
-        from modelcarve.runtime.distributed.mesh import _mesh
-
-        me["edp_mesh"] = _mesh((pp, edp, ep, etp), ("_pp", "edp", "_ep", "_etp"))["edp"]
+    for axis in axes:
+        seen = set()
+        for r in range(layout.world_size):
+            members = ranks.expert_group_along(layout, r, axis)
+            if members in seen:
+                continue
+            seen.add(members)
+            group = new_group(list(members))
+            if dist.get_rank() in members:
+                me[f"{axis}_group"] = group
+                if axis != "etp":
+                    me[f"{axis}_ranks"] = list(members)
+    if layout.zero == 3 and ep > 1:  # FSDP2 shards the local experts over expert-dp
+        full = device_mesh((layout.pp, edp, ep, etp), ("_pp", "edp", "_ep", "_etp"))
+        me["edp_mesh"] = full["edp"]
     return me
 
 

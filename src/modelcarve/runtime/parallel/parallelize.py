@@ -107,18 +107,27 @@ def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
 
 
 def create_groups(mesh, layout: Layout, spec: ModelSpec) -> None:
-    """Create every process group the parallelisms will ask for, now, in one order, on every rank.
+    """Create every process group the parallelisms will ask for, now, in one order, on every rank;
+    then seal the mesh (runtime/distributed/mesh.py): a group asked for later raises at once.
 
     ``new_group`` (and a ``DeviceMesh``) is a collective over the whole world: a group first
     asked for lazily by a rank whose stage needs it (a pipeline stage holding only dense
     layers skips the expert groups) would leave the other ranks waiting, or pair mismatched
     groups. Later calls find these in their caches."""
-    from modelcarve.runtime.distributed.mesh import merged_mesh
+    from modelcarve.runtime.distributed.mesh import merged_mesh, seal_groups
 
-    if layout.dp * layout.cp > 1:
+    if layout.dp * layout.cp > 1 or spec.is_moe:  # MoE statistics sum over dp x cp even when it is 1
         merged_mesh(mesh, "dp_cp")
         if layout.dp_shard and layout.dp_shard < layout.dp:
             merged_mesh(mesh, "dp_cp", hsdp_shard=layout.dp_shard * layout.cp)
+    if layout.tp > 1 and spec.attention_kind == "gqa" and spec.num_kv_heads % layout.tp and layout.tp % spec.num_kv_heads == 0:
+        from modelcarve.runtime.parallel.tensor import kv_replica_groups
+
+        kv_replica_groups(mesh, layout.tp, spec.num_kv_heads)  # kv heads replicated over tp
+    if layout.pp * layout.virtual_stages > 1:
+        from modelcarve.runtime.parallel.pipeline import create_tied_group
+
+        create_tied_group(mesh, layout, spec)
     if layout.ep > 1 and spec.is_moe:
         from modelcarve.runtime.parallel.expert import expert_groups
 
@@ -127,6 +136,7 @@ def create_groups(mesh, layout: Layout, spec: ModelSpec) -> None:
             merged_mesh(mesh, "dp_cp_tp")
             if layout.cp > 1:
                 merged_mesh(mesh, "cp_tp")
+    seal_groups(mesh)
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

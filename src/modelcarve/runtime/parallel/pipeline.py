@@ -304,26 +304,41 @@ def build_pipeline(
     return PipelineRunner(chunks, stages, schedule, layout, mesh, _tied_group(chunks, layout, mesh), log)
 
 
-def _tied_group(chunks, layout: Layout, mesh):
-    """The group joining the first- and last-stage ranks of this rank's (dp, cp, tp) position,
-    or None when no chunk anywhere holds a tied copy. Every rank takes part in creating every
-    such group (new_group is collective), so all ranks call this with the same layout."""
-    # Only the last stage's rank holds the copy; every rank must agree whether groups are made.
-    has_copy = torch.tensor([1 if any(tied_copy_names(c) for c in chunks) else 0], device=_device_of(chunks[0]))
-    dist.all_reduce(has_copy, op=dist.ReduceOp.MAX)
-    if not has_copy.item():
-        return None
-    first_rank, last_rank = 0, (num_stages(layout) - 1) % layout.pp
-    if layout.pp == 2:
-        return mesh.get_group("pp")
-    # One column per (dp, cp, tp) position: the ranks of one pipeline.
-    grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(layout.pp, -1)
+TIED_GROUP = "_mc_tied_group"
+"""Where ``create_tied_group`` keeps this rank's tied-embedding group on the mesh object."""
+
+
+def create_tied_group(mesh, layout: Layout, spec) -> None:
+    """Create, on every rank and in one order, the groups joining the first- and last-stage ranks
+    of each (dp, cp, tp) position, when the model ties its embeddings over several stages (the
+    last stage then holds a copy of the embedding: pipeline_split.py); keeps this rank's group
+    (None on a rank of neither stage) on the mesh. Called by ``parallelize.create_groups``."""
+    if TIED_GROUP in mesh.__dict__:
+        return
     mine = None
-    for col in range(grid.shape[1]):
-        ranks = [int(grid[first_rank, col]), int(grid[last_rank, col])]
-        group = new_group(ranks)  # carries the collective timeout
-        if dist.get_rank() in ranks:
-            mine = group
+    if spec.tied_embeddings and num_stages(layout) > 1:
+        first_rank, last_rank = 0, (num_stages(layout) - 1) % layout.pp
+        if layout.pp == 2:
+            mine = mesh.get_group("pp")
+        else:
+            # One column per (dp, cp, tp) position: the ranks of one pipeline.
+            grid = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), 0).reshape(layout.pp, -1)
+            for col in range(grid.shape[1]):
+                ranks = [int(grid[first_rank, col]), int(grid[last_rank, col])]
+                group = new_group(ranks)  # carries the collective timeout
+                if dist.get_rank() in ranks:
+                    mine = group
+    mesh.__dict__[TIED_GROUP] = mine
+
+
+def _tied_group(chunks, layout: Layout, mesh):
+    """This rank's tied-embedding group, made up front by ``create_tied_group`` (made here when the
+    chunks were split without ``parallelize``, as the pipeline tests do: every rank calls this)."""
+    if TIED_GROUP not in mesh.__dict__:
+        create_tied_group(mesh, layout, chunks[0].spec)
+    mine = mesh.__dict__[TIED_GROUP]
+    if mine is None and any(tied_copy_names(c) for c in chunks):
+        raise ModelcarveError("this rank holds a tied embedding copy but create_tied_group made no group for it")
     return mine
 
 

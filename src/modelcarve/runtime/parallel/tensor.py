@@ -317,7 +317,7 @@ def _shard_experts(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: boo
     moe.register_forward_hook(leave)
 
 
-def _kv_replica_groups(mesh, t: int, kv: int):
+def kv_replica_groups(mesh, t: int, kv: int):
     """For t = kv x r (r > 1) ranks per TP group: (the kv ranks holding different kv heads,
     the r ranks sharing ours). Every rank creates every such group, in the same order
     (new_group is collective over the world); cached on the mesh."""
@@ -359,7 +359,7 @@ def apply_tensor_parallel(chunk: nn.Module, mesh, layout) -> None:
     kv = spec.num_kv_heads
     if spec.attention_kind == "gqa" and kv % t and t % kv:
         raise LayoutError(f"tp={t} and {kv} kv heads: one must divide the other (to shard or to replicate kv heads)")
-    kv_groups = _kv_replica_groups(mesh, t, kv) if spec.attention_kind == "gqa" and kv % t else None
+    kv_groups = kv_replica_groups(mesh, t, kv) if spec.attention_kind == "gqa" and kv % t else None
     vocab, padded = spec.vocab_size, padded_vocab_size(spec.vocab_size, t)
     hooks = []
 
