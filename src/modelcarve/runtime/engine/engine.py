@@ -1,6 +1,6 @@
 """The generation engine loop: requests in, one scheduler step at a time, tokens out.
 
-Interface (kept in step with /work/notes/engine_api.md, which the server builds on)::
+Interface (the server, serve/bridge.py, builds on exactly this)::
 
     engine = Engine(EngineConfig(model=PATH, layout="tp=2"))     # collective: every rank
     if engine.is_driver:                                          # global rank 0
@@ -35,6 +35,7 @@ import torch
 from modelcarve.runtime.engine.block_manager import BlockManager
 from modelcarve.runtime.engine.sampler import SamplingParams, StopChecker, make_generator, sample
 from modelcarve.runtime.engine.scheduler import Scheduler, Sequence
+from modelcarve.runtime.engine.step_plan import StepPlan
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams", "resolve_layout"]
@@ -289,12 +290,11 @@ class Engine:
             scheduled = [s.schedule() for s in self.schedulers]
         if not any(scheduled):
             if self.runner.world > 1 and time.monotonic() - self._last_plan > min(HEARTBEAT_S, self.cfg.timeout_s / 4):
-                self.runner.broadcast([])  # keeps idle followers inside their collective timeout
+                self.runner.broadcast(StepPlan())  # keeps idle followers inside their collective timeout
                 self._last_plan = time.monotonic()
             return outputs
         self._last_plan = time.monotonic()
-        plan = [[(item.seq.tokens[item.start:item.start + item.count], item.start, list(item.seq.block_table),
-                  item.sample) for item in items] for items in scheduled]
+        plan = StepPlan.from_scheduled(scheduled)
         self.runner.broadcast(plan)
         logits = self.runner.execute(plan)
         self._steps += 1

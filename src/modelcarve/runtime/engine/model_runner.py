@@ -8,9 +8,9 @@ oneDNN-packed copy for multi-row steps (``PackedLinear``, when it fits in a quar
 memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
 minimum over ranks) and installs paged attention (paged_attention.py).
 
-``execute(plan)`` runs one engine step on this rank. ``plan`` is a list, per DP replica, of
-items ``(token_ids, start, block_table, sample)`` (the scheduler's chunks). A replica's ranks
-run only its items:
+``execute(plan)`` runs one engine step on this rank. ``plan`` is a ``StepPlan`` (step_plan.py):
+per DP replica, ``StepItem(token_ids, start, block_table, sample)`` for each scheduled chunk. A
+replica's ranks run only its items:
 
 * pipeline (pp > 1): the items are cut into up to ``2 x pp`` micro-batches; stage 0 embeds and
   sends each micro-batch's hidden states on as soon as it is computed (``isend``), the next stage
@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, install
+from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan
 from modelcarve.spec.errors import LayoutError
 
-DUMMY = ([0], 0, [0], False)
 
 
 class PackedLinear(torch.nn.Module):
@@ -148,10 +148,8 @@ class ModelRunner:
         if weight_dtype == "fp32" and self.dtype == torch.float32 and self.device.type == "cpu":
             prepack_linears(chunk, free_memory_bytes(self.device))
         self.chunk = chunk
-        tp, dp = layout.tp, layout.dp
-        self.tp_rank = self.rank % tp
-        self.dp_rank = (self.rank // tp) % dp
-        self.pp_rank = self.rank // (tp * dp)
+        at = layout.coords(self.rank)  # the one rank order (spec/ranks.py)
+        self.tp_rank, self.dp_rank, self.pp_rank = at["tp"], at["dp"], at["pp"]
         self.first = self.pp_rank == 0
         self.last = self.pp_rank == layout.pp - 1
         self.bytes_per_token = bytes_per_token(chunk, kv_dtype)
@@ -177,16 +175,13 @@ class ModelRunner:
         self.microbatches = 0
         """Forwards this rank ran (with pp > 1, several per step: micro-batches in flight)."""
 
-    # --- rank arithmetic (mesh order pp, dp, cp=1, tp) ------------------------------------
-    def _global(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.layout.dp + dp) * self.layout.tp + tp
-
     def output_rank(self, replica: int) -> int:
-        return self._global(self.layout.pp - 1, replica, 0)
+        """The rank that holds replica ``replica``'s logits: its last stage's first TP rank."""
+        return self.layout.rank_of(pp=self.layout.pp - 1, dp=replica)
 
     # --- the plan -------------------------------------------------------------------------
-    def broadcast(self, plan):
-        """Rank 0 sends ``plan`` (any picklable object; None ends the followers' loop) to all ranks."""
+    def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
+        """Rank 0 sends ``plan`` to all ranks (None ends the followers' loop); every rank returns it."""
         if self.world == 1:
             return plan
         if self.rank == 0:
@@ -202,15 +197,15 @@ class ModelRunner:
         dist.broadcast(buf, 0)
         return pickle.loads(buf.numpy().tobytes())
 
-    def _microbatches(self, items: list) -> list[list]:
+    def _microbatches(self, items: list[StepItem]) -> list[list[StepItem]]:
         if self.layout.pp == 1 or len(items) <= 1:
             return [items] if items else []
         m = min(len(items), 2 * self.layout.pp)
-        total = sum(len(it[0]) for it in items)
+        total = sum(len(it.token_ids) for it in items)
         out, cur, acc = [], [], 0
         for it in items:
             cur.append(it)
-            acc += len(it[0])
+            acc += len(it.token_ids)
             if acc >= total * (len(out) + 1) / m and len(out) < m - 1:
                 out.append(cur)
                 cur = []
@@ -219,16 +214,16 @@ class ModelRunner:
         return out
 
     @torch.no_grad()
-    def _forward(self, items: list, h: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, items: list[StepItem], h: torch.Tensor | None) -> torch.Tensor:
         """This rank's layers over one micro-batch: hidden states, or (last stage) the logits
         [rows that sample, V] of the true vocabulary."""
         from modelcarve.runtime.parallel.tensor import full_vocab_logits
 
         chunk = self.chunk
-        ctx = StepContext([(start, len(ids), table) for ids, start, table, _ in items], self.block_size, self.device)
+        ctx = StepContext([(it.start, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device)
         positions = ctx.positions
         if h is None:
-            ids = torch.tensor([t for it in items for t in it[0]], dtype=torch.long, device=self.device)[None]
+            ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.device)[None]
             h = chunk.tok_embeddings(ids)
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
@@ -240,48 +235,49 @@ class ModelRunner:
         if not self.last:
             return h
         rows, t = [], 0
-        for ids, _, _, sample in items:
-            t += len(ids)
-            if sample:
+        for it in items:
+            t += len(it.token_ids)
+            if it.sample:
                 rows.append(t - 1)
         h = chunk.norm(h[:, rows])
         return full_vocab_logits(chunk.output(h), chunk)[0].float()
 
-    def execute(self, plan: list[list]) -> list[list[torch.Tensor]] | None:
+    def execute(self, plan: StepPlan) -> list[list[torch.Tensor]] | None:
         """Run this rank's share of ``plan``; rank 0 returns per replica the logits of each
         micro-batch's sampling rows (in item order)."""
-        mine = plan[self.dp_rank] if self.dp_rank < len(plan) else []
-        dummy = not mine and self.layout.ep > 1 and any(plan)
+        mine = plan.for_replica(self.dp_rank)
+        dummy = not mine and self.layout.ep > 1 and bool(plan)
         if dummy:
-            mine = [DUMMY]
+            mine = [DUMMY_ITEM]
         pending = []
         results_here = []
         for mb in self._microbatches(mine):
             if self.first:
                 h = None
             else:
-                t = sum(len(it[0]) for it in mb)
+                t = sum(len(it.token_ids) for it in mb)
                 h = torch.empty(1, t, self.spec.hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(h, self._global(self.pp_rank - 1, self.dp_rank, self.tp_rank))
+                dist.recv(h, self.layout.rank_of(pp=self.pp_rank - 1, dp=self.dp_rank, tp=self.tp_rank))
             out = self._forward(mb, h)
             self.microbatches += 1
             if not self.last:
-                pending.append(dist.isend(out.contiguous(), self._global(self.pp_rank + 1, self.dp_rank, self.tp_rank)))
+                after = self.layout.rank_of(pp=self.pp_rank + 1, dp=self.dp_rank, tp=self.tp_rank)
+                pending.append(dist.isend(out.contiguous(), after))
             elif not dummy:
                 if self.rank == 0:
                     results_here.append(out)
-                elif self.tp_rank == 0 and any(it[3] for it in mb):
+                elif self.tp_rank == 0 and any(it.sample for it in mb):
                     pending.append(dist.isend(out.contiguous(), 0))
         results = None
         if self.rank == 0:
             results = []
-            for replica, items in enumerate(plan):
+            for replica, items in enumerate(plan.replicas):
                 if replica == 0 and self.last:
                     results.append(results_here)
                     continue
                 got = []
                 for mb in self._microbatches(items):
-                    n = sum(1 for it in mb if it[3])
+                    n = sum(1 for it in mb if it.sample)
                     if n:
                         buf = torch.empty(n, self.spec.vocab_size, dtype=torch.float32)
                         dist.recv(buf, self.output_rank(replica))
