@@ -1,6 +1,6 @@
 """The engine on rank 0 as the HTTP side sees it: one stepping thread, a queue per request, backpressure, drain.
 
-The engine (``runtime/engine``, /work/notes/engine_api.md) is stepped by ONE thread here: a
+The engine (``runtime/engine/engine.py``, its module doc states the interface) is stepped by ONE thread here: a
 step blocks on compute and collectives, and the asyncio loop of uvicorn must keep answering
 (health, metrics, new requests, disconnects) meanwhile. ``admit`` runs on the event loop: it
 refuses what the server cannot take (503 while draining, 429 with ``Retry-After`` when

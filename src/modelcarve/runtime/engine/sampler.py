@@ -25,7 +25,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings (see module doc and /work/notes/engine_api.md)."""
+    """Per-request sampling settings (see the module doc and runtime/engine/engine.py's)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
