@@ -243,7 +243,7 @@ def print_report(report: dict) -> None:
         table.add_row(row["kind"], str(row["count"]), f"{row['max_abs']:.2e}", f"{row['max_rel']:.2e}", tol, result, row["worst"])
     console.print(table)
     if report.get("moe"):
-        from modelcarve.runtime.parallel.expert import moe_stats_table
+        from modelcarve.report.moe import moe_stats_table
 
         console.print(moe_stats_table(report["moe"][-1], "experts, last step (tokens = routed assignments)"))
     failed = [c for c in report["checks"] if not c["passed"]]
