@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcarve.runtime.train.supervise import children_of
+from modelcarve.commands.launching.supervise import children_of
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

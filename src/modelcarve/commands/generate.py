@@ -8,8 +8,9 @@ and dtypes (``engine.check_generation``), the checkpoint, prompt ids outside the
 a text prompt for a model without a tokenizer, a prompt longer than the context, and with
 ``--kv-cache-bytes`` a prompt + ``--max-tokens`` the KV budget cannot hold (the planner's KV
 arithmetic, plan/serve/memory.py, plus the int8 / fp8 scales). One rank runs in this process;
-more start through torchrun on this module (``python -m modelcarve.commands.generate
-generate '<json>'``), rank 0 printing.
+more start through torchrun (commands/launching/torchrun.py) on this module (``-m
+modelcarve.commands.generate generate '<json>'``), rank 0 printing; a signal to this process
+reaches every rank (and exits 128 + its number).
 
 Output: a progress line on stderr while the weights load, the text as it is produced (one
 prompt; with several each completion when it ends), then TTFT (arrival to first token), TPOT
@@ -223,26 +224,15 @@ def _generate(args) -> int:
     if world == 1:
         summary = worker(dict(payload, timeout_s=args.timeout))
     else:
-        from modelcarve.commands.run import _free_port
-
-        import subprocess
+        from modelcarve.commands.launching.torchrun import Torchrun, launch
 
         with tempfile.TemporaryDirectory() as tmp:
             payload["report"] = os.path.join(tmp, "generate.json")
             payload["timeout_s"] = args.timeout
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-                   "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "modelcarve.commands.generate",
-                   "generate", json.dumps(payload)]
-            env = dict(os.environ, LOGLEVEL="ERROR", TORCHELASTIC_ERROR_FILE="")
-            env.setdefault("OMP_NUM_THREADS", "1")
-            proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
-            ours = [line for line in proc.stderr.splitlines() if line.startswith(("modelcarve:", "loading"))]
-            for line in ours:
-                sys.stderr.write(line + "\n")
-            if proc.returncode or not os.path.exists(payload["report"]):
-                if not ours:
-                    sys.stderr.write(proc.stderr[-3000:])
-                return 1
+            code = launch(Torchrun(nproc_per_node=world), "modelcarve.commands.generate", ["generate", json.dumps(payload)],
+                          timeout_s=args.timeout, relay=("modelcarve:", "loading"))
+            if code or not os.path.exists(payload["report"]):
+                return code if code > 128 else 1
             summary = json.load(open(payload["report"]))
     if args.json:
         print(json.dumps(summary))

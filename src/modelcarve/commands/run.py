@@ -6,7 +6,7 @@
 
 Both check the layout against the model and the number of ranks BEFORE any process starts
 (a LayoutError with the fix, exit 2), then start the ranks through torchrun
-(``python -m torch.distributed.run ... -m modelcarve.commands.launching.worker``); when this process is
+(commands/launching/torchrun.py, on ``-m modelcarve.commands.launching.worker``); when this process is
 already a torchrun rank they run in place. ``--nnodes/--node-rank/--master-addr/--master-port``
 go to torchrun for several machines. ``verify`` prints one row per compared quantity (logits,
 loss, gradients, parameters after N AdamW steps) with max abs/rel differences and pass/fail,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 
 from modelcarve.spec.errors import LayoutError, ModelcarveError
@@ -138,47 +137,15 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
     check_rendezvous(args.master_addr, args.master_port, args.node_rank)
     if getattr(args, "ranks_per_node", None):
         payload["ranks_per_node"] = args.ranks_per_node
-    port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
     if under_torchrun:
         from modelcarve.commands.launching.worker import main
 
         return main([command, json.dumps(payload)])
-    restarts = int(getattr(args, "max_restarts", 0) or 0)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
-        f"--master-addr={args.master_addr}", f"--master-port={port}", f"--max-restarts={restarts}",
-        "-m", "modelcarve.commands.launching.worker", command, json.dumps(payload),
-    ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("LOGLEVEL", "ERROR")
-    env.setdefault("TORCHELASTIC_ERROR_FILE", "")
-    # torchrun's own failure summary is long; our ranks print one line each (passed through live).
-    # supervise forwards signals, brings a stalled rank down, reaps (runtime/train/supervise.py)
-    from modelcarve.runtime.train.supervise import supervise
+    from modelcarve.commands.launching.torchrun import Torchrun, launch
 
-    if sys.stderr.isatty() or os.environ.get("MODELCARVE_PROGRESS") == "1":  # start-up lines for a person watching
-        env["MODELCARVE_PROGRESS"] = "1"
-        sys.stderr.write(f"modelcarve: starting {per_node * args.nnodes} ranks with torchrun ({per_node} on this node)\n")
-
-    code, ours, tail, signals = supervise(cmd, env, timeout_s=args.timeout, restarts=restarts)
-    if signals:
-        import signal as _signal
-
-        sys.stderr.write(f"modelcarve: stopped by {_signal.Signals(signals[0]).name}\n")
-        return 128 + signals[0]
-    if code and not ours:
-        sys.stderr.write("\n".join(tail)[-3000:] + "\n")
-    return code
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ranks = Torchrun(nproc_per_node=per_node, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                     master_port=args.master_port, max_restarts=int(getattr(args, "max_restarts", 0) or 0))
+    return launch(ranks, "modelcarve.commands.launching.worker", [command, json.dumps(payload)], timeout_s=args.timeout)
 
 
 def _payload(args, steps_default: int) -> dict:
@@ -276,7 +243,7 @@ def print_report(report: dict) -> None:
         table.add_row(row["kind"], str(row["count"]), f"{row['max_abs']:.2e}", f"{row['max_rel']:.2e}", tol, result, row["worst"])
     console.print(table)
     if report.get("moe"):
-        from modelcarve.runtime.parallel.expert import moe_stats_table
+        from modelcarve.report.moe import moe_stats_table
 
         console.print(moe_stats_table(report["moe"][-1], "experts, last step (tokens = routed assignments)"))
     failed = [c for c in report["checks"] if not c["passed"]]

@@ -7,11 +7,12 @@
 
 Everything that can be refused is refused before a rank starts: the layout against the model
 (as ``run`` does), and the port (bound and released here: "port 8000 on 127.0.0.1 is in use").
-One rank runs in this process; more go through torchrun (``--nnodes`` etc. as for ``run``),
-started in its own session so a terminal's Ctrl-C reaches only this process, which forwards the
-first SIGTERM / SIGINT to rank 0 alone (rank 0 drains, then releases the other ranks; see
-serve/server.py). A second signal, or rank 0 not done ``--drain-timeout`` + 30 s after the first,
-stops the whole process group. The exit code is rank 0's: 0 after a clean drain.
+One rank runs in this process; more go through torchrun (commands/launching/torchrun.py;
+``--nnodes`` etc. as for ``run``), started in its own session so a terminal's Ctrl-C reaches only
+this process, which forwards the first SIGTERM / SIGINT to rank 0 alone (rank 0 drains, then
+releases the other ranks; see serve/server.py). A second signal, or the ranks not done
+``--drain-timeout`` + 30 s after the first, kills every rank. The exit code is 0 after a clean
+drain, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -19,13 +20,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 
 from modelcarve.spec.errors import ModelcarveError
 
@@ -125,95 +121,13 @@ def _serve(args) -> int:
     return _launch(args, per_node)
 
 
-def _read_pid(path: str) -> int | None:
-    try:
-        return int(open(path).read().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _launch(args, per_node: int) -> int:
-    from modelcarve.commands.run import _free_port
+    from modelcarve.commands.launching.torchrun import Torchrun, launch
 
+    ranks = Torchrun(nproc_per_node=per_node, nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                     master_port=args.master_port)
     with tempfile.TemporaryDirectory() as tmp:
         pidfile = os.path.join(tmp, "rank0.pid")
-        port = args.master_port or (_free_port() if args.nnodes == 1 else 29500)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
-               f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-               f"--master-port={port}", "-m", "modelcarve.serve.server", "serve",
-               json.dumps(_payload(args, pidfile) | dict(timeout_s=args.timeout))]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("LOGLEVEL", "ERROR")
-        env.setdefault("TORCHELASTIC_ERROR_FILE", "")
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        tail: list[str] = []
-        relay = threading.Thread(target=_relay, args=(proc.stderr, tail), daemon=True)
-        relay.start()
-        signals = {"first": None}
-
-        def forward(sig, frame):
-            pid = _read_pid(pidfile)
-            if signals["first"] is None and pid:
-                signals["first"] = time.monotonic()
-                _kill(pid, signal.SIGTERM)
-            else:  # a second signal, or rank 0 not serving yet: stop every rank now
-                signals["first"] = signals["first"] or time.monotonic() - args.drain_timeout
-                _killpg(proc.pid, signal.SIGTERM)
-
-        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        killed_after = None
-        try:
-            while True:
-                try:
-                    code = proc.wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    first = signals["first"]
-                    if first is not None and time.monotonic() - first > args.drain_timeout + 30:
-                        killed_after = time.monotonic() - first
-                        _killpg(proc.pid, signal.SIGKILL)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            _killpg(proc.pid, signal.SIGKILL)  # nothing of the server outlives it
-        relay.join(5)
-    if code:
-        _explain_exit(code, tail, killed_after)
+        code = launch(ranks, "modelcarve.serve.server", ["serve", json.dumps(_payload(args, pidfile))],
+                      timeout_s=args.timeout, rank0_pidfile=pidfile, stop_within_s=args.drain_timeout + 30)
     return 1 if code else 0
-
-
-def _explain_exit(code: int, tail: list[str], killed_after: float | None) -> None:
-    """One line on why the ranks' launcher failed, and torchrun's own report when no rank said why."""
-    if killed_after is not None:
-        sys.stderr.write(f"modelcarve: the ranks were still running {killed_after:.0f} s after the signal "
-                         "(--drain-timeout + 30 s); killed them\n")
-    elif not any(line.startswith("modelcarve: rank") for line in tail):
-        # no rank reported an error (a rank crashed in C++, was killed, or torchrun failed):
-        # torchrun's summary names the rank and its exit code
-        sys.stderr.write(f"modelcarve: the ranks' launcher (torchrun) exited with code {code}; its last output:\n")
-        sys.stderr.write("".join(line for line in tail[-40:] if not line.startswith("modelcarve:")))
-
-
-def _relay(stream, tail: list[str]) -> None:
-    """Our ranks' one-line messages go through at once; torchrun's own noise is kept for a failure."""
-    for line in stream:
-        if line.startswith("modelcarve:"):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-        tail.append(line)
-        del tail[:-200]
-
-
-def _kill(pid: int, sig) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _killpg(pgid: int, sig) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,15 +1,17 @@
 """A rank's life under torchrun: join the group, run one worker, fail in one line; and the run worker.
 
-    torchrun --nproc-per-node 4 -m modelcarve.runtime.train.launch run '{"model": "tiny-llama", "layout": "tp=2,dp=2", "steps": 10}'
+    torchrun --nproc-per-node 4 -m modelcarve.commands.launching.worker run '{"model": "tiny-llama", "layout": "tp=2,dp=2", "steps": 10}'
 
 ``main(argv, workers)`` runs the worker named by ``argv[0]`` with the JSON arguments of
 ``argv[1]``; this module's own worker is ``run`` (``run_worker``: build the parallel model, train,
 report). ``modelcarve run/verify`` (commands/run.py) validate the layout, then start torchrun
-with commands/launching/worker.py, which adds the ``verify`` worker (verify/reference.py sits above the runtime, so
-this module never imports it). Rank 0 draws the progress bar,
-prints the memory table and writes the JSON report (``report`` key). A failure on any rank
-prints one line naming the rank and the error and exits 1; a rank that dies makes the others
-fail at their next collective within the collective timeout (``timeout_s``).
+(commands/launching/torchrun.py) on commands/launching/worker.py, which adds the ``verify``
+worker (verify/reference.py sits above the runtime, so this module never imports it) and the
+run's ``printer``. The worker records; rank 0 hands the header, each step and the result, as plain
+dicts, to that printer (report/run.py's: the runtime imports no rich, nor report/) and writes the
+JSON report (``report`` key). A failure on any rank prints one line naming the rank and the error
+and exits 1; a rank that dies makes the others fail at their next collective within the
+collective timeout (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,13 @@ def build(model_name: str, layout, seed: int):
 
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
                lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
-               moe: dict | None = None, checkpoint: dict | None = None, timeline: bool = False) -> dict | None:
+               moe: dict | None = None, checkpoint: dict | None = None, timeline: bool = False,
+               printer=None) -> dict | None:
+    """Train ``steps`` steps of ``model`` split as ``layout``; rank 0 returns the result record (others None).
+
+    ``printer`` (rank 0, unless ``quiet``): what shows the run as it goes, given plain records:
+    ``begin(head)``, ``step(row)`` per step, ``end()``, ``summary(result)``; commands/launching/worker.py
+    passes report/run.py's ``RunPrinter`` (the runtime imports no presentation). None: print nothing."""
     from modelcarve.runtime.measure.memory_report import measure_step
     from modelcarve.runtime.measure.metrics import CommCounter, StepTimer, memory_stats
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
@@ -68,7 +76,10 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     start = ckpt.restore(chunks, trainer, spec, lay, dict(source=data or "synthetic", seed=seed))
     timer = StepTimer(lay.global_batch * lay.seq)
     history = []
-    progress = _Progress(steps, lay, spec) if _rank0() and not quiet else None
+    progress = printer if _rank0() and not quiet else None
+    if progress:
+        progress.begin(dict(model=spec.name, layout=lay.short(), world_size=dist.get_world_size(), steps=steps,
+                            global_batch=lay.global_batch, seq=lay.seq, param_dtype=lay.param_dtype))
     comm, categories = CommCounter(lay), {}
     try:
         for step in range(start, steps):
@@ -87,12 +98,12 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
                 timeline = local_records(trainer.runner) if step == steps - 2 or steps - start == 1 else timeline
             history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
             if progress:
-                progress.update(history[-1])
+                progress.step(history[-1])
             if ckpt.after_step(step + 1):  # True: a signal asked every rank to stop (saved first)
                 break
     finally:
         if progress:
-            progress.close()
+            progress.end()
     if comm.log is not None:
         comm.count(comm.log)
     mem = memory_stats(chunks, trainer.optimizer) | dict(categories=categories, comm_bytes_per_step=comm.total, comm_calls_per_step=sum(comm.calls.values()),
@@ -110,14 +121,8 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
                   steps=steps, history=history, tokens_per_s=timer.tokens_per_s(), memory=mems,
                   params=spec.total_params, moe=out.get("moe") if history else None) | ckpt.summary() | (
                       dict(timeline=timeline) if isinstance(timeline, list) else {})
-    if not quiet:
-        _print_memory(result)
-        if result["moe"]:
-            from rich.console import Console
-
-            from modelcarve.runtime.parallel.expert import moe_stats_table
-
-            Console().print(moe_stats_table(result["moe"], "experts, last step (tokens = routed assignments)"))
+    if progress:
+        progress.summary(result)
     if report:
         with open(report, "w") as f:
             json.dump(result, f, indent=2)
@@ -133,58 +138,6 @@ def _startup_line(text: str, quiet: bool) -> float:
         sys.stderr.write(f"modelcarve: {text}\n")
         sys.stderr.flush()
     return time.monotonic()
-
-
-class _Progress:
-    """A rich progress bar with loss and tokens/s (plain lines when stdout is not a terminal)."""
-
-    def __init__(self, steps: int, layout, spec):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.console = Console()
-        self.live = self.console.is_terminal
-        self.console.print(f"[bold]{spec.name}[/] {layout.short()} on {dist.get_world_size()} ranks, "
-                           f"{layout.global_batch} x {layout.seq} tokens per step, {layout.param_dtype}")
-        if self.live:
-            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeElapsedColumn(), console=self.console)
-            self.task = self.bar.add_task("train", total=steps, info="")
-            self.bar.start()
-
-    def update(self, row: dict) -> None:
-        info = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
-        if self.live:
-            self.bar.update(self.task, advance=1, info=info)
-        else:
-            self.console.print(f"step {row['step'] + 1}: {info}")
-
-    def close(self) -> None:
-        if self.live:
-            self.bar.stop()
-
-
-def _print_memory(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{result['tokens_per_s']:,.0f} tokens/s (mean after step 1); per rank, MiB")
-    for col in ("rank", "peak RSS", "params", "grads", "optimiser", "activations", "comm buffers", "comm/step"):
-        table.add_column(col, justify="right")
-    mib = 1024 * 1024
-    for rank, m in enumerate(result["memory"]):
-        cat = m.get("categories", {})
-        table.add_row(str(rank), f"{m['peak_rss_bytes'] / mib:.0f}", f"{m.get('param_bytes', 0) / mib:.2f}",
-                      f"{cat.get('grads', 0) / mib:.2f}", f"{m.get('optim_bytes', 0) / mib:.2f}",
-                      f"{cat.get('activations', 0) / mib:.2f}", f"{cat.get('comm_buffers', 0) / mib:.2f}",
-                      f"{m['comm_bytes_per_step'] / mib:.2f}")
-    Console().print(table)
-    comm = Table(title="rank 0, last step: collectives by op / axis / link tier (collectives.CommLog)")
-    for col in ("op/axis/tier", "calls", "payload MiB", "wire MiB"):
-        comm.add_column(col, justify="left" if col == "op/axis/tier" else "right")
-    for key, row in result["memory"][0].get("comm_table", {}).items():
-        comm.add_row(key, str(row["calls"]), f"{row['payload'] / mib:.3f}", f"{row['wire'] / mib:.3f}")
-    Console().print(comm)
 
 
 def _lost_peer(err: Exception) -> bool:

@@ -12,7 +12,7 @@
 * Parent watch: torchrun starts its workers in new sessions, so when torchrun itself is killed
   (SIGKILL) nothing reaches them. The watcher thread polls the parent pid; once the rank has
   been re-parented it prints one line and exits. It also watches ``modelcarve run``'s own pid
-  (``MODELCARVE_LAUNCHER_PID``, set by runtime/train/supervise.py), so killing the launcher with
+  (``MODELCARVE_LAUNCHER_PID``, set by commands/launching/supervise.py), so killing the launcher with
   SIGKILL ends the ranks too (and torchrun, which then sees them fail).
 * Exit codes: 128 + the signal number, as a shell reports a signal.
 """

@@ -1,6 +1,8 @@
-"""The launcher's side of a run: start torchrun, forward signals to it, bring stragglers down, reap.
+"""The launching process's watch over torchrun: forward signals to it, bring stragglers down, reap.
 
-    code, stderr_tail = supervise(cmd, env, timeout_s=30, restarts=0)
+    code, ours, tail, signals, killed_after = supervise(cmd, env, timeout_s=30, restarts=0)
+
+commands/launching/torchrun.py builds ``cmd`` and calls this; nothing else starts torchrun.
 
 torchrun runs in its own session (so a terminal's Ctrl-C reaches only this process, which
 forwards it once) and starts its workers in new sessions too, so nothing but this module's
@@ -16,6 +18,10 @@ forwarding reaches them:
   (e.g. a stalled rank that never answers SIGTERM) is killed. A stalled rank therefore brings the
   run down in about the collective timeout (the peers' failure) plus FAIL_GRACE_S, not in
   torchrun's own extra 30 s shutdown wait.
+* ``serve`` (``rank0_pid``): the first signal goes as SIGTERM to rank 0 alone, which drains and
+  then releases the other ranks (serve/server.py); before rank 0 has written its pid it goes to
+  torchrun as above. With ``stop_within_s``, ranks still running that long after the first
+  signal are killed (``killed_after`` says when).
 * Reaping: the worker pids are tracked while torchrun lives (its children); whatever survives
   torchrun is killed at the end, so no rank is left behind. The workers also watch this process
   (``MODELCARVE_LAUNCHER_PID``) and exit if it is killed outright.
@@ -77,11 +83,15 @@ def _kill(pid: int, sig: int) -> None:
 
 
 class _Supervisor:
-    def __init__(self, cmd: list[str], env: dict, timeout_s: float, restarts: int):
+    def __init__(self, cmd: list[str], env: dict, timeout_s: float, restarts: int, relay: tuple[str, ...] = ("modelcarve:",),
+                 rank0_pid=None, stop_within_s: float | None = None):
         env = dict(env)
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(timeout_s) + 10))
         env["MODELCARVE_LAUNCHER_PID"] = str(os.getpid())
         self.restarts = restarts
+        self.relay, self.rank0_pid, self.stop_within_s = relay, rank0_pid, stop_within_s
+        self.first_signal_at: float | None = None
+        self.killed_after: float | None = None
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.workers: dict[int, str | None] = {}
         self.signals: list[int] = []
@@ -94,7 +104,7 @@ class _Supervisor:
     def _read(self) -> None:
         for line in self.proc.stderr:
             line = line.rstrip("\n")
-            if line.startswith("modelcarve:"):
+            if line.startswith(self.relay):
                 self.ours.append(line)
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
@@ -106,7 +116,12 @@ class _Supervisor:
     def on_signal(self, signum, frame) -> None:
         self.signals.append(signum)
         if len(self.signals) == 1:
-            _kill(self.proc.pid, signum)
+            self.first_signal_at = time.monotonic()
+            rank0 = self.rank0_pid() if self.rank0_pid is not None else None
+            if rank0:
+                _kill(rank0, signal.SIGTERM)  # serve: rank 0 drains, then releases the others
+            else:
+                _kill(self.proc.pid, signum)
         else:
             self.kill_all()
 
@@ -144,14 +159,22 @@ class _Supervisor:
             self.track()
             if self.failed_at is not None and not self.restarts and time.monotonic() - self.failed_at > FAIL_GRACE_S:
                 self.kill_all()
+            since = time.monotonic() - self.first_signal_at if self.first_signal_at is not None else None
+            if since is not None and self.stop_within_s is not None and since > self.stop_within_s and self.killed_after is None:
+                self.killed_after = since
+                self.kill_all()
         self.reader.join(timeout=5)
         self.reap()
         return code
 
 
-def supervise(cmd: list[str], env: dict, timeout_s: float, restarts: int = 0) -> tuple[int, list[str], list[str], list[int]]:
-    """Run torchrun ``cmd``; (exit code, our stderr lines, the rest's tail, signals received)."""
-    sup = _Supervisor(cmd, env, timeout_s, restarts)
+def supervise(cmd: list[str], env: dict, timeout_s: float, restarts: int = 0, relay: tuple[str, ...] = ("modelcarve:",),
+              rank0_pid=None, stop_within_s: float | None = None):
+    """Run torchrun ``cmd``; (exit code, our stderr lines, the rest's tail, signals received, killed after s or None).
+
+    Stderr lines starting with one of ``relay`` are passed through live; ``rank0_pid()`` (serve)
+    gives the pid the first signal goes to, None until there is one."""
+    sup = _Supervisor(cmd, env, timeout_s, restarts, relay, rank0_pid, stop_within_s)
     old = {}
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -161,4 +184,4 @@ def supervise(cmd: list[str], env: dict, timeout_s: float, restarts: int = 0) ->
     finally:
         for signum, handler in old.items():
             signal.signal(signum, handler)
-    return code, sup.ours, sup.tail, sup.signals
+    return code, sup.ours, sup.tail, sup.signals, sup.killed_after
