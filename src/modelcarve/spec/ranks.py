@@ -23,10 +23,25 @@ engine's replicas (runtime/engine/model_runner.py), the comm log's axis names
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from modelcarve.spec.layout import Layout
+
+class Layout(Protocol):
+    """What these functions read of a ``spec.layout.Layout`` (no import: Layout's methods call here)."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def expert_tp(self) -> int: ...
+    @property
+    def expert_dp(self) -> int: ...
+    def short(self) -> str: ...
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 """The attention mesh's axes, outermost first."""
