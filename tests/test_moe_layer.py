@@ -276,7 +276,7 @@ def test_checkpoint_logits_equal_transformers(family, tmp_path):
 
 
 def test_bad_ep_is_refused_before_launch():
-    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.spec.support import check_training as check_runtime
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout
 

@@ -112,7 +112,7 @@ def test_expert_mesh_coordinates(world4):
 
 
 def test_check_runtime_runs_folded_layouts():
-    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.spec.support import check_training as check_runtime
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout

@@ -139,8 +139,8 @@ def test_split_errors_say_what_to_do():
 
 
 def test_unrunnable_pipelines_are_refused_before_any_rank_starts():
-    from modelcarve.runtime.parallel.parallelize import check_runtime
-    from modelcarve.runtime.parallel.pipeline_split import pipeline_problems
+    from modelcarve.spec.support import check_training as check_runtime
+    from modelcarve.spec.support import pipeline_problems
 
     assert pipeline_problems(Layout.parse("pp=2,gbs=4,schedule=1f1b"), 4) == []
     assert pipeline_problems(Layout.parse("pp=2,gbs=1,schedule=gpipe"), 4) == []
@@ -150,7 +150,7 @@ def test_unrunnable_pipelines_are_refused_before_any_rank_starts():
     assert "multiple of pp=2" in problem
     (problem,) = pipeline_problems(Layout.parse("pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2"), 6)
     assert "8 stages but the model has 6 layers" in problem
-    # the CLI's pre-launch check (parallelize.check_runtime) includes these rules
+    # the CLI's pre-launch check (spec/support.py's check_training) includes these rules
     with pytest.raises(LayoutError, match="needs at least pp=2 micro-batches"):
         check_runtime(Layout.parse("pp=2,gbs=1,seq=16,schedule=1f1b"), _spec(4), world_size=2)
 

@@ -146,7 +146,7 @@ def test_unsupported_rope_is_a_clear_error():
 
 
 def test_ring_attention_refuses_a_window_before_any_rank_starts():
-    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.spec.support import check_training as check_runtime
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.hf_config import spec_from_hf_config
     from modelcarve.spec.layout import Layout

@@ -162,7 +162,7 @@ def test_catalogued_real_models_equal_transformers(name):
 
 def test_runtime_refuses_models_whose_layers_it_lacks():
     """Planned but not run: the coverage check names the missing layers; supported families pass."""
-    from modelcarve.runtime.model.coverage import missing_layers
+    from modelcarve.spec.support import missing_layers
     from modelcarve.spec.catalog import get_model
 
     assert missing_layers(get_model("llama-3.1-8b")) == [] and missing_layers(get_model("deepseek-v3")) == []

@@ -4,7 +4,7 @@
     modelcarve generate --model ./ckpt --layout layout.json --prompt-ids 1,2,3 --prompt-ids 4,5 --json
 
 Everything that can be refused is refused before any rank starts (one line, exit 2): the layout
-and dtypes (``engine.check_generation``), the checkpoint, prompt ids outside the vocabulary,
+and dtypes (``spec/support.py``'s ``check_generation``), the checkpoint, prompt ids outside the vocabulary,
 a text prompt for a model without a tokenizer, a prompt longer than the context, and with
 ``--kv-cache-bytes`` a prompt + ``--max-tokens`` the KV budget cannot hold (the planner's KV
 arithmetic, plan/serve/memory.py, plus the int8 / fp8 scales). One rank runs in this process;
@@ -85,7 +85,8 @@ def prepare(args) -> dict:
     """Every refusal known in advance; returns the workers' arguments."""
     from modelcarve.commands.launching import prelaunch
     from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint, model_spec
-    from modelcarve.runtime.engine.engine import check_generation, resolve_layout
+    from modelcarve.runtime.engine.engine import resolve_layout
+    from modelcarve.spec.support import check_generation
 
     prelaunch.check_inputs(args)  # no weights -> refused, never generated from random weights
     if not args.prompt and not args.prompt_ids:

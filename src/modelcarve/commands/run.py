@@ -105,9 +105,9 @@ def _prepare(args):
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun and "WORLD_SIZE" in os.environ else layout.world_size
     _require_torch()
-    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.spec.support import check_training
 
-    check_runtime(layout, spec, world_size=world)
+    check_training(layout, spec, world_size=world)
     from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint
 
     if is_checkpoint(args.model):

@@ -74,7 +74,8 @@ def _prepare(args):
                               "pip install 'modelcarve[runtime,serve]'")
     from modelcarve.commands.launching import prelaunch
     from modelcarve.runtime.checkpoint.hf_load import check_checkpoint, is_checkpoint, model_spec
-    from modelcarve.runtime.engine.engine import check_generation, resolve_layout
+    from modelcarve.runtime.engine.engine import resolve_layout
+    from modelcarve.spec.support import check_generation
 
     prelaunch.check_inputs(args)  # a .bin-only or config-only directory is not served with random weights
     text = args.layout

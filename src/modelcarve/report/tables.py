@@ -61,16 +61,24 @@ def plan_tables(result: dict, model, cluster) -> list["Table"]:
     table = Table(title=title)
     if train:
         for col in ("#", "layout", "memory / capacity", "step", "tokens/s", "TFLOP/s/dev", "MFU", "bubble",
-                    "exposed NVLink", "exposed NIC"):
-            table.add_column(col, justify="left" if col == "layout" else "right")
+                    "exposed NVLink", "exposed NIC", "modelcarve run"):
+            table.add_column(col, justify="left" if col in ("layout", "modelcarve run") else "right")
+        refused: dict[str, list[str]] = {}
         for i, r in enumerate(layouts, 1):
             mem, t, c = r["memory"], r["time"], r["comm"]
+            runs = r.get("runtime", {}).get("runs", True)
+            if not runs:
+                refused.setdefault(r["runtime"]["why"], []).append(f"#{i}")
             table.add_row(
                 str(i), _layout_cell(r), f"{_gib(mem['peak_bytes'])} / {_gib(mem['capacity_bytes'])}",
                 _seconds(t["step_s"]), f"{t['tokens_per_s']:,.0f}", f"{t['tflops_per_device']:.1f}",
                 f"{t['mfu']:.1%}", f"{r['bubble_fraction']:.1%}",
                 _seconds(c["exposed_s_by_link"]["intra"]), _seconds(c["exposed_s_by_link"]["inter"]),
+                "runs" if runs else "refuses (below)",
             )
+        if refused:
+            table.caption = "modelcarve run refuses (other frameworks may run them): " + " | ".join(
+                f"{', '.join(rows)}: {why}" for why, rows in refused.items())
     else:
         table.add_column("#", justify="right")
         table.add_column("layout")
@@ -117,6 +125,10 @@ def estimate_table(result: dict, model, cluster) -> list["Table"]:
         memory.add_row(part.replace("_", " "), _bytes(nbytes))
     verdict = "fits" if result["fits"] else "does NOT fit"
     memory.add_row("[b]peak / capacity[/]", f"[b]{_gib(mem['peak_bytes'])} / {_gib(mem['capacity_bytes'])} ({verdict})[/]")
+    runtime = result.get("runtime")
+    if runtime is not None:
+        memory.caption = ("modelcarve run executes this layout" if runtime["runs"]
+                          else f"modelcarve run refuses this layout: {runtime['why']}")
     time = Table(title="time per step")
     time.add_column("quantity")
     time.add_column("value", justify="right")

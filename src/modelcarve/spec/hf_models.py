@@ -18,7 +18,7 @@ What each family brings that the older ones lack (ModelSpec fields in brackets):
 * gemma3 (and gemma3_text): 5 local (sliding) layers per global one, four norms per layer
   [layer_norms], q/k norm, gated GELU-tanh MLP, tied embeddings; ``text_config`` as for llama4.
 * deepseek_v2: MLA as deepseek_v3, softmax routing, MoE from ``first_k_dense_replace`` on (the
-  runtime runs it, but not group-limited greedy routing: runtime/model/coverage.py).
+  runtime runs it, but not group-limited greedy routing: spec/support.py).
 * phi3: llama's parameters with fused qkv and gate/up matrices (same counts), partial rotary.
 * nemotron: squared-ReLU two-matrix MLP, LayerNorm1P (weight and bias), partial rotary 0.5.
 * bloom: ALiBi positions, a LayerNorm after the embedding [embedding_norm], biases everywhere.
@@ -26,7 +26,7 @@ What each family brings that the older ones lack (ModelSpec fields in brackets):
 
 Rotary scaling of these families is recorded as given (type and scalar keys) without the
 validation ``hf_config`` applies for the runtime: the runtime refuses these families before
-launch (runtime/model/coverage.py), except deepseek_v2, whose layers are deepseek_v3's.
+launch (spec/support.py), except deepseek_v2, whose layers are deepseek_v3's.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class ModelSpec:
     v_head_dim: int = 0
     source: str = ""
     """Where the dimensions come from (URL of the config.json or paper)."""
-    # --- layers of the newer families (spec/hf_models.py; the runtime refuses them, runtime/model/coverage.py)
+    # --- layers of the newer families (spec/hf_models.py; the runtime refuses them, spec/support.py)
     layer_norms: int = 2
     """Norms per decoder layer (gemma3: 4, pre and post both sub-blocks)."""
     embedding_norm: bool = False

@@ -142,7 +142,7 @@ def derive(args, layout: Layout, spec) -> Layout:
         changes["seq"] = spec.max_position
         _note(f"the layout gives no seq; using seq={spec.max_position}, the model's max_position_embeddings "
               f"(the default {layout.seq} is longer); add seq=N to choose")
-    elif layout.seq > spec.max_position and spec.position_kind != "learned":  # learned: check_runtime says it
+    elif layout.seq > spec.max_position and spec.position_kind != "learned":  # learned: spec/support.py says it
         raise LayoutError(f"seq={layout.seq} is longer than the {spec.max_position} positions {spec.name} was "
                           f"trained for (max_position_embeddings); use seq <= {spec.max_position}")
     if changes:
@@ -242,7 +242,7 @@ def predicted_bytes(layout: Layout, spec, on_gpu: bool) -> int:
 def _alternatives(layout: Layout, spec, limit: int, on_gpu: bool) -> list[tuple[int, str]]:
     """Layouts of the same ranks the runtime runs whose predicted memory fits in ``limit``."""
     from modelcarve.plan.factors import divisors
-    from modelcarve.runtime.parallel.parallelize import check_runtime
+    from modelcarve.spec.support import check_training
 
     world, found = layout.world_size, {}
     for tp in divisors(world):
@@ -255,7 +255,7 @@ def _alternatives(layout: Layout, spec, limit: int, on_gpu: bool) -> list[tuple[
                                           gbs=max(layout.global_batch, pp * layout.mbs * dp) // (layout.mbs * dp)
                                           * layout.mbs * dp)
                     try:
-                        check_runtime(cand, spec, world_size=world)
+                        check_training(cand, spec, world_size=world)
                         need = predicted_bytes(cand, spec, on_gpu)
                     except ModelcarveError:
                         continue

@@ -29,6 +29,7 @@ from modelcarve.plan.factors import divisors
 from modelcarve.plan.train.model import FIELDS, TrainCostModel, TrainOptions
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.support import training_problems
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -108,7 +109,9 @@ class TrainGoal:
             candidate.validate(model, cluster)  # also checks the batch divides into micro-batches
             options["global_batch"], options["seq"] = candidate.global_batch, candidate.seq
         cost = self.cost_model(model, cluster, **options)
-        return cost.estimate(candidate)
+        estimate = cost.estimate(candidate)
+        estimate["runtime"] = runtime_mark(model, estimate["layout"])
+        return estimate
 
     def score(self, result: dict) -> float:
         tps = result["time"]["tokens_per_s"]
@@ -125,6 +128,14 @@ class TrainGoal:
             f"{result['short']} reaches {ratio:.0%} of the winner's tokens/s: {label} {seconds / step:.0%} "
             f"of its step (winner: {best_parts[key][1] / best_step:.0%})"
         )
+
+
+def runtime_mark(model: "ModelSpec", layout: dict) -> dict:
+    """Whether modelcarve's own runtime (``modelcarve run``) executes this layout, and if not, why:
+    spec/support.py's one check, so a plan never ranks a layout as runnable that ``run`` refuses.
+    Shown beside the estimate, never a reason to drop it (another framework may run it)."""
+    problems = training_problems(Layout.from_dict(layout), model)
+    return {"runs": not problems, "why": "; ".join(problems)}
 
 
 _AXIS_NAMES = {"tp": "tensor-parallel all-reduces", "cp": "context-parallel exchanges", "ep": "expert all-to-alls",

@@ -36,16 +36,14 @@ from modelcarve.runtime.engine.block_manager import BlockManager
 from modelcarve.runtime.engine.sampler import SamplingParams, StopChecker, make_generator, sample
 from modelcarve.runtime.engine.scheduler import Scheduler, Sequence
 from modelcarve.runtime.engine.step_plan import StepPlan
-from modelcarve.spec.errors import LayoutError, ModelcarveError
+from modelcarve.spec.errors import ModelcarveError
+from modelcarve.spec.support import check_generation
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams", "resolve_layout"]
 
 HEARTBEAT_S = 5.0
 """An idle ``step()`` sends an empty plan this often, so followers never wait a whole collective
 timeout for work (call ``step()`` regularly, e.g. every few ms, even with nothing to do)."""
-RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
-WEIGHT_RUNTIME = RUNTIME_DTYPES + ("int8", "int4", "fp8")
-KV_RUNTIME = RUNTIME_DTYPES + ("int8", "fp8")
 
 
 def resolve_layout(layout, dtype: str | None = None):
@@ -70,33 +68,6 @@ def resolve_layout(layout, dtype: str | None = None):
     if lay.pp > 1 and lay.schedule != "gpipe":
         lay = lay.replace(schedule="gpipe")  # training schedules do not apply; the engine pipelines itself
     return lay, weight, kv
-
-
-def check_generation(layout, spec, weight_dtype: str, kv_dtype: str, world_size: int | None = None):
-    """Refuse, before any rank starts, what the engine cannot run; returns the layout with its
-    training-only ``seq`` capped at the model's context (generation lengths are per request)."""
-    from modelcarve.runtime.parallel.parallelize import check_runtime
-
-    layout = layout.replace(seq=min(layout.seq, spec.max_position))
-    problems = []
-    if layout.sp:
-        problems.append("sp (sequence parallelism) is not supported for generation; drop sp")
-    if layout.param_dtype not in ("fp32", "bf16"):
-        problems.append(f"param_dtype={layout.param_dtype} cannot be executed; use fp32 or bf16")
-    if weight_dtype not in WEIGHT_RUNTIME:
-        problems.append(f"weight_dtype={weight_dtype} cannot be executed by this runtime; use one of {', '.join(WEIGHT_RUNTIME)}")
-    if kv_dtype not in KV_RUNTIME:
-        problems.append(f"kv_dtype={kv_dtype} cannot be executed by this runtime; use one of {', '.join(KV_RUNTIME)}")
-    if layout.cp > 1:
-        problems.append("cp > 1 (context parallelism) is not supported for generation; use cp=1")
-    if layout.virtual_stages > 1:
-        problems.append("virtual_stages > 1 is not supported for generation; use virtual_stages=1")
-    if layout.ep > 1 and layout.pp > 1:
-        problems.append("ep > 1 with pp > 1 is not supported for generation; use pp=1 with ep")
-    if problems:
-        raise LayoutError("; ".join(problems))
-    check_runtime(layout, spec, world_size=world_size)
-    return layout
 
 
 @dataclass

@@ -12,8 +12,9 @@ recomputed forward (the parameters are gathered again before the block's backwar
 
 ``parallelize(model, layout, mesh)`` takes the unchanged reference model (runtime/model/transformer.py) and
 returns this rank's model chunks (one, or ``virtual_stages`` for an interleaved pipeline).
-``check_runtime(layout, spec, world_size)`` refuses, before any process starts, a layout the
-runtime cannot execute, with the fix in the message.
+Every refusal (a layout the runtime cannot execute, with the fix in the message) is
+spec/support.py's ``check_training``: the CLI calls it before any process starts, the planner to
+mark the layouts ``run`` would refuse, and ``parallelize`` again on every rank.
 
 Each parallelism module applies one parallelism and imports none of the others; what one
 changes in a parameter that another (or verify/reference.py, the train step, the checkpoint code) must
@@ -31,47 +32,12 @@ from typing import Any
 
 from torch import nn
 
-from modelcarve.runtime.model.coverage import check_model_coverage
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
+from modelcarve.spec.support import check_training
 
-
-def check_runtime(layout: Layout, spec: ModelSpec, world_size: int | None = None) -> None:
-    """Raise LayoutError if this runtime cannot execute ``layout`` on ``spec`` (and ``world_size``)."""
-    check_model_coverage(spec)  # a model whose layers the reference lacks (runtime/model/coverage.py)
-    layout.validate(spec, world_size=world_size)
-    problems = []
-    if layout.folded and layout.tp > 1 and not layout.sp and (layout.seq // layout.cp) % layout.tp:
-        # (MoE parallel folding: each TP rank routes its own slice of the sequence, expert.py)
-        problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "
-                        f"tokens, but seq/cp = {layout.seq // layout.cp} is not divisible by tp={layout.tp}; "
-                        f"choose seq a multiple of {layout.cp * layout.tp}")
-    if layout.param_dtype not in ("fp32", "bf16"):
-        problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
-    for name in ("grad_dtype", "optim_dtype"):
-        if getattr(layout, name) != "fp32":
-            problems.append(f"{name}={getattr(layout, name)} is not implemented by the runtime (fp32 master state); "
-                            f"use {name}=fp32")
-    # (a vocabulary tp does not divide is padded: tensor.padded_vocab_size)
-    if layout.sp and layout.tp > 1 and spec.position_kind == "learned":
-        problems.append("sequence parallelism with learned positions (gpt2) is not supported; drop sp")
-    if spec.position_kind == "learned" and layout.seq > spec.max_position:
-        problems.append(f"seq={layout.seq} exceeds the {spec.max_position} learned positions of {spec.name}; "
-                        f"use seq <= {spec.max_position}")
-    # (sequence parallelism's seq/cp divisible by tp is Layout.validate's)
-    if layout.cp > 1 and spec.sliding_layers and spec.sliding_window < layout.seq:
-        problems.append(f"cp={layout.cp}: ring attention has no sliding window ({spec.sliding_window} tokens < "
-                        f"seq {layout.seq}); use cp=1 or seq <= {spec.sliding_window}")
-    if layout.cp > 1 and spec.rope_parameters.get("rope_type") == "dynamic" and layout.seq > spec.max_position:
-        problems.append(f"cp={layout.cp}: dynamic rope past max_position {spec.max_position} needs the whole "
-                        f"sequence's length on every rank; use cp=1 or seq <= {spec.max_position}")
-    if layout.pp > 1:  # schedule / micro-batch / stage-count rules of torch's schedules
-        from modelcarve.runtime.parallel.pipeline_split import pipeline_problems
-
-        problems += pipeline_problems(layout, spec.num_layers)
-    if problems:
-        raise LayoutError("; ".join(problems))
+check_runtime = check_training  # the name runtime/measure/dry_run_bytes.py still imports
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
@@ -80,7 +46,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
     from modelcarve.runtime.distributed.mesh import axis_rank
     from modelcarve.runtime.parallel.tensor import apply_tensor_parallel
 
-    check_runtime(layout, model.spec)
+    check_training(layout, model.spec)
     create_groups(mesh, layout, model.spec)
     if layout.pp > 1:
         from modelcarve.runtime.parallel.pipeline import split_model

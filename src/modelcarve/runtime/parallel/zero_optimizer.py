@@ -151,7 +151,7 @@ class ShardedAdamW:
                 for _, _, p, off in b.entries:
                     p.grad = flat[off : off + p.numel()].view_as(p)
                 b.master.grad = flat[b.lo : b.hi].view(-1) if b.dtype == torch.float32 else None
-                if b.master.grad is None:  # pragma: no cover - fp32 gradients only (check_runtime)
+                if b.master.grad is None:  # pragma: no cover - fp32 gradients only (spec/support.py)
                     b.master.grad = flat[b.lo : b.hi].float()
             else:
                 b.master.grad = flat[b.lo : b.hi].to(torch.float32, copy=True)

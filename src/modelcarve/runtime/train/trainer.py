@@ -25,7 +25,7 @@ micro-batch from ``context.shard_batch(tokens, targets, mesh, layout) -> (tokens
 
 Mixed precision: ``param_dtype=bf16`` runs forward and backward under ``torch.autocast`` (bf16
 matmuls) with fp32 master weights, fp32 gradients, fp32 reductions and fp32 AdamW state
-(``grad_dtype``/``optim_dtype`` other than fp32, and fp16, are refused by check_runtime).
+(``grad_dtype``/``optim_dtype`` other than fp32, and fp16, are refused by spec/support.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""Can modelcarve's own runtime run this layout of this model, and why not: every refusal in one place.
+
+The planner prices layouts for any framework (Megatron, torchtitan, vLLM, ...); our runtime
+(runtime/) executes fewer. This module is the one statement of what it executes, read by
+everything that asks before work starts:
+
+* ``run`` / ``verify`` / ``run --dry-run`` (commands/, through ``check_training``), and
+  ``parallelize`` itself on every rank;
+* ``generate`` / ``serve`` (``check_generation``, which also caps the training-only ``seq``);
+* the planner, which marks the layouts the runtime would refuse (``training_problems``) without
+  dropping them: a user planning for Megatron may still want them.
+
+Pure Python (no torch), so the planner and the CLI can call it before any process starts.
+Each problem is one clause saying how to fix it; the raising checks join them with ``"; "`` into
+one ``LayoutError`` line.
+
+What is refused, by kind:
+
+* the model: layers the reference model (runtime/model/) does not have (``missing_layers``);
+* the layout as such: ``Layout.validate`` (divisibility, batch, precision);
+* the training runtime: dtypes other than fp32/bf16 parameters with fp32 gradients and optimiser
+  state, sequence parallelism with learned positions, ring attention past a sliding window or a
+  dynamic rope's context, folded experts whose sequence slices do not divide, and the pipeline
+  schedule rules of torch's ``pipelining`` (``pipeline_problems``);
+* generation: sp, cp, virtual stages, ep with pp, and the weight / KV dtypes the engine quantises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.hf_config import SUPPORTED_MODEL_TYPES
+from modelcarve.spec.layout import SCHEDULES  # all four run: torch.distributed.pipelining's schedules
+
+if TYPE_CHECKING:
+    from modelcarve.spec.layout import Layout
+    from modelcarve.spec.model import ModelSpec
+
+RUNTIME_FAMILIES = SUPPORTED_MODEL_TYPES + ("kimi_k2", "deepseek_v2")
+"""Families whose layers and checkpoint names the reference model has (runtime/model/transformer.py,
+runtime/checkpoint/hf_load.py)."""
+
+_FAMILY_LAYERS = {
+    "gpt_oss": "attention sinks, biased experts with a clamped SwiGLU, MXFP4 expert checkpoints",
+    "llama4": "chunked attention with NoPE layers, weightless L2 q/k norm, fused expert tensors",
+    "gemma3": "four norms per layer, (1 + w) RMSNorm, gated GELU-tanh MLP, per-layer-type rope",
+    "phi3": "fused qkv_proj / gate_up_proj checkpoint tensors",
+    "nemotron": "squared-ReLU MLP, LayerNorm1P, partial rotary",
+    "bloom": "ALiBi attention and fused query_key_value tensors",
+    "opt": "learned positions with an offset, fc1/fc2 ReLU MLP naming",
+}
+
+TRAIN_PARAM_DTYPES = ("fp32", "bf16")
+"""``param_dtype`` values the training runtime executes (gradients and optimiser state in fp32)."""
+RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
+WEIGHT_RUNTIME = RUNTIME_DTYPES + ("int8", "int4", "fp8")
+"""Weight dtypes the generation engine holds (runtime/engine/quant.py quantises to these)."""
+KV_RUNTIME = RUNTIME_DTYPES + ("int8", "fp8")
+"""KV-cache dtypes the generation engine holds."""
+
+
+# --- the model --------------------------------------------------------------------------
+def missing_layers(spec: "ModelSpec") -> list[str]:
+    """The layers ``spec`` needs that the reference model does not have (empty: it can run).
+
+    Looks at the layers a ModelSpec asks for, not only its family name, so a config of a supported
+    family that asks for an unsupported layer (partial rotary, a fifth norm) is refused too."""
+    missing = []
+    if spec.family not in RUNTIME_FAMILIES:
+        missing.append(f"the {spec.family} family ({_FAMILY_LAYERS.get(spec.family, 'its layers')})")
+    checks = [
+        (spec.attention_sinks, "attention sinks"),
+        (spec.router_bias, "a router bias"),
+        (spec.layer_norms != 2, f"{spec.layer_norms} norms per layer"),
+        (spec.embedding_norm, "a norm after the embedding"),
+        (spec.position_offset != 0, "an offset learned-position table"),
+        (spec.position_kind == "alibi", "ALiBi positions"),
+        (spec.partial_rotary_factor != 1.0, f"partial rotary ({spec.partial_rotary_factor:g} of each head)"),
+        (bool(spec.chunked_layers), "chunked attention"),
+        (spec.activation == "relu2", "a squared-ReLU MLP"),
+        (spec.family == "deepseek_v2" and spec.num_expert_groups > 1,
+         "DeepSeek-V2's group-limited greedy routing (groups scored by their best expert)"),
+    ]
+    return missing + [what for present, what in checks if present]
+
+
+def model_problem(spec: "ModelSpec") -> str | None:
+    """One line when the reference model cannot build ``spec``, else None."""
+    missing = missing_layers(spec)
+    if not missing:
+        return None
+    return (f"model {spec.name!r} ({spec.family}) can be planned but not run: the runtime's reference model lacks "
+            + "; ".join(missing)
+            + f". Use `modelcarve plan`/`estimate` for it, or run a model of: {', '.join(RUNTIME_FAMILIES)}")
+
+
+# --- the pipeline -----------------------------------------------------------------------
+def pipeline_problems(layout: "Layout", num_layers: int) -> list[str]:
+    """What keeps ``layout``'s pipeline from running a model of ``num_layers`` layers, each
+    with its fix (empty when it can run): torch's schedules' micro-batch and stage rules."""
+    if layout.pp * layout.virtual_stages <= 1:
+        return []
+    problems = []
+    n, pp, stages = layout.num_microbatches, layout.pp, layout.pp * layout.virtual_stages
+    if layout.schedule not in SCHEDULES:
+        problems.append(f"schedule={layout.schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
+    if layout.virtual_stages > 1 and layout.schedule in ("gpipe", "1f1b"):
+        problems.append(f"virtual_stages={layout.virtual_stages} needs schedule=interleaved-1f1b")
+    if layout.schedule != "gpipe" and n < pp:
+        problems.append(
+            f"schedule {layout.schedule} needs at least pp={pp} micro-batches, got {n}; "
+            f"raise gbs to {pp * layout.mbs * layout.dp} or use schedule=gpipe"
+        )
+    elif layout.schedule in ("interleaved-1f1b", "zero-bubble") and n % pp:
+        problems.append(
+            f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={pp}; "
+            f"set gbs to a multiple of {pp * layout.mbs * layout.dp}"
+        )
+    if stages > num_layers:
+        problems.append(
+            f"pp x virtual_stages = {stages} stages but the model has {num_layers} layers (each stage needs one); "
+            f"lower pp x virtual_stages to at most {num_layers}"
+        )
+    return problems
+
+
+# --- training ---------------------------------------------------------------------------
+def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
+    """What the training runtime does not execute of a layout ``Layout.validate`` accepts."""
+    problems = []
+    if layout.folded and layout.tp > 1 and not layout.sp and (layout.seq // layout.cp) % layout.tp:
+        # (MoE parallel folding: each TP rank routes its own slice of the sequence, expert.py)
+        problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "
+                        f"tokens, but seq/cp = {layout.seq // layout.cp} is not divisible by tp={layout.tp}; "
+                        f"choose seq a multiple of {layout.cp * layout.tp}")
+    if layout.param_dtype not in TRAIN_PARAM_DTYPES:
+        problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
+    for name in ("grad_dtype", "optim_dtype"):
+        if getattr(layout, name) != "fp32":
+            problems.append(f"{name}={getattr(layout, name)} is not implemented by the runtime (fp32 master state); "
+                            f"use {name}=fp32")
+    # (a vocabulary tp does not divide is padded: tensor.padded_vocab_size)
+    if layout.sp and layout.tp > 1 and spec.position_kind == "learned":
+        problems.append("sequence parallelism with learned positions (gpt2) is not supported; drop sp")
+    if spec.position_kind == "learned" and layout.seq > spec.max_position:
+        problems.append(f"seq={layout.seq} exceeds the {spec.max_position} learned positions of {spec.name}; "
+                        f"use seq <= {spec.max_position}")
+    # (sequence parallelism's seq/cp divisible by tp is Layout.validate's)
+    if layout.cp > 1 and spec.sliding_layers and spec.sliding_window < layout.seq:
+        problems.append(f"cp={layout.cp}: ring attention has no sliding window ({spec.sliding_window} tokens < "
+                        f"seq {layout.seq}); use cp=1 or seq <= {spec.sliding_window}")
+    if layout.cp > 1 and spec.rope_parameters.get("rope_type") == "dynamic" and layout.seq > spec.max_position:
+        problems.append(f"cp={layout.cp}: dynamic rope past max_position {spec.max_position} needs the whole "
+                        f"sequence's length on every rank; use cp=1 or seq <= {spec.max_position}")
+    problems += pipeline_problems(layout, spec.num_layers)  # torch's schedules' micro-batch and stage rules
+    return problems
+
+
+def training_problems(layout: "Layout", spec: "ModelSpec", world_size: int | None = None) -> list[str]:
+    """Every reason ``modelcarve run`` would refuse ``layout`` of ``spec`` (empty: it runs), in
+    the order ``check_training`` reports them: the model, ``Layout.validate``, the runtime."""
+    problem = model_problem(spec)
+    if problem:
+        return [problem]
+    try:
+        layout.validate(spec, world_size=world_size)
+    except LayoutError as err:
+        return [str(err)]
+    return runtime_problems(layout, spec)
+
+
+def check_training(layout: "Layout", spec: "ModelSpec", world_size: int | None = None) -> None:
+    """Raise LayoutError (one line) if the runtime cannot train ``layout`` on ``spec``."""
+    problems = training_problems(layout, spec, world_size)
+    if problems:
+        raise LayoutError("; ".join(problems))
+
+
+# --- generation -------------------------------------------------------------------------
+def generation_problems(layout: "Layout", spec: "ModelSpec", weight_dtype: str, kv_dtype: str) -> list[str]:
+    """What the generation engine does not execute of ``layout`` (beyond the training checks)."""
+    problems = []
+    if layout.sp:
+        problems.append("sp (sequence parallelism) is not supported for generation; drop sp")
+    if layout.param_dtype not in TRAIN_PARAM_DTYPES:
+        problems.append(f"param_dtype={layout.param_dtype} cannot be executed; use fp32 or bf16")
+    if weight_dtype not in WEIGHT_RUNTIME:
+        problems.append(f"weight_dtype={weight_dtype} cannot be executed by this runtime; use one of {', '.join(WEIGHT_RUNTIME)}")
+    if kv_dtype not in KV_RUNTIME:
+        problems.append(f"kv_dtype={kv_dtype} cannot be executed by this runtime; use one of {', '.join(KV_RUNTIME)}")
+    if layout.cp > 1:
+        problems.append("cp > 1 (context parallelism) is not supported for generation; use cp=1")
+    if layout.virtual_stages > 1:
+        problems.append("virtual_stages > 1 is not supported for generation; use virtual_stages=1")
+    if layout.ep > 1 and layout.pp > 1:
+        problems.append("ep > 1 with pp > 1 is not supported for generation; use pp=1 with ep")
+    return problems
+
+
+def check_generation(layout: "Layout", spec: "ModelSpec", weight_dtype: str, kv_dtype: str,
+                     world_size: int | None = None) -> "Layout":
+    """Refuse, before any rank starts, what the engine cannot run; returns the layout with its
+    training-only ``seq`` capped at the model's context (generation lengths are per request)."""
+    layout = layout.replace(seq=min(layout.seq, spec.max_position))
+    problems = generation_problems(layout, spec, weight_dtype, kv_dtype)
+    if problems:
+        raise LayoutError("; ".join(problems))
+    check_training(layout, spec, world_size=world_size)
+    return layout
