@@ -1,11 +1,11 @@
-"""Activation recomputation (parallelize.apply_recompute): the recomputed pieces run their forward
+"""Activation recomputation (runtime/parallel/recompute.py): the recomputed pieces run their forward
 twice, gradients do not change. (Under TP/FSDP: tests/test_runtime_layouts.py.)"""
 
 import pytest
 import torch
 
 from modelcarve.runtime.model.transformer import build_model
-from modelcarve.runtime.parallel.parallelize import apply_recompute
+from modelcarve.runtime.parallel.recompute import apply_recompute
 from modelcarve.spec.catalog import get_model
 
 

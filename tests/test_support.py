@@ -24,6 +24,8 @@ MATRIX = [
     ("tiny-llama", "pp=4,dp=2,gbs=4,seq=64,schedule=1f1b"),  # 2 micro-batches < pp
     ("tiny-llama", "dp=8,zero=1,gbs=8,seq=64,param_dtype=fp8"),  # FP8 GEMMs: planned, not run
     ("tiny-llama", "dp=8,zero=3,gbs=8,seq=64"),
+    ("tiny-llama", "dp=8,gbs=8,seq=64,recompute=ops"),  # torchtitan's op-level SAC: planned, not run
+    ("tiny-llama", "dp=8,gbs=8,seq=64,recompute=selective"),
     ("tiny-llama", "cp=2,tp=2,dp=2,gbs=8,seq=64"),
     ("tiny-moe", "dp=4,ep=4,tp=2,gbs=8,seq=64"),
     ("tiny-moe", "tp=2,dp=4,ep=8,etp=1,gbs=8,seq=63"),  # folded: seq not divisible by tp

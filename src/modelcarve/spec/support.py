@@ -18,7 +18,7 @@ What is refused, by kind:
 
 * the model: layers the reference model (runtime/model/) does not have (``missing_layers``);
 * the layout as such: ``Layout.validate`` (divisibility, batch, precision);
-* the training runtime: dtypes other than fp32/bf16 parameters with fp32 gradients and optimiser
+* the training runtime: recompute modes other than none/selective/full, dtypes other than fp32/bf16 parameters with fp32 gradients and optimiser
   state, sequence parallelism with learned positions, ring attention past a sliding window or a
   dynamic rope's context, folded experts whose sequence slices do not divide, and the pipeline
   schedule rules of torch's ``pipelining`` (``pipeline_problems``);
@@ -51,6 +51,9 @@ _FAMILY_LAYERS = {
     "opt": "learned positions with an offset, fc1/fc2 ReLU MLP naming",
 }
 
+RECOMPUTE_RUNTIME = ("none", "selective", "full")
+"""``recompute`` modes the runtime applies (runtime/parallel/recompute.py); ``ops`` and Megatron's
+module lists are planned, not run."""
 TRAIN_PARAM_DTYPES = ("fp32", "bf16")
 """``param_dtype`` values the training runtime executes (gradients and optimiser state in fp32)."""
 RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
@@ -136,6 +139,9 @@ def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
                         f"choose seq a multiple of {layout.cp * layout.tp}")
     if layout.param_dtype not in TRAIN_PARAM_DTYPES:
         problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
+    if layout.recompute not in RECOMPUTE_RUNTIME:
+        problems.append(f"recompute={layout.recompute} is not implemented by the runtime; use one of "
+                        f"{', '.join(RECOMPUTE_RUNTIME)}")
     for name in ("grad_dtype", "optim_dtype"):
         if getattr(layout, name) != "fp32":
             problems.append(f"{name}={getattr(layout, name)} is not implemented by the runtime (fp32 master state); "

@@ -1,14 +1,11 @@
 """The one place the parallelisms are applied, in this order:
 
     pipeline split (pipeline.py)  ->  TP / SP (tensor.py)  ->  EP (expert.py)
-      ->  CP (context.py)  ->  activation recomputation (below)
+      ->  CP (context.py)  ->  activation recomputation (recompute.py)
       ->  DP / ZeRO-1 / FSDP2 / HSDP (data_parallel.py)
 
-Recomputation (``layout.recompute``): ``full`` re-runs each transformer block's forward in the
-backward pass, ``selective`` only the attention core (``core_attention``: the s^2 part), with
-``torch.utils.checkpoint`` (non-reentrant). It is applied by replacing the module's ``forward``
-on the instance, so FQNs do not change, and before FSDP2, whose hooks then wrap the
-recomputed forward (the parameters are gathered again before the block's backward).
+Every process group the parallelisms use is made first, on every rank, in one order
+(``create_groups``), and the mesh is then sealed.
 
 ``parallelize(model, layout, mesh)`` takes the unchanged reference model (runtime/model/transformer.py) and
 returns this rank's model chunks (one, or ``virtual_stages`` for an interleaved pipeline).
@@ -32,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.model import ModelSpec
+from modelcarve.runtime.parallel.recompute import apply_recompute
 from modelcarve.spec.support import check_training
 
 check_runtime = check_training  # the name runtime/measure/dry_run_bytes.py still imports
@@ -67,7 +64,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
         for chunk in chunks:
             apply_context_parallel(chunk, mesh, layout)
     for chunk in chunks:
-        apply_recompute(chunk, layout.recompute)
+        apply_recompute(chunk, layout.recompute)  # recompute.py
     apply_data_parallel(chunks, mesh, layout)
     return chunks
 
@@ -103,29 +100,6 @@ def create_groups(mesh, layout: Layout, spec: ModelSpec) -> None:
             if layout.cp > 1:
                 merged_mesh(mesh, "cp_tp")
     seal_groups(mesh)
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    from torch.utils.checkpoint import checkpoint
-
-    forward = module.forward
-
-    def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed
-
-
-def apply_recompute(chunk: nn.Module, mode: str) -> None:
-    if mode == "none":
-        return
-    for block in chunk.layers.values():
-        if mode == "full":
-            _checkpoint_forward(block)
-        elif mode == "selective":
-            _checkpoint_forward(block.attention.core_attention)
-        else:
-            raise LayoutError(f"recompute={mode!r} is not one of: none, selective, full")
 
 
 # --- what a training step asks of the parallelisms ----------------------------------------
