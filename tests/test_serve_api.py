@@ -199,6 +199,10 @@ def test_bad_requests_get_openai_errors(server):
     assert "8192" in msg and "8180" in msg and "8200" in msg
     _error(_post(server, "/v1/completions", ok | dict(prompt=[10**6])), 400, "prompt")
     _error(_post(server, "/v1/completions", ok | dict(n=2)), 400, "n")
+    # fields it does not implement are refused, naming the field, not silently ignored (issue 27)
+    _error(_post(server, "/v1/completions", ok | dict(logit_bias={"5": 10})), 400, "logit_bias")
+    _error(_post(server, "/v1/completions", ok | dict(some_new_field=3)), 400, "some_new_field")
+    _post(server, "/v1/completions", ok | dict(logit_bias=None, tools=[])).raise_for_status()  # asks for nothing
     _error(_post(server, "/v1/completions", ok | dict(model="gpt-4")), 404, "model")
     _error(_post(server, "/v1/chat/completions", dict(model="gpt-4", messages=[{"role": "user", "content": "x"}])), 404)
     _error(_post(server, "/v1/chat/completions", dict(model=NAME, messages=[])), 400, "messages")
@@ -211,6 +215,13 @@ def test_bad_requests_get_openai_errors(server):
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         c.completions.create(model=NAME, prompt="x", max_tokens=2)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        good.chat.completions.create(**chat, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        good.chat.completions.create(**chat, response_format={"type": "json_object"})
 
 
 def test_full_queue_429_and_disconnect_frees_blocks(server):

@@ -108,6 +108,7 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         authorise(request)
         check_model(body.model)
         bridge.check_open()
+        P.refuse_unimplemented(body)
         logprobs = P.completion_logprobs_flag(body)
         prompts, echo = [], []
         for prompt in P.prompts_of(body.prompt):
@@ -138,6 +139,7 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         authorise(request)
         check_model(body.model)
         bridge.check_open()
+        P.refuse_unimplemented(body)
         tok = need_tokenizer("chat")
         logprobs = P.chat_logprobs_flag(body)
         messages = [dict(role=m.role, content=_content_text(m.content)) for m in body.messages]

@@ -1,8 +1,11 @@
 """Request bodies and response shapes of the OpenAI API as vLLM's OpenAI-compatible server has them.
 
 Requests are pydantic models in strict mode (``"max_tokens": "5"`` is a wrong type, as for
-OpenAI), unknown fields are ignored (vLLM logs and ignores them), and every check a request can
-fail before it reaches the engine raises ``APIError`` with the offending parameter. Fields follow
+OpenAI), and every check a request can fail before it reaches the engine raises ``APIError``
+with the offending parameter. A field this server does not implement is refused (400, naming
+it) rather than ignored, unless its value asks for nothing (``null``, ``false``, empty,
+``tool_choice: "none"``, ``response_format: {"type": "text"}``): an agent client that sends
+``tools`` or a JSON ``response_format`` must not get plain text back as if it had been honoured. Fields follow
 vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``: the OpenAI ones plus the sampling
 extras load generators send (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``).
 
@@ -25,6 +28,29 @@ from pydantic import BaseModel, ConfigDict, Field
 from modelcarve.serve.errors import APIError
 
 _CONFIG = ConfigDict(strict=True, extra="ignore")
+_REQUEST = ConfigDict(strict=True, extra="allow")  # extras are checked by ``refuse_unimplemented``
+
+_WHY_NOT = {
+    "tools": "tools (function calling) is not supported: this server generates plain text; drop tools",
+    "functions": "functions (function calling) is not supported: this server generates plain text; drop functions",
+    "tool_choice": "tool_choice is not supported (no function calling); drop it or send \"none\"",
+    "function_call": "function_call is not supported (no function calling); drop it",
+    "response_format": "response_format (structured output) is not supported: the output is not constrained; "
+                       "drop it or send {\"type\": \"text\"}",
+    "logit_bias": "logit_bias is not supported; drop it",
+    "use_beam_search": "beam search is not supported; drop use_beam_search",
+    "prompt_logprobs": "prompt_logprobs is not supported; drop it",
+}
+_HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False)}
+
+
+def refuse_unimplemented(req: BaseModel) -> None:
+    """400 naming the first field of ``req`` this server does not implement and whose value asks for
+    something (fields it does implement are declared on the request models)."""
+    for name, value in (req.model_extra or {}).items():
+        if value is None or value is False or value == [] or value == {} or value in _HARMLESS.get(name, ()):
+            continue
+        raise _bad(_WHY_NOT.get(name, f"{name} is not supported by this server; drop it"), name)
 
 
 class StreamOptions(BaseModel):
@@ -36,7 +62,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = _CONFIG
+    model_config = _REQUEST
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -107,6 +133,7 @@ def _bad(message: str, param: str) -> APIError:
 
 def sampling_params(req: _Sampling, *, max_tokens: int | None, default_max_tokens: int, logprobs: bool) -> SamplingParams:
     """Check the sampling fields of ``req`` (400 with the parameter's name) and collect them."""
+    refuse_unimplemented(req)
     if req.n not in (None, 1):
         raise _bad(f"n={req.n} is not supported: this server returns one choice per prompt; send n=1 "
                    "(or several requests)", "n")
