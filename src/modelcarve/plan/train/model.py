@@ -356,10 +356,10 @@ class TrainCostModel:
         """Model states of the fullest stage plus the runtime reserve: no schedule or micro-batch
         can bring a layout below this."""
         etp = etp or tp
-        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, v, p_dt, g_dt, o_dt, etp)  # candidate order (the hot path's slice)
         floor = self._floors.get(key)
         if floor is None:
-            states = self.stage_states(*key)
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
             edp = max(1, tp * cp * dp // (etp * ep))
             floor = self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
         return floor
@@ -530,7 +530,7 @@ class TrainCostModel:
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
         etp = cand[15]
         if not detail:
-            floor = self._floors.get(cand[:5] + cand[8:10] + cand[12:16] + (v,))
+            floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16])
             if floor is None:
                 floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], v)
             if floor > self.capacity:
