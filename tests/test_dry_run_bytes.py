@@ -3,13 +3,13 @@ planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
 meta device under the fake process group. Their per-rank figures do NOT all equal the
-planner's today, for two stated reasons (/work/notes/report-dryrun.md): the runtime keeps fp32
+planner's today, for one stated reason (/work/notes/report-dryrun.md): the runtime keeps fp32
 weights (4 bytes) where the planner counts bf16 weights (2 bytes) with the fp32 master in the
-optimiser; the planner gives every stage ceil(layers / pp) layers where pipeline_split balances
-with the embedding and head counted. What must agree, and is asserted: every rank of a stage
-with the planner's layer count has the planner's gradient bytes exactly (fp32 on both sides)
-and its ZeRO-1 optimiser bytes within the bucket padding. The full equality is a strict xfail:
-it starts failing (XPASS) the day both sides agree, so the test is then tightened.
+optimiser. The layers agree (issue 25: both sides take spec/stages.py's split, the embedding and
+head counted as a layer each), so what is asserted holds on EVERY rank: the planner's gradient
+bytes exactly (fp32 on both sides) and its ZeRO-1 optimiser bytes within the bucket padding. The
+full equality is a strict xfail: it starts failing (XPASS) the day both sides agree, so the test
+is then tightened.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from modelcarve.runtime.measure.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.stages import rank_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 # the planner's own winners: `plan --goal train --emit` (commands in the module doc of the report)
@@ -87,22 +88,18 @@ def test_full_scale_gradients_and_zero_totals(full_scale):
     assert sum(r["ranks"] for r in rows) == full_scale["world_size"]
     spec = model_spec(full_scale["model"])
     fields = (DSV3 if spec.name == DSV3[0] else L405)[2]
-    nls = -(-spec.num_layers // fields["pp"])
-    matched = 0
-    for r in rows:
-        if r["layers"] == nls and r["stage_kind"] == "middle" and (not spec.is_moe or r["pp_rank"] > 2):
-            assert r["measured"]["gradients"] == r["predicted"]["gradients"], r
-            matched += r["ranks"]
-    assert matched > full_scale["world_size"] // 2
-    # and their ZeRO-1 optimiser state (fp32 master + two moments of the owned range) is the
-    # planner's within the bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
+    # every rank holds the layers spec/stages.py gives its pipeline rank (the planner's split)
+    assert [r["layers"] for r in sorted(rows, key=lambda r: r["pp_rank"])] == [
+        rank_layers(spec.num_layers, fields["pp"])[r["pp_rank"]] for r in sorted(rows, key=lambda r: r["pp_rank"])]
     tol = tolerance_bytes(Layout(**fields))
     for r in rows:
-        if r["layers"] == nls and r["stage_kind"] == "middle" and (not spec.is_moe or r["pp_rank"] > 2):
-            assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
+        assert r["measured"]["gradients"] == r["predicted"]["gradients"], r
+        # ZeRO-1 optimiser state (fp32 master + two moments of the owned range) within the
+        # bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
+        assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
 
-@pytest.mark.xfail(strict=True, reason="fp32 runtime weights and ceil(layers/pp) planner stages differ "
-                   "from the planner (see the module doc)")
+@pytest.mark.xfail(strict=True, reason="fp32 runtime weights differ from the planner's bf16 weights "
+                   "(see the module doc)")
 def test_full_scale_equals_planner(full_scale):
     assert full_scale["ok"], [r for r in full_scale["rows"] if not r["ok"]][:2]
 

@@ -55,7 +55,7 @@ def test_higher_zero_stages_never_hold_more_optimizer_state_or_gradients(item):
         return  # no data-parallel group to shard over, or HSDP
     cost = COSTS[name]
     tp, cp, pp, dp, ep, mbs, sp, recompute = cand[:8]
-    prof = cost.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, cost.seq, cand[12])
+    prof = cost.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, cost.seq, cand[12], v=cand[11])
     # stage by stage: the worst stage itself may change with the ZeRO stage (activations vs states)
     for kind in prof["stages"]:
         parts = [cost.state_parts(prof, _with(cand, zero=z), kind) for z in (0, 1, 2, 3)]

@@ -3,7 +3,7 @@
 Usage::
 
     from modelcarve.plan.predict.step_traffic import predict_rank
-    pred = predict_rank(spec, layout, rank=0, stage_layers=4)
+    pred = predict_rank(spec, layout, rank=0)  # stage_layers: the runtime split (spec/stages.py)
     pred.messages        # [Message(op, group, dtype, payload, calls), ...]
     pred.memory          # {"params", "grads", "optimizer", "activations", "comm_buffers"}
 
@@ -52,6 +52,7 @@ from modelcarve.plan.cost.activations import layer_activation_bytes
 from modelcarve.plan.predict.activations import rank_activation_bytes
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
+from modelcarve.spec.stages import rank_layers
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -139,13 +140,6 @@ def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[in
     return out
 
 
-def even_stage_layers(num_layers: int, pp: int, stage: int) -> int:
-    """Layers of one stage under the runtime's default split when ``pp`` divides the layers."""
-    if num_layers % pp:
-        raise NotModelled("pass stage_layers: the layer count does not divide evenly over pp")
-    return num_layers // pp
-
-
 # --- the prediction -------------------------------------------------------------------------
 def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None) -> RankPrediction:
     """Messages and memory of one rank for one training step (see the module doc)."""
@@ -153,7 +147,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     c = coords(layout, rank)
     stage, tp = c["pp"], layout.tp
     first, last = stage == 0, stage == layout.pp - 1
-    nl = stage_layers if stage_layers is not None else even_stage_layers(spec.num_layers, layout.pp, stage)
+    nl = stage_layers if stage_layers is not None else rank_layers(spec.num_layers, layout.pp, layout.virtual_stages)[stage]
     m = layout.num_microbatches
     act = DTYPE_SIZE[layout.param_dtype]
     hidden = layout.mbs * layout.seq * spec.hidden_size  # elements of one micro-batch's hidden state

@@ -2,7 +2,9 @@
 sequences fit.
 
 A serving layout (the same ``Layout`` the training planner uses) cuts one model copy into
-``tp x pp`` devices: every layer split ``tp`` ways, layers split into ``pp`` stages. ``dp``
+``tp x pp`` devices: every layer split ``tp`` ways, layers split into ``pp`` stages as the
+runtime splits them (spec/stages.py: the embedding and the LM head weigh one layer each on the
+first and last stage, so 126 layers on pp=16 give [7] + [8] * 14 + [7]). ``dp``
 such copies serve requests side by side. With ``ep > 1`` the routed experts of ``ep`` copies
 are pooled and sharded over them (attention stays data-parallel: the DeepSeek / SGLang "DP
 attention + EP" arrangement), so ``ep`` must divide ``dp`` as the Layout requires.
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 from modelcarve.plan.cost.quant import kv_bytes, weight_format
 from modelcarve.spec.model import ModelSpec
+from modelcarve.spec.stages import rank_holdings
 
 GiB = 2**30
 RUNTIME_BYTES = 1 * GiB
@@ -146,12 +149,6 @@ class ShardFacts:
 _FACTS: dict[tuple, tuple] = {}
 
 
-def stage_sizes(num_layers: int, pp: int) -> list[int]:
-    """Layers per stage, as even as possible, the first stages taking the remainder."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
-
-
 def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> ShardFacts:
     # Keyed by object identity, with the model kept in the entry so the id cannot be reused.
     key = (id(model), tp, pp, ep, weight_dtype, kv_dtype)
@@ -224,17 +221,14 @@ def _tp_counts(model: ModelSpec, tp: int) -> _TpCounts:
 
 
 def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
-    """Distinct stages of a ``pp``-way split: (layers, MoE layers, holds embedding, holds head)."""
+    """Distinct stages of a ``pp``-way split: (layers, MoE layers, holds embedding, holds head),
+    the runtime's split (spec/stages.py: the embedding and the head count one layer each)."""
     key = (id(model), pp)
     held = _STAGES.get(key)
     kinds = held[1] if held is not None and held[0] is model else None
     if kinds is None:
-        moe_set = model._moe_set
-        found, start = [], 0
-        for stage, count in enumerate(stage_sizes(model.num_layers, pp)):
-            n_moe = sum(1 for i in range(start, start + count) if i in moe_set)
-            start += count
-            found.append((count, n_moe, stage == 0, stage == pp - 1))
+        holdings = rank_holdings(model.num_layers, pp, 1, model._moe_set)
+        found = [(count, n_moe, stage == 0, stage == pp - 1) for stage, (count, n_moe) in enumerate(holdings)]
         kinds = tuple(dict.fromkeys(found))
         _STAGES[key] = (model, kinds)
     return kinds

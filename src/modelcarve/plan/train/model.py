@@ -47,7 +47,6 @@ What a step costs (per device; see the helpers' docstrings for each formula)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,11 +67,13 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     model_state_bytes_per_param,
     optimizer_bytes_per_param,
     reserved_bytes,
+    stage_row,
     state_factors,
     weight_bytes,
 )
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
+from modelcarve.spec.stages import rank_holdings, stage_kind
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -179,14 +180,16 @@ class TrainCostModel:
         self._tiers: dict = {}
         self._layers: dict = {}
         self._gemms: dict = {}
-        self._windows: dict = {}
         self._traffic: dict = {}
         self._stage_params: dict = {}
+        self._split_ids: dict = {}
+        self._splits: dict = {}
         self._floors: dict = {}
         self._states: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._last_etp = 0
+        self._last_v = 1
         self._dtype = "bf16"  # compute dtype of the profile being built
         self._last_prof: dict | None = None
         self._params()
@@ -256,15 +259,16 @@ class TrainCostModel:
 
     # --- per (tp, cp, pp, dp, ep, mbs, sp, recompute): stage compute and memory profile ---------------
     def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
-                dtype: str = "bf16", etp: int = 0) -> dict:
+                dtype: str = "bf16", etp: int = 0, v: int = 1) -> dict:
         """Compute and memory of every stage kind for one micro-batch (GEMMs at ``dtype``'s peak:
-        a param_dtype, or ``fp8cs`` for FP8 with current scaling; ``etp`` expert TP, 0 = tp)."""
+        a param_dtype, or ``fp8cs`` for FP8 with current scaling; ``etp`` expert TP, 0 = tp;
+        ``v`` virtual stages per pipeline rank)."""
         etp = etp or tp
-        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp)
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
         prof = self._profiles.get(key)
         if prof is None:
             self._dtype = dtype
-            prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp)
+            prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
         return prof
 
     def _layer_cached(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
@@ -274,16 +278,6 @@ class TrainCostModel:
         if layer is None:
             layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp)
         return layer
-
-    def _moe_counts(self, nls: int) -> tuple[int, int, int]:
-        """MoE layers among the first, the last and the worst middle window of ``nls`` layers."""
-        counts = self._windows.get(nls)
-        if counts is None:
-            L = self.model.num_layers
-            first = sum(1 for i in range(min(nls, L)) if i in self.moe_set)
-            last = sum(1 for i in range(max(0, L - nls), L) if i in self.moe_set)
-            counts = self._windows[nls] = (first, last, min(nls, self.model.num_moe_layers))
-        return counts
 
     def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float:
         """Seconds of a GEMM at the profile's precision, or at ``dtype`` (bf16 for the GEMMs FP8
@@ -297,47 +291,45 @@ class TrainCostModel:
             t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch, dt)
         return t
 
-    def stage_params(self, tp: int, pp: int, ep: int, etp: int = 0) -> list[tuple]:
-        """Per stage kind: (kind, index, MoE layers, dense params, expert params, one layer's
-        params, linear-layer params) held by one device of the stage, before ZeRO sharding
-        (``etp``: expert TP, 0 = tp)."""
+    def stage_params(self, tp: int, pp: int, ep: int, etp: int = 0, v: int = 1) -> list[tuple]:
+        """Per stage kind: (kind, pipeline rank, MoE layers, dense params, expert params, one
+        layer's params, linear-layer params, layers) held by one device of that rank, before ZeRO
+        sharding (``etp``: expert TP, 0 = tp; ``v``: virtual stages per rank). The layers are the
+        runtime's split (spec/stages.py): the embedding's rank (first), the head's (last) and the
+        fullest middle rank (most parameters; the earliest on ties: it keeps the most micro-
+        batches in flight), each rank summing its virtual stages."""
         etp = etp or tp
-        key = (tp, pp, ep, etp)
+        key = (tp, pp, ep, etp, v)
         rows = self._stage_params.get(key)
         if rows is not None:
             return rows
-        m = self.model
-        nls = math.ceil(m.num_layers / pp)
-        moe_first, moe_last, moe_mid = self._moe_counts(nls)
-        kinds = [("first", moe_first, 0), ("last", moe_last, pp - 1)] if pp > 1 else [("only", moe_first, 0)]
+        held = rank_holdings(self.model.num_layers, pp, v, self.moe_set)
+        rows = [stage_row(self, stage_kind(r, pp), r, *held[r], tp, pp, ep, etp) for r in dict.fromkeys((0, pp - 1))]
         if pp > 2:
-            kinds.insert(1, ("middle", moe_mid, 1))
-        rows = []
-        for kind, n_moe, index in kinds:
-            n_dense = nls - n_moe
-            layer_split = n_dense * self.dense_split + n_moe * self.moe_split
-            layer_rep = n_dense * self.layer_rep + n_moe * self.moe_rep
-            params_dense = layer_split / tp + layer_rep
-            linear = layer_split / tp  # weights of the layers' GEMMs (what FP8 caches quantised)
-            if kind in ("first", "only"):
-                params_dense += self.vocab_h / tp + self.pos
-            if kind in ("last", "only"):
-                params_dense += self.final_norm
-                if not m.tied_embeddings or pp > 1:
-                    params_dense += self.vocab_h / tp
-            params_exp = n_moe * self.moe_experts / (ep * etp)
-            layer = (self.dense_split if n_dense else self.moe_split) / tp + ((self.moe_experts / (ep * etp)) if n_moe else 0.0)
-            rows.append((kind, index, n_moe, params_dense, params_exp, layer, linear + params_exp))
+            firsts = {held[r]: r for r in range(pp - 2, 0, -1)}  # each distinct middle holding at its first rank
+            middles = [stage_row(self, "middle", r, *h, tp, pp, ep, etp) for h, r in firsts.items()]
+            rows.insert(1, max(middles, key=lambda row: (row[3] + row[4], -row[1])))
         self._stage_params[key] = rows
         return rows
 
+    def split_id(self, pp: int, v: int) -> int:
+        """A small id of the runtime's split of the layers over ``pp`` ranks with ``v`` virtual
+        stages each (spec/stages.py), equal for every (pp, v) whose ranks hold the same layers
+        (128 layers on pp=32: v = 1, 2 and 4 all give 4 layers per rank), so those share profiles."""
+        key = (pp, v)
+        sid = self._split_ids.get(key)
+        if sid is None:
+            held = rank_holdings(self.model.num_layers, pp, v, self.moe_set)
+            sid = self._split_ids[key] = self._splits.setdefault(held, len(self._splits))
+        return sid
+
     def stage_states(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
-                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0) -> list[float]:
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1) -> list[float]:
         """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers, + FP8 weight caches)
         per stage kind, bytes, in ``stage_params`` order; independent of micro-batching, so
         cached per mesh and ZeRO."""
         etp = etp or tp
-        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp)
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
         states = self._states.get(key)
         if states is None:
             per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
@@ -346,10 +338,8 @@ class TrainCostModel:
             states = self._states[key] = [
                 per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
                 + cache * (lin if zero < 3 else layer)  # FSDP caches only the gathered layer's quantised copy
-                for _, _, _, pd, pe, layer, lin in self.stage_params(tp, pp, ep, etp)
+                for _, _, _, pd, pe, layer, lin, _ in self.stage_params(tp, pp, ep, etp, v)
             ]
-            edp = max(1, tp * cp * dp // (etp * ep))
-            self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
         return states
 
     @staticmethod
@@ -362,17 +352,20 @@ class TrainCostModel:
         return shard * cp, max(1, shard * cp * tp // (etp * ep))
 
     def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
-                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0) -> float:
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1) -> float:
         """Model states of the fullest stage plus the runtime reserve: no schedule or micro-batch
         can bring a layout below this."""
-        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp or tp)
-        if key not in self._floors:
-            self.stage_states(*key)
-        return self._floors[key]
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, v, p_dt, g_dt, o_dt, etp)  # candidate order (the hot path's slice)
+        floor = self._floors.get(key)
+        if floor is None:
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+            edp = max(1, tp * cp * dp // (etp * ep))
+            floor = self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
+        return floor
 
-    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp) -> dict:
+    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
         m, o = self.model, self.options
-        nls = math.ceil(m.num_layers / pp)
         dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
         moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
         h, V = m.hidden_size, m.vocab_size
@@ -383,7 +376,7 @@ class TrainCostModel:
         head_s = 3.0 * head_fwd + loss_s
         logits_bytes = self._logits_bytes(T, V / tp, h)
         stages = {}
-        for kind, index, n_moe, params_dense, params_exp, layer, _lin in self.stage_params(tp, pp, ep, etp):
+        for kind, index, n_moe, params_dense, params_exp, layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
             n_dense = nls - n_moe
             last = kind in ("last", "only")
             stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
@@ -416,7 +409,7 @@ class TrainCostModel:
             "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
             "n_mb": gbs // (mbs * dp),
             "tokens": gbs * seq,
-            "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp),
+            "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp, v),
             "dense": dense,
             "moe": moe,
             "p2p_s": comm.p2p_s(p2p_bytes, pp_tier) if pp > 1 else 0.0,
@@ -442,8 +435,8 @@ class TrainCostModel:
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         tp, cp, pp, dp, ep = prof["key"][:5]
-        etp = prof["key"][8]
-        states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15], etp)
+        etp, v = prof["key"][8], prof["key"][9]
+        states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15], etp, v)
         buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
         reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
         base = buffers * self._growth + reserved
@@ -458,12 +451,24 @@ class TrainCostModel:
 
     def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
         """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
-        tp, cp, dp, ep, etp = prof["key"][0], prof["key"][1], prof["key"][3], prof["key"][4], prof["key"][8]
+        return self._parts(prof["stages"][kind], cand, *prof["key"][:5], prof["key"][8])
+
+    def rank_state_parts(self, cand: tuple, pp_rank: int) -> dict[str, float]:
+        """``state_parts`` of pipeline rank ``pp_rank`` itself, whatever the runtime's split gives
+        it (a middle rank may hold fewer layers than the fullest one the search prices)."""
+        tp, cp, pp, dp, ep = cand[:5]
+        cand = self.full_candidate(cand)
+        v, etp = cand[11], cand[15]
+        nls, n_moe = rank_holdings(self.model.num_layers, pp, v, self.moe_set)[pp_rank]
+        row = stage_row(self, stage_kind(pp_rank, pp), pp_rank, nls, n_moe, tp, pp, ep, etp)
+        st = {"params_dense": row[3], "params_expert": row[4], "layer_params": row[5], "linear_params": row[6]}
+        return self._parts(st, cand, tp, cp, pp, dp, ep, etp)
+
+    def _parts(self, st: dict, cand: tuple, tp: int, cp: int, _pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
         zero, dp_shard = cand[8], cand[9]
         pb, gb = weight_bytes(cand[12]), DTYPE_BYTES[cand[13]]
         ob = optimizer_bytes_per_param(cand[12], cand[14])
         n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
-        st = prof["stages"][kind]
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
         cache = fp8_cache_bytes(cand[12])
@@ -525,9 +530,9 @@ class TrainCostModel:
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
         etp = cand[15]
         if not detail:
-            floor = self._floors.get(cand[:5] + cand[8:10] + cand[12:16])
+            floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16])
             if floor is None:
-                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16])
+                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], v)
             if floor > self.capacity:
                 # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
                 return -floor, STATES_DO_NOT_FIT, None
@@ -535,11 +540,12 @@ class TrainCostModel:
         dtype = cand[12]
         if dtype == "fp8" and cand[16] == "current":  # compute_key, inlined on the search's hot path
             dtype = "fp8cs"
-        if pkey == self._last_pkey and dtype == self._last_dtype and etp == self._last_etp:
+        if pkey == self._last_pkey and dtype == self._last_dtype and etp == self._last_etp and v == self._last_v:
             prof = self._last_prof
         else:
-            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp)
+            prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp, v)
             self._last_pkey, self._last_prof, self._last_dtype, self._last_etp = pkey, prof, dtype, etp
+            self._last_v = v
         dkey = (zero, dp_shard) + cand[12:]
         d = prof["dp"].get(dkey)
         if d is None:

@@ -29,6 +29,14 @@ class TrainCost(Protocol):
     """Bytes of one device's memory."""
     seq: int
     vocab_h: float
+    dense_split: float
+    moe_split: float
+    layer_rep: float
+    moe_rep: float
+    moe_experts: float
+    pos: float
+    final_norm: float
+    """Per-model parameter counts (plan/train/states.py's ``stage_row`` sums them per rank)."""
     head_fwd_flops_token: float
     _traffic: dict
 

@@ -87,7 +87,7 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
     reason = None
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
-    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16]) > cost.capacity:
+    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], cand[11]) > cost.capacity:
         # the stage with the most model state (not necessarily the one with the highest peak)
         fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
                               key=lambda kv: kv[1])

@@ -203,3 +203,24 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     r["optimizer_s"] = memory_bound_time_s(cost.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
     cost._traffic[key] = r
     return r
+
+
+def stage_row(cost: "TrainCost", kind: str, index: int, nls: int, n_moe: int, tp: int, pp: int, ep: int, etp: int) -> tuple:
+    """One row of the cost model's ``stage_params``: a pipeline rank holding ``nls`` layers,
+    ``n_moe`` of them MoE (and the embedding when ``kind`` is first / only, the final norm and
+    head when last / only)."""
+    m = cost.model
+    n_dense = nls - n_moe
+    layer_split = n_dense * cost.dense_split + n_moe * cost.moe_split
+    layer_rep = n_dense * cost.layer_rep + n_moe * cost.moe_rep
+    params_dense = layer_split / tp + layer_rep
+    linear = layer_split / tp  # weights of the layers' GEMMs (what FP8 caches quantised)
+    if kind in ("first", "only"):
+        params_dense += cost.vocab_h / tp + cost.pos
+    if kind in ("last", "only"):
+        params_dense += cost.final_norm
+        if not m.tied_embeddings or pp > 1:
+            params_dense += cost.vocab_h / tp
+    params_exp = n_moe * cost.moe_experts / (ep * etp)
+    layer = (cost.dense_split if n_dense else cost.moe_split) / tp + ((cost.moe_experts / (ep * etp)) if n_moe else 0.0)
+    return (kind, index, n_moe, params_dense, params_exp, layer, linear + params_exp, nls)

@@ -27,9 +27,9 @@ tests/test_dry_run_bytes.py):
   owns ``padded / n`` elements and keeps an fp32 master copy of them plus the two moments (12
   bytes each). ZeRO-1 keeps the whole padded flat gradient buffer, ZeRO-2 its owned range.
 
-The planner's figures (``planner_figures``) are plan/train/model.py's ``state_parts`` of the
-layout's stage kind (first / middle / last / only) for the same cluster: weights, gradients,
-optimizer_states. ``compare`` marks a category different when it is off by more than
+The planner's figures (``planner_figures``) are plan/train/model.py's ``rank_state_parts`` of
+each pipeline rank (the layers spec/stages.py's split gives it: the split ``parallelize``
+builds) for the same cluster: weights, gradients, optimizer_states. ``compare`` marks a category different when it is off by more than
 ``tolerance_bytes(layout)``: the planner divides element counts by ``n`` as a real number, the
 buckets pad each group to a multiple of ``n``, so a category may exceed the planner's by under
 ``n`` elements per bucket, at most 12 bytes each: 12 x (n_dense + n_expert) bytes.
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.stages import stage_kind
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train.py, check_runtime)
 CATEGORIES = ("weights", "gradients", "optimizer_states")
@@ -139,21 +140,15 @@ def measure(model_name: str, layout) -> dict:
     return out
 
 
-def planner_figures(spec, cluster, layout) -> dict[str, dict[str, float]]:
-    """The planner's weights / gradients / optimizer_states bytes per stage kind."""
+def planner_figures(spec, cluster, layout) -> dict[int, dict[str, float]]:
+    """The planner's weights / gradients / optimizer_states bytes of every pipeline rank, from
+    the layers the runtime's split gives that rank (spec/stages.py, the split ``parallelize``
+    builds); the search prices the fullest middle rank, so the others are asked for one by one."""
     from modelcarve.plan.goals import get_goal
 
     cost = get_goal("train").cost_model(spec, cluster, global_batch=layout.global_batch, seq=layout.seq)
     cand = cost.full_candidate(cost.key(layout))
-    prof = cost.profile(*cand[:8], cost.seq, cost.compute_key(cand), cand[15])
-    cost._dp_entry(prof, cand)  # noqa: SLF001 (fills the per-stage states state_parts reads)
-    return {kind: {c: cost.state_parts(prof, cand, kind)[c] for c in CATEGORIES} for kind in prof["stages"]}
-
-
-def stage_kind(pp_rank: int, pp: int) -> str:
-    if pp == 1:
-        return "only"
-    return "first" if pp_rank == 0 else "last" if pp_rank == pp - 1 else "middle"
+    return {p: {c: cost.rank_state_parts(cand, p)[c] for c in CATEGORIES} for p in range(layout.pp)}
 
 
 def dry_run_bytes(model_name: str, layout, cluster) -> dict:
@@ -169,7 +164,7 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
     tol = tolerance_bytes(layout)
     rows = []
     for p, m in measured.items():
-        pred = predicted[stage_kind(p, layout.pp)]
+        pred = predicted[p]
         groups: dict = {}
         for q, fig in m["ranks"].items():
             groups.setdefault(fig, []).append(p * per_stage + q)

@@ -18,14 +18,11 @@ stays that name on whichever stage holds layer 5).
 How many layers per stage
 -------------------------
 Explicit: ``layers_per_stage=[3, 5, 4, 4]`` (one count per stage, in stage order, each >= 1,
-summing to the layer count). Default: :func:`balance_layers`, which minimises the costliest
-stage when a decoder layer costs 1 and the embedding and the LM head cost ``embed_cost`` and
-``head_cost`` layers on top of the first and last stage (both 1 by default, the rule of
-Megatron-LM's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-
-split``); among the splits with that lowest maximum it takes the most even layer counts, and
-on ties gives the extra layer to a later stage (under 1F1B the early stages keep more
-micro-batches' activations alive). 4 layers on 2 stages: [2, 2]; 6 layers on 4 stages:
-[1, 2, 2, 1]; 8 layers on 4 stages: [2, 2, 2, 2]; 5 layers on 2 stages: [2, 3].
+summing to the layer count). Default: spec/stages.py's :func:`balance_layers` (re-exported
+here), the one split every planner prices too: the embedding and the LM head cost one layer
+each on the first and last stage (Megatron-LM's ``--account-for-embedding-in-pipeline-split``
+/ ``--account-for-loss-in-pipeline-split``). 6 layers on 4 stages: [1, 2, 2, 1]; 126 layers on
+16 stages: [7] + [8] * 14 + [7].
 
 Tied embeddings
 ---------------
@@ -53,6 +50,12 @@ from torch import nn
 from modelcarve.runtime.distributed.shards import record_tied_copy
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.stages import balance_layers, rank_stage_ids, stage_counts
+
+__all__ = [
+    "SCHEDULES", "balance_layers", "check_layers_per_stage", "num_stages", "pipeline_problems", "split_model",
+    "stage_ids", "stage_layer_ranges",
+]
 
 
 def num_stages(layout: Layout) -> int:
@@ -61,9 +64,7 @@ def num_stages(layout: Layout) -> int:
 
 def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     """Stages held by pipeline rank ``pp_rank``, in order: ``pp_rank + i * pp``."""
-    if not 0 <= pp_rank < layout.pp:
-        raise LayoutError(f"pp_rank={pp_rank} is outside 0..{layout.pp - 1} for pp={layout.pp}")
-    return [pp_rank + i * layout.pp for i in range(layout.virtual_stages)]
+    return rank_stage_ids(layout.pp, layout.virtual_stages, pp_rank)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -98,40 +99,6 @@ def pipeline_problems(layout: Layout, num_layers: int) -> list[str]:
     return problems
 
 
-def balance_layers(
-    num_layers: int, num_stages: int, *, embed_cost: float = 1.0, head_cost: float = 1.0
-) -> list[int]:
-    """Layer count per stage minimising the costliest stage (see the module doc for the costs)."""
-    if num_stages < 1 or num_layers < num_stages:
-        raise LayoutError(
-            f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one layer); "
-            f"lower pp x virtual_stages to at most {num_layers}"
-        )
-    if embed_cost < 0 or head_cost < 0:
-        raise LayoutError(f"embed_cost={embed_cost} and head_cost={head_cost} must be >= 0")
-    extra = [0.0] * num_stages
-    extra[0] += embed_cost
-    extra[-1] += head_cost
-
-    def capacity(limit: float) -> list[int]:
-        # Most layers each stage can take without costing more than ``limit``.
-        return [int(limit - e + 1e-9) for e in extra]
-
-    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extra})
-    for limit in candidates:
-        caps = capacity(limit)
-        if min(caps) >= 1 and sum(caps) >= num_layers:
-            break
-    # Among the splits within that limit, the most even layer counts: fill one layer at a time
-    # into the stage with the fewest layers that still has room (latest stage on ties: under
-    # 1F1B the early stages keep more micro-batches' activations alive).
-    counts = [1] * num_stages
-    for _ in range(num_layers - num_stages):
-        room = [i for i in range(num_stages) if counts[i] < caps[i]]
-        counts[min(room, key=lambda i: (counts[i], -i))] += 1
-    return counts
-
-
 def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, stages: int) -> list[int]:
     counts = [int(c) for c in layers_per_stage]
     if len(counts) != stages:
@@ -159,6 +126,8 @@ def stage_layer_ranges(
     stages = num_stages(layout)
     if layers_per_stage is not None:
         counts = check_layers_per_stage(layers_per_stage, num_layers, stages)
+    elif embed_cost == 1.0 and head_cost == 1.0:
+        counts = stage_counts(num_layers, layout.pp, layout.virtual_stages)  # the split the planners price
     else:
         counts = balance_layers(num_layers, stages, embed_cost=embed_cost, head_cost=head_cost)
     ranges, start = [], 0

@@ -1,0 +1,129 @@
+"""Which decoder layers each pipeline stage and each pipeline rank holds: the one split.
+
+The runtime builds it (runtime/parallel/pipeline_split.py cuts the reference model with it) and
+every planner prices it (plan/train/model.py, plan/serve/memory.py, plan/predict/step_traffic.py,
+runtime/measure/dry_run_bytes.py's prediction), so a layout's stages hold, in the plan, exactly
+what they hold when it runs. Pure Python, no torch.
+
+Stages and ranks
+----------------
+``num_stages = pp * v`` (``v`` virtual stages per rank). Stage ``s`` lives on pipeline rank
+``s % pp``: rank ``r`` holds stages ``r, r + pp, r + 2 pp, ...`` (Megatron's interleaved virtual
+pipeline, torch's ``ScheduleInterleaved1F1B``). Each stage holds a contiguous run of layers in
+stage order. The token (and position) embedding sits on stage 0, so on rank 0; the final norm
+and the LM head on the last stage, so on rank ``pp - 1``.
+
+How many layers per stage
+-------------------------
+:func:`balance_layers` minimises the costliest stage when a decoder layer costs 1 and the
+embedding and the LM head cost ``embed_cost`` and ``head_cost`` layers on top of the first and
+last stage (both 1 by default: Megatron-LM's ``--account-for-embedding-in-pipeline-split`` /
+``--account-for-loss-in-pipeline-split``); among the splits with that lowest maximum it takes
+the most even layer counts, and on ties gives the extra layer to a later stage (under 1F1B the
+early stages keep more micro-batches' activations alive). 126 layers on 16 stages:
+[7] + [8] * 14 + [7]; 96 on 8: [12] * 8; 6 on 4: [1, 2, 2, 1]; 5 on 2: [2, 3].
+
+The default split is cached per (num_layers, pp, v): the planners ask for it per candidate.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from modelcarve.spec.errors import LayoutError
+
+__all__ = [
+    "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
+    "rank_holdings", "stage_kind", "EMBEDDING_RANK",
+]
+
+EMBEDDING_RANK = 0
+"""The pipeline rank holding the embedding (stage 0); the LM head is on rank ``pp - 1``."""
+
+
+def balance_layers(
+    num_layers: int, num_stages: int, *, embed_cost: float = 1.0, head_cost: float = 1.0
+) -> list[int]:
+    """Layer count per stage minimising the costliest stage (see the module doc for the costs)."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one layer); "
+            f"lower pp x virtual_stages to at most {num_layers}"
+        )
+    if embed_cost < 0 or head_cost < 0:
+        raise LayoutError(f"embed_cost={embed_cost} and head_cost={head_cost} must be >= 0")
+    extra = [0.0] * num_stages
+    extra[0] += embed_cost
+    extra[-1] += head_cost
+
+    def capacity(limit: float) -> list[int]:
+        # Most layers each stage can take without costing more than ``limit``.
+        return [int(limit - e + 1e-9) for e in extra]
+
+    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extra})
+    for limit in candidates:
+        caps = capacity(limit)
+        if min(caps) >= 1 and sum(caps) >= num_layers:
+            break
+    # Among the splits within that limit, the most even layer counts: fill one layer at a time
+    # into the stage with the fewest layers that still has room (latest stage on ties: under
+    # 1F1B the early stages keep more micro-batches' activations alive).
+    counts = [1] * num_stages
+    for _ in range(num_layers - num_stages):
+        room = [i for i in range(num_stages) if counts[i] < caps[i]]
+        counts[min(room, key=lambda i: (counts[i], -i))] += 1
+    return counts
+
+
+@lru_cache(maxsize=4096)
+def stage_counts(num_layers: int, pp: int, v: int = 1) -> tuple[int, ...]:
+    """Layers of every stage (``pp * v`` of them, in stage order) under the default split."""
+    return tuple(balance_layers(num_layers, pp * v))
+
+
+@lru_cache(maxsize=4096)
+def stage_ranges(num_layers: int, pp: int, v: int = 1) -> tuple[range, ...]:
+    """The layer indices of every stage, in stage order, under the default split."""
+    out, start = [], 0
+    for count in stage_counts(num_layers, pp, v):
+        out.append(range(start, start + count))
+        start += count
+    return tuple(out)
+
+
+def rank_stage_ids(pp: int, v: int, pp_rank: int) -> list[int]:
+    """Stages held by pipeline rank ``pp_rank``, in order: ``pp_rank + i * pp``."""
+    if not 0 <= pp_rank < pp:
+        raise LayoutError(f"pp_rank={pp_rank} is outside 0..{pp - 1} for pp={pp}")
+    return [pp_rank + i * pp for i in range(v)]
+
+
+@lru_cache(maxsize=4096)
+def rank_layer_ids(num_layers: int, pp: int, v: int = 1) -> tuple[tuple[int, ...], ...]:
+    """For every pipeline rank the layer indices it holds over all its virtual stages."""
+    ranges = stage_ranges(num_layers, pp, v)
+    return tuple(tuple(i for s in rank_stage_ids(pp, v, r) for i in ranges[s]) for r in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def rank_layers(num_layers: int, pp: int, v: int = 1) -> tuple[int, ...]:
+    """Layers held by every pipeline rank, summing its virtual stages."""
+    return tuple(len(ids) for ids in rank_layer_ids(num_layers, pp, v))
+
+
+def rank_holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset) -> tuple[tuple[int, int], ...]:
+    """For every pipeline rank (layers, MoE layers among them); ``moe_layers`` the MoE layer indices
+    (dense first layers, e.g. DeepSeek-V3's ``first_k_dense``, count on the rank that holds them)."""
+    return _holdings(num_layers, pp, v, frozenset(moe_layers))
+
+
+@lru_cache(maxsize=4096)
+def _holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset) -> tuple[tuple[int, int], ...]:
+    return tuple((len(ids), sum(1 for i in ids if i in moe_layers)) for ids in rank_layer_ids(num_layers, pp, v))
+
+
+def stage_kind(pp_rank: int, pp: int) -> str:
+    """``only`` (no pipeline), ``first`` (the embedding's rank), ``last`` (the head's) or ``middle``."""
+    if pp == 1:
+        return "only"
+    return "first" if pp_rank == EMBEDDING_RANK else "last" if pp_rank == pp - 1 else "middle"
