@@ -45,7 +45,7 @@ import torch.distributed as dist
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.stages import stage_kind
 
-MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train.py, check_runtime)
+MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train/trainer.py, spec/support.py)
 CATEGORIES = ("weights", "gradients", "optimizer_states")
 ZERO_STATE_BYTES = 12  # zero_optimizer: fp32 master of the owned range + exp_avg + exp_avg_sq
 
@@ -118,11 +118,12 @@ def measure(model_name: str, layout) -> dict:
 
     from modelcarve.runtime.checkpoint.hf_load import load_model, model_spec
     from modelcarve.runtime.distributed.mesh import build_mesh, destroy, init_distributed
-    from modelcarve.runtime.parallel.parallelize import check_runtime, parallelize
+    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.spec.support import check_training
 
     if dist.is_initialized():
         raise LayoutError("the dry run needs a process without a process group (it plays the ranks itself)")
-    check_runtime(layout, model_spec(model_name), world_size=layout.world_size)  # before the 10 s build
+    check_training(layout, model_spec(model_name), world_size=layout.world_size)  # before the 10 s build
     model, _spec = load_model(model_name, device="meta", dtype=torch.float32)
     per_stage = layout.tp * layout.cp * layout.dp
     out = {}

@@ -34,8 +34,6 @@ from modelcarve.spec.model import ModelSpec
 from modelcarve.runtime.parallel.recompute import apply_recompute
 from modelcarve.spec.support import check_training
 
-check_runtime = check_training  # the name runtime/measure/dry_run_bytes.py still imports
-
 
 def parallelize(model: nn.Module, layout: Layout, mesh) -> list[nn.Module]:
     """Apply every parallelism of ``layout`` to ``model`` (consumed) on this rank; returns its chunks."""

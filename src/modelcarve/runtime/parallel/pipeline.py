@@ -52,16 +52,11 @@ from torch.distributed.pipelining.microbatch import _Replicate
 from torch.distributed.tensor import DTensor
 
 from modelcarve.runtime.distributed.mesh import new_group
-from modelcarve.runtime.parallel.pipeline_split import (
-    balance_layers,
-    num_stages,
-    pipeline_problems,
-    split_model,
-    stage_ids,
-)
+from modelcarve.runtime.parallel.pipeline_split import balance_layers, num_stages, split_model, stage_ids
 from modelcarve.runtime.distributed.shards import tied_copy_names, unwrap
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.support import pipeline_problems
 
 __all__ = ["Action", "PipelineRunner", "build_pipeline", "split_model", "balance_layers", "stage_ids", "tied_copy_names"]
 

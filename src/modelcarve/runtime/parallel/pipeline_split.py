@@ -53,7 +53,7 @@ from modelcarve.spec.layout import Layout
 from modelcarve.spec.stages import balance_layers, rank_stage_ids, stage_counts
 
 __all__ = [
-    "SCHEDULES", "balance_layers", "check_layers_per_stage", "num_stages", "pipeline_problems", "split_model",
+    "balance_layers", "check_layers_per_stage", "num_stages", "split_model",
     "stage_ids", "stage_layer_ranges",
 ]
 
@@ -65,38 +65,6 @@ def num_stages(layout: Layout) -> int:
 def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     """Stages held by pipeline rank ``pp_rank``, in order: ``pp_rank + i * pp``."""
     return rank_stage_ids(layout.pp, layout.virtual_stages, pp_rank)
-
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-
-
-def pipeline_problems(layout: Layout, num_layers: int) -> list[str]:
-    """What keeps ``layout``'s pipeline from running a model of ``num_layers`` layers, each
-    with its fix (empty when it can run). Pure: the CLI calls it before starting any rank."""
-    if layout.pp * layout.virtual_stages <= 1:
-        return []
-    problems = []
-    n, pp, stages = layout.num_microbatches, layout.pp, num_stages(layout)
-    if layout.schedule not in SCHEDULES:
-        problems.append(f"schedule={layout.schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
-    if layout.virtual_stages > 1 and layout.schedule in ("gpipe", "1f1b"):
-        problems.append(f"virtual_stages={layout.virtual_stages} needs schedule=interleaved-1f1b")
-    if layout.schedule != "gpipe" and n < pp:
-        problems.append(
-            f"schedule {layout.schedule} needs at least pp={pp} micro-batches, got {n}; "
-            f"raise gbs to {pp * layout.mbs * layout.dp} or use schedule=gpipe"
-        )
-    elif layout.schedule in ("interleaved-1f1b", "zero-bubble") and n % pp:
-        problems.append(
-            f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={pp}; "
-            f"set gbs to a multiple of {pp * layout.mbs * layout.dp}"
-        )
-    if stages > num_layers:
-        problems.append(
-            f"pp x virtual_stages = {stages} stages but the model has {num_layers} layers (each stage needs one); "
-            f"lower pp x virtual_stages to at most {num_layers}"
-        )
-    return problems
 
 
 def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, stages: int) -> list[int]:
