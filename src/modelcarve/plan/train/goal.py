@@ -26,7 +26,8 @@ import math
 from typing import TYPE_CHECKING, Iterator
 
 from modelcarve.plan.factors import divisors
-from modelcarve.plan.train.model import FIELDS, TrainCostModel, TrainOptions
+from modelcarve.plan.train.candidate import FIELDS, Candidate
+from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.support import training_problems
@@ -69,7 +70,7 @@ class TrainGoal:
         return cost
 
     # --- the Goal protocol ---------------------------------------------------------------------------
-    def candidates(self, model: "ModelSpec", cluster: "ClusterSpec", **options) -> Iterator[tuple]:
+    def candidates(self, model: "ModelSpec", cluster: "ClusterSpec", **options) -> Iterator[Candidate]:
         gbs = options.get("global_batch")
         seq = options.get("seq") or 2048
         if not gbs:
@@ -81,10 +82,10 @@ class TrainGoal:
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
         return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
 
-    def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: tuple) -> str | None:
+    def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: Candidate) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""
         tp, cp, pp, dp, ep, _mbs, _sp, _rc, zero = candidate[:9]
-        if len(candidate) > 15 and ep > 1 and candidate[15] != tp:
+        if len(candidate) > 15 and ep > 1 and candidate[15] != tp:  # etp: MoE parallel folding
             return "MoE parallel folding (EP over the TP ranks)"
         if tp > cluster.fast_domain:
             return "tensor parallelism across nodes"
@@ -158,9 +159,10 @@ def _step_parts(result: dict) -> dict[str, tuple[str, float]]:
 
 
 def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
-                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),)) -> Iterator[tuple]:
-    """Every valid training layout as a candidate tuple (field order: train_model.FIELDS), for
-    each (param_dtype, fp8_scaling) in ``precisions`` (bf16 unless the user asks for FP8)."""
+                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),)) -> Iterator[Candidate]:
+    """Every valid training layout as a ``Candidate``, for each (param_dtype, fp8_scaling) in
+    ``precisions`` (bf16 unless the user asks for FP8)."""
+    new = tuple.__new__  # Candidate(...) through its generated __new__ costs ~7% of a full search
     n = cluster.num_devices
     L = model.num_layers
     moe = model.is_moe
@@ -209,8 +211,8 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                                 for zero, shard in zeros:
                                     for sched, v in scheds:
                                         for prec, scaling in precisions:
-                                            yield (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                   prec, "fp32", "fp32", etp, scaling)
+                                            yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
+                                                                  v, prec, "fp32", "fp32", etp, scaling))
 
 
 def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:
@@ -232,8 +234,8 @@ def _schedules(L: int, pp: int, n_mb: int) -> list[tuple[str, int]]:
     return out
 
 
-def candidate_layout(candidate: tuple, global_batch: int, seq: int) -> Layout:
-    """The Layout a candidate tuple stands for."""
+def candidate_layout(candidate: Candidate, global_batch: int, seq: int) -> Layout:
+    """The Layout a candidate stands for."""
     return Layout(**dict(zip(FIELDS, candidate)), gbs=global_batch, seq=seq)
 
 

@@ -55,6 +55,7 @@ from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
 from modelcarve.plan.cost.schedule import bubble_time_units, in_flight_microbatches
 from modelcarve.plan.train.layer import layer_cost
 from modelcarve.plan.train.report import build_report
+from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for callers of this module
     DP_BUCKET_BYTES,
     FP8_DTYPES,
@@ -104,10 +105,6 @@ STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device
 ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
 
 # candidate tuple fields (the search's currency; Layout converts to and from it)
-FIELDS = (
-    "tp", "cp", "pp", "dp", "ep", "mbs", "sp", "recompute", "zero", "dp_shard", "schedule", "virtual_stages",
-    "param_dtype", "grad_dtype", "optim_dtype", "etp", "fp8_scaling",
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,28 +217,29 @@ class TrainCostModel:
 
     # --- candidate <-> Layout ----------------------------------------------------------------------
     @staticmethod
-    def key(layout: Layout) -> tuple:
-        return (
+    def key(layout: Layout) -> Candidate:
+        return Candidate(
             layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.mbs, layout.sp, layout.recompute,
             layout.zero, layout.dp_shard, layout.schedule, layout.virtual_stages,
             layout.param_dtype, layout.grad_dtype, layout.optim_dtype, layout.expert_tp, layout.fp8_scaling,
         )
 
     @staticmethod
-    def full_candidate(cand: tuple) -> tuple:
-        """A candidate with expert TP resolved and the FP8 scaling present (older 15-field tuples)."""
-        if len(cand) >= 17 and cand[15]:
+    def full_candidate(cand: tuple) -> Candidate:
+        """A ``Candidate`` with expert TP resolved and the FP8 scaling present (from any tuple in
+        field order, older 15-field ones included)."""
+        if type(cand) is Candidate and cand.etp:
             return cand
         tp, cp, dp, ep = cand[0], cand[1], cand[3], cand[4]
         etp = (cand[15] if len(cand) > 15 else 0) or (tp if (dp * cp) % ep == 0 else 1)
-        return tuple(cand[:15]) + (etp, cand[16] if len(cand) > 16 else "delayed")
+        return Candidate(*cand[:15], etp, cand[16] if len(cand) > 16 else "delayed")
 
     @staticmethod
-    def compute_key(cand: tuple) -> str:
+    def compute_key(cand: Candidate) -> str:
         """The GEMM precision a candidate runs: its param_dtype, ``fp8cs`` for current scaling."""
-        if cand[12] == "fp8" and cand[16] == "current":
+        if cand.param_dtype == "fp8" and cand.fp8_scaling == "current":
             return "fp8cs"
-        return cand[12]
+        return cand.param_dtype
 
     def layout(self, cand: tuple) -> Layout:
         values = dict(zip(FIELDS, cand))
@@ -436,7 +434,8 @@ class TrainCostModel:
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         tp, cp, pp, dp, ep = prof["key"][:5]
         etp, v = prof["key"][8], prof["key"][9]
-        states = self.stage_states(tp, cp, pp, dp, ep, cand[8], cand[9], *cand[12:15], etp, v)
+        states = self.stage_states(tp, cp, pp, dp, ep, cand.zero, cand.dp_shard, cand.param_dtype, cand.grad_dtype,
+                                   cand.optim_dtype, etp, v)
         buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
         reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
         base = buffers * self._growth + reserved
@@ -451,27 +450,27 @@ class TrainCostModel:
 
     def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
         """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
-        return self._parts(prof["stages"][kind], cand, *prof["key"][:5], prof["key"][8])
+        return self._parts(prof["stages"][kind], self.full_candidate(cand), *prof["key"][:5], prof["key"][8])
 
     def rank_state_parts(self, cand: tuple, pp_rank: int) -> dict[str, float]:
         """``state_parts`` of pipeline rank ``pp_rank`` itself, whatever the runtime's split gives
         it (a middle rank may hold fewer layers than the fullest one the search prices)."""
-        tp, cp, pp, dp, ep = cand[:5]
         cand = self.full_candidate(cand)
-        v, etp = cand[11], cand[15]
+        tp, cp, pp, dp, ep = cand[:5]
+        v, etp = cand.virtual_stages, cand.etp
         nls, n_moe = rank_holdings(self.model.num_layers, pp, v, self.moe_set)[pp_rank]
         row = stage_row(self, stage_kind(pp_rank, pp), pp_rank, nls, n_moe, tp, pp, ep, etp)
         st = {"params_dense": row[3], "params_expert": row[4], "layer_params": row[5], "linear_params": row[6]}
         return self._parts(st, cand, tp, cp, pp, dp, ep, etp)
 
-    def _parts(self, st: dict, cand: tuple, tp: int, cp: int, _pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
-        zero, dp_shard = cand[8], cand[9]
-        pb, gb = weight_bytes(cand[12]), DTYPE_BYTES[cand[13]]
-        ob = optimizer_bytes_per_param(cand[12], cand[14])
+    def _parts(self, st: dict, cand: Candidate, tp: int, cp: int, _pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
+        zero, dp_shard = cand.zero, cand.dp_shard
+        pb, gb = weight_bytes(cand.param_dtype), DTYPE_BYTES[cand.grad_dtype]
+        ob = optimizer_bytes_per_param(cand.param_dtype, cand.optim_dtype)
         n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
-        cache = fp8_cache_bytes(cand[12])
+        cache = fp8_cache_bytes(cand.param_dtype)
         return {
             "weights": pb * (full if zero < 3 else local),
             "gradients": gb * (full if zero < 2 else local),
@@ -488,14 +487,14 @@ class TrainCostModel:
         r = dp_traffic(self, prof, cand)
         win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
         win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
-        if cand[8] == 3:
+        if cand.zero == 3:
             per_mb = r["per_mb_s"]
             # the first layer's gather cannot be prefetched; the rest hides behind the micro-batch's compute
             exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + r["first_gather_s"])
             exposed += max(0.0, r["replica_s"] - win_b)
             total = n_mb * per_mb + r["replica_s"]
             nbytes, nic = n_mb * r["per_mb_bytes"] + r["step_bytes"], n_mb * r["per_mb_nic"] + r["step_nic"]
-        elif cand[8] == 2:
+        elif cand.zero == 2:
             # a gradient reduce-scatter per micro-batch (only the shard is kept), each behind its backward
             exposed = n_mb * max(0.0, r["reduce_s"] - win_b) + max(0.0, r["gather_s"] - win_f)
             total = n_mb * r["reduce_s"] + r["gather_s"]
@@ -524,11 +523,12 @@ class TrainCostModel:
         cand = self.key(layout) if isinstance(layout, Layout) else layout
         return self._evaluate(cand, True)
 
-    def _evaluate(self, cand: tuple, detail: bool = False):
-        if len(cand) < 17 or not cand[15]:
+    def _evaluate(self, cand: Candidate, detail: bool = False):
+        if type(cand) is not Candidate or not cand.etp:
             cand = self.full_candidate(cand)
+        # unpacked once: this is the search's hot path (slices of the tuple key the caches below)
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
-        etp = cand[15]
+        etp = cand.etp
         if not detail:
             floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16])
             if floor is None:
@@ -537,8 +537,8 @@ class TrainCostModel:
                 # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
                 return -floor, STATES_DO_NOT_FIT, None
         pkey = cand[:8]
-        dtype = cand[12]
-        if dtype == "fp8" and cand[16] == "current":  # compute_key, inlined on the search's hot path
+        dtype = cand.param_dtype
+        if dtype == "fp8" and cand.fp8_scaling == "current":  # compute_key, inlined on the search's hot path
             dtype = "fp8cs"
         if pkey == self._last_pkey and dtype == self._last_dtype and etp == self._last_etp and v == self._last_v:
             prof = self._last_prof

@@ -18,18 +18,19 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.train.states import GIB
 
 if TYPE_CHECKING:
+    from modelcarve.plan.train.candidate import Candidate
     from modelcarve.plan.train.protocol import TrainCost
     from modelcarve.spec.layout import Layout
 
 
-def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: float, worst: str,
+def build_report(cost: "TrainCost", cand: "Candidate", prof: dict, d: dict, *, peak: float, worst: str,
                  inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, p2p_total: float, step: float,
                  tokens_per_s: float) -> dict:
     """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
     tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
-    etp = cand[15]
+    etp = cand.etp
     seq, tokens = cost.seq, prof["tokens"]
-    p_dt = cand[12]
+    p_dt = cand.param_dtype
     st_w = prof["stages"][worst]
     act = inflight * st_w["act_bytes"] + st_w["work_bytes"] + st_w["logits_bytes"]
     buffers = d["buffers"]
@@ -87,7 +88,8 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
     reason = None
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
-    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], cand[11]) > cost.capacity:
+    if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, cand.param_dtype, cand.grad_dtype,
+                                               cand.optim_dtype, etp, v) > cost.capacity:
         # the stage with the most model state (not necessarily the one with the highest peak)
         fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
                               key=lambda kv: kv[1])
@@ -102,7 +104,7 @@ def build_report(cost: "TrainCost", cand: tuple, prof: dict, d: dict, *, peak: f
         reason = (
             f"needs {peak_int / GIB:.1f} GiB of {cap:.1f} GiB on {where}: activations of "
             f"{inflight:.3g} micro-batch{'es' if inflight != 1 else ''} in flight take {breakdown['activations'] / GIB:.1f} GiB"
-            + ("" if cand[7] == "full" else " (recomputation would shrink them)")
+            + ("" if recompute == "full" else " (recomputation would shrink them)")
         )
     return {
         "goal": "train",

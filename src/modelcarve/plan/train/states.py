@@ -132,12 +132,12 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     it is shared by every micro-batch size and recomputation mode."""
     tp, cp, pp, dp, ep = prof["key"][:5]
     etp = prof["key"][8]
-    zero, dp_shard = cand[8], cand[9]
-    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp) + cand[12:15]
+    zero, dp_shard = cand.zero, cand.dp_shard
+    p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
+    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt)
     cached = cost._traffic.get(key)
     if cached is not None:
         return cached
-    p_dt, g_dt, o_dt = cand[12:15]
     pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
     ob = optimizer_bytes_per_param(p_dt, o_dt)
     shard = (dp_shard or dp) if zero else 1
