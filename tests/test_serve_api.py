@@ -268,6 +268,20 @@ def test_metrics_parse_with_prometheus_parser(server, client):
     reasons = {s.labels["finished_reason"]: s.value for s in families["modelcarve_request_success"].samples
                if s.name.endswith("_total")}
     assert reasons.get("abort", 0) >= 8 and reasons.get("length", 0) >= 1
+    # vLLM's names and types for the same quantities (issue 27 item 7): a vLLM dashboard reads them
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+             "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+             "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+             "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram"}
+    for name, kind in kinds.items():
+        assert families[name].type == kind, name
+    value = {s.name: s.value for f in families.values() for s in f.samples}
+    assert value["vllm:generation_tokens_total"] == value["modelcarve_generation_tokens_total"] > 0
+    assert value["vllm:time_to_first_token_seconds_count"] == value["modelcarve_time_to_first_token_seconds_count"]
+    assert 0.0 <= value["vllm:kv_cache_usage_perc"] <= 1.0
 
 
 def test_bench_serve_agrees_with_server_histograms(server):
