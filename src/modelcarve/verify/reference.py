@@ -221,9 +221,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     planner's (verify/against_plan.py), in ``report["against_plan"]``. MoE models also get ``routing/step<i>/<layer>`` checks (tokens per
     expert and dropped assignments over the global batch equal the reference's, exactly) and
     the per-step expert statistics in ``report["moe"]``."""
-    from modelcarve.runtime.checkpoint.hf_load import load_model
     from modelcarve.runtime.distributed.mesh import build_mesh
-    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.parallel.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, reference_step, seed_everything
     from modelcarve.spec.layout import Layout
 
@@ -234,15 +233,21 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     mesh = build_mesh(layout)
     from modelcarve.runtime.distributed.mesh import device_type
 
-    model, spec = load_model(model_name, seed=seed, device=device_type())
-    config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     rank0 = dist.get_rank() == 0
-    reference = copy.deepcopy(model) if rank0 else None
+    whole = []  # rank 0: an unsplit copy of the same weights, taken before parallelize consumes the model
+
+    def keep_reference(model, _spec) -> None:
+        whole.append(copy.deepcopy(model) if rank0 else None)
+
+    # every rank builds the whole model (a checkpoint read whole) so rank 0 can keep it
+    chunks, spec = build_chunks(model_name, layout, mesh, seed=seed, device=device_type(), sharded=False,
+                                on_model=keep_reference)
+    reference = whole[0]
+    config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     ref_hooks = StepHooks([reference])  # the single-device reference's MoE options and counts
     if spec.is_moe and rank0:
         ref_hooks.configure_moe(capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
     moe_stats = []
-    chunks = parallelize(model, layout, mesh)
     trainer = Trainer(chunks, layout, mesh, config)
     source = make_data(data, spec.vocab_size, seed)
     bf16 = layout.param_dtype == "bf16"
