@@ -125,7 +125,7 @@ class ModelRunner:
             from modelcarve.runtime.distributed.mesh import build_mesh
 
             self.mesh = build_mesh(layout)
-        # on the CPU in fp32 (a checkpoint slice by slice), cast below
+        # on the CPU in fp32 (with a mesh, a checkpoint slice by slice), cast below
         chunks, spec = build_chunks(model, layout, self.mesh, seed=seed)
         chunk = chunks[0]
         self.spec = spec
