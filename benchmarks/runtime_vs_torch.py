@@ -67,7 +67,8 @@ def pair(kind, model_name, layout_text, steps):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from modelcarve.runtime.train.launch import build
+    from modelcarve.runtime.distributed.mesh import build_mesh, device_type
+    from modelcarve.runtime.parallel.build import build_chunks
     from modelcarve.runtime.train.trainer import SyntheticData, TrainConfig, Trainer
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout
@@ -75,7 +76,8 @@ def pair(kind, model_name, layout_text, steps):
     layout = Layout.parse(layout_text)
     spec = get_model(model_name)
     config = TrainConfig()
-    chunks, _, mesh = build(model_name, layout, 0)
+    mesh = build_mesh(layout)
+    chunks, _ = build_chunks(model_name, layout, mesh, seed=0, device=device_type())
     trainer = Trainer(chunks, layout, mesh, config)
     base = _torch_model(kind, spec, layout)
     base_opt = torch.optim.AdamW(base.parameters(), **config.adamw())

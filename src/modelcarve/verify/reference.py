@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from modelcarve.runtime.distributed.primitives import gather_cat
 from modelcarve.runtime.parallel.parallelize import StepHooks
 
 # Tolerances: fp32 from the issue; bf16 measured (tests/test_runtime_layouts.py) with margin:
@@ -117,12 +118,6 @@ ULPS_PER_STEP = 4 * torch.finfo(torch.float32).eps
 # --- gathering full tensors ---------------------------------------------------------------
 
 
-def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
     """{fqn: full tensor} of every parameter (``which="param"``) or gradient (``"grad"``), on rank 0.
     Collective: every rank must call it."""
@@ -149,7 +144,7 @@ def gather_full(chunks, which: str = "param") -> dict[str, torch.Tensor] | None:
             if isinstance(t, DTensor):
                 t = t.full_tensor()
             for group, dim in reversed(shards.get(fqn, [])):
-                t = _gather_dim(t, dim, group)
+                t = gather_cat(t, dim, group)
             if fqn in padding:  # vocabulary padding: the full tensor is the true vocabulary's
                 dim, size, _ = padding[fqn]
                 t = t.narrow(dim, 0, size)
@@ -196,12 +191,12 @@ def gather_logits(chunks, layout, mesh, tokens, runner=None) -> torch.Tensor | N
     if logits is not None:
         logits = logits.float()
         if getattr(last, "vocab_parallel", False):
-            logits = _gather_dim(logits, -1, axis_group(mesh, "tp"))
+            logits = gather_cat(logits, -1, axis_group(mesh, "tp"))
         logits = logits[..., : last.spec.vocab_size]  # vocabulary padding cut off
         logits = hooks.unshard_sequence(logits, dim=1)
     if layout.pp == 1:
         if layout.dp > 1:
-            logits = _gather_dim(logits, 0, axis_group(mesh, "dp"))
+            logits = gather_cat(logits, 0, axis_group(mesh, "dp"))
         return logits if dist.get_rank() == 0 else None
     # pp > 1: the last stage of each data-parallel replica sends its rows to rank 0
     send = (dp_rank, logits) if logits is not None and axis_rank(mesh, "tp") == 0 else None
@@ -226,9 +221,8 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     planner's (verify/against_plan.py), in ``report["against_plan"]``. MoE models also get ``routing/step<i>/<layer>`` checks (tokens per
     expert and dropped assignments over the global batch equal the reference's, exactly) and
     the per-step expert statistics in ``report["moe"]``."""
-    from modelcarve.runtime.checkpoint.hf_load import load_model
     from modelcarve.runtime.distributed.mesh import build_mesh
-    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.parallel.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, reference_step, seed_everything
     from modelcarve.spec.layout import Layout
 
@@ -239,15 +233,21 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     mesh = build_mesh(layout)
     from modelcarve.runtime.distributed.mesh import device_type
 
-    model, spec = load_model(model_name, seed=seed, device=device_type())
-    config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     rank0 = dist.get_rank() == 0
-    reference = copy.deepcopy(model) if rank0 else None
+    whole = []  # rank 0: an unsplit copy of the same weights, taken before parallelize consumes the model
+
+    def keep_reference(model, _spec) -> None:
+        whole.append(copy.deepcopy(model) if rank0 else None)
+
+    # every rank builds the whole model (a checkpoint read whole) so rank 0 can keep it
+    chunks, spec = build_chunks(model_name, layout, mesh, seed=seed, device=device_type(), sharded=False,
+                                on_model=keep_reference)
+    reference = whole[0]
+    config = TrainConfig(lr=lr, seed=seed, **(moe or {}))
     ref_hooks = StepHooks([reference])  # the single-device reference's MoE options and counts
     if spec.is_moe and rank0:
         ref_hooks.configure_moe(capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef)
     moe_stats = []
-    chunks = parallelize(model, layout, mesh)
     trainer = Trainer(chunks, layout, mesh, config)
     source = make_data(data, spec.vocab_size, seed)
     bf16 = layout.param_dtype == "bf16"

@@ -113,29 +113,21 @@ class ModelRunner:
 
     def __init__(self, model: str, layout, *, dtype: str, weight_dtype: str, kv_dtype: str, block_size: int = 16,
                  kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64):
-        from modelcarve.runtime.checkpoint.hf_load import is_checkpoint, load_model
+        from modelcarve.runtime.parallel.build import build_chunks
 
         self.layout, self.block_size, self.kv_dtype = layout, block_size, kv_dtype
         self.dtype = DTYPES[dtype]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.world == 1:
-            chunk, spec = load_model(model, seed=seed)
+        if self.world == 1:  # one process: the whole model (a checkpoint read whole), no parallelize
             self.mesh = None
         else:
-            from modelcarve.runtime.checkpoint.hf_load import load_sharded
             from modelcarve.runtime.distributed.mesh import build_mesh
-            from modelcarve.runtime.parallel.parallelize import parallelize
 
             self.mesh = build_mesh(layout)
-            if is_checkpoint(model):
-                meta, spec = load_model(model, device="meta")
-                chunks = parallelize(meta, layout, self.mesh)
-                load_sharded(chunks, model)
-            else:
-                full, spec = load_model(model, seed=seed)
-                chunks = parallelize(full, layout, self.mesh)
-            chunk = chunks[0]
+        # on the CPU in fp32 (with a mesh, a checkpoint slice by slice), cast below
+        chunks, spec = build_chunks(model, layout, self.mesh, seed=seed)
+        chunk = chunks[0]
         self.spec = spec
         chunk = chunk.to(self.dtype).eval()
         for p in chunk.parameters():

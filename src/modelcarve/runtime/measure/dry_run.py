@@ -22,14 +22,18 @@ import torch.distributed as dist
 from modelcarve.spec.errors import LayoutError
 
 
+def _refuse_moe(model, spec) -> None:
+    if spec.is_moe:
+        raise LayoutError("the collective-order dry run does not run MoE models (routing is data-dependent)")
+
+
 def collective_sequences(model_name: str, layout, seed: int = 0, hook=None) -> dict:
     """rank -> CommLog.sequence() of one training step of ``layout`` (see the module doc)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from modelcarve.runtime.checkpoint.hf_load import load_model
     from modelcarve.runtime.distributed.collectives import CommLog
     from modelcarve.runtime.distributed.mesh import build_mesh, destroy, init_distributed
-    from modelcarve.runtime.parallel.parallelize import parallelize
+    from modelcarve.runtime.parallel.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
 
     if layout.pp > 1:
@@ -44,10 +48,8 @@ def collective_sequences(model_name: str, layout, seed: int = 0, hook=None) -> d
             init_distributed()
             seed_everything(seed)
             mesh = build_mesh(layout)
-            model, spec = load_model(model_name, seed=seed)
-            if spec.is_moe:
-                raise LayoutError("the collective-order dry run does not run MoE models (routing is data-dependent)")
-            trainer = Trainer(parallelize(model, layout, mesh), layout, mesh, TrainConfig(seed=seed))
+            chunks, spec = build_chunks(model_name, layout, mesh, seed=seed, sharded=False, on_model=_refuse_moe)
+            trainer = Trainer(chunks, layout, mesh, TrainConfig(seed=seed))
             if hook is not None:
                 hook(rank, trainer)
             tokens, targets = make_data(None, spec.vocab_size, seed).batch(0, layout.global_batch, layout.seq)

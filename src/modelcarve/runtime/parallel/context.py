@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelcarve.runtime.distributed.primitives import gather_parts
 from modelcarve.runtime.parallel.ring_attention import ring_attention
 from modelcarve.runtime.distributed.zigzag import check_divisible, zigzag_indices, zigzag_unshard
 from modelcarve.spec.errors import LayoutError, ModelcarveError
@@ -113,10 +114,8 @@ def unshard_sequence(x: torch.Tensor, mesh, layout: Layout, dim: int = 1) -> tor
     For comparisons (logits in verify/reference.py), not for training."""
     if layout.cp == 1:
         return x
-    group, _, size = _cp_group(mesh)
-    pieces = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(pieces, x.detach().contiguous(), group=group)
-    return zigzag_unshard(pieces, dim)
+    group, _, _ = _cp_group(mesh)
+    return zigzag_unshard(gather_parts(x.detach(), group), dim)
 
 
 __all__ = [

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modelcarve.runtime.model.moe import MoE, in_backward
+from modelcarve.runtime.distributed.primitives import gather_cat, gather_parts, rank_piece, slice_param
 from modelcarve.runtime.distributed.shards import record_grad_group, record_shard
 from modelcarve.spec import ranks
 from modelcarve.spec.errors import LayoutError
@@ -141,8 +142,7 @@ class FoldedDispatcher(AllToAllDispatcher):
         if self.etp == 1:
             return experts(grouped, local_counts.tolist())
         n, etp = grouped.shape[0], self.etp
-        peers = [torch.empty_like(local_counts) for _ in range(etp)]
-        dist.all_gather(peers, local_counts.contiguous(), group=self.etp_group)
+        peers = gather_parts(local_counts, self.etp_group)
         sizes = [int(c.sum()) for c in peers]
         rows = all_to_all(grouped.repeat(etp, 1), [n] * etp, sizes, self.etp_group)  # by peer, then expert
         local = torch.arange(self.num_local, device=grouped.device)
@@ -160,12 +160,11 @@ class _ScatterTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
         ctx.group = group
-        t, r = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(t, dim=1)[r].contiguous()
+        return rank_piece(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+        return gather_cat(grad, 1, ctx.group), None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -175,18 +174,11 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_cat(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        t, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(t, dim=1)[r].contiguous(), None
-
-
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+        return rank_piece(grad, 1, ctx.group), None
 
 
 # --- groups -----------------------------------------------------------------------------
@@ -246,12 +238,6 @@ def moe_blocks(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, mod) for name, mod in chunk.named_modules() if isinstance(mod, MoE)]
 
 
-def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
-    old = getattr(module, name)
-    piece = old.detach().chunk(parts, dim=dim)[index].clone()
-    setattr(module, name, nn.Parameter(piece, requires_grad=old.requires_grad))
-
-
 def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
     """Spread the experts of every MoE block of ``chunk`` over the EP group, in place, and declare
     their shards (dim 0 over EP) and gradient group (expert-dp) for verify/reference.py / data_parallel.py.
@@ -305,11 +291,11 @@ def _apply_folded(chunk: nn.Module, blocks, mesh, layout, groups: dict) -> None:
     for fqn, moe in blocks:
         if groups["etp"] > 1:
             for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-                _slice_param(moe.experts, name, dim, groups["etp_rank"], groups["etp"])
+                slice_param(moe.experts, name, dim, groups["etp_rank"], groups["etp"])
                 record_shard(chunk, f"{fqn}.experts.{name}", groups["etp_group"], dim)
         ep, rank = layout.ep, groups["ep_rank"]
         for name in ("w1", "w3", "w2"):
-            _slice_param(moe.experts, name, 0, rank, ep)
+            slice_param(moe.experts, name, 0, rank, ep)
             record_shard(chunk, f"{fqn}.experts.{name}", groups["ep_group"], 0)
             record_grad_group(chunk, f"{fqn}.experts.{name}", groups["edp_group"])
         moe.experts.num_experts = moe.num_experts // ep
@@ -329,7 +315,7 @@ def shard_experts_ep(moe: nn.Module, group) -> None:
     """Keep this EP rank's experts of one MoE block and route through the all-to-all."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     for name in ("w1", "w3", "w2"):
-        _slice_param(moe.experts, name, 0, rank, ep)
+        slice_param(moe.experts, name, 0, rank, ep)
     moe.experts.num_experts = moe.num_experts // ep
     moe.dispatcher = AllToAllDispatcher(group, ep, rank, moe.num_experts)
 
@@ -383,7 +369,7 @@ def _contiguous_gather(group):
     rank = dist.get_rank(group)
 
     def sequence_gather(local: torch.Tensor):
-        full = _gather_seq(local, group)
+        full = gather_cat(local, 1, group)
         s = local.shape[1]
         return full, torch.arange(rank * s, (rank + 1) * s, device=local.device)
 
@@ -398,9 +384,7 @@ def _zigzag_gather(group):
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def sequence_gather(local: torch.Tensor):
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        full = zigzag_unshard(parts, dim=1)
+        full = zigzag_unshard(gather_parts(local, group), dim=1)
         return full, zigzag_indices(full.shape[1], cp, rank, device=local.device)
 
     return sequence_gather
@@ -437,9 +421,7 @@ def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate
                 both = torch.cat((counts, dropped.reshape(1)))
                 dist.all_reduce(both, group=dpcp_group)
                 counts, dropped = both[:-1], both[-1]
-                per_rank = [torch.zeros_like(received) for _ in range(dist.get_world_size(dpcp_group))]
-                dist.all_gather(per_rank, received, group=dpcp_group)
-                received = torch.cat(per_rank)
+                received = gather_cat(received, 0, dpcp_group)
             if bias_rate:
                 moe.update_bias(counts, bias_rate)
             if reset:

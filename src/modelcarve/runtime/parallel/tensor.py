@@ -65,6 +65,7 @@ from torch import nn
 from modelcarve.runtime.model.mlp import FeedForward
 from modelcarve.runtime.model.transformer import Attention, MLAttention
 from modelcarve.runtime.model.moe import MoE
+from modelcarve.runtime.distributed.primitives import gather_cat, reduce_scatter_tensor, slice_param
 from modelcarve.runtime.distributed.shards import record_padding, record_partial_grad, record_shard
 from modelcarve.spec.errors import LayoutError
 
@@ -77,23 +78,13 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over ``group`` and keep this rank's chunk along ``dim``."""
     size = dist.get_world_size(group)
     chunks = x.chunk(size, dim=dim)
     flat = torch.cat([c.reshape(-1) for c in chunks])
     out = torch.empty(chunks[0].numel(), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, flat, group=group)
+    reduce_scatter_tensor(out, flat, group=group)
     return out.view(chunks[0].shape)
 
 
@@ -136,7 +127,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.carry = group, _carry_dtype(x)
-        return _all_gather(x, 1, group)
+        return gather_cat(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -153,7 +144,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _carried(grad, ctx.carry, lambda g: _all_gather(g, 1, ctx.group)), None
+        return _carried(grad, ctx.carry, lambda g: gather_cat(g, 1, ctx.group)), None
 
 
 def enter_region(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
@@ -189,7 +180,7 @@ def full_vocab_logits(logits: torch.Tensor, chunk: nn.Module) -> torch.Tensor:
     """The logits of the true vocabulary ([.., V]) from the last chunk's output: gathered over tp
     when the head is vocab-parallel, padded columns cut off."""
     if getattr(chunk, "vocab_parallel", False):
-        logits = _all_gather(logits, -1, chunk.tp_group)
+        logits = gather_cat(logits, -1, chunk.tp_group)
     return logits[..., : chunk.spec.vocab_size]
 
 
@@ -269,6 +260,8 @@ class RowParallelLinear(nn.Module):
 
 def _shard_column(linear: nn.Linear, rank: int, size: int) -> None:
     """Keep rows [r out/t, (r+1) out/t) of an nn.Linear (and of its bias), in place."""
+    # not primitives.slice_param: these new parameters always require grad (slice_param keeps the
+    # old flag); the same for every weight parallelize sees today, kept as it was
     linear.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=0)[rank].clone())
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.detach().chunk(size, dim=0)[rank].clone())
@@ -282,12 +275,6 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
-def _slice_param(module: nn.Module, name: str, dim: int, index: int, parts: int) -> None:
-    old = getattr(module, name)
-    piece = old.detach().chunk(parts, dim=dim)[index].clone()
-    setattr(module, name, nn.Parameter(piece, requires_grad=old.requires_grad))
-
-
 def _shard_experts(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: bool) -> None:
     """Expert tensor parallelism (expert TP = TP) of one MoE block over ``group`` (see module doc)."""
     t, r = dist.get_world_size(group), dist.get_rank(group)
@@ -295,14 +282,14 @@ def _shard_experts(moe: nn.Module, *, chunk: nn.Module, fqn: str, group, sp: boo
     if spec.expert_ffn_size % t:
         raise LayoutError(f"tp={t} does not divide the expert ffn size {spec.expert_ffn_size}; choose tp dividing it")
     for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-        _slice_param(moe.experts, name, dim, r, t)
+        slice_param(moe.experts, name, dim, r, t)
         record_shard(chunk, f"{fqn}.experts.{name}", group, dim)
     shared = moe.shared_experts
     if shared is not None:
         if any(getattr(shared, name).bias is not None for name in ("w1", "w3", "w2")):
             raise LayoutError(f"{fqn}: tensor parallelism of shared experts with MLP biases is not supported; use tp=1")
         for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-            _slice_param(getattr(shared, name), "weight", dim, r, t)
+            slice_param(getattr(shared, name), "weight", dim, r, t)
             record_shard(chunk, f"{fqn}.shared_experts.{name}.weight", group, dim)
     record_partial_grad(chunk, f"{fqn}.router.weight", group)
     moe.aux_grad_share = 1.0 / t  # every TP rank injects the same aux gradient; the all-reduce sums them

@@ -44,10 +44,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-# the same collectives under their newer names where this torch has them (no deprecation warning)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from modelcarve.runtime.distributed.primitives import gather_flat, reduce_scatter_tensor
 
 
 def _size(group) -> int:
@@ -139,7 +136,7 @@ class ShardedAdamW:
             flat = b.flatten_grads()
             if b.n > 1:
                 out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
-                _reduce_scatter(out, flat, group=b.group)
+                reduce_scatter_tensor(out, flat, group=b.group)
                 flat[b.lo : b.hi].copy_(out)
                 del out
             if _size(b.replicate) > 1:
@@ -180,11 +177,7 @@ class ShardedAdamW:
                 b.master.grad = torch.zeros_like(b.master)
         self.optim.step()
         for b in self.buckets:
-            full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
-            if b.n > 1:
-                _all_gather(full, b.master, group=b.group)
-            else:
-                full.copy_(b.master)
+            full = gather_flat(b.master, b.group)  # fp32, b.padded elements
             for _, _, p, off in b.entries:
                 p.detach().copy_(full[off : off + p.numel()].view_as(p))
             del full
@@ -204,22 +197,9 @@ class ShardedAdamW:
         for b in self.buckets:
             if b.master.grad is None:
                 continue
-            full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
-            if b.n > 1:
-                _all_gather(full, b.master.grad.contiguous(), group=b.group)
-            else:
-                full.copy_(b.master.grad)
+            full = gather_flat(b.master.grad, b.group)  # fp32 (master.grad always is), b.padded elements
             for _, _, p, off in b.entries:
                 p.grad = full[off : off + p.numel()].view_as(p).to(b.dtype)
-
-    @torch.no_grad()
-    def _gather(self, t: torch.Tensor, b: _Bucket) -> torch.Tensor:
-        full = torch.empty(b.padded, dtype=t.dtype, device=t.device)
-        if b.n > 1:
-            _all_gather(full, t.contiguous(), group=b.group)
-        else:
-            full.copy_(t)
-        return full
 
     def checkpoint_view(self) -> torch.optim.Optimizer:
         """A plain AdamW over the model's parameters whose state (if any) is the full local
@@ -235,7 +215,7 @@ class ShardedAdamW:
             state = self.optim.state.get(b.master)
             if not state:
                 continue
-            moments = {k: self._gather(state[k], b) for k in ("exp_avg", "exp_avg_sq")}
+            moments = {k: gather_flat(state[k], b.group) for k in ("exp_avg", "exp_avg_sq")}
             for _, _, p, off in b.entries:
                 view.state[p] = dict(step=state["step"].clone(),
                                      **{k: m[off : off + p.numel()].view_as(p).clone() for k, m in moments.items()})

@@ -30,23 +30,6 @@ def _rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def build(model_name: str, layout, seed: int):
-    """Parallelized chunks of ``model_name`` (a checkpoint is read slice by slice, per rank)."""
-    from modelcarve.runtime.checkpoint.hf_load import is_checkpoint, load_model, load_sharded
-    from modelcarve.runtime.distributed.mesh import build_mesh, device_type
-    from modelcarve.runtime.parallel.parallelize import parallelize
-
-    mesh = build_mesh(layout)
-    if is_checkpoint(model_name):
-        meta, spec = load_model(model_name, device="meta")
-        chunks = parallelize(meta, layout, mesh)
-        load_sharded(chunks, model_name, device=device_type())
-    else:
-        model, spec = load_model(model_name, seed=seed, device=device_type())
-        chunks = parallelize(model, layout, mesh)
-    return chunks, spec, mesh
-
-
 def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: str | None = None,
                lr: float = 1e-3, dtype: str | None = None, report: str | None = None, quiet: bool = False,
                moe: dict | None = None, checkpoint: dict | None = None, timeline: bool = False,
@@ -66,7 +49,11 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
         lay = lay.replace(param_dtype=dtype)
     seed_everything(seed)
     started = _startup_line(f"{dist.get_world_size()} ranks joined; building {model} as {lay.short()}", quiet)
-    chunks, spec, mesh = build(model, lay, seed)
+    from modelcarve.runtime.distributed.mesh import build_mesh, device_type
+    from modelcarve.runtime.parallel.build import build_chunks
+
+    mesh = build_mesh(lay)
+    chunks, spec = build_chunks(model, lay, mesh, seed=seed, device=device_type())  # a checkpoint: slice by slice
     _startup_line(f"model ready in {_startup_line('', True) - started:.1f}s", quiet)
     trainer = Trainer(chunks, lay, mesh, TrainConfig(lr=lr, seed=seed, **(moe or {})))
     source = make_data(data, spec.vocab_size, seed)
