@@ -38,7 +38,12 @@ def one_line(text: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors as one line and exit code 2 (its own convention)."""
+    """argparse that reports usage errors as one line and exit code 2 (its own convention), and
+    takes no abbreviations: ``plan ... --out DIR`` must not be read as ``--output-len DIR``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         sys.stderr.write(f"modelcarve: error: {one_line(message)} (see {self.prog} --help)\n")

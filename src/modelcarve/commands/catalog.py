@@ -42,7 +42,8 @@ def _human(count: float, unit: str = "") -> str:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
+    """Bytes in GiB, the unit ``plan`` and ``estimate`` print, so the same weights read the same."""
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def _models(args) -> int:

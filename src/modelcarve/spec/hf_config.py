@@ -286,6 +286,13 @@ def spec_from_hf_config(raw: dict, name: str = "config.json", source: str = "", 
         raise SpecError(f"{name}: malformed config.json value ({err})") from None
 
 
+def _looks_like_hub_id(text: str) -> bool:
+    """``org/name`` as the Hugging Face hub spells repositories (not a relative or absolute path)."""
+    parts = text.split("/")
+    return (len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and not text.endswith(".json")
+            and all(c.isalnum() or c in "-_." for c in text.replace("/", "")))
+
+
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read ``config.json`` from a file or a checkpoint directory."""
     import modelcarve.spec.files as files
@@ -293,6 +300,11 @@ def load_hf_config(path: str | Path) -> ModelSpec:
     path = files.user_path(path, "model")
     file = path / "config.json" if files.is_dir(path) else path
     if not files.is_file(file):
+        text = str(path)
+        if not files.exists(path) and _looks_like_hub_id(text):
+            raise SpecError(f"{text!r} looks like a Hugging Face hub id, and modelcarve reads no hub: download it first "
+                            f"(e.g. `huggingface-cli download {text} config.json --local-dir DIR`; the weights too to "
+                            f"run it) and give DIR, or use a catalogue name (`modelcarve models`)")
         raise SpecError(f"{path}: no such config file (give a config.json or a directory holding one)")
     raw = files.read_json(file, "config file")
     return spec_from_hf_config(raw, name=str(path), source=str(file))

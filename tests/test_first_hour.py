@@ -1,0 +1,42 @@
+"""What a new user meets in their first hour (issue 27 item 8), each fixed with a test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelcarve.cli import main
+
+
+def _one_line_error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_no_abbreviated_flags(capsys):
+    # `--out` is not a flag of plan; argparse's abbreviations took it as --output-len
+    err = _one_line_error(capsys, ["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
+                                   "--out", "/tmp/x"])
+    assert "unrecognized arguments: --out" in err
+
+
+def test_a_hub_id_says_to_download_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no directory of that name here
+    err = _one_line_error(capsys, ["models", "show", "meta-llama/Llama-3.1-8B"])
+    assert "hub id" in err and "download" in err and "meta-llama/Llama-3.1-8B" in err
+    err = _one_line_error(capsys, ["models", "show", "./no/such/dir"])  # a path is still a path
+    assert "no such config file" in err
+
+
+def test_models_prints_gib_as_plan_does(capsys):
+    assert main(["models", "show", "llama-3.1-8b", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "llama-3.1-8b " in line)
+    bf16 = 2 * spec["total_params"] / 2**30  # bf16 weights: 2 bytes per parameter, in GiB
+    assert f"{bf16:,.1f} GiB" in row, (row, bf16)
+    assert " GB" not in out
