@@ -52,6 +52,10 @@ def test_run_token_file_deterministic_and_layout_json(tmp_path):
     assert runs[0]["layout"] == "DP2-Z1" and len(runs[0]["memory"]) == 2
     assert all(m["optim_bytes"] > 0 for m in runs[0]["memory"])
     assert runs[0]["tokens_per_s"] > 0
+    # the last step counts collectives and memory (slowed by its hooks): not timed, so no figure,
+    # not the previous step's repeated
+    speeds = [h["tokens_per_s"] for h in runs[0]["history"]]
+    assert speeds[-1] is None and all(s > 0 for s in speeds[:-1]) and speeds[0] != speeds[1]
 
 
 def test_verify_exit_code_on_failure(monkeypatch, capsys):

@@ -38,7 +38,9 @@ class RunPrinter:
             self.bar.start()
 
     def step(self, row: dict) -> None:
-        info = f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
+        speed = row["tokens_per_s"]
+        rate = f"{speed:,.0f} tok/s" if speed is not None else "not timed (counts collectives and memory)"
+        info = f"loss {row['loss']:.4f}  {rate}"
         if self.bar is not None:
             self.bar.update(self.task, advance=1, info=info)
         else:

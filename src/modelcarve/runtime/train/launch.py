@@ -71,9 +71,11 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     try:
         for step in range(start, steps):
             tokens, targets = source.batch(step, lay.global_batch, lay.seq)
+            timed = True
             if step == steps - 1:  # the counted step: collectives and memory by category (its
                 # dispatch-mode and saved-tensor hooks slow it down: timed only when it is the only one)
-                with (timer if steps - start == 1 else contextlib.nullcontext()):
+                timed = steps - start == 1
+                with (timer if timed else contextlib.nullcontext()):
                     out, categories = measure_step(trainer, tokens, targets)
                 comm.log = out.pop("comm")
             else:
@@ -83,7 +85,9 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
                 from modelcarve.runtime.measure.timeline import local_records
 
                 timeline = local_records(trainer.runner) if step == steps - 2 or steps - start == 1 else timeline
-            history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"], tokens_per_s=timer.last_tokens_per_s))
+            # the counted step is not timed: None, not the previous step's figure again
+            history.append(dict(step=step, loss=out["loss"], grad_norm=out["grad_norm"],
+                                tokens_per_s=timer.last_tokens_per_s if timed else None))
             if progress:
                 progress.step(history[-1])
             if ckpt.after_step(step + 1):  # True: a signal asked every rank to stop (saved first)
