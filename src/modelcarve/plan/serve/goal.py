@@ -35,7 +35,7 @@ import dataclasses
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.serve.batch import _largest_batch
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
 from modelcarve.plan.serve.options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
 from modelcarve.plan.serve.prune import prune
@@ -141,7 +141,7 @@ class _ServeGoal:
                 f"{mem.runtime_bytes / GiB:.0f} GiB = {mem.total_bytes / GiB:.1f} GiB > {mem.budget_bytes / GiB:.1f} GiB usable per device"
             )
             return None, mem, FIT, reason
-        c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
+        c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
@@ -200,7 +200,7 @@ class _ServeGoal:
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
                 return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
-            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f)
+            c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f)
             if latency and fixed == 1 and opts.ttft_s is None:
                 # The common latency question: one sequence, no TTFT bound; no prefill to cost.
                 tpot = decode_tpot_s(c, 1)
