@@ -39,7 +39,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--phase", choices=["prefill", "decode"], default=None,
                        help="estimate: cost one phase alone, as a disaggregated prefill or decode unit")
     group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
-                       help="request rate: TTFT with queueing (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
+                       help="request rate over the cluster: layouts must sustain it, TPOT is that of the batch it keeps in flight "
+                            "(Little's law), TTFT adds the queue wait (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
     group.add_argument("--pareto", action="store_true",
                        help="plan: print the Pareto front of tok/s/device vs tok/s/user (with --plot PNG: draw it)")
 
