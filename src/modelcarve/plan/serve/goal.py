@@ -45,7 +45,7 @@ from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.serve.batch import _largest_batch, sustained_batch
 from modelcarve.plan.serve.layout_costs import layout_costs
-from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, released_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
 from modelcarve.plan.serve.prune import prune
 from modelcarve.plan.serve.queue import md1_wait_s, queued_ttft
@@ -106,8 +106,15 @@ def _layout_dict(layout: Layout) -> dict:
     return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
 
 
-def _name(layout: Layout) -> str:
-    return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
+def _name(layout: Layout, expert_dtype: str = "") -> str:
+    experts = f" (experts {expert_dtype})" if expert_dtype else ""
+    return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}{experts}"
+
+
+def _expert_dtype(model, layout: Layout, opts: ServeOptions) -> str:
+    """The routed experts' dtype when not the layout's weight dtype: as the checkpoint ships them
+    (gpt-oss: mxfp4) unless the user named the weight dtypes."""
+    return released_expert_dtype(model, layout.weight_dtype) if opts.released_experts else ""
 
 
 class _ServeGoal:
@@ -141,7 +148,9 @@ class _ServeGoal:
     def _solve(self, model, cluster, layout: Layout, opts: ServeOptions):
         """(ServeTime | None, ServeMemory, category, reason, queue | None) for one layout; with a
         request rate the ServeTime is at the sustained batch with the queue wait in its TTFT."""
-        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+        ed = _expert_dtype(model, layout, opts)
+        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                        expert_dtype=ed)
         memory_bytes = cluster.device.memory_bytes
         ctx_len = opts.context
         mem = memory_from_facts(f, memory_bytes, batch=1, context=ctx_len)
@@ -153,7 +162,8 @@ class _ServeGoal:
                 f"{mem.runtime_bytes / GiB:.0f} GiB = {mem.total_bytes / GiB:.1f} GiB > {mem.budget_bytes / GiB:.1f} GiB usable per device"
             )
             return None, mem, FIT, reason, None
-        c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
+        c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
+                         expert_dtype=ed)
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
@@ -231,16 +241,23 @@ class _ServeGoal:
         tpot_bound = opts.tpot_s if opts.tpot_s is not None else float("inf")
         latency = self.latency
         rate = opts.rate_rps
+        released = opts.released_experts
 
         def screen(layout: Layout, floor: float | None = None):
-            f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+            ed = released_expert_dtype(model, layout.weight_dtype) if released else ""
+            f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                            expert_dtype=ed)
             fit = max_sequences(f, memory_bytes, ctx_len)
             fixed = opts.batch or (1 if latency else None)
             # Rejections carry a short reason: the search evaluates the best rejected candidate
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
-                return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
-            c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f)
+                # The closest to fitting ranks first (the no-fit error names it): the smallest
+                # need per device over the usable memory, below every other category's score.
+                need = memory_from_facts(f, memory_bytes, batch=fixed or 1, context=ctx_len)
+                return -1e6 - need.total_bytes / need.budget_bytes, FIT, f"{_name(layout)}: {FIT}"
+            c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
+                             expert_dtype=ed)
             if rate is not None:
                 # At a request rate: the sustained batch, its TPOT, TTFT with the queue wait.
                 top_b = opts.batch or (fit if fit < opts.max_batch else opts.max_batch)
@@ -325,6 +342,10 @@ class _ServeGoal:
             result["reject_category"] = INVALID
             return result
         t, mem, category, reason, queue = self._solve(model, cluster, layout, opts)
+        ed = _expert_dtype(model, layout, opts)
+        if ed:
+            result["name"] = _name(layout, ed)
+            result["expert_dtype"] = ed
         result["memory"] = mem.to_dict()
         result["fits"] = t is not None
         result["reject_reason"] = reason
@@ -333,10 +354,11 @@ class _ServeGoal:
         if t is None:
             needed = min_devices(
                 model, cluster.device.memory_bytes, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                context=opts.context, batch=opts.batch or 1,
+                context=opts.context, batch=opts.batch or 1, expert_dtype=ed,
             )
             where = f"at least {needed} x {cluster.device.name}" if needed else f"more than 1024 x {cluster.device.name}"
-            result["reject_reason"] = f"{reason}; {layout.weight_dtype} weights with this context need {where}"
+            weights = f"{layout.weight_dtype} weights" + (f" ({ed} experts)" if ed else "")
+            result["reject_reason"] = f"{reason}; {weights} with this context need {where}"
             return result
         result["serve"] = dict(t.to_dict(), concurrency=t.batch * layout.dp)
         if queue is not None:
@@ -380,7 +402,8 @@ class _ServeGoal:
         if split > 1:
             # Only when one device could not serve even one sequence is the split forced.
             one = memory_from_facts(
-                shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype),
+                shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                            expert_dtype=_expert_dtype(model, layout, opts)),
                 cluster.device.memory_bytes, batch=1, context=opts.context,
             )
             if not one.fits:
@@ -388,6 +411,12 @@ class _ServeGoal:
                     f"one model copy spans {split} devices (TP x PP x EP) because one {cluster.device.name} would need {one.total_bytes / GiB:.1f} GiB "
                     f"(weights {one.weights_bytes / GiB:.1f} + KV {one.kv_bytes / GiB:.1f}) > {one.budget_bytes / GiB:.1f} GiB usable"
                 )
+        ed = _expert_dtype(model, layout, opts)
+        if ed:
+            out.append(
+                f"routed experts sized in {ed}, as {model.name}'s checkpoint ships them (the rest {layout.weight_dtype}); "
+                f"--weight-dtypes {layout.weight_dtype} sizes every matrix in {layout.weight_dtype}"
+            )
         if layout.weight_dtype in ("int4", "int8", "fp4", "nvfp4", "mxfp4"):
             out.append(
                 f"quality: {quality_note(layout.weight_dtype, layout.kv_dtype)} "

@@ -150,15 +150,15 @@ def clear_caches() -> None:
 
 
 def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
-                 imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None) -> LayoutCosts:
+                 imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "") -> LayoutCosts:
     """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
-    caller has them already)."""
-    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance)
+    caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``)."""
+    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     if f is None:
-        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype)
     mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
     gemm = mesh.gemm.get(weight_dtype)

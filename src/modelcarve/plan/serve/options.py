@@ -36,6 +36,10 @@ class ServeOptions:
     max_batch: int = MAX_BATCH
     load_imbalance: float = MOE_IMBALANCE
     """Busiest expert-parallel rank's routed tokens over the mean."""
+    released_experts: bool = True
+    """Size routed experts in the dtype the checkpoint ships them in when that is narrower than
+    the weight dtype (gpt-oss: MXFP4; ``memory.released_expert_dtype``): the default, off when the
+    user names the weight dtypes (``--weight-dtypes``), which then apply to every matrix."""
     rate_rps: float | None = None
     """Requests/s the cluster is asked to serve (``--rate``); None: each layout at its own batch.
     With a rate, a layout must sustain it, TTFT carries the queue and TPOT is that of the batch
@@ -88,6 +92,7 @@ def serve_options(**options) -> ServeOptions:
         max_batch=num("max_batch", int, 1) or MAX_BATCH,
         load_imbalance=num("load_imbalance", float, 1.0) or MOE_IMBALANCE,
         rate_rps=rate,
+        released_experts=options.get("weight_dtypes") is None,
     )
     from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS
 
