@@ -10,7 +10,7 @@ import pytest
 from modelcarve.cli import main
 from modelcarve.plan.serve.pareto import front_of, pareto_front
 from modelcarve.plan.search import search
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.disagg import choose_pools, decode_unit, kv_transfer_s, phase_estimate, prefill_unit
 from modelcarve.plan.serve.options import serve_options
 from modelcarve.plan.serve.time import _ensure_prefill, _rates, decode_tpot_s
@@ -39,7 +39,7 @@ def test_each_phase_is_the_colocated_model_without_the_other():
     model, cl = get_model("llama-3.1-70b"), parse_cluster("8xH100")
     opts = serve_options(tpot_ms=30, **SHAPE)
     layout = Layout(tp=4, weight_dtype="fp8", kv_dtype="fp8")
-    c = _context(model, cl, 4, 1, 1, 1, "fp8", "fp8", 4096, 512)
+    c = layout_costs(model, cl, 4, 1, 1, 1, "fp8", "fp8", 4096, 512)
     _ensure_prefill(c)
     p = prefill_unit(model, cl, layout, opts)
     assert p["prefill_s"] == c.prefill_s

@@ -5,7 +5,7 @@ import pytest
 
 from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS, quality_note
 from modelcarve.plan.search import search
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.memory import shard_facts
 from modelcarve.plan.serve import rates as serve_rates
 from modelcarve.spec.catalog import get_model
@@ -46,11 +46,11 @@ def test_fp4_gemms_run_at_the_fp4_peak_on_blackwell_and_bf16_elsewhere():
     # the FP4 dense peak times the one fitted FP4 fraction (serve_rates.FP4_GEMM_FRACTION, 0.54)
     frac = serve_rates.FP4_GEMM_FRACTION
     for cluster, dtype, peak in (("B200", "fp4", 9.0e15 * frac), ("GB200", "fp4", 1.0e16 * frac), ("H100", "bf16", 989.4e12)):
-        c = _context(model, parse_cluster(cluster), 1, 1, 1, 1, "nvfp4", "fp4", 2048, 256)
+        c = layout_costs(model, parse_cluster(cluster), 1, 1, 1, 1, "nvfp4", "fp4", 2048, 256)
         assert (c.compute_dtype, c.peak) == (dtype, peak), cluster
     # Decode at batch 1 streams the weights: the GEMM side of a step is the layer weights over the
     # achievable HBM rate (B200: 8 TB/s x the fitted decode efficiency).
-    c = _context(model, parse_cluster("B200"), 1, 1, 1, 1, "nvfp4", "fp4", 2048, 256)
+    c = layout_costs(model, parse_cluster("B200"), 1, 1, 1, 1, "nvfp4", "fp4", 2048, 256)
     layer_weights = LAYERS * (ATTN + MLP) * 0.5625 + EMBED + NORMS  # the input embedding is not read whole
     assert c.weights_fixed == pytest.approx(layer_weights, rel=1e-12)
     assert c.weights_fixed / c.hbm == pytest.approx(layer_weights / (8e12 * serve_rates.DECODE_HBM_EFFICIENCY), rel=1e-12)

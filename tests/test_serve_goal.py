@@ -153,13 +153,13 @@ def test_batch_search_finds_the_largest_admissible_batch(name, cluster, layout, 
     """The bracketed search agrees with trying every batch."""
     from modelcarve.plan.serve.goal import _largest_batch
     from modelcarve.plan.serve.memory import max_sequences, shard_facts
-    from modelcarve.plan.serve.layout_costs import _context
+    from modelcarve.plan.serve.layout_costs import layout_costs
     from modelcarve.plan.serve.time import _rates
 
     model, cl = get_model(name), parse_cluster(cluster)
     f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
     top = min(max_sequences(f, cl.device.memory_bytes, 2048 + 256), 1024)
-    c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, 2048, 256)
+    c = layout_costs(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, 2048, 256)
 
     def meets(b):
         _, tpot, ttft, _ = _rates(c, b)

@@ -13,7 +13,7 @@ from modelcarve.plan.search import search
 from modelcarve.plan.serve.goal import _largest_batch
 from modelcarve.plan.serve.prune import group_ceiling
 from modelcarve.plan.serve.memory import max_sequences, shard_facts
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.time import _ensure_prefill, _rates
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
@@ -49,7 +49,7 @@ def test_ceiling_bounds_every_admissible_batch(name, cluster, input_len, output_
         fit = min(max_sequences(f, cl.device.memory_bytes, input_len + output_len), serve_goal.MAX_BATCH)
         if fit < 1:
             continue
-        c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
+        c = layout_costs(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
                      input_len, output_len)
         _ensure_prefill(c)
         ceiling = group_ceiling(c, fit, ttft_s, tpot_s)

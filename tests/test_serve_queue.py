@@ -54,9 +54,10 @@ def test_estimate_rate_reports_the_queue_and_refuses_past_capacity(capsys):
     assert main(args + ["--rate", "20"]) == 0
     result = json.loads(capsys.readouterr().out)
     q, serve = result["queue"], result["serve"]
-    capacity = serve["tokens_per_s_cluster"] / 4 / 256  # per replica: its output tokens/s over output_len 256
+    # per replica (tp=2 devices): its output tokens/s at the full batch over output_len 256
+    capacity = q["capacity_tokens_per_s_per_device"] * 2 / 256
     assert q["capacity_rps"] == pytest.approx(capacity, rel=1e-12)
-    assert q["ttft_s"] == pytest.approx(serve["ttft_s"] + md1_wait_s(5.0, capacity), rel=1e-12)
+    assert q["ttft_s"] == pytest.approx(serve["ttft_unqueued_s"] + md1_wait_s(5.0, capacity), rel=1e-12)
     code = main(args + ["--rate", str(5 * capacity)])
     assert code == 2
     err = capsys.readouterr().err

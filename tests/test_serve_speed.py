@@ -10,7 +10,7 @@ from modelcarve.plan.cost.efficiency import matmul_efficiency
 from modelcarve.plan.search import search
 from modelcarve.plan.serve.memory import max_sequences, shard_facts
 from modelcarve.plan.cost.efficiency import TILE
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.rates import _decode_gemm_efficiency
 from modelcarve.plan.serve.time import _rates, _stage_step, _step_slope, serve_time
 from modelcarve.spec.catalog import get_model
@@ -52,7 +52,7 @@ def test_batch_search_equals_trying_every_batch(name, cluster, input_len, output
     shape = {"input_len": input_len, "output_len": output_len}
     kinds = set()
     for layout, fit in _fitting(model, cl, shape):
-        c = _context(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, input_len, output_len)
+        c = layout_costs(model, cl, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, input_len, output_len)
         expected = _scan(c, fit, ttft_ms / 1e3, tpot_ms / 1e3)
         batch, rates = serve_goal._largest_batch(c, fit, ttft_ms / 1e3, tpot_ms / 1e3)
         assert (batch, rates) == (expected, _rates(c, expected)), layout
@@ -67,7 +67,7 @@ def test_step_slope_value_is_the_stage_step_exactly():
         ("deepseek-v3", "128x8xH200", 1, 32, 16, 32, "int4", "fp8"),
         ("llama-2-7b", "4xA100-40GB", 1, 1, 1, 4, "fp8", "bf16"),
     ]:
-        c = _context(get_model(name), parse_cluster(cluster), tp, pp, ep, dp, wd, kd, 2048, 256)
+        c = layout_costs(get_model(name), parse_cluster(cluster), tp, pp, ep, dp, wd, kd, 2048, 256)
         for b in list(range(1, 300)) + [511, 512, 513, 1024]:
             assert _step_slope(c, b)[0] == _stage_step(c, b)
 
@@ -77,7 +77,7 @@ def test_decode_gemm_efficiency_is_matmul_efficiency_exactly(device_cluster, wei
     cluster = parse_cluster(f"8x{device_cluster}")
     for name, tp in [("qwen3-32b", 1), ("qwen3-32b", 8), ("deepseek-v3", 4)]:
         model = get_model(name)
-        c = _context(model, cluster, tp, 1, 1, 8 // tp, weight_dtype, "bf16", 2048, 256)
+        c = layout_costs(model, cluster, tp, 1, 1, 8 // tp, weight_dtype, "bf16", 2048, 256)
         for m in list(range(1, TILE, 3)) + list(range(TILE, 1100, 7)) + [2048, 4096, 8192]:  # decode rows, prefill chunks
             assert _decode_gemm_efficiency(c, m) == matmul_efficiency(c.device, m, c.n_gemm, model.hidden_size, c.compute_dtype)
 
@@ -151,7 +151,7 @@ def test_step_growth_bound_holds():
         ("deepseek-v3", "128x8xH200", 1, 32, 16, 32, "int4", "fp8"),
         ("llama-2-7b", "4xA100-40GB", 1, 1, 1, 4, "bf16", "bf16"),
     ]:
-        c = _context(get_model(name), parse_cluster(cluster), tp, pp, ep, dp, wd, kd, 2048, 256)
+        c = layout_costs(get_model(name), parse_cluster(cluster), tp, pp, ep, dp, wd, kd, 2048, 256)
         for b in range(1, 1100):
             grows = _step_slope(c, b)[4]
             if grows >= 0:
@@ -161,14 +161,14 @@ def test_step_growth_bound_holds():
 
 
 def test_context_and_facts_builders_set_every_field():
-    """``_context`` and ``_compute_facts`` fill their records without the dataclass constructor
+    """``layout_costs`` and ``_compute_facts`` fill their records without the dataclass constructor
     (for speed): a field added to either must be assigned there too."""
     import dataclasses
 
     from modelcarve.plan.serve.memory import ShardFacts
-    from modelcarve.plan.serve.layout_costs import _Ctx
+    from modelcarve.plan.serve.layout_costs import LayoutCosts
 
-    c = _context(get_model("kimi-k2"), parse_cluster("4x8xH200"), 8, 2, 2, 2, "fp8", "bf16", 2048, 256)
-    for record, cls in ((c, _Ctx), (c.f, ShardFacts)):
+    c = layout_costs(get_model("kimi-k2"), parse_cluster("4x8xH200"), 8, 2, 2, 2, "fp8", "bf16", 2048, 256)
+    for record, cls in ((c, LayoutCosts), (c.f, ShardFacts)):
         missing = [field.name for field in dataclasses.fields(cls) if not hasattr(record, field.name)]
         assert not missing, (cls.__name__, missing)

@@ -78,7 +78,9 @@ def run_frontier_estimate(args, model, cluster, layout, options: dict) -> int:
 
 
 def attach_queue(args, result: dict) -> None:
-    """``estimate --rate``: the result's TTFT with queueing (``result['queue']``), refused past capacity."""
+    """``estimate --rate``: the result's TTFT with queueing (``result['queue']``), refused past capacity.
+    The serving goals cost the layout at the rate themselves (the sustained batch, the queue in
+    TTFT: plan/serve/goal.py); a result without a queue gets one at its own batch."""
     from modelcarve.plan.serve.options import serve_options
     from modelcarve.plan.serve.queue import check_rate, with_rate
 
@@ -86,10 +88,12 @@ def attach_queue(args, result: dict) -> None:
         raise ModelcarveError(f"--rate {args.rate:g} must be a positive number of requests/s")
     if not result.get("serve"):
         return
-    output_len = serve_options(output_len=getattr(args, "output_len", None)).output_len
-    with_rate(result, args.rate, output_len)
+    if "queue" not in result:
+        output_len = serve_options(output_len=getattr(args, "output_len", None)).output_len
+        with_rate(result, args.rate, output_len)
     check_rate(args.rate, result["queue"]["capacity_total_rps"], result["name"])
     if not getattr(args, "json", False):
         q = result["queue"]
+        batch = f"; {q['batch']} sequences in flight per replica at this rate" if "batch" in q else ""
         print(f"at {args.rate:g} requests/s ({q['utilisation']:.0%} of capacity {q['capacity_total_rps']:.2f} req/s, "
-              f"{q['queue_model']}): queue wait {q['wait_s'] * 1e3:.0f} ms, TTFT {q['ttft_s'] * 1e3:.0f} ms")
+              f"{q['queue_model']}): queue wait {q['wait_s'] * 1e3:.0f} ms, TTFT {q['ttft_s'] * 1e3:.0f} ms{batch}")

@@ -39,7 +39,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--phase", choices=["prefill", "decode"], default=None,
                        help="estimate: cost one phase alone, as a disaggregated prefill or decode unit")
     group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
-                       help="request rate: TTFT with queueing (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
+                       help="request rate over the cluster: layouts must sustain it, TPOT is that of the batch it keeps in flight "
+                            "(Little's law), TTFT adds the queue wait (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
     group.add_argument("--pareto", action="store_true",
                        help="plan: print the Pareto front of tok/s/device vs tok/s/user (with --plot PNG: draw it)")
 
@@ -115,13 +116,18 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         from modelcarve.commands.frontier import run_frontier_estimate
 
         return run_frontier_estimate(args, model, cluster, layout, serve_options_from_args(args))
+    options = serve_options_from_args(args)
+    if isinstance(getattr(args, "layout", None), str) and "weight_dtype" not in options and engine_dtypes(args.layout, layout.replace(weight_dtype="")).weight_dtype == "":
+        # The layout names its weight dtype: the user asked for it, so every matrix is sized in it
+        # (otherwise experts a checkpoint ships narrower are sized as released: plan/serve/options.py).
+        options["weight_dtypes"] = layout.weight_dtype
     note = None
     group = layout.tp * layout.pp * layout.cp
     if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
         # A serving layout names the model-parallel group; the other devices are replicas.
         layout = layout.replace(dp=cluster.num_devices // group)
         note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
-    result = get_goal(args.goal).evaluate(model, cluster, layout, **serve_options_from_args(args))
+    result = get_goal(args.goal).evaluate(model, cluster, layout, **options)
     if getattr(args, "rate", None) is not None:
         from modelcarve.commands.frontier import attach_queue
 

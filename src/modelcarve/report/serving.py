@@ -59,6 +59,12 @@ def print_serve_plan(plan: dict, *, goal_name: str, why: list[dict] | None = Non
         console.print(f"[bold]Winner[/bold] {best['name']}: TPOT {best['serve']['tpot_s'] * 1e3:.2f} ms, "
                       f"TTFT {_ms(best['serve']['ttft_s'])} ms, {best['serve']['tokens_per_s_per_device']:,.0f} tokens/s per device "
                       f"at {best['serve']['batch']} sequences per replica ({best['serve']['concurrency']} in the cluster)")
+        queue = best.get("queue")
+        if queue:
+            console.print(f"  at {queue['rate_rps']:g} requests/s: {queue['utilisation']:.0%} of its capacity of "
+                          f"{queue['capacity_total_rps']:.3g} requests/s; {queue['batch']} sequences in flight per replica "
+                          f"(full batch {queue['full_batch']}); TTFT includes a {queue['wait_s'] * 1e3:.1f} ms queue wait "
+                          f"({queue['queue_model']})")
         console.print(f"  quality: {best['quality']}")
         if best.get("quality_short") in ("small", "noticeable"):
             console.print("  (--weight-dtypes bf16,fp8 keeps the search to near-lossless weights)")

@@ -1,13 +1,16 @@
-"""The throughput goal's choice of batch: the largest that meets the TTFT and TPOT bounds.
+"""The serving goals' choice of batch: the largest that meets the TTFT and TPOT bounds, or the
+one a request rate keeps in flight.
 
 ``_largest_batch(ctx, max_b, ttft_bound, tpot_bound)`` searches bands of batches that share one
 decode step (see its docstring), with a few decode-step evaluations per layout where trying
 every batch would take ``max_b``; tests/test_serve_speed.py checks it against trying every batch.
+``sustained_batch(ctx, max_b, rate_per_replica)`` is the steady-state batch at a request rate
+(Little's law, see its docstring), with the replica's capacity.
 """
 
 from __future__ import annotations
 
-from modelcarve.plan.serve.time import _ensure_prefill, _step_slope
+from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope
 
 _INF = float("inf")
 
@@ -114,3 +117,41 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     per_seq = drain / (pp if pp < b_lo else b_lo) / out
     ttft = prefill + (round_s if b_lo > 1 else 0.0)
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
+
+
+def sustained_batch(c, max_b: int, rate_per_replica: float) -> tuple[int, float, tuple]:
+    """(batch, capacity requests/s, ``_rates`` at that batch) of one replica (attention group)
+    receiving ``rate_per_replica`` requests/s, at most ``max_b`` sequences in flight.
+
+    Capacity: the requests/s the replica completes at its full batch ``max_b``, its output
+    tokens/s over ``output_len`` (``_rates(c, max_b)[3] / output_len``). At or above it the queue
+    grows without bound: the batch returned is then ``max_b`` and the caller refuses the rate.
+
+    Below it, the batch is the steady-state number of sequences in flight (Little's law: ``N =
+    rate x T``, T the time a request spends in the engine). At batch ``b`` a request's time is its
+    ``output_len`` decode rounds plus the prefills interleaved with them (TPOT x output_len) plus
+    its own prefill share: exactly ``b`` over the replica's requests/s at ``b``, ``T(b) = b /
+    cap(b)`` (``_rates``: ``cap(b) = b / (output_len x round(b) + b x input_len x prefill s per
+    token / micro-batches)``). So ``N = rate x T(N)`` holds where ``cap(N) = rate``; whole
+    sequences: the smallest ``b`` with ``cap(b) >= rate`` (bisection; the capacity grows with the
+    batch, as ``_largest_batch`` assumes of the bounds' slack). The queue wait in front of the
+    replica (plan/serve/queue.py, M/D/1 at the capacity) is the caller's to add to TTFT."""
+    if c.prefill_s < 0:
+        _ensure_prefill(c)
+    out = c.output_len
+    full = _rates(c, max_b)
+    capacity = full[3] / out
+    if rate_per_replica >= capacity or max_b == 1:
+        return max_b, capacity, full
+    first = _rates(c, 1)
+    if first[3] / out >= rate_per_replica:
+        return 1, capacity, first
+    lo, hi, at_hi = 1, max_b, full  # cap(lo) < rate <= cap(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        at = _rates(c, mid)
+        if at[3] / out >= rate_per_replica:
+            hi, at_hi = mid, at
+        else:
+            lo = mid
+    return hi, capacity, at_hi

@@ -37,7 +37,7 @@ import math
 
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, kv_bytes, quality_note
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.memory import max_sequences, shard_facts
 from modelcarve.plan.serve.options import serve_options
 from modelcarve.plan.serve.queue import md1_wait_s
@@ -59,7 +59,7 @@ def _unit_devices(layout: Layout) -> int:
 
 def _ctx(model, cluster, layout: Layout, opts):
     f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
-    c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.ep, layout.weight_dtype, layout.kv_dtype,
+    c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.ep, layout.weight_dtype, layout.kv_dtype,
                  opts.input_len, opts.output_len, opts.load_imbalance, f)
     return f, c
 

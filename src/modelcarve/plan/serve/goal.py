@@ -18,6 +18,15 @@ bf16, fp8 for KV: int8, int4, fp4/nvfp4/mxfp4 only when the user widens ``weight
   ``ttft_ms`` and ``tpot_ms`` (TPOT and TTFT grow with the batch, tokens/s per device grows
   with it, so the largest admissible batch is the best), and maximises output tokens/s per
   device.
+* With a request rate (``rate``, requests/s over the cluster), both goals cost each layout at
+  that load: a layout whose capacity (its ``dp`` replicas at their full batch: the largest that
+  fits and meets the TTFT and TPOT bounds, or ``batch``) is at or below the rate is rejected ("capacity below the request rate");
+  otherwise the batch is the one the rate keeps in flight (plan/serve/batch.py's
+  ``sustained_batch``, Little's law), TPOT is that batch's and TTFT adds the M/D/1 queue wait in
+  front of each replica (plan/serve/queue.py); ``result['queue']`` has the figures. Latency
+  still minimises TPOT; throughput ranks by capacity per device (the tokens/s per device at the
+  full batch, ``serve['capacity_tokens_per_s_per_device']``), since at a given rate every
+  layout of the cluster delivers the same tokens/s.
 
 Every result says which mesh axis crosses a node boundary and what it adds to each token, and
 carries the quality note of its weight and KV dtypes (``plan.quant``).
@@ -34,11 +43,12 @@ import dataclasses
 
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, quality_note
-from modelcarve.plan.serve.batch import _largest_batch
-from modelcarve.plan.serve.layout_costs import _context
-from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, shard_facts
+from modelcarve.plan.serve.batch import _largest_batch, sustained_batch
+from modelcarve.plan.serve.layout_costs import layout_costs
+from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, released_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
 from modelcarve.plan.serve.prune import prune
+from modelcarve.plan.serve.queue import md1_wait_s, queued_ttft
 from modelcarve.plan.serve.time import ServeTime, _ensure_prefill, _rates, _serve_time, decode_tpot_s
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
@@ -49,6 +59,7 @@ FIT = "does not fit in memory"
 TTFT = "TTFT above the bound"
 TPOT = "TPOT above the bound"
 INVALID = "invalid layout"
+RATE = "capacity below the request rate"
 
 
 def _tp_values(model, n: int) -> list[int]:
@@ -95,8 +106,15 @@ def _layout_dict(layout: Layout) -> dict:
     return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
 
 
-def _name(layout: Layout) -> str:
-    return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}"
+def _name(layout: Layout, expert_dtype: str = "") -> str:
+    experts = f" (experts {expert_dtype})" if expert_dtype else ""
+    return f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}{experts}"
+
+
+def _expert_dtype(model, layout: Layout, opts: ServeOptions) -> str:
+    """The routed experts' dtype when not the layout's weight dtype: as the checkpoint ships them
+    (gpt-oss: mxfp4) unless the user named the weight dtypes."""
+    return released_expert_dtype(model, layout.weight_dtype) if opts.released_experts else ""
 
 
 class _ServeGoal:
@@ -128,8 +146,11 @@ class _ServeGoal:
 
     # --- the core: batch choice, bounds ------------------------------------------------------
     def _solve(self, model, cluster, layout: Layout, opts: ServeOptions):
-        """(ServeTime | None, ServeMemory, category, reason) for one layout."""
-        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+        """(ServeTime | None, ServeMemory, category, reason, queue | None) for one layout; with a
+        request rate the ServeTime is at the sustained batch with the queue wait in its TTFT."""
+        ed = _expert_dtype(model, layout, opts)
+        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                        expert_dtype=ed)
         memory_bytes = cluster.device.memory_bytes
         ctx_len = opts.context
         mem = memory_from_facts(f, memory_bytes, batch=1, context=ctx_len)
@@ -140,8 +161,9 @@ class _ServeGoal:
                 f"sequence {mem.kv_bytes / GiB:.1f} GiB + workspace {mem.workspace_bytes / GiB:.1f} GiB + runtime "
                 f"{mem.runtime_bytes / GiB:.0f} GiB = {mem.total_bytes / GiB:.1f} GiB > {mem.budget_bytes / GiB:.1f} GiB usable per device"
             )
-            return None, mem, FIT, reason
-        c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance)
+            return None, mem, FIT, reason, None
+        c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
+                         expert_dtype=ed)
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
@@ -150,13 +172,33 @@ class _ServeGoal:
                     f"{_name(layout)}: {batch} sequences of {ctx_len} tokens need {mem.kv_bytes / GiB:.1f} GiB of KV cache; "
                     f"only {mem.max_sequences} fit beside {mem.weights_bytes / GiB:.1f} GiB of weights"
                 )
-                return None, mem, FIT, reason
-            t = _serve_time(c, batch)
-        else:
+                return None, mem, FIT, reason, None
+            if opts.rate_rps is None:
+                t = _serve_time(c, batch)
+            elif opts.batch is not None:
+                max_b = batch  # at a rate the latency goal's batch is the rate's, unless --batch caps it
+        elif opts.rate_rps is None:
             t = self._largest_batch(c, max_b, opts)
-        category, reason = self._check_bounds(layout, t, opts)
+        else:
+            max_b = self._largest_batch(c, max_b, opts).batch  # the full batch within the bounds
+        queue = None
+        if opts.rate_rps is not None:
+            t, queue = self._at_rate(c, max_b, layout.dp, opts.rate_rps)
+        category, reason = self._check_bounds(layout, t, opts, queue)
         mem = memory_from_facts(f, memory_bytes, batch=t.batch, context=ctx_len)
-        return t, mem, category, reason
+        return t, mem, category, reason, queue
+
+    @staticmethod
+    def _at_rate(c, max_b: int, dp: int, rate: float) -> tuple[ServeTime, dict]:
+        """The layout at ``rate`` requests/s over its ``dp`` replicas: the sustained batch's
+        figures with the queue wait in TTFT, and the queue (``queued_ttft`` plus the full batch
+        and its capacity per device)."""
+        batch, capacity, _ = sustained_batch(c, max_b, rate / dp)
+        t = _serve_time(c, batch)
+        queue = queued_ttft(ttft_s=t.ttft_s, capacity_rps=capacity, rate_rps=rate, replicas=dp)
+        queue.update(batch=batch, full_batch=max_b, ttft_unqueued_s=t.ttft_s,
+                     capacity_tokens_per_s_per_device=capacity * c.output_len / (c.tp * c.pp))
+        return dataclasses.replace(t, ttft_s=queue["ttft_s"]), queue
 
     @staticmethod
     def _largest_batch(c, max_b: int, opts: ServeOptions) -> ServeTime:
@@ -167,11 +209,18 @@ class _ServeGoal:
         return _serve_time(c, _largest_batch(c, max_b, ttft, tpot)[0])
 
     @staticmethod
-    def _check_bounds(layout: Layout, t: ServeTime, opts: ServeOptions):
+    def _check_bounds(layout: Layout, t: ServeTime, opts: ServeOptions, queue: dict | None = None):
+        if queue is not None and not queue["stable"]:
+            return RATE, (
+                f"{_name(layout)}: capacity {queue['capacity_total_rps']:.3g} requests/s ({layout.dp} replica(s) of "
+                f"{queue['capacity_rps']:.3g} at batch {queue['full_batch']}) is at or below --rate {queue['rate_rps']:g}: "
+                f"the queue would grow without bound"
+            )
         if opts.ttft_s is not None and t.ttft_s > opts.ttft_s:
+            waits = f" and the queue wait at --rate {queue['rate_rps']:g} {queue['wait_s'] * 1e3:.0f} ms" if queue else ""
             return TTFT, (
                 f"{_name(layout)}: TTFT {t.ttft_s * 1e3:.0f} ms at batch {t.batch} exceeds {opts.ttft_s * 1e3:.0f} ms "
-                f"(prefill of {opts.input_len} tokens takes {t.prefill_s * 1e3:.0f} ms)"
+                f"(prefill of {opts.input_len} tokens takes {t.prefill_s * 1e3:.0f} ms{waits})"
             )
         if opts.tpot_s is not None and t.tpot_s > opts.tpot_s:
             return TPOT, (
@@ -191,23 +240,43 @@ class _ServeGoal:
         ttft_bound = opts.ttft_s if opts.ttft_s is not None else float("inf")
         tpot_bound = opts.tpot_s if opts.tpot_s is not None else float("inf")
         latency = self.latency
+        rate = opts.rate_rps
+        released = opts.released_experts
 
         def screen(layout: Layout, floor: float | None = None):
-            f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+            ed = released_expert_dtype(model, layout.weight_dtype) if released else ""
+            f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                            expert_dtype=ed)
             fit = max_sequences(f, memory_bytes, ctx_len)
             fixed = opts.batch or (1 if latency else None)
             # Rejections carry a short reason: the search evaluates the best rejected candidate
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
-                return float("-inf"), FIT, f"{_name(layout)}: {FIT}"
-            c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f)
-            if latency and fixed == 1 and opts.ttft_s is None:
+                # The closest to fitting ranks first (the no-fit error names it): the smallest
+                # need per device over the usable memory, below every other category's score.
+                need = memory_from_facts(f, memory_bytes, batch=fixed or 1, context=ctx_len)
+                return -1e6 - need.total_bytes / need.budget_bytes, FIT, f"{_name(layout)}: {FIT}"
+            c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
+                             expert_dtype=ed)
+            if rate is not None:
+                # At a request rate: the sustained batch, its TPOT, TTFT with the queue wait.
+                top_b = opts.batch or (fit if fit < opts.max_batch else opts.max_batch)
+                if opts.batch is None:
+                    top_b = _largest_batch(c, top_b, ttft_bound, tpot_bound)[0]  # the full batch within the bounds
+                batch, capacity, (_, tpot, ttft, _) = sustained_batch(c, top_b, rate / layout.dp)
+                per_replica = rate / layout.dp
+                if per_replica >= capacity:
+                    # Ranked by how close the capacity comes to the rate.
+                    return capacity / per_replica - 2.0, RATE, f"{_name(layout)}: {RATE}"
+                ttft += md1_wait_s(per_replica, capacity)
+                raw = -tpot if latency else capacity * c.output_len / (layout.tp * layout.pp)
+            elif latency and fixed == 1 and opts.ttft_s is None:
                 # The common latency question: one sequence, no TTFT bound; no prefill to cost.
                 tpot = decode_tpot_s(c, 1)
                 if tpot > tpot_bound:
                     return -tpot, TPOT, f"{_name(layout)}: TPOT {tpot * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
                 return -tpot - tpot * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
-            if fixed is None:
+            elif fixed is None:
                 max_b = fit if fit < opts.max_batch else opts.max_batch
                 if floor is not None:
                     # Pruning (``screen.above``, plan/serve/prune.py): skip the batch search of a
@@ -224,9 +293,10 @@ class _ServeGoal:
                         reason = f"{_name(layout)}: TPOT {round_1 * 1e3:.1f} ms exceeds {tpot_bound * 1e3:.0f} ms"
                         return group / (layout.tp * layout.pp), TPOT, reason
                 _, (_, tpot, ttft, group) = _largest_batch(c, max_b, ttft_bound, tpot_bound)
+                raw = group / (layout.tp * layout.pp)
             else:
                 _, tpot, ttft, group = _rates(c, fixed)
-            raw = -tpot if latency else group / (layout.tp * layout.pp)
+                raw = -tpot if latency else group / (layout.tp * layout.pp)
             if ttft > ttft_bound:
                 return raw, TTFT, f"{_name(layout)}: TTFT {ttft * 1e3:.0f} ms exceeds {ttft_bound * 1e3:.0f} ms"
             if tpot > tpot_bound:
@@ -234,7 +304,7 @@ class _ServeGoal:
             # Equal speed (fp8 and int8 move the same bytes): the smaller quality cost ranks first.
             return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(layout.weight_dtype, 9), None, None
 
-        if not latency and opts.batch is None:
+        if not latency and opts.batch is None and rate is None:
             screen.above = screen  # the throughput screen can prune (see search.py, goals.py)
         return screen
 
@@ -243,7 +313,7 @@ class _ServeGoal:
         serve = result.get("serve")
         if not serve:
             return float("-inf")
-        raw = -serve["tpot_s"] if self.latency else serve["tokens_per_s_per_device"]
+        raw = -serve["tpot_s"] if self.latency else serve.get("capacity_tokens_per_s_per_device", serve["tokens_per_s_per_device"])
         return raw - abs(raw) * 1e-9 * _QUALITY_RANK.get(result["layout"]["weight_dtype"], 9)
 
     def evaluate(self, model, cluster, candidate, **options) -> dict:
@@ -271,7 +341,11 @@ class _ServeGoal:
             result["reject_reason"] = str(err)
             result["reject_category"] = INVALID
             return result
-        t, mem, category, reason = self._solve(model, cluster, layout, opts)
+        t, mem, category, reason, queue = self._solve(model, cluster, layout, opts)
+        ed = _expert_dtype(model, layout, opts)
+        if ed:
+            result["name"] = _name(layout, ed)
+            result["expert_dtype"] = ed
         result["memory"] = mem.to_dict()
         result["fits"] = t is not None
         result["reject_reason"] = reason
@@ -280,12 +354,18 @@ class _ServeGoal:
         if t is None:
             needed = min_devices(
                 model, cluster.device.memory_bytes, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                context=opts.context, batch=opts.batch or 1,
+                context=opts.context, batch=opts.batch or 1, expert_dtype=ed,
             )
             where = f"at least {needed} x {cluster.device.name}" if needed else f"more than 1024 x {cluster.device.name}"
-            result["reject_reason"] = f"{reason}; {layout.weight_dtype} weights with this context need {where}"
+            weights = f"{layout.weight_dtype} weights" + (f" ({ed} experts)" if ed else "")
+            result["reject_reason"] = f"{reason}; {weights} with this context need {where}"
             return result
         result["serve"] = dict(t.to_dict(), concurrency=t.batch * layout.dp)
+        if queue is not None:
+            result["queue"] = queue
+            result["serve"].update(ttft_unqueued_s=queue["ttft_unqueued_s"], queue_wait_s=queue["wait_s"],
+                                   capacity_rps=queue["capacity_total_rps"],
+                                   capacity_tokens_per_s_per_device=queue["capacity_tokens_per_s_per_device"])
         result["comm"] = {axis: dict(info, crosses_nodes=info["tier"] == "inter") for axis, info in t.comm.items()}
         result["crosses_nodes"] = [axis for axis, info in t.comm.items() if info["tier"] == "inter"]
         result["warnings"] = self._warnings(model, cluster, layout, t, mem, opts)
@@ -322,7 +402,8 @@ class _ServeGoal:
         if split > 1:
             # Only when one device could not serve even one sequence is the split forced.
             one = memory_from_facts(
-                shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype),
+                shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                            expert_dtype=_expert_dtype(model, layout, opts)),
                 cluster.device.memory_bytes, batch=1, context=opts.context,
             )
             if not one.fits:
@@ -330,6 +411,12 @@ class _ServeGoal:
                     f"one model copy spans {split} devices (TP x PP x EP) because one {cluster.device.name} would need {one.total_bytes / GiB:.1f} GiB "
                     f"(weights {one.weights_bytes / GiB:.1f} + KV {one.kv_bytes / GiB:.1f}) > {one.budget_bytes / GiB:.1f} GiB usable"
                 )
+        ed = _expert_dtype(model, layout, opts)
+        if ed:
+            out.append(
+                f"routed experts sized in {ed}, as {model.name}'s checkpoint ships them (the rest {layout.weight_dtype}); "
+                f"--weight-dtypes {layout.weight_dtype} sizes every matrix in {layout.weight_dtype}"
+            )
         if layout.weight_dtype in ("int4", "int8", "fp4", "nvfp4", "mxfp4"):
             out.append(
                 f"quality: {quality_note(layout.weight_dtype, layout.kv_dtype)} "

@@ -1,12 +1,12 @@
 """The batch-independent costs of one serving layout, computed once and shared.
 
-``_context`` gives a layout's ``_Ctx``: everything its decode step and prefills need that does
-not depend on the batch (weights read, per-sequence GEMM/attention/element-wise seconds, link
-tiers, the collectives as affine functions of the batch). What the eight weight/KV dtype
+``layout_costs(...)`` gives a layout's ``LayoutCosts``: everything its decode step and prefills
+need that does not depend on the batch (weights read, per-sequence GEMM/attention/element-wise
+seconds, link tiers, the collectives as affine functions of the batch). What the eight weight/KV dtype
 variants of one mesh share (tiers, FLOPs per token, collectives, the dtype-independent half of
 both prefills) is one ``_Mesh``. Both are memoised (a search builds hundreds of thousands);
-``clear_caches`` forgets them. serve_time.py turns a ``_Ctx`` and a batch into TTFT, TPOT and
-tokens/s.
+``clear_caches`` forgets them. time.py turns a ``LayoutCosts`` and a batch into TTFT, TPOT
+and tokens/s.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
 
 @dataclass(kw_only=True, slots=True)
-class _Ctx:
-    """Everything of a layout that does not depend on the batch (filled in by ``_context``; the
+class LayoutCosts:
+    """Everything of a layout that does not depend on the batch (filled in by ``layout_costs``; the
     prefill figures on first use)."""
 
     model: ModelSpec
@@ -100,7 +100,7 @@ class _Ctx:
     """The dtype-independent costs this layout shares with its other dtype variants."""
 
 
-_CTX: dict[tuple, _Ctx] = {}
+_CTX: dict[tuple, LayoutCosts] = {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,7 +118,7 @@ class _Mesh:
     attn_flops_per_ctx: float
     n_gemm: float
     k_gemm: float
-    """2 x non-expert matmul params per token (the dense part of ``_Ctx.k_gemm``)."""
+    """2 x non-expert matmul params per token (the dense part of ``LayoutCosts.k_gemm``)."""
     k_gemm_experts: float
     """What the routed experts add to ``k_gemm`` (when the stage holds any)."""
     k_elem: float
@@ -149,16 +149,16 @@ def clear_caches() -> None:
         cache.clear()
 
 
-def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
-             imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None) -> _Ctx:
+def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
+                 imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "") -> LayoutCosts:
     """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
-    caller has them already)."""
-    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance)
+    caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``)."""
+    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     if f is None:
-        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype)
     mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
     gemm = mesh.gemm.get(weight_dtype)
@@ -180,7 +180,7 @@ def _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, 
     k_attn = max(kv_seq_bytes(f, mesh.mean_ctx) / mesh.hbm, mesh.mean_ctx * mesh.attn_flops_per_ctx / mesh.attn_peak)
     # Every field assigned here, without the generated __init__: matching 34 keyword
     # arguments costs more than the rest of this function (once per candidate layout).
-    ctx = object.__new__(_Ctx)
+    ctx = object.__new__(LayoutCosts)
     ctx.model = model
     ctx.cluster = cluster
     ctx.f = f
@@ -280,7 +280,7 @@ def _affine(fn) -> tuple[float, float]:
 
 def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalance) -> tuple:
     """The decode collectives of a mesh as functions of the micro-batch ``b`` (see
-    ``_Ctx.comm_lines``): all affine in ``b`` (alpha-beta), TP taking the cheapest algorithm."""
+    ``LayoutCosts.comm_lines``): all affine in ``b`` (alpha-beta), TP taking the cheapest algorithm."""
     # The collectives do not depend on dtypes: shared by every dtype variant of a mesh.
     key = (id(cluster), id(m), tp, pp, ep, dp, f.stage_layers, f.stage_moe_layers, serve_rates.ALLREDUCE_FLOOR_S, imbalance)
     cached = _LINES.get(key)

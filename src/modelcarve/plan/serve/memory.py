@@ -149,15 +149,33 @@ class ShardFacts:
 _FACTS: dict[tuple, tuple] = {}
 
 
-def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> ShardFacts:
+def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                expert_dtype: str = "") -> ShardFacts:
+    """``expert_dtype``: the routed experts' dtype when not ``weight_dtype`` (gpt-oss's released
+    MXFP4 experts: ``released_expert_dtype``); "" for all layer matrices in ``weight_dtype``."""
     # Keyed by object identity, with the model kept in the entry so the id cannot be reused.
-    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype)
+    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype, expert_dtype)
     held = _FACTS.get(key)
     if held is None or held[0] is not model:
         if len(_FACTS) > 100_000:
             _FACTS.clear()
-        held = _FACTS[key] = (model, _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype))
+        held = _FACTS[key] = (model, _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                                    expert_dtype=expert_dtype))
     return held[1]
+
+
+def released_expert_dtype(model: ModelSpec, weight_dtype: str) -> str:
+    """The routed experts' dtype when a model's checkpoint ships them narrower than ``weight_dtype``
+    (gpt-oss: MXFP4 experts, the rest bf16): that released dtype, else "" (the experts follow
+    ``weight_dtype``). Storing a released 4-bit expert wider adds bytes and no accuracy, so the
+    serving planner's default sizes the experts as released (plan/serve/options.py)."""
+    released = getattr(model, "expert_checkpoint_dtype", "")
+    if not released or not model.is_moe:
+        return ""
+    h = model.hidden_size
+    if weight_format(released).bytes_per_param(h) < weight_format(weight_dtype).bytes_per_param(h):
+        return released
+    return ""
 
 
 class _TpCounts:
@@ -237,11 +255,11 @@ def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
 _WEIGHTS: dict[tuple, tuple] = {}
 
 
-def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str) -> tuple:
+def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str, expert_dtype: str = "") -> tuple:
     """What ``_compute_facts`` needs that does not depend on the KV dtype, memoised (the search
     asks for both KV dtypes of every weight dtype): the TP counts, per-layer bytes, and each
-    distinct stage's weights."""
-    key = (id(model), tp, pp, ep, weight_dtype)
+    distinct stage's weights (routed experts in ``expert_dtype`` when given)."""
+    key = (id(model), tp, pp, ep, weight_dtype, expert_dtype)
     held = _WEIGHTS.get(key)
     if held is not None and held[0] is model:
         return held[1]
@@ -250,9 +268,11 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str)
     pb = 4.0 if weight_dtype == "fp32" else 2.0  # unquantised parts (embeddings, head, norms, router, biases)
     small = pb * (c.attn_p + c.norm_p)
     dense_layer = q * (c.attn_q + c.dense_q) + small
-    expert = q * c.expert_q + pb * c.expert_p
+    shared_expert = q * c.expert_q + pb * c.expert_p
+    qe = weight_format(expert_dtype).bytes_per_param(model.hidden_size) if expert_dtype else q
+    expert = qe * c.expert_q + pb * c.expert_p  # a routed expert
     experts_per_rank = model.num_experts // ep if model.is_moe else 0
-    shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * expert
+    shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * shared_expert
     moe_layer = shared_moe + experts_per_rank * expert
     embed = pb * c.embed_p
     head = pb * c.head_p if (not model.tied_embeddings or pp > 1) else 0.0
@@ -269,8 +289,8 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str)
     return side
 
 
-def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str) -> ShardFacts:
-    c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(model, tp, pp, ep, weight_dtype)
+def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str, expert_dtype: str = "") -> ShardFacts:
+    c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(model, tp, pp, ep, weight_dtype, expert_dtype)
     kv_layer = c.kv_elem * kv_bytes(kv_dtype)
 
     best = None
@@ -340,9 +360,10 @@ def serve_memory(
     context: int = 2048,
     prefill_chunk: int = PREFILL_CHUNK,
     memory_fraction: float = MEMORY_FRACTION,
+    expert_dtype: str = "",
 ) -> ServeMemory:
     """Memory of the fullest device for ``batch`` sequences of ``context`` tokens each."""
-    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype)
     return memory_from_facts(f, memory_bytes, batch=batch, context=context, prefill_chunk=prefill_chunk, memory_fraction=memory_fraction)
 
 
@@ -392,6 +413,7 @@ def min_devices(
     context: int,
     batch: int = 1,
     max_devices: int = 1024,
+    expert_dtype: str = "",
 ) -> int | None:
     """Fewest devices (tp up to the kv-head/heads limits, then pp) that hold the model and
     ``batch`` sequences of ``context`` tokens; None if even ``max_devices`` do not."""
@@ -400,7 +422,8 @@ def min_devices(
     for tp in tps:
         pp = 1
         while tp * pp <= max_devices and pp <= model.num_layers:
-            mem = serve_memory(model, memory_bytes, tp=tp, pp=pp, weight_dtype=weight_dtype, kv_dtype=kv_dtype, batch=batch, context=context)
+            mem = serve_memory(model, memory_bytes, tp=tp, pp=pp, weight_dtype=weight_dtype, kv_dtype=kv_dtype, batch=batch, context=context,
+                               expert_dtype=expert_dtype)
             if mem.fits:
                 if best is None or tp * pp < best:
                     best = tp * pp

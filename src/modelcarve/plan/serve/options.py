@@ -2,7 +2,7 @@
 
 ``serve_options(**options)`` turns the keyword options of ``search`` / ``evaluate`` (``input_len``,
 ``output_len``, ``ttft_ms``, ``tpot_ms``, ``batch``, ``weight_dtypes``, ``kv_dtypes``,
-``max_batch``, ``load_imbalance``; the CLI's flags) into one ``ServeOptions``, refusing a bad
+``max_batch``, ``load_imbalance``, ``rate``; the CLI's flags) into one ``ServeOptions``, refusing a bad
 value in one line that names the flag.
 """
 
@@ -36,6 +36,14 @@ class ServeOptions:
     max_batch: int = MAX_BATCH
     load_imbalance: float = MOE_IMBALANCE
     """Busiest expert-parallel rank's routed tokens over the mean."""
+    released_experts: bool = True
+    """Size routed experts in the dtype the checkpoint ships them in when that is narrower than
+    the weight dtype (gpt-oss: MXFP4; ``memory.released_expert_dtype``): the default, off when the
+    user names the weight dtypes (``--weight-dtypes``), which then apply to every matrix."""
+    rate_rps: float | None = None
+    """Requests/s the cluster is asked to serve (``--rate``); None: each layout at its own batch.
+    With a rate, a layout must sustain it, TTFT carries the queue and TPOT is that of the batch
+    the rate keeps in flight (plan/serve/batch.py's ``sustained_batch``)."""
 
     @property
     def context(self) -> int:
@@ -70,6 +78,9 @@ def serve_options(**options) -> ServeOptions:
     ttft_ms = num("ttft_ms", float, 0.001)
     tpot_ms = num("tpot_ms", float, 0.001)
     batch = num("batch", int, 1)
+    rate = num("rate", float, 0.0)
+    if rate is not None and not 0.0 < rate < float("inf"):
+        raise ModelcarveError(f"--rate {rate:g} must be a positive, finite number of requests/s")
     opts = ServeOptions(
         input_len=input_len,
         output_len=output_len,
@@ -80,6 +91,8 @@ def serve_options(**options) -> ServeOptions:
         kv_dtypes=_split(options.get("kv_dtypes"), KV_DTYPES),
         max_batch=num("max_batch", int, 1) or MAX_BATCH,
         load_imbalance=num("load_imbalance", float, 1.0) or MOE_IMBALANCE,
+        rate_rps=rate,
+        released_experts=options.get("weight_dtypes") is None,
     )
     from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS
 

@@ -19,7 +19,7 @@ ascending, the front's tokens/s per device is strictly decreasing.
 from __future__ import annotations
 
 from modelcarve.plan.cost.quant import QUALITY_SHORT
-from modelcarve.plan.serve.layout_costs import _context
+from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.goal import SERVE_THROUGHPUT
 from modelcarve.plan.serve.memory import max_sequences, shard_facts
 from modelcarve.plan.serve.options import serve_options
@@ -56,7 +56,7 @@ def pareto_front(model, cluster, **options) -> dict:
         fit = min(max_sequences(f, memory, opts.context), opts.max_batch)
         if fit < 1:
             continue
-        c = _context(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
+        c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
                      opts.input_len, opts.output_len, opts.load_imbalance, f)
         for b in _batches(fit):
             _, tpot, ttft, group = _rates(c, b)

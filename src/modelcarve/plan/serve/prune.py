@@ -8,8 +8,8 @@ Usage::
     prune(c, max_b, ttft_s, tpot_s, floor)     # 0.0: accepted, not above floor; round at batch 1:
                                                # rejected for TPOT at batch 1; None: search the batch
 
-``c`` is a layout's ``serve_time._Ctx`` with its prefills costed. Every bound here is proven, not
-estimated (the argument is in each docstring; tests/test_serve_prune.py checks it on every
+``c`` is a layout's ``layout_costs.LayoutCosts`` with its prefills costed. Every bound here is
+proven, not estimated (the argument is in each docstring; tests/test_serve_prune.py checks it on every
 candidate of several searches): a pruned search returns exactly what an unpruned one returns.
 """
 
@@ -33,7 +33,7 @@ id cannot be reused)."""
 
 
 def _comm_pieces(lines: tuple) -> tuple:
-    """Per collective line of a step (``_Ctx.comm_lines``, ``count x max(floor, cheapest piece) +
+    """Per collective line of a step (``LayoutCosts.comm_lines``, ``count x max(floor, cheapest piece) +
     extra`` at micro-batch ``b``): (count x floor, count x least intercept, count x least slope,
     extra intercept, extra slope). The line is at least ``count x floor + extra`` and at least
     ``count x (least intercept + least slope x b) + extra``: two affine lower bounds."""

@@ -3,7 +3,7 @@
 GEMM efficiency (the training planner's ``matmul_efficiency``, memoised; the decode GEMM's with
 its batch-independent factors computed once), the attention kernels' peak, the dtype GEMMs run
 in on a device, link tiers, the small all-reduce of decode (ring, one-/two-shot, tree, above a
-fitted floor) and the fraction of experts a batch touches. serve_context.py and serve_time.py
+fitted floor) and the fraction of experts a batch touches. layout_costs.py and time.py
 read the fitted constants as ``serve_rates.NAME`` (not copied), because the calibration
 (plan/serve/calibration.py) refits them by assigning here.
 """

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import TILE
-from modelcarve.plan.serve.layout_costs import _Ctx, _context, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
+from modelcarve.plan.serve.layout_costs import LayoutCosts, layout_costs, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
 from modelcarve.plan.serve.memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes
 from modelcarve.plan.serve.rates import _decode_gemm_efficiency, gemm_efficiency, prefill_hbm_efficiency
 from modelcarve.spec.hardware import ClusterSpec
@@ -123,7 +123,7 @@ class ServeTime:
         }
 
 
-def _stage_step(c: _Ctx, b: int, detail: bool = False):
+def _stage_step(c: LayoutCosts, b: int, detail: bool = False):
     """One stage's decode step for ``b`` sequences, seconds; with ``detail`` also its parts, the
     weight bytes read and the bytes each axis sends.
 
@@ -182,7 +182,7 @@ def _stage_step(c: _Ctx, b: int, detail: bool = False):
     return step, parts, weights_read, sent
 
 
-def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
+def _step_slope(c: LayoutCosts, b: int) -> tuple[float, float, float, float, float]:
     """(``_stage_step(c, b)``, its rate of change per sequence, the same two for the other side of
     the GEMM roofline, the least the step is sure to grow by at ``b + 1`` (-1: no such bound)).
 
@@ -245,7 +245,7 @@ def _step_slope(c: _Ctx, b: int) -> tuple[float, float, float, float, float]:
     return step, slope, step + other, other_slope, grows
 
 
-def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
+def _prefill_s(c: LayoutCosts, tokens: int, prompt_len: int) -> float:
     """Prefill of ``tokens`` tokens of prompts ``prompt_len`` long, through all stages in turn:
     compute-bound (FLOPs over the achievable GEMM rate), not below one read of the weights per
     chunk, plus the stage's TP/EP collectives, then the pipeline hops."""
@@ -254,7 +254,7 @@ def _prefill_s(c: _Ctx, tokens: int, prompt_len: int) -> float:
     return _prefill_from(c, part, eff)
 
 
-def _prefill_from(c: _Ctx, part: tuple, eff: float) -> float:
+def _prefill_from(c: LayoutCosts, part: tuple, eff: float) -> float:
     tokens, _, chunks, per_tok, comm_s, hops = part
     f = c.f
     compute_s = tokens * per_tok / (c.peak * eff)
@@ -283,11 +283,11 @@ def serve_time(
     load_imbalance: float = MOE_IMBALANCE,
 ) -> ServeTime:
     """TTFT, TPOT and throughput of one layout with ``batch`` sequences per attention group."""
-    c = _context(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, load_imbalance)
+    c = layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, load_imbalance)
     return _serve_time(c, batch)
 
 
-def _ensure_prefill(c: _Ctx) -> None:
+def _ensure_prefill(c: LayoutCosts) -> None:
     """Cost the prefills on first use (a latency screen at batch 1 without a TTFT bound needs none)."""
     if c.prefill_s < 0:
         # The KV dtype plays no part: both KV variants of a weight dtype share their prefills.
@@ -310,13 +310,13 @@ def _ensure_prefill(c: _Ctx) -> None:
         mesh.prefills[shared] = (c.prefill_s, c.prefill_token_s)
 
 
-def decode_tpot_s(c: _Ctx, batch: int) -> float:
+def decode_tpot_s(c: LayoutCosts, batch: int) -> float:
     """TPOT of a user when no other request's prefill interleaves (``batch == 1``): the decode round."""
     micro = c.pp if c.pp < batch else batch
     return (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro)) + c.step_s
 
 
-def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
+def _rates(c: LayoutCosts, batch: int) -> tuple[float, float, float, float]:
     """(decode round, TPOT, TTFT, output tokens/s of the attention group) at ``batch``, seconds.
 
     A round: ``m = min(pp, batch)`` micro-batches of ``ceil(batch / m)`` sequences; every stage
@@ -334,7 +334,7 @@ def _rates(c: _Ctx, batch: int) -> tuple[float, float, float, float]:
     return round_s, tpot, ttft, batch / (round_s + batch * per_seq)
 
 
-def _serve_time(c: _Ctx, batch: int) -> ServeTime:
+def _serve_time(c: LayoutCosts, batch: int) -> ServeTime:
     batch = max(1, int(batch))
     _ensure_prefill(c)
     micro = min(c.pp, batch)

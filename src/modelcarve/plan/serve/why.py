@@ -54,11 +54,14 @@ def contrasts(model, cluster, goal_name: str, winner: dict, **options) -> list[d
         result = goal.evaluate(model, cluster, layout, **options)
         serve = result.get("serve") or {}
         if result["fits"] and serve:
+            if not goal.latency and "capacity_tokens_per_s_per_device" in serve:
+                metric = "capacity_tokens_per_s_per_device"  # at a request rate: ranked by capacity
             mine, theirs = winner["serve"][metric], serve[metric]
             if goal.latency:
                 verdict = f"TPOT {theirs * 1e3:.2f} ms vs {mine * 1e3:.2f} ms ({theirs / mine:.1f}x slower)"
             else:
-                verdict = f"{theirs:,.0f} vs {mine:,.0f} tokens/s per device ({mine / max(theirs, 1e-9):.1f}x less)"
+                full = " at full load (capacity)" if metric.startswith("capacity") else ""
+                verdict = f"{theirs:,.0f} vs {mine:,.0f} tokens/s per device{full} ({mine / max(theirs, 1e-9):.1f}x less)"
             why = "; ".join(w for w in result["warnings"] if not w.startswith("quality") and not w.startswith("one model copy"))
             if not why:
                 why = (
