@@ -68,7 +68,7 @@ def pair(kind, model_name, layout_text, steps):
     import torch.nn.functional as F
 
     from modelcarve.runtime.distributed.mesh import build_mesh, device_type
-    from modelcarve.runtime.parallel.build import build_chunks
+    from modelcarve.runtime.build import build_chunks
     from modelcarve.runtime.train.trainer import SyntheticData, TrainConfig, Trainer
     from modelcarve.spec.catalog import get_model
     from modelcarve.spec.layout import Layout

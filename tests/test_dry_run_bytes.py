@@ -1,4 +1,4 @@
-"""runtime/measure/dry_run_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
+"""runtime/dryrun/state_bytes.py: the byte rules against torch (FSDP2's shards, AdamW's state), and the
 planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from modelcarve.runtime.measure.dry_run_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
+from modelcarve.runtime.dryrun.state_bytes import dry_run_bytes, fsdp_local, tolerance_bytes
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.stages import rank_layers

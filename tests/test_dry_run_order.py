@@ -98,7 +98,7 @@ def test_layout_dry_run_order():
     """A tp=2 x sp x dp=2 step of tiny-llama played rank by rank under the fake process group:
     its real order is accepted; with the extra collective on rank 1 it is refused, naming ranks
     0 and 1 and the first collective (rank 1's all-reduce over the world) before any launch."""
-    from modelcarve.runtime.measure.dry_run import check_layout_order
+    from modelcarve.runtime.dryrun.collective_order import check_layout_order
     from modelcarve.spec.errors import LayoutError
     from modelcarve.spec.layout import Layout
 

@@ -114,7 +114,7 @@ def _prepare(args):
         check_checkpoint(args.model, spec)
     prelaunch.check_launch(args, layout, spec, per_node)  # unused/integer tensors, predicted memory per rank
     if getattr(args, "check_order", False) and not under_torchrun:
-        from modelcarve.runtime.measure.dry_run import check_layout_order
+        from modelcarve.runtime.dryrun.collective_order import check_layout_order
 
         check_layout_order(args.model, layout, args.seed)  # LayoutError names the ranks that disagree
     return layout, spec, per_node, under_torchrun

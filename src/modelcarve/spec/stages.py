@@ -2,7 +2,7 @@
 
 The runtime builds it (runtime/parallel/pipeline_split.py cuts the reference model with it) and
 every planner prices it (plan/train/model.py, plan/serve/memory.py, plan/predict/step_traffic.py,
-runtime/measure/dry_run_bytes.py's prediction), so a layout's stages hold, in the plan, exactly
+runtime/dryrun/state_bytes.py's prediction), so a layout's stages hold, in the plan, exactly
 what they hold when it runs. Pure Python, no torch.
 
 Stages and ranks

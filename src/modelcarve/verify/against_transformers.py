@@ -18,7 +18,7 @@ rank 0, each against a stated tolerance (verify.TOLERANCES of the dtype, greedy:
   decoding token for token; the split layouts' shape rules -- pipeline micro-batches, cp
   chunks, sp -- fix the sequence length, so the split side does not grow one token at a time).
 
-Every rank builds the split model from its checkpoint slices (parallel/build.py's build_chunks); rank 0 also holds
+Every rank builds the split model from its checkpoint slices (runtime/build.py's build_chunks); rank 0 also holds
 the reference and transformers' model (AutoModelForCausalLM, fp32, CPU).
 """
 
@@ -81,7 +81,7 @@ def verify_transformers_worker(model: str, layout: str, seed: int = 0, dtype: st
     """Run on every rank after init_distributed(); returns the report on rank 0 (None elsewhere)."""
     from modelcarve.runtime.checkpoint.hf_load import load_model
     from modelcarve.runtime.distributed.mesh import build_mesh, device_type
-    from modelcarve.runtime.parallel.build import build_chunks
+    from modelcarve.runtime.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, seed_everything
     from modelcarve.spec.layout import Layout
 

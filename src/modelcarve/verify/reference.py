@@ -222,7 +222,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     expert and dropped assignments over the global batch equal the reference's, exactly) and
     the per-step expert statistics in ``report["moe"]``."""
     from modelcarve.runtime.distributed.mesh import build_mesh
-    from modelcarve.runtime.parallel.build import build_chunks
+    from modelcarve.runtime.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, reference_step, seed_everything
     from modelcarve.spec.layout import Layout
 

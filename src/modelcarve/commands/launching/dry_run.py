@@ -3,7 +3,7 @@ scale, measured on the meta device under torch's fake process group, beside the 
 
     modelcarve run --dry-run --model deepseek-v3 --layout layout.json --cluster 256x8xH100 [--json]
 
-No rank is started and no device is needed (runtime/measure/dry_run_bytes.py). Exit 0 when every
+No rank is started and no device is needed (runtime/dryrun/state_bytes.py). Exit 0 when every
 distinct rank matches the planner, 1 when any category differs, 2 on bad input.
 """
 
@@ -31,7 +31,7 @@ def dry_run(args) -> int:
 
     if importlib.util.find_spec("torch") is None:
         raise LayoutError("--dry-run needs PyTorch, which is not installed: pip install torch==2.13.0 (CPU)")
-    from modelcarve.runtime.measure.dry_run_bytes import dry_run_bytes, format_report
+    from modelcarve.runtime.dryrun.state_bytes import dry_run_bytes, format_report
 
     report = dry_run_bytes(args.model, layout, cluster)
     print(json.dumps(report, indent=1) if args.json else format_report(report))

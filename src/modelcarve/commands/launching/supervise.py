@@ -10,7 +10,7 @@ forwarding reaches them:
 
 * SIGTERM / SIGINT / SIGHUP to ``modelcarve run``: forwarded to torchrun, which sends it to every
   worker (the ranks stop after the current step, save a checkpoint when they have a checkpoint
-  directory: runtime/train/signals.py) and waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (set here to the
+  directory: runtime/distributed/signals.py) and waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (set here to the
   collective timeout + 10 s, enough to save) before it kills them. A second signal kills the
   whole tree at once.
 * A rank failure (a ``modelcarve: rank N: ...`` line) without restarts left: the job is lost;

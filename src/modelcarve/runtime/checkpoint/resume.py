@@ -116,7 +116,7 @@ class Checkpointing:
         """Save when due; True when a signal asked the ranks to stop (a checkpoint is saved first)."""
         import signal as _signal
 
-        from modelcarve.runtime.train.signals import stop_agreed
+        from modelcarve.runtime.distributed.signals import stop_agreed
 
         signum = stop_agreed()
         path = self.save(step) if self.due(step) or (signum and self.enabled) else None

@@ -96,7 +96,7 @@ def _options():
 def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A DeviceMesh over every rank, ``arange(world).reshape(shape)`` (spec/ranks.py's order), with our timeout."""
     ranks = torch.arange(dist.get_world_size(), dtype=torch.int).reshape(shape)
-    if dist.get_backend() == "fake":  # runtime/measure/dry_run.py: torch's fake process group, no timeout to carry
+    if dist.get_backend() == "fake":  # runtime/dryrun/collective_order.py: torch's fake process group, no timeout to carry
         return DeviceMesh(device_type(), ranks, mesh_dim_names=names)
     override = tuple((backend_name(), _options()) for _ in names)
     return DeviceMesh(device_type(), ranks, mesh_dim_names=names, backend_override=override)

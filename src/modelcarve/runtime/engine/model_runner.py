@@ -113,7 +113,7 @@ class ModelRunner:
 
     def __init__(self, model: str, layout, *, dtype: str, weight_dtype: str, kv_dtype: str, block_size: int = 16,
                  kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64):
-        from modelcarve.runtime.parallel.build import build_chunks
+        from modelcarve.runtime.build import build_chunks
 
         self.layout, self.block_size, self.kv_dtype = layout, block_size, kv_dtype
         self.dtype = DTYPES[dtype]

@@ -50,7 +50,7 @@ def run_worker(model: str, layout: str, steps: int = 10, seed: int = 0, data: st
     seed_everything(seed)
     started = _startup_line(f"{dist.get_world_size()} ranks joined; building {model} as {lay.short()}", quiet)
     from modelcarve.runtime.distributed.mesh import build_mesh, device_type
-    from modelcarve.runtime.parallel.build import build_chunks
+    from modelcarve.runtime.build import build_chunks
 
     mesh = build_mesh(lay)
     chunks, spec = build_chunks(model, lay, mesh, seed=seed, device=device_type())  # a checkpoint: slice by slice
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None, workers: dict | None = None, prog: str =
     configure(ranks_per_node=args.pop("ranks_per_node", None))  # how CommLog assigns link tiers
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     code = 0
-    from modelcarve.runtime.train.signals import install
+    from modelcarve.runtime.distributed.signals import install
 
     install(grace_s=timeout_s + 5, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)  # stop together, save first
     try:

@@ -2,7 +2,7 @@
 
 ``build_chunks(name, layout, mesh, ...)`` is what the run worker (train/launch.py), the
 generation engine (engine/model_runner.py), verify (verify/reference.py, against_transformers.py)
-and the collective-order dry run (measure/dry_run.py) call to build this rank's part of the
+and the collective-order dry run (dryrun/collective_order.py) call to build this rank's part of the
 model. ``name`` is a catalogue model or a checkpoint directory (checkpoint/hf_load.py):
 
 * a checkpoint, ``sharded`` (the default) and a mesh: the model is made on the ``meta`` device

@@ -33,7 +33,7 @@ def collective_sequences(model_name: str, layout, seed: int = 0, hook=None) -> d
 
     from modelcarve.runtime.distributed.collectives import CommLog
     from modelcarve.runtime.distributed.mesh import build_mesh, destroy, init_distributed
-    from modelcarve.runtime.parallel.build import build_chunks
+    from modelcarve.runtime.build import build_chunks
     from modelcarve.runtime.train.trainer import TrainConfig, Trainer, make_data, seed_everything
 
     if layout.pp > 1:

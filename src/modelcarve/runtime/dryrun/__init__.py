@@ -1,0 +1,1 @@
+"""Dry runs: every rank of a layout played without devices under torch's fake process group, at full world size on the meta device: the collective order (collective_order.py) and the bytes each distinct rank holds against the planner (state_bytes.py, run --dry-run)."""
