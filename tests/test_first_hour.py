@@ -40,3 +40,19 @@ def test_models_prints_gib_as_plan_does(capsys):
     bf16 = 2 * spec["total_params"] / 2**30  # bf16 weights: 2 bytes per parameter, in GiB
     assert f"{bf16:,.1f} GiB" in row, (row, bf16)
     assert " GB" not in out
+
+
+def test_goal_help_names_every_goal(capsys):
+    assert main(["plan", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for goal in ("train", "serve-latency", "serve-throughput", "serve-disagg"):
+        assert goal in out
+
+
+def test_serving_plan_plot_draws_the_frontier(capsys, tmp_path):
+    png = tmp_path / "serve.png"
+    code = main(["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100", "--top", "2",
+                 "--plot", str(png)])
+    captured = capsys.readouterr()
+    assert code == 0 and f"wrote {png}" in captured.err and "training plans only" not in captured.out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

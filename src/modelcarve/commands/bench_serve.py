@@ -90,6 +90,7 @@ def _bench(args) -> int:
         from modelcarve.report.bench import bench_figure
 
         bench_figure(summary, args.plot)
+        sys.stderr.write(f"modelcarve: wrote {args.plot}\n")
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -39,7 +39,7 @@ def register(sub) -> None:
 def _common(p) -> None:
     p.add_argument("--model", required=True, help="catalogue name or config.json path")
     p.add_argument("--cluster", required=True, help="e.g. 2x8xH200 or cluster.yaml")
-    p.add_argument("--goal", default="train", help="what to optimise: train (default), serve-latency, serve-throughput")
+    p.add_argument("--goal", default="train", help="what to optimise: train (default), serve-latency, serve-throughput, serve-disagg")
     p.add_argument("--global-batch", type=int, help="training: sequences per optimiser step")
     p.add_argument("--seq", type=int, help="training: sequence length in tokens")
     p.add_argument("--attention", choices=["flash", "materialized"], help="training: attention kernel (default flash)")

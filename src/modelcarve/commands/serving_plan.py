@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 SERVE_GOALS = ("serve-latency", "serve-throughput", "serve-disagg")
 
@@ -80,8 +81,14 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
 
         with open(emit, "w") as handle:
             handle.write(Layout.from_dict(plan["layouts"][0]["layout"]).to_json() + "\n")
-    if getattr(args, "plot", None) and not getattr(args, "json", False):
-        print(f"note: --plot draws training plans only; nothing written to {args.plot}")
+    if getattr(args, "plot", None) and plan["layouts"]:
+        # a serving plan's figure is its frontier: tokens/s per device against tokens/s per user
+        from modelcarve.plan.serve.pareto import pareto_front
+        from modelcarve.report.frontier import plot_pareto
+
+        plot_pareto(pareto_front(model, cluster, **options), args.plot,
+                    title=f"{model.name} on {cluster.name}: {args.goal} (winner {plan['layouts'][0].get('name', '')})")
+        sys.stderr.write(f"modelcarve: wrote {args.plot}\n")
     return 0 if plan["layouts"] else 1
 
 

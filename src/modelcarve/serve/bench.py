@@ -150,7 +150,7 @@ async def run_bench(cfg: BenchConfig, on_done=None) -> tuple[list[RequestResult]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, limits=limits) as client:
-        model = cfg.model or await _model_name(client, cfg.url)
+        model = cfg.model = cfg.model or await _model_name(client, cfg.url)  # the summary names what it measured
         t0 = time.perf_counter()
 
         async def task(item):
