@@ -56,3 +56,16 @@ def test_serving_plan_plot_draws_the_frontier(capsys, tmp_path):
     captured = capsys.readouterr()
     assert code == 0 and f"wrote {png}" in captured.err and "training plans only" not in captured.out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_why_not_rows_name_distinct_layouts_distinctly(capsys):
+    """Two kinds' best layouts may share a short name (DP64-Z3 at mbs=4 with full recompute, and
+    at mbs=1 with none): the table shows micro-batch and recomputation beside it."""
+    assert main(["plan", "--goal", "train", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--global-batch", "512",
+                 "--seq", "4096", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("why not the others"):out.index("rejected")]
+    names = [line.split("│")[2].strip() for line in table.splitlines()
+             if line.startswith("│") and line.split("│")[2].strip()]
+    assert names and len(names) == len(set(names)), names
+    assert all("mbs=" in n for n in names)

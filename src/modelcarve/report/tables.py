@@ -95,7 +95,9 @@ def plan_tables(result: dict, model, cluster) -> list["Table"]:
         alt.add_column("why")
         for r in result["alternatives"]:
             kind = r.get("family") or r.get("reject_category") or ""
-            alt.add_row(kind, r.get("short", ""), r.get("why") or r.get("reject_reason") or "")
+            # with mbs / recompute / schedule: two kinds' best can share a short name (DP64-Z3 twice)
+            name = _layout_cell(r) if isinstance(r.get("layout"), dict) and "mbs" in r["layout"] else r.get("short", "")
+            alt.add_row(kind, name, r.get("why") or r.get("reject_reason") or "")
         tables.append(alt)
     if result.get("rejected"):
         rej = Table(title="rejected")
