@@ -69,3 +69,12 @@ def test_why_not_rows_name_distinct_layouts_distinctly(capsys):
              if line.startswith("│") and line.split("│")[2].strip()]
     assert names and len(names) == len(set(names)), names
     assert all("mbs=" in n for n in names)
+
+
+def test_serving_bound_column_is_a_word(capsys):
+    """What bounds the decode step reads memory / compute / comms / launches, not "memo" or "comp"."""
+    assert main(["plan", "--goal", "serve-throughput", "--model", "kimi-k2", "--cluster", "2x8xH200", "--ttft-ms", "2000",
+                 "--tpot-ms", "50", "--top", "3"]) == 0
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    bounds = {r[9].strip() for r in rows if len(r) > 10}
+    assert bounds and bounds <= {"memory", "compute", "comms", "launches"}, bounds

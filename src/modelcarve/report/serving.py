@@ -43,7 +43,7 @@ def serve_plan_table(layouts: list[dict], title: str) -> Table:
             f"{serve['tpot_s'] * 1e3:,.2f}",
             f"{serve['tokens_per_s_per_device']:,.0f}",
             f"{memory['total_gib']:.0f}/{memory['budget_gib']:.0f}",
-            {"communication": "comm", "overhead": "launch"}.get(serve["bound"], serve["bound"][:4]),
+            {"communication": "comms", "overhead": "launches"}.get(serve["bound"], serve["bound"]),
             crossing or "-",
         )
     return table
