@@ -23,6 +23,7 @@ _DEFAULT_INT = (0, 2**31)
 _FLOAT_RANGES = {  # (low, high, low exclusive?)
     "timeout": (0.0, 1e7, True), "load_imbalance": (1.0, 1e3, False), "memory_headroom": (0.0, 0.99, False),
     "ttft_ms": (0.0, 1e12, True), "tpot_ms": (0.0, 1e12, True),
+    "utilisation": (0.0, 1.0, True), "train_tokens": (0.0, 1e18, True), "overhead": (0.0, 100.0, False),
 }
 _DEFAULT_FLOAT = (0.0, 1e12, False)
 _INT = re.compile(r"^[+-]?[0-9]{1,19}$")

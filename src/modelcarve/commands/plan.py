@@ -58,9 +58,11 @@ def _common(p) -> None:
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    from modelcarve.commands.pricing import add_price_arguments
     from modelcarve.commands.serving_plan import add_serve_arguments
 
     add_serve_arguments(p)
+    add_price_arguments(p)
 
 
 def _options(args) -> dict:
@@ -104,6 +106,9 @@ def _estimate(args) -> int:
     from modelcarve.commands.timeline import draw_estimate
 
     draw_estimate(getattr(args, "timeline", None), layout)
+    from modelcarve.commands.pricing import attach_costs, print_costs
+
+    costs = attach_costs(args, cluster, [result], serving=False)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -116,6 +121,7 @@ def _estimate(args) -> int:
         out.print(f"[yellow]warning:[/] {warning}")
     if not result["fits"]:
         out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
+    print_costs(costs, serving=False)
     return 0
 
 
@@ -147,6 +153,9 @@ def _plan(args) -> int:
         from modelcarve.report.figures import plot_plan
 
         plot_plan(result, args.plot, title=f"{model.name} on {cluster.name}")
+    from modelcarve.commands.pricing import attach_costs, print_costs
+
+    costs = attach_costs(args, cluster, result["layouts"], serving=False)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -155,6 +164,7 @@ def _plan(args) -> int:
     out = console()
     for table in plan_tables(result, model, cluster):
         out.print(table)
+    print_costs(costs, serving=False)
     out.print(
         f"{result['evaluated']:,} layouts evaluated in {result['elapsed_s']:.2f} s"
         + (f"; wrote {args.emit}" if args.emit else "")

@@ -62,6 +62,9 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
 
         return run_frontier_plan(args, model, cluster, options, top=top)
     plan = search(model, cluster, args.goal, top=top, **options)
+    from modelcarve.commands.pricing import attach_costs, print_costs
+
+    costs = attach_costs(args, cluster, plan["layouts"], serving=True)
     why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
     if getattr(args, "json", False):
         print(json.dumps(dict(plan, why=why), indent=2, default=str))
@@ -74,6 +77,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         console = make_console()  # readable width when piped, not rich's 80 columns
         console.print(f"{model.name} on {cluster.describe()}")
         print_serve_plan(plan, goal_name=args.goal, why=why, console=console)
+        print_costs(costs, serving=True)
         console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
     emit = getattr(args, "emit", None)
     if emit and plan["layouts"]:
@@ -141,6 +145,9 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         attach_queue(args, result)
     if note and not getattr(args, "json", False):
         print(note)
+    from modelcarve.commands.pricing import attach_costs, print_costs
+
+    costs = attach_costs(args, cluster, [result], serving=True) if result["fits"] else []
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -148,4 +155,5 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         from modelcarve.report.tables import console as make_console
 
         print_serve_estimate(result, make_console())
+        print_costs(costs, serving=True)
     return 0 if result["fits"] and not result["reject_reason"] else 1
