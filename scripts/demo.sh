@@ -14,8 +14,8 @@ $MC plan --goal train --model llama-3.1-70b --cluster 8x8xH100 --global-batch 51
 step "Serving Qwen3-32B interactively on 2 H100s (2048 tokens in, 256 out)"
 $MC plan --goal serve-latency --model qwen3-32b --cluster 2xH100 --input-len 2048 --output-len 256 --top 3
 
-step "Run a split model for real: tiny-llama, TP2 x PP2 on 4 CPU processes (gloo), 5 training steps"
-$MC run --model tiny-llama --layout "tp=2,pp=2,gbs=4,seq=64" --steps 5
+step "Run a split model for real: tiny-llama, TP2 x PP2 on 4 CPU processes (gloo), 30 steps on the synthetic language (the loss falls)"
+$MC run --model tiny-llama --layout "tp=2,pp=2,gbs=4,seq=64" --steps 30
 
 step "Verify it: the same layout against the single-device reference on the same weights and data"
 $MC verify --model tiny-llama --layout "tp=2,pp=2,gbs=4,seq=64,param_dtype=fp32" --steps 3

@@ -3,8 +3,10 @@
     modelcarve export --checkpoint ckpt --out hf-model               # the newest intact step
     modelcarve export --checkpoint ckpt/step_00000100 --out hf-model --max-shard-size 500MB
 
-The directory (config.json, sharded safetensors, model.safetensors.index.json) loads with
-transformers' ``AutoModelForCausalLM.from_pretrained`` and with ``modelcarve run --model``.
+The directory (config.json with its ``architectures``, sharded safetensors,
+model.safetensors.index.json, and the tokenizer / generation files of the checkpoint the run
+started from, or of ``--tokenizer-from DIR``) loads with transformers' ``AutoModelForCausalLM``
+and ``AutoTokenizer``, and with ``modelcarve run / generate / serve --model``.
 The work is runtime/checkpoint/export_hf.py's.
 """
 
@@ -29,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="a --checkpoint-dir (newest intact step) or one step directory")
     p.add_argument("--out", required=True, help="new directory to write config.json and the safetensors shards into")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                   help="copy tokenizer / generation files from DIR (default: the checkpoint the run started from)")
     p.set_defaults(func=_export)
 
 
@@ -40,9 +44,13 @@ def _export(args) -> int:
     limit = parse_size(args.max_shard_size)
     from modelcarve.runtime.checkpoint.export_hf import export_checkpoint
 
-    done = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=limit)
+    done = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=limit, tokenizer_from=args.tokenizer_from)
     for skipped in done["skipped"]:
         print(f"skipped {skipped}")
     print(f"exported step {done['step']} ({done['step_dir']}): {done['tensors']} tensors, "
           f"{done['bytes'] / 2**20:.1f} MiB in {done['files']} safetensors file(s) -> {done['out']}")
+    if done["copied"]:
+        print(f"copied {', '.join(done['copied'])} {done['copied_note']}")
+    else:
+        print(f"no tokenizer or generation files copied: {done['copied_note']}")
     return 0

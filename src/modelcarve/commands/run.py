@@ -31,7 +31,8 @@ def _add_common(p) -> None:
     p.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
                    help="random: train a directory holding only config.json from random weights (default: its "
                         "safetensors weights, refused when it has none)")
-    p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, or bytes of a text file); default synthetic")
+    p.add_argument("--data", default=None, help="token file (.npy, .bin uint16) or a text file, tokenised with the "
+                   "checkpoint's tokenizer (bytes 0-255 when it has none); default synthetic")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="override the layout's param_dtype (a layout string defaults to bf16; verify's fp32 "
                    "tolerances are the tight ones: loss 1e-5 rel, grads and params 1e-4)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout per rank, seconds")
@@ -151,7 +152,69 @@ def _launch(command: str, args, payload: dict, per_node: int, under_torchrun: bo
 def _payload(args, steps_default: int) -> dict:
     moe = {k: getattr(args, k) for k in ("moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_rate") if getattr(args, k, 0)}
     return dict(model=args.model, layout=args.layout, steps=args.steps or steps_default, seed=args.seed,
-                data=args.data, lr=args.lr, dtype=args.dtype) | (dict(moe=moe) if moe else {})
+                data=data_for_ranks(args.data, args.model), lr=args.lr, dtype=args.dtype) | (dict(moe=moe) if moe else {})
+
+
+def data_for_ranks(data: str | None, model: str) -> str | None:
+    """``--data`` as the ranks read it. Token files (.npy, .bin) and synthetic data go as given. A
+    text file is tokenised here, once, with the checkpoint's tokenizer when it has one
+    (runtime/engine/tokenizer.py; the ranks' data module sits below it), into a .npy named by the
+    sha256 of the text and the tokenizer files (so the same --data keeps the same name and a resume
+    recognises it); without a tokenizer the ranks read the text's bytes (ids 0-255). One line on
+    stderr says which."""
+    from pathlib import Path
+
+    if not data or data == "synthetic" or Path(data).suffix in (".npy", ".bin"):
+        return data
+    from modelcarve.runtime.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model) if os.path.isdir(model) else None
+    if tok is None:
+        _say(f"--data {data}: read as bytes (ids 0-255); {model} has no tokenizer")
+        return data
+    import hashlib
+
+    import numpy as np
+
+    text = Path(data).read_bytes()
+    digest = hashlib.sha256(text)
+    for name in sorted(os.listdir(model)):
+        if "token" in name or name in ("vocab.json", "merges.txt"):
+            path = Path(model, name)
+            if path.is_file():
+                digest.update(name.encode() + b"\0" + path.read_bytes())
+    cache = Path(tempfile.gettempdir(), "modelcarve-tokens")
+    out = cache / f"{Path(data).stem[:40]}-{digest.hexdigest()[:20]}.npy"
+    if not out.is_file():
+        ids = np.asarray(_encode(tok, text.decode("utf-8", errors="replace")), dtype=np.int64)
+        ids = ids.astype(np.int32) if ids.size and ids.max() < 2**31 else ids
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, ids)
+        os.replace(tmp, out)  # ranks of one machine may tokenise at once: whole files only
+    count = len(np.load(out, mmap_mode="r"))
+    _say(f"--data {data}: {count} tokens by {model}'s tokenizer (cached in {out})")
+    return str(out)
+
+
+def _encode(tok, text: str) -> list[int]:
+    import logging
+
+    log = logging.getLogger("transformers.tokenization_utils_base")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "longer than the model's maximum length": a corpus is, it is cut into windows
+    try:
+        return tok.encode(text)
+    finally:
+        log.setLevel(level)
+
+
+def _say(text: str) -> None:
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":  # run in place under torchrun: rank 0 speaks for all
+        sys.stderr.write(f"modelcarve: {text}\n")
+        sys.stderr.flush()
 
 
 def _run(args) -> int:

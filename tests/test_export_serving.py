@@ -1,0 +1,98 @@
+"""``export`` writes what serving needs (issue 27, item 3): the checkpoint's tokenizer and
+generation files, and ``architectures`` in config.json even for a catalogue model.
+
+One 1-rank world trains two models two steps and saves: a tiny llama checkpoint with a BPE
+tokenizer, chat template and generation_config.json (serve_fixtures.build_checkpoint), and the
+catalogue's tiny-llama (its config has no ``architectures``). Each export loads with
+transformers' AutoModelForCausalLM, the first also with AutoTokenizer (the same ids as the
+source's tokenizer), and ``modelcarve generate --prompt`` runs on it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist import run_distributed
+from serve_fixtures import REPO, build_checkpoint
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+LAYOUT = "gbs=2,seq=16,mbs=1,param_dtype=fp32"
+
+
+def _train(cases):
+    import torch.distributed as dist
+
+    from modelcarve.runtime.train.launch import run_worker
+
+    for model, ckpt in cases:
+        run_worker(model, LAYOUT, steps=2, quiet=True, checkpoint=dict(checkpoint_dir=ckpt, save_every=2))
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export_serving")
+    src = build_checkpoint(root / "src", vocab=300, max_position=64)
+    assert (root / "src" / "generation_config.json").is_file()
+    run_distributed(_train, 1, [(src, str(root / "ck-bpe")), ("tiny-llama", str(root / "ck-cat"))], timeout=600)
+    return root
+
+
+def _export(ckpt, out, *extra):
+    return subprocess.run([sys.executable, "-m", "modelcarve.cli", "export", "--checkpoint", str(ckpt), "--out",
+                           str(out), *extra], capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def test_export_carries_tokenizer_and_generation_files(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    proc = _export(checkpoints / "ck-bpe", out)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (checkpoints / "src" / name).read_bytes(), name
+    assert "copied tokenizer.json" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    want = AutoTokenizer.from_pretrained(checkpoints / "src")
+    text = "modelcarve plans how a transformer is split across devices"
+    assert tok(text)["input_ids"] == want(text)["input_ids"]
+    assert tok.chat_template == want.chat_template and tok.eos_token == "</s>"
+    assert model.config.vocab_size == len(want)
+    gen = subprocess.run([sys.executable, "-m", "modelcarve.cli", "generate", "--model", str(out), "--layout",
+                          "param_dtype=fp32", "--prompt", "Once upon a time", "--max-tokens", "4", "--json"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert isinstance(json.loads(gen.stdout)["completions"][0]["text"], str)
+
+
+def test_catalogue_export_names_its_architecture(checkpoints, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    proc = _export(checkpoints / "ck-cat", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "no tokenizer or generation files copied: tiny-llama is a catalogue model" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(out).architectures == ["LlamaForCausalLM"]
+    AutoModelForCausalLM.from_pretrained(out)
+    # --tokenizer-from supplies them when the run's own model has none
+    proc = _export(checkpoints / "ck-cat", tmp_path / "hf2", "--tokenizer-from", str(checkpoints / "src"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "hf2" / "tokenizer.json").is_file()
+
+
+def test_architecture_table_is_transformers_own():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from modelcarve.runtime.checkpoint.export_hf import ARCHITECTURES
+    from modelcarve.spec.hf_config import SUPPORTED_MODEL_TYPES
+
+    assert set(ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
+    assert {k: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[k] for k in ARCHITECTURES} == ARCHITECTURES
