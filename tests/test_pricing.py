@@ -93,3 +93,27 @@ def test_cost_flags_refuse_in_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, (argv, err)
+
+
+def test_selfhost_puts_each_dtype_on_the_fewest_devices(capsys):
+    """llama-3.1-70b: bf16 weights (141 GB) need more H100s than fp8 (71 GB) and int4 (37 GB); each
+    row's device count is the smallest power of two with a qualifying layout (the half of it has
+    none), and its dollars are plan/pricing.py's on that cluster."""
+    from modelcarve.plan.search import search
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import parse_cluster
+
+    assert main(["selfhost", "--model", "llama-3.1-70b", "--device", "H100", "--dtypes", "bf16,fp8,int4",
+                 "--price", "H100=2.0", "--api-price", "0.5,1.5", "--json"]) == 0
+    rows = {r["weight_dtype"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["bf16"]["devices"] > rows["fp8"]["devices"] >= rows["int4"]["devices"]
+    model = get_model("llama-3.1-70b")
+    for dtype, row in rows.items():
+        n = row["devices"]
+        if n > 1:
+            smaller = search(model, parse_cluster(f"{n // 2}xH100"), "serve-throughput", top=1, weight_dtypes=dtype)
+            assert not smaller["layouts"], (dtype, n)
+        cost = row["cost"]
+        assert cost["usd_per_hour"] == pytest.approx(2.0 * n)
+        capacity = row["tokens_per_s_per_device"] * n / 256  # default output length 256
+        assert cost["usd_per_request"] == pytest.approx(2.0 * n / 3600 / capacity)

@@ -27,6 +27,7 @@ COMMANDS = {
     "generate": "generate",
     "serve": "serve",
     "bench-serve": "bench_serve",
+    "selfhost": "selfhost",
 }
 
 

@@ -33,3 +33,36 @@ def cost_table(rows: list[dict], *, serving: bool):
             table.add_row(r["name"], f"{r['hours']:,.1f}", f"{r['device_hours']:,.0f}", f"{r['usd']:,.0f}",
                           f"{r['usd_per_m_tokens']:,.4f}")
     return table
+
+
+def selfhost_table(rows: list[dict], device: str):
+    """``selfhost``: one row per (model, weight dtype) on the fewest devices that hold it."""
+    from rich.table import Table
+
+    table = Table(title=f"self-hosting on {device}: each weight dtype on the fewest devices that hold the model")
+    cols = ["model", "weights", "devices", "layout", "TTFT ms", "TPOT ms", "tok/s/dev", "$/M output tok", "quality cost"]
+    api = any(r.get("cost", {}).get("api") for r in rows)
+    if api:
+        cols += ["API $/M output tok (input charged too)", "self-hosting cheaper above"]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("model", "weights", "layout", "quality cost",
+                                                     "self-hosting cheaper above") else "right")
+    for r in rows:
+        if not r.get("cost"):
+            table.add_row(r["model"], r["weight_dtype"], "-", r.get("why", ""), *[""] * (len(cols) - 4))
+            continue
+        c = r["cost"]
+        cells = [r["model"], r["weight_dtype"], str(r["devices"]), r["layout"], f"{r['ttft_s'] * 1e3:,.0f}",
+                 f"{r['tpot_s'] * 1e3:,.1f}", f"{r['tokens_per_s_per_device']:,.0f}", f"{c['usd_per_m_output_tokens']:,.3f}",
+                 r["quality"]]
+        if api:
+            a = c.get("api")
+            if a:
+                per_m = a["usd_per_request"] / c["usd_per_request"] * c["usd_per_m_output_tokens"]
+                where = (f"{a['break_even_rps']:,.2f} req/s ({a['break_even_utilisation']:.0%})" if a["self_hosting_can_win"]
+                         else f"never (capacity {c['capacity_rps']:,.1f} req/s)")
+                cells += [f"{per_m:,.3f}", where]
+            else:
+                cells += ["", ""]
+        table.add_row(*cells)
+    return table
