@@ -117,3 +117,19 @@ def test_selfhost_puts_each_dtype_on_the_fewest_devices(capsys):
         assert cost["usd_per_hour"] == pytest.approx(2.0 * n)
         capacity = row["tokens_per_s_per_device"] * n / 256  # default output length 256
         assert cost["usd_per_request"] == pytest.approx(2.0 * n / 3600 / capacity)
+
+
+def test_priced_front_by_hand(capsys, tmp_path):
+    """A device at $3.60/h costs $0.001/s; serving 500 output tokens/s at 50% utilisation (250
+    delivered) that is 0.001 / 250 x 1e6 = $4.00 per million output tokens."""
+    from modelcarve.plan.pricing import price_front
+
+    (p,) = price_front({"front": [{"tokens_per_s_per_device": 500.0}]}, usd_per_device_hour=3.6, utilisation=0.5)
+    assert p["usd_per_m_output_tokens"] == pytest.approx(4.0)
+    png = tmp_path / "front.png"
+    assert main(["plan", "--goal", "serve-throughput", "--pareto", "--model", "qwen3-32b", "--cluster", "2xH100",
+                 "--price", "H100=3.6", "--utilisation", "0.5", "--plot", str(png), "--json"]) == 0
+    front = json.loads(capsys.readouterr().out)
+    assert front["priced"] and png.read_bytes()[:4] == b"\x89PNG"
+    for point in front["priced"]:
+        assert point["usd_per_m_output_tokens"] == pytest.approx(0.001 / (0.5 * point["tokens_per_s_per_device"]) * 1e6)

@@ -29,13 +29,28 @@ def run_frontier_plan(args, model, cluster, options: dict, *, top: int = 5) -> i
         from modelcarve.plan.serve.pareto import pareto_front
 
         front = pareto_front(model, cluster, **options)
+        from modelcarve.commands.pricing import wants_cost
+
+        if wants_cost(args):  # issue 30: the front priced, $/M output tokens against tokens/s per user
+            from modelcarve.plan.pricing import price_front
+            from modelcarve.spec.prices import device_price, parse_prices
+
+            usd, source = device_price(cluster.device.name, parse_prices(args.price))
+            front["priced"] = price_front(front, usd_per_device_hour=usd, utilisation=args.utilisation or 1.0)
+            front["price"] = dict(usd_per_device_hour=usd, source=source, utilisation=args.utilisation or 1.0)
         if as_json:
             print(json.dumps(front, indent=2, default=str))
         else:
             console = make_console()
             console.print(f"{model.name} on {cluster.describe()}")
             print_pareto(front, console)
-        if getattr(args, "plot", None):
+        if getattr(args, "plot", None) and "priced" in front:
+            from modelcarve.report.pricing import plot_priced_front
+
+            plot_priced_front(front["priced"], front["price"], args.plot, title=f"{model.name} on {cluster.name}")
+            if not as_json:
+                print(f"wrote {args.plot}")
+        elif getattr(args, "plot", None):
             plot_pareto(front, args.plot, title=f"{model.name} on {cluster.name}")
             if not as_json:
                 print(f"wrote {args.plot}")

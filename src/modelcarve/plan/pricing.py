@@ -76,3 +76,12 @@ def training_cost(result: dict, *, devices: int, usd_per_device_hour: float, tok
         "usd": hours * devices * usd_per_device_hour,
         "usd_per_m_tokens": devices * usd_per_device_hour / SECONDS_PER_HOUR / tokens_per_s * (1.0 + overhead) * 1e6,
     }
+
+
+def price_front(front: dict, *, usd_per_device_hour: float, utilisation: float = 1.0) -> list[dict]:
+    """Each point of a serving Pareto front (plan/serve/pareto.py) with its dollars per million
+    output tokens: a device serving ``t`` tokens/s at utilisation ``u`` costs
+    ``$/device-hour / 3600 / (u x t) x 1e6`` per million (every device of the layout alike)."""
+    per_device_s = usd_per_device_hour / SECONDS_PER_HOUR
+    return [dict(p, usd_per_m_output_tokens=per_device_s / (utilisation * p["tokens_per_s_per_device"]) * 1e6)
+            for p in front["front"]]

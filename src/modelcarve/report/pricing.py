@@ -66,3 +66,30 @@ def selfhost_table(rows: list[dict], device: str):
                 cells += ["", ""]
         table.add_row(*cells)
     return table
+
+
+def plot_priced_front(points: list[dict], price: dict, path, title: str = ""):
+    """$ per million output tokens against tokens/s per user along the serving Pareto front."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [p["tokens_per_s_per_user"] for p in points]
+    ys = [p["usd_per_m_output_tokens"] for p in points]
+    ax.plot(xs, ys, "o-")
+    for p in points[:: max(1, len(points) // 6)]:
+        ax.annotate(f"{p['name']} b{p['batch']}", (p["tokens_per_s_per_user"], p["usd_per_m_output_tokens"]),
+                    fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens/s per user (1 / TPOT)")
+    ax.set_ylabel("$ per million output tokens (log)")
+    ax.set_title(title + f" at ${price['usd_per_device_hour']:.2f}/device-hour, {price['utilisation']:.0%} utilised")
+    ax.grid(True, alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=120)
+    plt.close(fig)
+    return Path(path)
