@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
 from modelcarve.runtime.distributed import collectives
-from modelcarve.runtime.measure.memory_report import (SavedActivations, _Held, _local, _storage_key, grad_bytes,
-                                                      optimizer_bytes, param_bytes)
+from modelcarve.runtime.measure.memory_report import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
 
 ACTIVATION_TOLERANCE = 0.10
 EXACT = ("params", "grads", "optimizer", "comm_buffers")
@@ -62,18 +61,12 @@ class _Saved(SavedActivations):
     weight's (``mbs x seq == hidden``, e.g. 64 tokens of a 64-wide model: the attention and MLP
     inputs' casts) and kept transposed weight copies."""
 
+    def _param_keys(self) -> tuple[set, set]:
+        keys, _shapes = super()._param_keys()
+        return keys, set()  # no shape rule: ``_pack`` tells a weight's cast by its history
+
     def _pack(self, t):
-        local = _local(t)
-        key = _storage_key(local)
-        params, _ = self._param_keys()
-        if key is None or key[:2] in params or _weight_cast(t):
-            return t
-        count, size = self._refs.get(key, (0, local.numel() * local.element_size()))
-        if count == 0:
-            self.live += size
-            self.peak = max(self.peak, self.live)
-        self._refs[key] = (count + 1, size)
-        return _Held(t, key, self)
+        return t if _weight_cast(t) else super()._pack(t)
 
 
 class AgainstPlan:
