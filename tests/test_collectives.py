@@ -130,17 +130,17 @@ def test_collectives_counted():
         ar = _rows(ev, "all_reduce")
         assert ar[0] == ("all_reduce", "tp", "intra", "float32", 40, 40.0)
         assert ar[1] == ("all_reduce", "dp", "inter", "float64", 48, 48.0)
-        assert ar[2] == ("all_reduce", "world", "inter", "float32", 16, 24.0)
+        assert ar[2] == ("all_reduce", "dp_tp", "inter", "float32", 16, 24.0)
         assert ar[3][:5] == ("all_reduce", "tp", "intra", "float32", 12)  # the backward one
         assert _rows(ev, "all_gather")[0] == ("all_gather", "tp", "intra", "float32", 32, 16.0)
-        assert _rows(ev, "reduce_scatter")[0] == ("reduce_scatter", "world", "inter", "float32", 48, 36.0)
+        assert _rows(ev, "reduce_scatter")[0] == ("reduce_scatter", "dp_tp", "inter", "float32", 48, 36.0)
         a2a = _rows(ev, "all_to_all")
         assert a2a[0][4:] == (32, 24.0)  # 4 int64 counts, one stays home
         rows = sum(res["send"])
         assert a2a[1][4:] == (rows * 20, float((rows - res["send"][me]) * 20))
-        # the DTensor redistribute: one functional all-gather of the [8, 4] tensor over the world
+        # the DTensor redistribute: one functional all-gather of the [8, 4] tensor over every rank (axis dp_tp, never "world")
         gathers = _rows(ev, "all_gather")
-        assert len(gathers) == 2 and gathers[1][1:5] == ("world", "inter", "float32", 128)
+        assert len(gathers) == 2 and gathers[1][1:5] == ("dp_tp", "inter", "float32", 128)
         if me == 0:
             assert _rows(ev, "send") == [("send", "tp", "intra", "float32", 28, 28.0)]
         if me == 1:

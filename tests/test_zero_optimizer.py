@@ -178,10 +178,10 @@ def test_zero_and_bucketed_dp_against_torch():
         for name in ("zero1", "zero2"):
             events = r["comm"][name]
             ops = sorted((op, axis, dtype, payload, wire) for op, axis, dtype, payload, wire in events)
-            assert ops == sorted([("reduce_scatter", "world", "float32", 4 * Pp, 2.0 * Pp),
-                                  ("all_gather", "world", "float32", 4 * Pp, 2.0 * Pp),
-                                  ("all_reduce", "world", "float32", 4, 4.0),
-                                  ("all_reduce", "world", "float64", 8, 8.0)]), (name, events)
+            assert ops == sorted([("reduce_scatter", "dp", "float32", 4 * Pp, 2.0 * Pp),
+                                  ("all_gather", "dp", "float32", 4 * Pp, 2.0 * Pp),
+                                  ("all_reduce", "dp", "float32", 4, 4.0),
+                                  ("all_reduce", "dp", "float64", 8, 8.0)]), (name, events)
         dp = [e for e in r["comm"]["dp"] if e[0] == "all_reduce" and e[2] == "float32" and e[3] > 4]
         assert sum(e[3] for e in dp) == 4 * P and len(dp) == 1
         assert not [e for e in r["comm"]["dp"] if e[0] in ("broadcast", "reduce_scatter", "all_gather")]

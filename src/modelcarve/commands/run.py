@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 from modelcarve.spec.errors import LayoutError, ModelcarveError
@@ -76,7 +77,8 @@ def register(sub) -> None:
                         "logits and greedy generations on the same checkpoint (--model must be a checkpoint)")
     v.add_argument("--new-tokens", type=int, default=8, help="--reference transformers: greedy tokens per prompt")
     v.add_argument("--against-plan", action="store_true", help="also set one step's bytes per op x axis x tier and memory "
-                   "per category beside the planner's prediction (exit 1 if a judged row differs)")
+                   "per category beside the planner's prediction (exit 1 if a judged row differs, exit 2 with "
+                   "the reason if a row cannot be judged: no silent pass)")
     v.set_defaults(func=_verify)
 
 
@@ -274,6 +276,14 @@ def _verify(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
+    if report.get("against_plan") is not None:
+        from modelcarve.verify.against_plan import unjudged
+
+        reasons = unjudged(report["against_plan"])
+        if reasons:  # no silent pass: a check that could not be made is not a PASS (exit 2, the reason)
+            sys.stderr.write(f"modelcarve: error: verify --against-plan could not judge {layout.short()}: "
+                             f"{'; '.join(reasons)}\n")
+            return 2
     return 0 if report["passed"] else 1
 
 
@@ -317,5 +327,15 @@ def print_report(report: dict) -> None:
 
         console.print(against_plan_table(report))
     outside = sum(r["ok"] is False for r in report.get("against_plan") or [])
+    if report.get("against_plan") is not None:
+        from modelcarve.verify.against_plan import unjudged
+
+        reasons = unjudged(report["against_plan"])
+        if reasons:
+            n = sum(r["ok"] is None and r.get("why") in reasons for r in report["against_plan"])
+            console.print(f"[bold red]NOT JUDGED[/] ({n} against-plan rows could not be judged: {'; '.join(reasons)}"
+                          + (f"; {len(failed)} of {len(report['checks'])} checks failed" if failed else "")
+                          + (f", {outside} rows outside" if outside else "") + ")")
+            return
     console.print("[bold green]PASS[/]" if report["passed"] else f"[bold red]FAIL[/] ({len(failed)} of {len(report['checks'])} checks"
                   + (f", {outside} against-plan rows outside" if outside else "") + ")")

@@ -13,10 +13,15 @@ plan/predict/step_traffic.py's prediction beside the measured one:
   within 10% (plan/predict/activations.py against the peak saved-for-backward bytes), and
   ``activations_fused`` (plan/cost/activations.py's production-stack figure) beside it, not judged;
 * a quantity the per-op model does not cover (MoE/EP, CP, MLA, hsdp, interleaved schedules,
-  ...) gets ``predicted`` None and ``ok`` None, and one ``model`` row says why: reported, not
-  judged, never guessed.
+  recomputed activations, ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
+  ``model`` row says why. Such a row is NOT a pass: ``unjudged(rows)`` lists the reasons,
+  ``passed`` is False while there is one, and ``verify --against-plan`` exits 2 with the reason
+  (commands/run.py). Only ``activations_fused`` and ``payload/wire:send_meta`` are reported
+  without a verdict by design (``REPORTED_ONLY``: a comparison figure and torch's shape messages).
 
-Rows: ``{"quantity", "axis", "tier", "rank", "unit", "predicted", "measured", "ok"}``.
+Rows: ``{"quantity", "axis", "tier", "rank", "unit", "predicted", "measured", "ok", "why"}``;
+``why`` is None on a judged row, ``"reported only"`` on a row of ``REPORTED_ONLY``, else
+``"not modelled: ..."``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,38 @@ from modelcarve.runtime.measure.memory_report import SavedActivations, grad_byte
 ACTIVATION_TOLERANCE = 0.10
 EXACT = ("params", "grads", "optimizer", "comm_buffers")
 _META = {"int32", "int64", "uint8", "bool"}
+REPORTED_ONLY = "reported only"
+
+
+_VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "PermuteBackward0",
+          "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
+
+
+def _weight_cast(t) -> bool:
+    """An autocast copy of a parameter (through views): a ``_to_copy`` whose input is a leaf that
+    accumulates a gradient. Told by its autograd history, not by its shape."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEWS and fn.next_functions:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
+class _Saved(SavedActivations):
+    """runtime/measure/memory_report.py's saved-for-backward counter, except that an autocast copy
+    of a weight is told by its history (``_weight_cast``), not by having a weight's shape in
+    another dtype: that shape rule dropped real bf16 activations whose shape happened to equal a
+    weight's (``mbs x seq == hidden``, e.g. 64 tokens of a 64-wide model: the attention and MLP
+    inputs' casts) and kept transposed weight copies."""
+
+    def _param_keys(self) -> tuple[set, set]:
+        keys, _shapes = super()._param_keys()
+        return keys, set()  # no shape rule: ``_pack`` tells a weight's cast by its history
+
+    def _pack(self, t):
+        return t if _weight_cast(t) else super()._pack(t)
 
 
 class AgainstPlan:
@@ -39,7 +76,7 @@ class AgainstPlan:
         self.mem: dict = {}
 
     def forward_backward(self, tokens, targets):
-        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts:
+        with collectives.CommLog(self.layout) as log, _Saved(self.trainer.chunks) as acts:
             loss = self.trainer.forward_backward(tokens, targets)
         self.events += log.events
         self.mem["activations"] = acts.peak
@@ -63,6 +100,7 @@ class AgainstPlan:
         measured = measured_bytes(self.events)
         try:
             pred = predict_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers())
+            why = "not modelled: the per-op model predicts no figure for this quantity"
         except NotModelled as exc:
             pred, why = None, str(exc)
         predicted = predicted_bytes(pred.messages, self.layout, rank, per_node) if pred else {}
@@ -70,25 +108,32 @@ class AgainstPlan:
         for key in sorted(set(measured) | set(predicted)):
             quantity, axis, tier = key
             p, m = predicted.get(key, 0 if pred else None), measured.get(key, 0)
-            judged = pred is not None and not quantity.endswith("send_meta")
-            ok = (abs(p - m) <= 1e-6 * max(abs(m), 1.0)) if judged else None
-            out.append(_row(quantity, axis, tier, rank, p if judged else (p if pred else None), m, ok))
+            if quantity.endswith("send_meta"):  # torch's shape messages: reported, never predicted
+                out.append(_row(quantity, axis, tier, rank, p, m, None, REPORTED_ONLY))
+                continue
+            ok = (abs(p - m) <= 1e-6 * max(abs(m), 1.0)) if p is not None else None
+            out.append(_row(quantity, axis, tier, rank, p, m, ok, None if ok is not None else why))
         for name in ("params", "grads", "optimizer", "activations", "comm_buffers"):
             p, m = (pred.memory[name] if pred else None), self.mem.get(name, 0)
             ok = None
             if p is not None and m is not None:
                 ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
-            out.append(_row(name, "-", "-", rank, p, m, ok))
+            if ok is None and pred is not None and name == "activations":
+                why_here = "not modelled: saved activations under recomputation / this layer kind"
+            else:
+                why_here = why
+            out.append(_row(name, "-", "-", rank, p, m, ok, None if ok is not None else why_here))
         if pred is not None:  # the training planner's production-stack estimate, for comparison only
-            out.append(_row("activations_fused", "-", "-", rank, pred.memory["activations_fused"], self.mem.get("activations"), None))
+            out.append(_row("activations_fused", "-", "-", rank, pred.memory["activations_fused"], self.mem.get("activations"),
+                            None, REPORTED_ONLY))
         if pred is None:
-            out.append(_row("model", why, "-", rank, None, None, None, unit="-"))
+            out.append(_row("model", why, "-", rank, None, None, None, why, unit="-"))
         return out
 
 
-def _row(quantity, axis, tier, rank, predicted, measured, ok, unit="bytes") -> dict:
+def _row(quantity, axis, tier, rank, predicted, measured, ok, why=None, unit="bytes") -> dict:
     return dict(quantity=quantity, axis=axis, tier=tier, rank=rank, unit=unit, predicted=predicted,
-                measured=measured, ok=ok)
+                measured=measured, ok=ok, why=why)
 
 
 def measured_bytes(events) -> dict:
@@ -127,5 +172,18 @@ def gather_rows(rows: list[dict]) -> list[dict] | None:
     return [r for part in everyone for r in part] if dist.get_rank() == 0 else None
 
 
+def unjudged(rows: list[dict]) -> list[str]:
+    """The distinct reasons rows could not be judged (a row with no verdict that is not reported
+    only by design); empty when every row got a verdict."""
+    out: list[str] = []
+    for r in rows:
+        if r["ok"] is None and r.get("why") != REPORTED_ONLY:
+            reason = r.get("why") or f"not modelled: {r['quantity']}"
+            if reason not in out:
+                out.append(reason)
+    return out
+
+
 def passed(rows: list[dict]) -> bool:
-    return all(r["ok"] is not False for r in rows)
+    """Every row within its bound and every row judged: a row that cannot be judged is no pass."""
+    return all(r["ok"] is not False for r in rows) and not unjudged(rows)

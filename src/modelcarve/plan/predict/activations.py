@@ -11,8 +11,11 @@ residual stream, norms, logits and the loss in fp32):
   RMS ``4 T / rep``;
 * attention: the projections' input (fp32: one tensor for q, k, v; bf16: autocast's three
   casts), q and the keys and values expanded to every query head (``repeat_kv``) ``3 c T nh hd
-  / t``, the materialised softmax ``c T (nh/t) s`` and its fp32 row statistics ``4 T nh / t``,
-  the output projection's input ``c T nh hd / t``;
+  / t``, the fused attention's output ``c T nh hd / t`` and its fp32 log-sum-exp ``4 T nh / t``
+  (``F.scaled_dot_product_attention`` runs a flash / memory-efficient kernel, which saves no
+  ``s x s`` scores: on CPU ``ScaledDotProductFlashAttentionForCpuBackward`` keeps q, k, v, out
+  and the log-sum-exp, at any seq), the output projection's input ``c T nh hd / t`` (a
+  contiguous copy of the output, transposed back);
 * SwiGLU MLP: its input (one fp32 tensor, or two bf16 casts), gate, up and SiLU outputs
   ``3 c T f / t`` and the down projection's input ``c T f / t``;
 * per stage: rotary cos / sin ``2 x 4 s hd``; first stage the token ids (int64); last stage the
@@ -48,7 +51,7 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
         "norms": 2 * _norm(T, h, rep),
         "attn_input": casts_attn * c * T * h,
         "qkv": 3 * c * T * heads * hd,
-        "scores": c * T * heads * seq + FP32 * T * heads,
+        "attn_out": c * T * heads * hd + FP32 * T * heads,  # fused SDPA: output + log-sum-exp, no scores
         "proj_input": c * T * heads * hd,
         "mlp_input": casts_mlp * c * T * h,
         "mlp": 4 * c * T * f / tp,

@@ -29,15 +29,20 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   fp32 vectors (max, sum of exponentials, target logit);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
   the first sends its input gradient back (torch's shape metadata messages are not predicted);
+* tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
+  its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
+  last stage of each pipeline all-reduce the two fp32 gradients once per step;
 * memory: fp32 parameters, gradients and AdamW moments (+ one fp32 step counter per tensor),
   sharded by FSDP / partitioned by ZeRO; activations from plan/predict/activations.py (what our
   eager runtime saves) and, beside them, plan/cost/activations.py's production-stack estimate;
   comm_buffers the largest single message;
 * scalars: the loss averaged over dp (fp32) or broadcast from the last stage, and the global
-  gradient norm all-reduced over the world in fp64.
+  gradient norm all-reduced over every rank in fp64.
 
 Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i dp + dp_i) cp
-+ cp_i) tp + tp_i``); the caller names their axis and tier. ``NotModelled`` is raised for what
++ cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
+``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
+is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE, MLA, cp, hsdp, interleaved and zero-bubble schedules, FSDP with
 tp or pp, biases): the verify table marks those quantities as unpredicted instead of guessing.
 """
@@ -106,8 +111,6 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append(f"{spec.attention_kind} attention")
     if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm or spec.position_kind != "rope":
         problems.append("biases / qk-norm / learned positions")
-    if spec.tied_embeddings and (layout.tp > 1 or layout.pp > 1):
-        problems.append("tied embeddings split over tp or pp")
     if layout.cp > 1 or layout.ep > 1:
         problems.append("context / expert parallelism")
     if layout.dp_shard:
@@ -132,12 +135,26 @@ def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
 
 
 def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[int]:
-    """Embedding (first stage), final norm and LM head (last stage) on a TP rank."""
+    """Embedding (first stage), final norm and LM head (last stage) on a TP rank. A tied head
+    reuses the embedding's (vocab-parallel) shard on a stage that holds both; a last stage
+    without the embedding holds its own copy of it (runtime/parallel/pipeline_split.py), column-
+    sharded like an untied head."""
     h, v = spec.hidden_size, spec.vocab_size // tp
     out = [v * h] if first else []
     if last:
-        out += [h] + ([] if spec.tied_embeddings else [v * h])
+        out += [h] + ([] if spec.tied_embeddings and first else [v * h])
     return out
+
+
+def tied_group(spec: "ModelSpec", layout: "Layout", rank: int) -> tuple | None:
+    """The first- and last-stage ranks of this rank's pipeline that sum the tied embedding's two
+    gradients after every step (runtime/parallel/pipeline.py ``_sync_tied_grads``), or None."""
+    if not spec.tied_embeddings or layout.pp == 1:
+        return None
+    c = coords(layout, rank)
+    if c["pp"] not in (0, layout.pp - 1):
+        return None
+    return tuple(sorted({rank_of(layout, **(c | {"pp": 0})), rank_of(layout, **(c | {"pp": layout.pp - 1}))}))
 
 
 # --- the prediction -------------------------------------------------------------------------
@@ -165,6 +182,9 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
         if not first:
             msgs.append(Message("send", (rank, rank_of(layout, **(c | {"pp": stage - 1}))), "fp32", hidden * 4, m))
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
+        tied = tied_group(spec, layout, rank)
+        if tied is not None:  # the embedding's and the head copy's gradients summed, fp32, once per step
+            msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (spec.vocab_size // tp) * MASTER_BYTES))
     params = grads = local * MASTER_BYTES
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
     if layout.dp > 1:

@@ -11,7 +11,8 @@ before the op runs; the op itself is then executed unchanged. Operations on tens
 collectives it issues, so nothing is counted twice.
 
 One event (``Event``) per op: ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all,
-broadcast, send, recv), the group's global ranks, ``axis`` (named from the layout, ``axis_of``),
+broadcast, send, recv), the group's global ranks, ``axis`` (named from the layout's varying axes,
+``axis_of``; never ``world``),
 ``dtype``, ``payload`` bytes and ``wire`` bytes this rank sends under the algorithm
 (plan/cost/comm.py's formulas: ring all-reduce ``2(n-1)/n S``; all-gather ``(n-1)/n S`` of the gathered
 size; reduce-scatter ``(n-1)/n S`` of the input; all-to-all the rows bound for other ranks,
@@ -68,15 +69,18 @@ def tier_of(ranks, per_node: int, me: int | None = None) -> str:
 
 
 def axis_of(ranks, layout) -> str:
-    """The layout axis a group spans: 'tp', 'pp', 'dp_cp', 'ep', 'edp', 'dp_cp_shard', ... ;
-    'world' for every rank, 'self' for one."""
+    """The layout axes a group spans, named by the mesh axes whose coordinate varies over it, in
+    mesh order joined by '_': 'tp', 'pp', 'dp', 'dp_cp', 'pp_dp_cp_tp', ...; 'ep', 'edp',
+    'dp_cp_shard' / 'dp_cp_replicate' for the sub-groups of the dp x cp ranks, '<axes>_sub' for
+    another sub-group (e.g. a tied embedding's first and last stage when pp > 2), 'self' for one
+    rank. Never 'world': a group over every rank is named by what varies over it (on ``tp=2``
+    over 2 ranks the world is the tp group, 'tp'; the gradient norm's all-reduce on ``pp=2,tp=2``
+    is 'pp_tp'), so a row says which parallelism moved its bytes."""
     ranks = sorted(ranks)
     if layout is None:
         return "?"
     if len(ranks) == 1:
         return "self"
-    if len(ranks) == layout.world_size:
-        return "world"
     cs = [coords(layout, r) for r in ranks]
     varying = [a for a in AXES if len({c[a] for c in cs}) > 1]
     full = 1
