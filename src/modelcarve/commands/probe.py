@@ -135,13 +135,13 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
     import multiprocessing as mp
     import queue
 
-    from modelcarve.commands.run import _free_port
+    from modelcarve.commands.launching.torchrun import free_port
     from modelcarve.spec.errors import ModelcarveError
 
     threads = threads or int(os.environ.get("OMP_NUM_THREADS", "1"))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, ranks, port, out, threads), daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
