@@ -78,3 +78,28 @@ def test_serving_bound_column_is_a_word(capsys):
     rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     bounds = {r[9].strip() for r in rows if len(r) > 10}
     assert bounds and bounds <= {"memory", "compute", "comms", "launches"}, bounds
+
+
+def test_plan_plot_legends_do_not_cover_the_bars(tmp_path, monkeypatch):
+    """Each legend's box lies outside its axes (inside, it covered the last layouts' bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from modelcarve.plan.search import search
+    from modelcarve.report.figures import plot_plan
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import parse_cluster
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: kept.append(fig))
+    result = search(get_model("llama-3.1-70b"), parse_cluster("8x8xH100"), "train", top=5, global_batch=512, seq=4096)
+    plot_plan(result, tmp_path / "plan.png", title="t")
+    (fig,) = kept
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.x0 >= area.x1 - 1, (box, area)  # to the right of the plotting area

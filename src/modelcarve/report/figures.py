@@ -29,7 +29,7 @@ def plot_plan(result: dict, path: str | Path, title: str = "") -> Path:
     # rank + short form + what short() leaves out: two layouts may differ only in mbs/recompute
     names = [f"#{i} {r['short']}\nmbs={r['layout']['mbs']} rc={r['layout']['recompute']}" for i, r in enumerate(layouts, 1)]
     parts = list(layouts[0]["memory"]["breakdown"])
-    fig, (mem_ax, link_ax) = plt.subplots(1, 2, figsize=(6 + 1.4 * len(layouts), 5))
+    fig, (mem_ax, link_ax) = plt.subplots(1, 2, figsize=(8.5 + 1.4 * len(layouts), 5))
     bottom = [0.0] * len(layouts)
     for part in parts:
         values = [r["memory"]["breakdown"].get(part, 0) / GIB for r in layouts]
@@ -42,7 +42,8 @@ def plot_plan(result: dict, path: str | Path, title: str = "") -> Path:
     mem_ax.set_xticks(range(len(names)), names)
     mem_ax.set_ylabel("GiB on the worst device")
     mem_ax.set_title("memory")
-    mem_ax.legend(fontsize=7, loc="lower right")
+    # outside the axes: inside, it covered the last layouts' bars
+    mem_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     width = 0.4
     xs = range(len(layouts))
     for offset, link, label in ((-width / 2, "intra", "inside a node"), (width / 2, "inter", "across nodes")):
@@ -51,7 +52,7 @@ def plot_plan(result: dict, path: str | Path, title: str = "") -> Path:
     link_ax.set_xticks(list(xs), names)
     link_ax.set_ylabel("GiB sent per device per step")
     link_ax.set_title("traffic per link tier")
-    link_ax.legend(fontsize=7)
+    link_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     for ax in (mem_ax, link_ax):
         ax.tick_params(axis="x", labelrotation=30, labelsize=7)
     if title:
