@@ -133,3 +133,16 @@ def test_priced_front_by_hand(capsys, tmp_path):
     assert front["priced"] and png.read_bytes()[:4] == b"\x89PNG"
     for point in front["priced"]:
         assert point["usd_per_m_output_tokens"] == pytest.approx(0.001 / (0.5 * point["tokens_per_s_per_device"]) * 1e6)
+
+
+def test_a_cluster_file_carries_its_own_price(tmp_path, capsys):
+    """The cluster file's usd_per_hour prices its device; --price still wins over it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes: 1\ndevices_per_node: 2\ndevice: {base: B200, usd_per_hour: 5.5}\n")
+    argv = ["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", str(path), "--top", "1",
+            "--utilisation", "0.5", "--json"]
+    assert main(argv) == 0
+    cost = json.loads(capsys.readouterr().out)["layouts"][0]["cost"]
+    assert cost["usd_per_device_hour"] == 5.5 and cost["usd_per_hour"] == pytest.approx(11.0)
+    assert main(argv + ["--price", "7"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"][0]["cost"]["usd_per_device_hour"] == 7.0

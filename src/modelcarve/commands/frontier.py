@@ -35,7 +35,7 @@ def run_frontier_plan(args, model, cluster, options: dict, *, top: int = 5) -> i
             from modelcarve.plan.pricing import price_front
             from modelcarve.spec.prices import device_price, parse_prices
 
-            usd, source = device_price(cluster.device.name, parse_prices(args.price))
+            usd, source = device_price(cluster.device.name, parse_prices(args.price), cluster.device.usd_per_hour)
             front["priced"] = price_front(front, usd_per_device_hour=usd, utilisation=args.utilisation or 1.0)
             front["price"] = dict(usd_per_device_hour=usd, source=source, utilisation=args.utilisation or 1.0)
         if as_json:

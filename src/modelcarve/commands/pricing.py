@@ -55,7 +55,7 @@ def attach_costs(args, cluster, results: list[dict], *, serving: bool) -> list[d
 
     if not wants_cost(args):
         return []
-    usd, source = device_price(cluster.device.name, parse_prices(args.price))
+    usd, source = device_price(cluster.device.name, parse_prices(args.price), cluster.device.usd_per_hour)
     util = args.utilisation
     if util is not None and not 0 < util <= 1:
         raise ModelcarveError(f"--utilisation {util}: give a fraction in (0, 1]")

@@ -58,6 +58,8 @@ DEVICE_FIELDS = {
                              "hbm_bytes_per_s are achieved rates (hardware --probe writes 1) and the planner applies this "
                              "fraction flat", 0, 1.0),
     "step_overhead_s": Field("number", "measured host seconds every engine step costs (hardware --probe)", 0, 10.0),
+    "usd_per_hour": Field("number", "what one device-hour costs you, US dollars (plan/estimate --price overrides; "
+                                    "0 = the catalogue's list price)", 0, 1e6),
     "layer_overhead_s": Field("number", "measured host seconds per layer per engine step; 0 = the GPU-fitted constant", 0, 1.0),
     "source": Field("string", "where the figures come from"),
 }

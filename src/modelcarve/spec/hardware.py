@@ -73,6 +73,8 @@ class DeviceSpec:
     step_overhead_s: float = 0.0
     """Host seconds every engine step costs however small (scheduling, block tables, sampling),
     measured by ``hardware --probe``; 0 for catalogue devices (folded into layer_overhead there)."""
+    usd_per_hour: float = 0.0
+    """What one device-hour costs the user (a cluster file's own price); 0: the catalogue's list price."""
     layer_overhead_s: float = 0.0
     """Host seconds per layer per engine step, measured by ``hardware --probe``; 0 = the planner's
     GPU-fitted ``serve_rates.LAYER_OVERHEAD_S``."""

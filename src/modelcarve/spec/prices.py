@@ -45,12 +45,15 @@ def parse_prices(items: list[str] | None) -> dict[str, float]:
     return prices
 
 
-def device_price(device: str, given: dict[str, float] | None = None) -> tuple[float, str]:
-    """(dollars per device-hour, where the figure comes from) for ``device``."""
+def device_price(device: str, given: dict[str, float] | None = None, cluster_price: float = 0.0) -> tuple[float, str]:
+    """(dollars per device-hour, where the figure comes from) for ``device``: the user's ``--price``,
+    else the cluster file's ``usd_per_hour``, else the catalogue's dated list price."""
     given = given or {}
     for key in (device, device.upper(), "*"):
         if key in given:
             return given[key], "given"
+    if cluster_price > 0:
+        return cluster_price, "the cluster file's usd_per_hour"
     entry = catalogue().get(device)
     if entry is None:
         known = ", ".join(sorted(catalogue()))
