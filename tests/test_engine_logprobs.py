@@ -131,12 +131,13 @@ def test_single_device_equals_transformers(ckpts):
     print(f"max |logprob - transformers| one device: {worst:.3g}")
 
 
-def test_max_tokens_zero_needs_prompt_logprobs():
+def test_max_tokens_at_least_zero():
     from modelcarve.runtime.engine.sampler import SamplingParams
 
-    with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
-    SamplingParams(max_tokens=0, prompt_logprobs=True)
+    for bad in (dict(max_tokens=-1), dict(max_tokens=1, top_logprobs=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    SamplingParams(max_tokens=0)
 
 
 def test_two_ranks_equal_transformers(ckpts):

@@ -16,8 +16,8 @@ replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its 
 (model_runner.py), receives the logits of the sampling rows, samples (sampler.py), detokenises
 incrementally, checks stops and frees finished sequences. A request with ``prompt_logprobs``
 (``echo`` with ``logprobs``) gets its prompt tokens' logprobs (and top alternatives) from the
-runner's packed rows, and may ask ``max_tokens=0``: computed prompt, nothing generated, "length". New requests go to the replica with
-the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
+runner's packed rows; ``max_tokens=0`` computes the prompt and generates nothing ("length").
+New requests go to the replica with the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
 another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
 sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
 default to its ``param_dtype`` (``resolve_layout``).
@@ -37,7 +37,7 @@ import torch
 from modelcarve.runtime.engine.block_manager import BlockManager
 from modelcarve.runtime.engine.sampler import SamplingParams, StopChecker, make_generator, sample
 from modelcarve.runtime.engine.scheduler import Scheduler, Sequence
-from modelcarve.runtime.engine.step_plan import StepPlan
+from modelcarve.runtime.engine.step_plan import StepPlan, unpack_tops
 from modelcarve.spec.errors import ModelcarveError
 from modelcarve.spec.support import check_generation
 
@@ -266,8 +266,6 @@ class Engine:
 
     def _take_prompt_logprobs(self, scheduled, items, got) -> None:
         """Write the packed prompt logprobs of one replica's micro-batches into their sequences."""
-        from modelcarve.runtime.engine.sampler import unpack_tops
-
         packs = iter([packed for _, packed in got if packed is not None])
         by_item = dict(zip(map(id, items), scheduled))
         for mb in self.runner.micro_batches(items):
@@ -343,7 +341,7 @@ class Engine:
         for seq, tok, lp, top in zip(rows, tokens, logprobs, tops):
             if seq.finished or seq.request_id not in self.seqs:
                 continue
-            if seq.params.max_tokens == 0:  # echo: the prompt (and its logprobs) only
+            if seq.params.max_tokens == 0:  # echo: the prompt (and its logprobs) only, nothing generated
                 self._finish(seq, "length")
                 outs.append(self._output(seq, [], None))
                 continue

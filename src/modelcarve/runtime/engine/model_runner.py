@@ -21,7 +21,7 @@ replica's ranks run only its items:
 * prompt logprobs (items with ``logprob_rows``, echo with logprobs): the last stage also runs the
   norm and head over those rows (a separate call, so the sampling rows' arithmetic is unchanged),
   takes the fp32 log-softmax over the full vocabulary and sends back per row only the target's
-  logprob and the top-k (ids, logprobs) (``sampler.top_and_chosen``: ``1 + 2k`` floats a row);
+  logprob and the top-k (ids, logprobs) (``step_plan.top_and_chosen``: ``1 + 2k`` floats a row);
 * expert parallelism (ep > 1, pp = 1): the MoE all-to-all spans the replicas, so a replica with
   nothing to do runs one dummy token (written to the scratch slot 0) to take part.
 
@@ -39,8 +39,7 @@ import torch.distributed as dist
 
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, install
-from modelcarve.runtime.engine.sampler import top_and_chosen
-from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan
+from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
 from modelcarve.spec.errors import LayoutError
 
 

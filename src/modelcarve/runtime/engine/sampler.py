@@ -17,8 +17,8 @@ columns off before they get here, so a padded id can never be drawn).
   chosen token, as vLLM returns by default; with ``top_logprobs = k`` also the k most likely ids
   and their logprobs (``torch.topk`` order), as [(id, logprob), ...].
 * ``prompt_logprobs``: the engine also returns every prompt token's logprob (and top
-  alternatives), computed by the model runner on the last pipeline stage (``top_and_chosen``);
-  ``max_tokens = 0`` is then allowed (the prompt is computed, nothing generated: ``echo``).
+  alternatives), computed by the model runner on the last pipeline stage (``step_plan.top_and_chosen``);
+  ``max_tokens = 0`` computes the prompt and generates nothing (finish "length"; ``echo``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from modelcarve.runtime.engine.step_plan import top_and_chosen, unpack_tops
 
 
 @dataclass
@@ -50,8 +52,8 @@ class SamplingParams:
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids or ())
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if self.max_tokens < 0 or (self.max_tokens == 0 and not self.prompt_logprobs):
-            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 1 (0 only with prompt_logprobs)")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 0 (0: the prompt only, as echo asks)")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs={self.top_logprobs}: must be >= 0")
         if self.temperature < 0:
@@ -85,26 +87,6 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
-
-
-def top_and_chosen(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, 1 + 2k] fp32 from log-probability rows [n, V]: each row's logprob at ``targets``, then the
-    k largest logprobs, then their ids (as fp32: exact below 2**24 ids). What the model runner sends
-    back per prompt row instead of the whole row."""
-    chosen = logprobs.gather(1, targets[:, None].to(logprobs.device))
-    if k <= 0:
-        return chosen.float()
-    top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
-    return torch.cat([chosen, top.values, top.indices.to(logprobs.dtype)], dim=1).float()
-
-
-def unpack_tops(packed: torch.Tensor, k: int) -> tuple[list[float], list[list | None]]:
-    """``top_and_chosen``'s rows back to (chosen logprobs, [(id, logprob), ...] per row or None)."""
-    chosen = packed[:, 0].tolist()
-    if k <= 0:
-        return chosen, [None] * len(chosen)
-    values, ids = packed[:, 1:1 + k].tolist(), packed[:, 1 + k:1 + 2 * k].long().tolist()
-    return chosen, [list(zip(i, v)) for i, v in zip(ids, values)]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

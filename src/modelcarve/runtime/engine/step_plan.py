@@ -10,12 +10,17 @@ their next token's log-probability and top alternatives (``logprob_rows``, ``nex
 ``top_logprobs``). Rank 0 broadcasts it
 (``ModelRunner.broadcast``, pickled; ``None`` is the end of the followers' loop and an empty
 plan the idle heartbeat), and every rank's ``ModelRunner.execute`` runs its replica's share.
+
+What comes back for the logprob rows is packed here too (``top_and_chosen`` / ``unpack_tops``: a
+row's target logprob and top-k as ``1 + 2k`` floats), shared by the runner and the sampler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 
 class StepItem(NamedTuple):
@@ -80,3 +85,23 @@ def _item(item) -> StepItem:
     after = tokens[start + count] if start + count < len(tokens) else -1
     return StepItem(tokens[start:start + count], start, list(seq.block_table), item.sample, rows, after,
                     int(getattr(seq.params, "top_logprobs", 0) or 0))
+
+
+def top_and_chosen(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, 1 + 2k] fp32 from log-probability rows [n, V]: each row's logprob at ``targets``, then the
+    k largest logprobs, then their ids (as fp32: exact below 2**24 ids). What the model runner sends
+    back per prompt row instead of the whole row."""
+    chosen = logprobs.gather(1, targets[:, None].to(logprobs.device))
+    if k <= 0:
+        return chosen.float()
+    top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return torch.cat([chosen, top.values, top.indices.to(logprobs.dtype)], dim=1).float()
+
+
+def unpack_tops(packed: torch.Tensor, k: int) -> tuple[list[float], list[list | None]]:
+    """``top_and_chosen``'s rows back to (chosen logprobs, [(id, logprob), ...] per row or None)."""
+    chosen = packed[:, 0].tolist()
+    if k <= 0:
+        return chosen, [None] * len(chosen)
+    values, ids = packed[:, 1:1 + k].tolist(), packed[:, 1 + k:1 + 2 * k].long().tolist()
+    return chosen, [list(zip(i, v)) for i, v in zip(ids, values)]
