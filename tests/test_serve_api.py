@@ -199,6 +199,10 @@ def test_bad_requests_get_openai_errors(server):
     assert "8192" in msg and "8180" in msg and "8200" in msg
     _error(_post(server, "/v1/completions", ok | dict(prompt=[10**6])), 400, "prompt")
     _error(_post(server, "/v1/completions", ok | dict(n=2)), 400, "n")
+    # max_tokens 0 is the prompt only, with echo (and logprobs: lm-eval-harness's loglikelihood request)
+    assert _post(server, "/v1/completions", ok | dict(max_tokens=0, echo=True, logprobs=1)).json()["choices"][0][
+        "logprobs"]["token_logprobs"][0] is None
+    _error(_post(server, "/v1/completions", ok | dict(logprobs=21)), 400, "logprobs")
     # fields it does not implement are refused, naming the field, not silently ignored (issue 27)
     _error(_post(server, "/v1/completions", ok | dict(logit_bias={"5": 10})), 400, "logit_bias")
     _error(_post(server, "/v1/completions", ok | dict(some_new_field=3)), 400, "some_new_field")

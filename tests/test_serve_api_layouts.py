@@ -78,6 +78,21 @@ def test_chat_without_template_is_400(servers):
     assert "chat template" in _error(resp, 400, "messages")
 
 
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_echo_logprobs_equal_transformers(servers, ckpts, layout):
+    """echo + logprobs=5 (what lm-eval-harness sends): the prompt's and 3 generated tokens' logprobs and
+    top-5 against transformers' log_softmax within 1e-5, the rows coming from the last stage / tp rank 0."""
+    from test_serve_logprobs import IDS, K, TOL, check_completion_logprobs, reference
+
+    tok, model = _hf(ckpts[layout])
+    ids = tok(PROMPTS[3])["input_ids"]
+    out = _client(servers[layout]).completions.create(model="tiny", prompt=ids, echo=True, logprobs=K, max_tokens=3,
+                                                      temperature=0, extra_body=IDS | {"ignore_eos": True})
+    gen = list(out.choices[0].model_extra["token_ids"])
+    assert len(gen) == 3
+    assert check_completion_logprobs(out.choices[0].logprobs, ids + gen, reference(model, ids + gen)) <= TOL
+
+
 def test_zz_sigterm_drains_every_rank(servers):
     srv = servers["tp"]
     tree = set(srv.tree) | {srv.proc.pid}

@@ -7,8 +7,9 @@
     GET  /metrics               prometheus text (serve/metrics.py)
 
 Each route checks what it can before the engine sees the request: the API key (401), the model
-name (404), the body (400: malformed JSON, wrong types, ``max_tokens`` <= 0, unsupported fields,
-token ids outside the vocabulary, prompt + ``max_tokens`` longer than the context, with both
+name (404), the body (400: malformed JSON, wrong types, ``max_tokens`` <= 0 (0 is allowed with
+``echo``), unsupported fields, token ids outside the vocabulary, ``logprobs`` / ``top_logprobs``
+above 20, prompt + ``max_tokens`` longer than the context, with both
 lengths), the queue (429 + ``Retry-After``) and the drain (503); errors have OpenAI's shape
 (serve/errors.py). The pipelines themselves are serve/handlers.py.
 """
@@ -109,7 +110,8 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         check_model(body.model)
         bridge.check_open()
         P.refuse_unimplemented(body)
-        logprobs = P.completion_logprobs_flag(body)
+        top = P.completion_logprobs_count(body)
+        logprobs = top is not None
         prompts, echo = [], []
         for prompt in P.prompts_of(body.prompt):
             if isinstance(prompt, str):
@@ -120,7 +122,7 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
                 echo.append(served.tokenizer.decode(ids) if served.tokenizer is not None else "")
             prompts.append(ids)
         sp = P.sampling_params(body, max_tokens=body.max_tokens, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
-                               logprobs=logprobs)
+                               logprobs=logprobs, top_logprobs=top or 0, echo=bool(body.echo))
         for ids in prompts:
             check_length(ids, sp.max_tokens, "prompt")
         if sp.stop and served.tokenizer is None:
@@ -128,8 +130,8 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
                            param="stop")
         opts = body.stream_options or P.StreamOptions()
         gen = Generation(bridge=bridge, metrics=metrics, tokenizer=served.tokenizer, model_name=served.name, chat=False,
-                         prompts=prompts, params=served.make_params(sp), logprobs=logprobs,
-                         echo_texts=echo if body.echo else None, include_usage=bool(body.stream and opts.include_usage),
+                         prompts=prompts, params=served.make_params(sp), logprobs=logprobs, top_logprobs=top or 0,
+                         tokens_as_ids=bool(body.return_tokens_as_token_ids), echo_texts=echo if body.echo else None, include_usage=bool(body.stream and opts.include_usage),
                          continuous_usage=bool(body.stream and opts.continuous_usage_stats))
         result = respond(gen, bool(body.stream), request)
         return result if body.stream else JSONResponse(await result)
@@ -141,7 +143,8 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         bridge.check_open()
         P.refuse_unimplemented(body)
         tok = need_tokenizer("chat")
-        logprobs = P.chat_logprobs_flag(body)
+        top = P.chat_top_logprobs(body)
+        logprobs = bool(body.logprobs)
         messages = [dict(role=m.role, content=_content_text(m.content)) for m in body.messages]
         if not getattr(tok, "has_chat_template", False):
             raise APIError(400, "this checkpoint has no chat template (chat_template in tokenizer_config.json or "
@@ -154,12 +157,12 @@ def create_app(bridge, metrics, served: ServedModel, *, api_key: str | None = No
         ids = check_ids(list(ids), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = P.sampling_params(body, max_tokens=max_tokens, default_max_tokens=max(served.max_model_len - len(ids), 1),
-                               logprobs=logprobs)
+                               logprobs=logprobs, top_logprobs=top)
         check_length(ids, sp.max_tokens, "messages")
         opts = body.stream_options or P.StreamOptions()
         gen = Generation(bridge=bridge, metrics=metrics, tokenizer=tok, model_name=served.name, chat=True,
-                         prompts=[ids], params=served.make_params(sp), logprobs=logprobs,
-                         include_usage=bool(body.stream and opts.include_usage),
+                         prompts=[ids], params=served.make_params(sp), logprobs=logprobs, top_logprobs=top,
+                         tokens_as_ids=bool(body.return_tokens_as_token_ids), include_usage=bool(body.stream and opts.include_usage),
                          continuous_usage=bool(body.stream and opts.continuous_usage_stats))
         result = respond(gen, bool(body.stream), request)
         return result if body.stream else JSONResponse(await result)

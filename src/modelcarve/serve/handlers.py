@@ -5,7 +5,9 @@ kind of response) and produces either the whole body (``collect``) or the server
 (``events``), both from the same engine outputs so streaming and non-streaming return the same
 text and tokens. Usage is counted from the engine's token ids: prompt tokens as given to the
 engine, completion tokens as generated (a stop string's tokens included, as vLLM counts them).
-A client that disconnects, or a stream the server abandons, aborts every sub-request
+With ``echo`` and ``logprobs`` the logprobs cover the prompt's tokens (the first null) then
+the generated ones, with text offsets counted from the start of the echoed text (vLLM); a stream
+sends the echo chunk, with the prompt's logprobs, once the prompt is computed. A client that disconnects, or a stream the server abandons, aborts every sub-request
 (``finally``), which frees their KV blocks at the engine's next step.
 """
 
@@ -30,6 +32,12 @@ class _State:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    """per generated token, [(id, logprob), ...] of the most likely (when asked)"""
+    prompt_logprobs: list | None = None
+    prompt_top_logprobs: list | None = None
+    echoed: bool = False
+    """the echo chunk was streamed"""
     finish_reason: str | None = None
     stop_reason: object = None
     first_token_s: float | None = None
@@ -50,6 +58,9 @@ class Generation:
     params: object
     """the engine's SamplingParams"""
     logprobs: bool = False
+    top_logprobs: int = 0
+    tokens_as_ids: bool = False
+    """name the logprobs' tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)"""
     echo_texts: list[str] | None = None
     include_usage: bool = False
     continuous_usage: bool = False
@@ -93,6 +104,10 @@ class Generation:
         st.token_ids = list(out.token_ids)
         if out.new_logprobs:
             st.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs:
+            st.top_logprobs.extend(out.new_top_logprobs)
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs, st.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
         st.text = out.text or ""
         if out.finished:
             st.finish_reason = out.finish_reason
@@ -123,15 +138,32 @@ class Generation:
     # ---- shaping -----------------------------------------------------------------------------
 
     def _token_strings(self, ids: list[int]) -> list[str]:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.tokens_as_ids:
             return [f"token_id:{i}" for i in ids]
         return [self.tokenizer.decode([i]) for i in ids]
 
-    def _logprobs_of(self, index: int, ids: list[int], lps: list[float], offset: int):
+    def _logprobs_of(self, index: int, ids: list[int], lps: list[float], offset: int, tops: list | None = None):
         if not self.logprobs:
             return None
         tokens = self._token_strings(ids)
-        return P.chat_logprobs(tokens, lps) if self.chat else P.completion_logprobs(tokens, lps, offset)
+        named = None
+        if self.top_logprobs and tops:
+            named = [None if top is None else list(zip(self._token_strings([i for i, _ in top]), [v for _, v in top]))
+                     for top in tops]
+        return P.chat_logprobs(tokens, lps, named) if self.chat else P.completion_logprobs(tokens, lps, offset, named)
+
+    @property
+    def _echo_logprobs(self) -> bool:
+        return self.logprobs and not self.chat and self.echo_texts is not None
+
+    def _prompt_part(self, st: _State) -> tuple[list[int], list, list]:
+        """The echoed prompt's ids, logprobs (the first None) and top logprobs (echo with logprobs)."""
+        n = len(st.prompt_ids)
+        return (list(st.prompt_ids), list(st.prompt_logprobs or [None] * n),
+                list(st.prompt_top_logprobs or [None] * n))
+
+    def _tops(self, st: _State, count: int) -> list:
+        return list(st.top_logprobs) if len(st.top_logprobs) == count else [None] * count
 
     def usage(self) -> dict:
         return P.usage(sum(len(s.prompt_ids) for s in self.states), sum(len(s.token_ids) for s in self.states))
@@ -155,7 +187,13 @@ class Generation:
         choices = []
         for i, st in enumerate(self.states):
             text = self._echo(i) + st.text
-            lps = self._logprobs_of(i, st.token_ids, st.logprobs, len(self._echo(i)))
+            if self._echo_logprobs:
+                ids, lp, tops = self._prompt_part(st)
+                lps = self._logprobs_of(i, ids + st.token_ids, lp + st.logprobs, 0,
+                                        tops + self._tops(st, len(st.token_ids)))
+            else:
+                lps = self._logprobs_of(i, st.token_ids, st.logprobs, len(self._echo(i)),
+                                        self._tops(st, len(st.token_ids)))
             make = P.chat_choice if self.chat else P.completion_choice
             choices.append(make(i, text, st.finish_reason, st.stop_reason, lps, st.token_ids))
         body = P.chat_body if self.chat else P.completion_body
@@ -178,7 +216,7 @@ class Generation:
                                              usage_=self._running_usage()))
             else:
                 for i in range(len(self.states)):
-                    if self._echo(i):
+                    if self._echo(i) and not self._echo_logprobs:  # else: once the prompt's logprobs are known
                         yield self._sse(P.completion_body(self.rid, self.created, self.model_name,
                                                           [P.completion_choice(i, self._echo(i), None, token_ids=[])],
                                                           self._running_usage()))
@@ -190,10 +228,20 @@ class Generation:
                     yield self._sse(error_body(err.status, err.message))
                     break
                 st = self.states[index]
+                if self._echo_logprobs and not st.echoed and (st.prompt_logprobs is not None or out.finished):
+                    st.echoed = True
+                    ids, lp, tops = self._prompt_part(st)
+                    plps = self._logprobs_of(index, ids, lp, 0, tops)
+                    offsets[index] = sum(len(t) for t in plps["tokens"])
+                    yield self._sse(P.completion_body(self.rid, self.created, self.model_name,
+                                                      [P.completion_choice(index, self._echo(index), None, None, plps,
+                                                                           [])], self._running_usage()))
                 if not out.new_token_ids and not out.finished and not new_text:
                     continue
-                lps = self._logprobs_of(index, list(out.new_token_ids), list(out.new_logprobs or []), offsets[index])
-                offsets[index] += len(new_text)
+                lps = self._logprobs_of(index, list(out.new_token_ids), list(out.new_logprobs or []), offsets[index],
+                                        out.new_top_logprobs)
+                # the offsets count the tokens' own strings, as the whole response does
+                offsets[index] += sum(len(t) for t in lps["tokens"]) if lps and not self.chat else len(new_text)
                 finish = st.finish_reason if out.finished else None
                 stop = st.stop_reason if out.finished else None
                 ids = list(out.new_token_ids)

@@ -9,6 +9,13 @@ it) rather than ignored, unless its value asks for nothing (``null``, ``false``,
 vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``: the OpenAI ones plus the sampling
 extras load generators send (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``).
 
+Log-probabilities as vLLM serves them: completions ``logprobs`` 0..20 (legacy format: ``tokens``,
+``token_logprobs``, ``top_logprobs`` dicts of the chosen token and the N most likely,
+``text_offset``), with ``echo`` also the prompt's (the first token's null) and ``max_tokens: 0``
+allowed (the prompt and its logprobs only; what lm-eval-harness sends for loglikelihood tasks);
+chat ``logprobs: true`` with ``top_logprobs`` 0..20 (``content[i].top_logprobs``: the N most likely
+as {token, logprob, bytes}). A logprob of -inf is sent as -9999.0, as vLLM does.
+
 Responses are plain dicts built here (``completion_response``, ``completion_chunk``, ...) with
 vLLM's keys: ``id`` (``cmpl-``/``chatcmpl-``), ``object``, ``created``, ``model``, ``choices``
 (``finish_reason`` and vLLM's ``stop_reason``), ``usage``. Each choice also carries the
@@ -81,6 +88,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool | None = False
+    """vLLM's: logprobs name tokens "token_id:<id>" (exact where several ids decode alike)"""
 
 
 class CompletionRequest(_Sampling):
@@ -106,6 +115,10 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+MAX_LOGPROBS = 20
+"""vLLM's default ``max_logprobs``: the most alternatives a request may ask per position."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """What one request asks of the engine, checked; the engine adapter maps it to the engine's own."""
@@ -125,14 +138,20 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False
     """return the log-probability of each chosen token"""
+    top_logprobs: int = 0
+    """and of this many most likely tokens at each position"""
+    prompt_logprobs: bool = False
+    """and the prompt tokens' (echo with logprobs)"""
 
 
 def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int | None, default_max_tokens: int, logprobs: bool) -> SamplingParams:
-    """Check the sampling fields of ``req`` (400 with the parameter's name) and collect them."""
+def sampling_params(req: _Sampling, *, max_tokens: int | None, default_max_tokens: int, logprobs: bool,
+                    top_logprobs: int = 0, echo: bool = False) -> SamplingParams:
+    """Check the sampling fields of ``req`` (400 with the parameter's name) and collect them;
+    ``echo`` allows ``max_tokens`` 0 (the prompt only) and asks the prompt's logprobs with ``logprobs``."""
     refuse_unimplemented(req)
     if req.n not in (None, 1):
         raise _bad(f"n={req.n} is not supported: this server returns one choice per prompt; send n=1 "
@@ -143,8 +162,8 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, default_max_token
         raise _bad("suffix is not supported", "suffix")
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if max_tokens <= 0:
-        raise _bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        raise _bad(f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}", "max_tokens")
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature < 0:
         raise _bad(f"temperature must be >= 0, got {temperature}", "temperature")
@@ -169,24 +188,27 @@ def sampling_params(req: _Sampling, *, max_tokens: int | None, default_max_token
         raise _bad("stop strings must not be empty", "stop")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                           seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-                          ignore_eos=bool(req.ignore_eos), min_tokens=min_tokens, logprobs=logprobs)
+                          ignore_eos=bool(req.ignore_eos), min_tokens=min_tokens, logprobs=logprobs,
+                          top_logprobs=top_logprobs if logprobs else 0, prompt_logprobs=bool(logprobs and echo))
 
 
-def completion_logprobs_flag(req: CompletionRequest) -> bool:
+def completion_logprobs_count(req: CompletionRequest) -> int | None:
+    """The completion's ``logprobs`` (alternatives per position, 0..20), or None when not asked."""
     if req.logprobs is None:
-        return False
-    if not 0 <= req.logprobs <= 1:
-        raise _bad(f"logprobs={req.logprobs}: this engine returns the chosen token's log-probability only; "
-                   "send logprobs 0 or 1", "logprobs")
-    if req.echo:
-        raise _bad("echo with logprobs is not supported (no prompt log-probabilities); drop one of them", "echo")
-    return True
+        return None
+    if not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise _bad(f"logprobs={req.logprobs}: must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    return req.logprobs
 
 
-def chat_logprobs_flag(req: ChatCompletionRequest) -> bool:
-    if req.top_logprobs not in (None, 0):
-        raise _bad("top_logprobs > 0 is not supported (the chosen token's log-probability only)", "top_logprobs")
-    return bool(req.logprobs)
+def chat_top_logprobs(req: ChatCompletionRequest) -> int:
+    """The chat request's ``top_logprobs`` (0..20; needs ``logprobs: true``)."""
+    top = req.top_logprobs or 0
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise _bad(f"top_logprobs={top}: must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if top and not req.logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return top
 
 
 def prompts_of(prompt) -> list[str | list[int]]:
@@ -216,19 +238,40 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
                 completion_tokens=completion_tokens)
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset0: int) -> dict:
-    """OpenAI's legacy completion logprobs: the chosen tokens, their logprobs, text offsets."""
+def _lp(value: float | None) -> float | None:
+    """A logprob for JSON: -inf as -9999.0 (vLLM, OpenAI)."""
+    return None if value is None else max(float(value), -9999.0)
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset0: int,
+                        tops: list[list | None] | None = None) -> dict:
+    """OpenAI's legacy completion logprobs: the tokens, their logprobs (None: the echoed prompt's
+    first), per position a dict of the chosen token then the most likely ``tops[i]`` ([(token,
+    logprob), ...]), and each token's offset in the text."""
     offsets, pos = [], offset0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return dict(text_offset=offsets, token_logprobs=list(logprobs), tokens=list(tokens),
-                top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)])
+    top_logprobs = []
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        if lp is None:
+            top_logprobs.append(None)
+            continue
+        entry = {t: _lp(lp)}
+        for s, v in (tops[i] or []) if tops else []:
+            entry.setdefault(s, _lp(v))
+        top_logprobs.append(entry)
+    return dict(text_offset=offsets, token_logprobs=[_lp(lp) for lp in logprobs], tokens=list(tokens),
+                top_logprobs=top_logprobs)
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return dict(content=[dict(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[])
-                         for t, lp in zip(tokens, logprobs)])
+def chat_logprobs(tokens: list[str], logprobs: list[float], tops: list[list | None] | None = None) -> dict:
+    """Chat logprobs: per token {token, logprob, bytes, top_logprobs: the most likely, same keys}."""
+    def one(t: str, lp: float) -> dict:
+        return dict(token=t, logprob=_lp(lp), bytes=list(t.encode()))
+
+    return dict(content=[one(t, lp) | dict(top_logprobs=[one(s, v) for s, v in ((tops[i] or []) if tops else [])])
+                         for i, (t, lp) in enumerate(zip(tokens, logprobs))])
 
 
 FinishReason = Literal["stop", "length", "abort"]

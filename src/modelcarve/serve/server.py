@@ -37,7 +37,8 @@ def _engine_params(sp):
 
     return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                           seed=sp.seed, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
-                          ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, logprobs=sp.logprobs)
+                          ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, logprobs=sp.logprobs,
+                          top_logprobs=sp.top_logprobs, prompt_logprobs=sp.prompt_logprobs)
 
 
 def _make_server_class():

@@ -14,8 +14,10 @@ Interface (the server, serve/bridge.py, builds on exactly this)::
 Rank 0 owns one Scheduler (and BlockManager) per DP replica; each ``step()`` asks every
 replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its own share
 (model_runner.py), receives the logits of the sampling rows, samples (sampler.py), detokenises
-incrementally, checks stops and frees finished sequences. New requests go to the replica with
-the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
+incrementally, checks stops and frees finished sequences. A request with ``prompt_logprobs``
+(``echo`` with ``logprobs``) gets its prompt tokens' logprobs (and top alternatives) from the
+runner's packed rows; ``max_tokens=0`` computes the prompt and generates nothing ("length").
+New requests go to the replica with the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
 another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
 sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
 default to its ``param_dtype`` (``resolve_layout``).
@@ -35,7 +37,7 @@ import torch
 from modelcarve.runtime.engine.block_manager import BlockManager
 from modelcarve.runtime.engine.sampler import SamplingParams, StopChecker, make_generator, sample
 from modelcarve.runtime.engine.scheduler import Scheduler, Sequence
-from modelcarve.runtime.engine.step_plan import StepPlan
+from modelcarve.runtime.engine.step_plan import StepPlan, unpack_tops
 from modelcarve.spec.errors import ModelcarveError
 from modelcarve.spec.support import check_generation
 
@@ -105,6 +107,14 @@ class RequestOutput:
     finish_time: float | None
     logprobs: list | None = None
     """All chosen tokens' logprobs so far (when requested)."""
+    new_top_logprobs: list | None = None
+    """Per new token, [(id, logprob), ...] of the ``top_logprobs`` most likely (when asked)."""
+    top_logprobs: list | None = None
+    """The same for every generated token so far."""
+    prompt_logprobs: list | None = None
+    """Per prompt token, its logprob (None for the first) once the prompt is computed (when asked)."""
+    prompt_top_logprobs: list | None = None
+    """Per prompt token, [(id, logprob), ...] of the ``top_logprobs`` most likely (None for the first)."""
 
 
 @dataclass
@@ -228,7 +238,7 @@ class Engine:
             return bool(self.seqs)
 
     # --- the step --------------------------------------------------------------------------
-    def _output(self, seq: Sequence, new: list[int], new_lp: list | None) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], new_lp: list | None, new_top: list | None = None) -> RequestOutput:
         text = seq.text
         # a later token can rewrite the tail of the decoded text (byte-level merges): only text
         # extending what was already returned is emitted (the full ``text`` is always current)
@@ -240,7 +250,42 @@ class Engine:
         return RequestOutput(seq.request_id, new, new_lp, list(seq.output), new_text, text, seq.finished,
                              seq.finish_reason, seq.stop_reason, len(seq.prompt), seq.cached_tokens,
                              seq.arrival_time, seq.first_token_time, seq.finish_time,
-                             list(seq.logprobs) if seq.params.logprobs else None)
+                             list(seq.logprobs) if seq.params.logprobs else None,
+                             new_top if seq.params.logprobs and seq.params.top_logprobs else None,
+                             list(seq.top_logprobs) if seq.params.logprobs and seq.params.top_logprobs else None,
+                             *self._prompt_lps(seq))
+
+    @staticmethod
+    def _prompt_lps(seq: Sequence) -> tuple:
+        """(prompt logprobs, prompt top logprobs) once all are known, when the request asked."""
+        if not seq.params.prompt_logprobs or not seq.prompt_logprobs_done:
+            return None, None
+        if not seq.prompt_logprobs:  # a one-token prompt: nothing was computed
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [None], [None]
+        return seq.prompt_logprobs, (seq.prompt_top_logprobs if seq.params.top_logprobs else None)
+
+    def _take_prompt_logprobs(self, scheduled, items, got) -> None:
+        """Write the packed prompt logprobs of one replica's micro-batches into their sequences."""
+        packs = iter([packed for _, packed in got if packed is not None])
+        by_item = dict(zip(map(id, items), scheduled))
+        for mb in self.runner.micro_batches(items):
+            rows, k = self.runner.logprob_width(mb)
+            if not rows:
+                continue
+            chosen, tops = unpack_tops(next(packs), k)
+            at = 0
+            for it in mb:
+                if not it.logprob_rows:
+                    continue
+                seq = by_item[id(it)].seq
+                if len(seq.prompt_logprobs) != len(seq.prompt):
+                    seq.prompt_logprobs, seq.prompt_top_logprobs = [None] * len(seq.prompt), [None] * len(seq.prompt)
+                n = seq.params.top_logprobs
+                for j in range(it.logprob_rows):
+                    seq.prompt_logprobs[it.start + j + 1] = chosen[at + j]
+                    seq.prompt_top_logprobs[it.start + j + 1] = tops[at + j][:n] if tops[at + j] else None
+                seq.prompt_filled = max(seq.prompt_filled, it.start + it.logprob_rows + 1)
+                at += it.logprob_rows
 
     def _finish(self, seq: Sequence, reason: str, stop=None) -> None:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop
@@ -267,15 +312,19 @@ class Engine:
         self._last_plan = time.monotonic()
         plan = StepPlan.from_scheduled(scheduled)
         self.runner.broadcast(plan)
-        logits = self.runner.execute(plan)
+        results = self.runner.execute(plan)
         self._steps += 1
         with self._lock:
             for replica, items in enumerate(scheduled):
                 self.schedulers[replica].after_step(items)
+                got = results[replica]
+                if any(packed is not None for _, packed in got):
+                    self._take_prompt_logprobs(items, plan.replicas[replica], got)
                 rows = [item.seq for item in items if item.sample]
                 if not rows:
                     continue
-                block = torch.cat(logits[replica]) if len(logits[replica]) != 1 else logits[replica][0]
+                parts = [logits for logits, _ in got if logits is not None]
+                block = torch.cat(parts) if len(parts) != 1 else parts[0]
                 outputs += self._sample(rows, block)
         return outputs
 
@@ -286,16 +335,22 @@ class Engine:
             p = s.params
             banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.stopper.eos_ids))
                           if len(s.output) < p.min_tokens else None)
-        tokens, logprobs = sample(logits, params, [self._generators.get(s.request_id) for s in rows], banned)
+        tokens, logprobs, tops = sample(logits, params, [self._generators.get(s.request_id) for s in rows], banned)
         now = time.perf_counter()
         outs = []
-        for seq, tok, lp in zip(rows, tokens, logprobs):
+        for seq, tok, lp, top in zip(rows, tokens, logprobs, tops):
             if seq.finished or seq.request_id not in self.seqs:
+                continue
+            if seq.params.max_tokens == 0:  # echo: the prompt (and its logprobs) only, nothing generated
+                self._finish(seq, "length")
+                outs.append(self._output(seq, [], None))
                 continue
             before = len(seq.text)
             seq.output.append(tok)
             if lp is not None:
                 seq.logprobs.append(lp)
+            if top is not None:
+                seq.top_logprobs.append(top)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._gen_tokens += 1
@@ -312,7 +367,7 @@ class Engine:
                 if self.tokenizer is not None and cut is None:
                     seq.text = self.tokenizer.decode(seq.output)  # the held-back tail, if any
                 self._finish(seq, reason, stop)
-            outs.append(self._output(seq, [tok], [lp] if seq.params.logprobs else None))
+            outs.append(self._output(seq, [tok], [lp] if seq.params.logprobs else None, [top]))
         return outs
 
     # --- other ranks, end, stats ------------------------------------------------------------

@@ -9,7 +9,7 @@ memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count
 minimum over ranks) and installs paged attention (paged_attention.py).
 
 ``execute(plan)`` runs one engine step on this rank. ``plan`` is a ``StepPlan`` (step_plan.py):
-per DP replica, ``StepItem(token_ids, start, block_table, sample)`` for each scheduled chunk. A
+per DP replica, a ``StepItem`` (token_ids, start, block_table, sample, logprob rows) per scheduled chunk. A
 replica's ranks run only its items:
 
 * pipeline (pp > 1): the items are cut into up to ``2 x pp`` micro-batches; stage 0 embeds and
@@ -18,6 +18,10 @@ replica's ranks run only its items:
 * the last stage applies the final norm and the LM head to the rows that sample only, gathers
   the vocabulary-parallel logits over tp once (``full_vocab_logits``: padded ids cut off) and its
   tp-rank 0 sends them to global rank 0 (which receives them per micro-batch per replica);
+* prompt logprobs (items with ``logprob_rows``, echo with logprobs): the last stage also runs the
+  norm and head over those rows (a separate call, so the sampling rows' arithmetic is unchanged),
+  takes the fp32 log-softmax over the full vocabulary and sends back per row only the target's
+  logprob and the top-k (ids, logprobs) (``step_plan.top_and_chosen``: ``1 + 2k`` floats a row);
 * expert parallelism (ep > 1, pp = 1): the MoE all-to-all spans the replicas, so a replica with
   nothing to do runs one dummy token (written to the scratch slot 0) to take part.
 
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, install
-from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan
+from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
 from modelcarve.spec.errors import LayoutError
 
 
@@ -60,6 +64,9 @@ class PackedLinear(torch.nn.Module):
                                                "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
+
+LOGPROB_ROWS = 256
+"""Prompt-logprob rows go through the head this many at a time (bounds the [rows, V] fp32 logits)."""
 
 PACK_FRACTION = 0.25
 """The packed copies are made only when they take at most this share of free memory."""
@@ -189,6 +196,10 @@ class ModelRunner:
         dist.broadcast(buf, 0)
         return pickle.loads(buf.numpy().tobytes())
 
+    def micro_batches(self, items: list[StepItem]) -> list[list[StepItem]]:
+        """How ``execute`` cuts a replica's items (the engine reads its results in this order)."""
+        return self._microbatches(items)
+
     def _microbatches(self, items: list[StepItem]) -> list[list[StepItem]]:
         if self.layout.pp == 1 or len(items) <= 1:
             return [items] if items else []
@@ -205,10 +216,37 @@ class ModelRunner:
             out.append(cur)
         return out
 
+    @staticmethod
+    def logprob_width(items: list[StepItem]) -> tuple[int, int]:
+        """(prompt-logprob rows, top-k) of a micro-batch: its packed result is [rows, 1 + 2k]."""
+        rows = sum(it.logprob_rows for it in items)
+        return rows, max((it.top_logprobs for it in items if it.logprob_rows), default=0)
+
+    def _prompt_logprobs(self, h: torch.Tensor, items: list[StepItem]) -> torch.Tensor | None:
+        """The packed prompt logprobs [rows, 1 + 2k] of a micro-batch's logprob rows (last stage)."""
+        from modelcarve.runtime.parallel.tensor import full_vocab_logits
+
+        n, k = self.logprob_width(items)
+        if not n:
+            return None
+        rows, targets, t = [], [], 0
+        for it in items:
+            if it.logprob_rows:
+                rows += range(t, t + it.logprob_rows)
+                targets += (list(it.token_ids[1:]) + [it.next_token])[:it.logprob_rows]
+            t += len(it.token_ids)
+        out = []
+        for at in range(0, n, LOGPROB_ROWS):
+            part = rows[at:at + LOGPROB_ROWS]
+            logits = full_vocab_logits(self.chunk.output(self.chunk.norm(h[:, part])), self.chunk)[0].float()
+            out.append(top_and_chosen(torch.log_softmax(logits, dim=-1),
+                                      torch.tensor(targets[at:at + LOGPROB_ROWS], device=logits.device), k).cpu())
+        return torch.cat(out) if len(out) > 1 else out[0]
+
     @torch.no_grad()
-    def _forward(self, items: list[StepItem], h: torch.Tensor | None) -> torch.Tensor:
-        """This rank's layers over one micro-batch: hidden states, or (last stage) the logits
-        [rows that sample, V] of the true vocabulary."""
+    def _forward(self, items: list[StepItem], h: torch.Tensor | None):
+        """This rank's layers over one micro-batch: hidden states, or (last stage) the pair (logits
+        [rows that sample, V] of the true vocabulary, packed prompt logprobs or None)."""
         from modelcarve.runtime.parallel.tensor import full_vocab_logits
 
         chunk = self.chunk
@@ -231,12 +269,13 @@ class ModelRunner:
             t += len(it.token_ids)
             if it.sample:
                 rows.append(t - 1)
+        packed = self._prompt_logprobs(h, items)
         h = chunk.norm(h[:, rows])
-        return full_vocab_logits(chunk.output(h), chunk)[0].float()
+        return full_vocab_logits(chunk.output(h), chunk)[0].float(), packed
 
-    def execute(self, plan: StepPlan) -> list[list[torch.Tensor]] | None:
-        """Run this rank's share of ``plan``; rank 0 returns per replica the logits of each
-        micro-batch's sampling rows (in item order)."""
+    def execute(self, plan: StepPlan) -> list[list[tuple]] | None:
+        """Run this rank's share of ``plan``; rank 0 returns per replica, per micro-batch (in item
+        order), the pair (logits of its sampling rows or None, its packed prompt logprobs or None)."""
         mine = plan.for_replica(self.dp_rank)
         dummy = not mine and self.layout.ep > 1 and bool(plan)
         if dummy:
@@ -256,10 +295,14 @@ class ModelRunner:
                 after = self.layout.rank_of(pp=self.pp_rank + 1, dp=self.dp_rank, tp=self.tp_rank)
                 pending.append(dist.isend(out.contiguous(), after))
             elif not dummy:
+                logits, packed = out
                 if self.rank == 0:
-                    results_here.append(out)
-                elif self.tp_rank == 0 and any(it.sample for it in mb):
-                    pending.append(dist.isend(out.contiguous(), 0))
+                    results_here.append((logits, packed))
+                elif self.tp_rank == 0:
+                    if any(it.sample for it in mb):
+                        pending.append(dist.isend(logits.contiguous(), 0))
+                    if packed is not None:
+                        pending.append(dist.isend(packed.contiguous(), 0))
         results = None
         if self.rank == 0:
             results = []
@@ -270,11 +313,18 @@ class ModelRunner:
                 got = []
                 for mb in self._microbatches(items):
                     n = sum(1 for it in mb if it.sample)
+                    logits = packed = None
                     if n:
-                        buf = torch.empty(n, self.spec.vocab_size, dtype=torch.float32)
-                        dist.recv(buf, self.output_rank(replica))
-                        self.logit_bytes += buf.nbytes
-                        got.append(buf)
+                        logits = torch.empty(n, self.spec.vocab_size, dtype=torch.float32)
+                        dist.recv(logits, self.output_rank(replica))
+                        self.logit_bytes += logits.nbytes
+                    rows, k = self.logprob_width(mb)
+                    if rows:
+                        packed = torch.empty(rows, 1 + 2 * k, dtype=torch.float32)
+                        dist.recv(packed, self.output_rank(replica))
+                        self.logit_bytes += packed.nbytes
+                    if logits is not None or packed is not None:
+                        got.append((logits, packed))
                 results.append(got)
         for work in pending:
             work.wait()

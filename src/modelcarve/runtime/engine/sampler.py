@@ -1,6 +1,7 @@
 """Choosing the next token from a step's logits: greedy, temperature, top-k, top-p, seeds, logprobs.
 
-``sample(logits [n, V] fp32, params, generators, masks)`` returns (token ids, logprobs). The
+``sample(logits [n, V] fp32, params, generators, masks)`` returns (token ids, logprobs, top
+logprobs). The
 logits are those of the true vocabulary (the model runner cuts tensor parallelism's padded
 columns off before they get here, so a padded id can never be drawn).
 
@@ -13,7 +14,11 @@ columns off before they get here, so a padded id can never be drawn).
   same tokens alone, in a batch, or after being preempted and recomputed).
 * ``min_tokens``: until that many tokens are generated, end-of-sequence and stop ids get -inf.
 * logprobs: ``log_softmax`` of the unmodified logits (temperature 1, no truncation) at the
-  chosen token, as vLLM returns by default.
+  chosen token, as vLLM returns by default; with ``top_logprobs = k`` also the k most likely ids
+  and their logprobs (``torch.topk`` order), as [(id, logprob), ...].
+* ``prompt_logprobs``: the engine also returns every prompt token's logprob (and top
+  alternatives), computed by the model runner on the last pipeline stage (``step_plan.top_and_chosen``);
+  ``max_tokens = 0`` computes the prompt and generates nothing (finish "length"; ``echo``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from modelcarve.runtime.engine.step_plan import top_and_chosen, unpack_tops
 
 
 @dataclass
@@ -37,12 +44,18 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
+    """with ``logprobs`` (or ``prompt_logprobs``): also this many most likely tokens per position"""
+    prompt_logprobs: bool = False
+    """return the prompt tokens' logprobs too (the first one is None)"""
 
     def __post_init__(self):
         self.stop_token_ids = tuple(self.stop_token_ids or ())
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be at least 1")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 0 (0: the prompt only, as echo asks)")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs={self.top_logprobs}: must be >= 0")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -77,9 +90,9 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int] | None]) -> tuple[list[int], list[float | None]]:
+           banned: list[list[int] | None]) -> tuple[list[int], list[float | None], list[list | None]]:
     """One token per row of ``logits`` [n, V] (see module doc); ``banned[i]``: ids masked for row i
-    (min_tokens)."""
+    (min_tokens). Returns (tokens, logprobs, top logprobs) per row (None where not asked)."""
     logits = logits.float()
     for i, ids in enumerate(banned):
         if ids:
@@ -92,12 +105,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=generators[i])[0]
     chosen = tokens.tolist()
     logprobs: list[float | None] = [None] * len(params)
+    tops: list[list | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
         rows = torch.log_softmax(logits[want], dim=-1)
+        k = max(params[i].top_logprobs for i in want)
+        packed = top_and_chosen(rows, torch.tensor([chosen[i] for i in want]), k)
+        lps, top = unpack_tops(packed, k)
         for j, i in enumerate(want):
-            logprobs[i] = rows[j, chosen[i]].item()
-    return chosen, logprobs
+            logprobs[i] = lps[j]
+            n = params[i].top_logprobs
+            tops[i] = top[j][:n] if n and top[j] is not None else None
+    return chosen, logprobs, tops
 
 
 @dataclass

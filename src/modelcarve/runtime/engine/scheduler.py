@@ -12,6 +12,9 @@ One ``Scheduler`` per model replica, on rank 0, over that replica's ``BlockManag
    ``max_num_seqs`` limit and the free blocks allow, each first taking over the cached blocks
    of its prompt's prefix (block_manager.py).
 
+A sequence that asked for its prompt's log-probabilities takes nothing from the prefix cache until
+they are all computed (a cached block has no logits; vLLM does the same).
+
 A sequence whose scheduled tokens reach the end of what it knows (prompt + generated) gets a
 new token sampled from the step's logits; a partial prefill chunk does not.
 """
@@ -36,6 +39,13 @@ class Sequence:
     arrival_time: float = 0.0
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+    """per generated token, [(id, logprob), ...] of the most likely (when ``params.top_logprobs``)"""
+    prompt_logprobs: list = field(default_factory=list)
+    """per prompt position, the prompt token's logprob (None at position 0; when ``params.prompt_logprobs``)"""
+    prompt_top_logprobs: list = field(default_factory=list)
+    """per prompt position, [(id, logprob), ...] of the most likely (None at position 0)"""
+    prompt_filled: int = 1     # prompt positions whose logprobs are known (position 0 has none)
     block_table: list[int] = field(default_factory=list)
     computed: int = 0          # tokens whose KV is in the cache
     registered: int = 0        # leading blocks registered for prefix caching
@@ -54,6 +64,10 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output if self.output else self.prompt
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_filled >= len(self.prompt)
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -124,7 +138,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.tokens
-            cached = self.blocks.match_prefix(tokens) if seq.computed == 0 else []
+            wants_rows = getattr(seq.params, "prompt_logprobs", False) and not seq.prompt_logprobs_done
+            cached = self.blocks.match_prefix(tokens) if seq.computed == 0 and not wants_rows else []
             seq.block_table[:0] = cached
             seq.computed = len(cached) * self.blocks.block_size
             seq.registered = len(cached)
