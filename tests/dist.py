@@ -13,7 +13,7 @@ to finish (they usually fail on their own collective timeout) and are then kille
 never hangs past ``timeout``.
 
 Starting a rank costs seconds (importing torch): run one group per world size and loop over
-many cases inside it (see ``cases`` helpers in tests/test_runtime_layouts.py).
+many cases inside it (see ``cases`` helpers in tests/runtime/test_runtime_layouts.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ steps, the global gradient norm, every parameter after 3 AdamW steps, and tokens
 drops per layer and step (routing).
 
 Tolerances are verify.TOLERANCES for fp32 (loss 1e-5 relative; gradients and parameters 1e-4
-absolute, plus verify's AdamW allowance, tests/test_verify_allowance.py, which bounds how far
+absolute, plus verify's AdamW allowance, tests/verify/test_verify_allowance.py, which bounds how far
 AdamW can carry a gradient difference of reassociation size). Why reassociation is all that can
 differ: a folded layout computes each (token, expert) product exactly once, on one rank, with the
 same weights (an ETP rank on a slice of the ffn dimension, whose partial w2 outputs are summed:
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
 
 COMMON = "seq=16,mbs=1,param_dtype=fp32"

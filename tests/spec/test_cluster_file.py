@@ -12,7 +12,7 @@ from modelcarve.spec import cluster_file
 from modelcarve.spec.errors import SpecError
 from modelcarve.spec.hardware import DeviceSpec, LinkSpec, get_device, get_link, parse_cluster
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "cluster_files.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cluster_files.md"
 
 
 def load(tmp_path, text, suffix=".yaml"):

@@ -1,5 +1,5 @@
 """Activation recomputation (runtime/parallel/recompute.py): the recomputed pieces run their forward
-twice, gradients do not change. (Under TP/FSDP: tests/test_runtime_layouts.py.)"""
+twice, gradients do not change. (Under TP/FSDP: tests/runtime/test_runtime_layouts.py.)"""
 
 import pytest
 import torch

@@ -20,7 +20,7 @@ import pytest
 from modelcarve.runtime.checkpoint import commit as cc
 from modelcarve.spec.errors import ModelcarveError
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _step(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:

@@ -2,7 +2,7 @@
 planner's (plan/predict/step_traffic.py), to the byte, on the runtime's layouts in one 2-rank gloo world.
 
 The measured side is runtime/distributed/collectives.py's CommLog (checked against torch's CommDebugMode in
-tests/test_collectives.py) and runtime/measure/memory_report.py; the predicted side never sees a
+tests/runtime/test_collectives.py) and runtime/measure/memory_report.py; the predicted side never sees a
 tensor. Bytes are integers summed from shapes x dtype sizes, so equality is exact; wire bytes
 come from the same ring formulas on both sides (1e-6 relative: float division).
 
@@ -31,7 +31,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
@@ -189,7 +189,7 @@ def test_unmodelled_exits_2_through_the_cli():
     import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "modelcarve.cli", "verify", "--model", "tiny-llama", "--layout",
                            f"cp=2,gbs=2,{FP32}", "--steps", "1", "--against-plan", "--json"],
                           capture_output=True, text=True, env=env, timeout=600)

@@ -8,7 +8,7 @@ Then, in this process, ``modelcarve export`` (the CLI) writes each as several sa
 and transformers' ``AutoModelForCausalLM.from_pretrained`` is compared with our reference model
 holding the checkpoint's trained weights (read by DCP, not through the export).
 Tolerance 1e-5 absolute on the logits, as for our reference vs transformers on the same weights
-(tests/test_runtime_checkpoint.py): fp32, the same operations in a different order.
+(tests/runtime/test_runtime_checkpoint.py): fp32, the same operations in a different order.
 """
 
 import json
@@ -22,7 +22,7 @@ import torch
 
 from dist import run_distributed
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 QWEN = dict(model_type="qwen3", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
             max_position_embeddings=64, architectures=["Qwen3ForCausalLM"])

@@ -10,7 +10,7 @@ import pytest
 from modelcarve.plan.serve import rates as serve_rates
 from modelcarve.plan.serve.calibration import TOLERANCE, calibrate, fit_decode_constants, fit_fp4_fraction
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "serving_published.csv"
+DATA = Path(__file__).resolve().parents[2] / "data" / "serving_published.csv"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from modelcarve.commands.launching.torchrun import TORCHRUN, Torchrun, environment
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 LAUNCHER = SRC / "modelcarve" / "commands" / "launching" / "torchrun.py"
 
 

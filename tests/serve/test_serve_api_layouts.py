@@ -2,7 +2,7 @@
 
 Greedy output through the server equals transformers' ``generate(do_sample=False)`` on the same
 tiny checkpoint, token for token (exact: same fp32 arithmetic up to summation order, std-0.2
-weights keep the top logits apart; see tests/test_serve_api.py), with exact usage counts. The
+weights keep the top logits apart; see tests/serve/test_serve_api.py), with exact usage counts. The
 pp=2 checkpoint has no chat template, so chat answers 400. The tp=2 server is then drained with
 SIGTERM: exit 0, and no process of it (launcher, torchrun, both ranks) is left.
 

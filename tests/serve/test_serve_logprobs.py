@@ -13,8 +13,8 @@ on the same checkpoint, within 1e-5:
 * chat ``logprobs: true, top_logprobs: 5``: content[i] with its 5 alternatives in order;
 * out-of-range requests: 400 naming the parameter.
 
-The layouts (tp, pp, dp, ep) are tests/test_engine_logprobs.py's (the engine directly) and
-tests/test_serve_api_layouts.py's echo request.
+The layouts (tp, pp, dp, ep) are tests/runtime/test_engine_logprobs.py's (the engine directly) and
+tests/serve/test_serve_api_layouts.py's echo request.
 """
 
 from __future__ import annotations

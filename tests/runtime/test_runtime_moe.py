@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
 
 LOSS_RTOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-4, 1e-4

@@ -18,7 +18,7 @@ import pytest
 from modelcarve.commands.probe import cluster_dict, overhead_from_steps, summarise
 from modelcarve.plan.cost.comm import INTRA_EFFICIENCY
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _rank(r, ar_small, ar_large):

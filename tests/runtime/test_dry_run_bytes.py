@@ -29,7 +29,7 @@ from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.stages import rank_layers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the planner's own winners: `plan --goal train --emit` (commands in the module doc of the report)
 DSV3 = ("deepseek-v3", "256x8xH100", dict(cp=4, dp=16, ep=8, pp=32, tp=1, zero=1, mbs=1, gbs=15360, seq=4096,
                                            schedule="zero-bubble", grad_dtype="fp32", optim_dtype="fp32"))

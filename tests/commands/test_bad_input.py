@@ -178,7 +178,7 @@ def test_reproducers_in_a_real_process(argv, fragment):
 
 def test_found_by_the_fuzz_suite_control_characters_stay_on_one_line(capsys):
     """A carriage return or ANSI escape the user typed, echoed back by argparse or our own message,
-    must not break or repaint the line (found by tests/test_fuzz_cli.py)."""
+    must not break or repaint the line (found by tests/commands/test_fuzz_cli.py)."""
     line = one_line_error(capsys, ["hardware", "--batch", "\r"], "unrecognized arguments")
     assert "\r" not in line
     line = one_line_error(capsys, ["models", "show", "x\x1b[2Jy\nz"], "unknown model")

@@ -63,7 +63,7 @@ def test_the_allowance_is_steep_only_where_the_gradient_is_near_zero():
 
 
 def test_the_pipeline_flake_is_inside_the_bound_of_a_whole_batch_reference():
-    """The case of issue 10 in numbers (tests/test_runtime_pipeline.py, pp4 interleaved v2, rank
+    """The case of issue 10 in numbers (tests/runtime/test_runtime_pipeline.py, pp4 interleaved v2, rank
     1, whole-batch reference): at step 1 the gradient of one element of layers.5.attention.wo
     was ~1.77e-8 (exp_avg 1.77e-9) and the two runs' gradients differed by 2.2e-8 at most, so
     with lr 1e-2 the element may move ~lr apart; 1.2e-4 (CI) and 5.6e-5 (here) are both legal

@@ -108,7 +108,7 @@ def test_sampling_options(llama):
 
 def test_logprobs_equal_transformers(llama):
     """Our logprobs of the greedy tokens vs log_softmax of transformers' logits: the logits agree
-    to 1e-5 (tests/test_runtime_checkpoint.py), so the log-softmax to 2e-5."""
+    to 1e-5 (tests/runtime/test_runtime_checkpoint.py), so the log-softmax to 2e-5."""
     from modelcarve.runtime.engine.sampler import SamplingParams
 
     path, hf = llama

@@ -188,7 +188,7 @@ def test_run_refuses_before_launch(tmp_path):
     import sys
     from pathlib import Path
 
-    src = Path(__file__).resolve().parent.parent / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     proc = subprocess.run(
         [sys.executable, "-m", "modelcarve.cli", "run", "--model", "gpt-oss-20b", "--layout", "tp=1,dp=1,mbs=1,gbs=1,seq=16",
          "--steps", "1"],

@@ -5,7 +5,7 @@ template, tests/serve_fixtures.py; fp32; ``--api-key``, ``--max-queue 8``), star
 starting it costs seconds. The oracle for tokens is transformers' ``generate(do_sample=False)``
 on the same checkpoint: exact equality, since both sides run the same fp32 arithmetic up to
 summation order (~1e-6 relative) and the std-0.2 weights keep the top two logits far further
-apart than that (the engine's own tests, tests/test_engine_greedy.py, rely on the same margin).
+apart than that (the engine's own tests, tests/runtime/test_engine_greedy.py, rely on the same margin).
 The last test drains the server with SIGTERM and checks that no process of it is left.
 """
 

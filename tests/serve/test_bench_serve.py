@@ -1,5 +1,5 @@
 """bench-serve's arithmetic and refusals, without a server (the run against a real server is in
-tests/test_serve_api.py: all requests succeed, counts equal the server's counters).
+tests/serve/test_serve_api.py: all requests succeed, counts equal the server's counters).
 
 Percentiles are checked against numpy's default (linear interpolation), the oracle we did not
 write; TPOT against its definition on hand-made timings; goodput against a hand count.
@@ -15,7 +15,7 @@ import pytest
 
 from modelcarve.serve.bench import BenchConfig, RequestResult, make_prompts, percentile, summarise
 
-REPO_SRC = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src")
+REPO_SRC = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src")
 
 
 def test_percentile_equals_numpy():

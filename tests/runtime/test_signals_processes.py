@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 LAYOUT = "dp=2,gbs=4,seq=16,mbs=1,param_dtype=fp32"
 TOTAL = 40
 
