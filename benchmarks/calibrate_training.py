@@ -116,7 +116,7 @@ MODERN_GRID = {
     "moe_host_s_per_expert": [0.0, 0.5e-4, 1.0e-4, 1.5e-4, 2.0e-4, 2.5e-4, 3.0e-4],
 }
 """The grid of ``fit_modern``. MoE token bytes stop at 40: above it the Megatron-Core Mixtral 8x7B
-row (held out, tests/test_plan_train.py) leaves its +-10% (48 is the unconstrained optimum)."""
+row (held out, tests/plan/test_plan_train.py) leaves its +-10% (48 is the unconstrained optimum)."""
 
 
 def _modern_constants() -> dict:

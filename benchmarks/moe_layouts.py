@@ -3,7 +3,7 @@ and the measured expert load, written as JSON.
 
     OMP_NUM_THREADS=1 python benchmarks/moe_layouts.py --out benchmarks/results/moe_layouts.json
 
-Runs exactly the cases of tests/test_runtime_moe.py (its LAYOUTS and block-level cases, same
+Runs exactly the cases of tests/runtime/test_runtime_moe.py (its LAYOUTS and block-level cases, same
 worker, real gloo processes): for each layout, the max abs difference of the first step's
 logits, gradients and the parameters after 3 AdamW steps, the max relative difference of the
 losses and the per-expert token counts, and over the 3 steps the largest expert imbalance

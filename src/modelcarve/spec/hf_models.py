@@ -5,7 +5,7 @@ phi3, nemotron, bloom and opt (``config.json`` -> ``ModelSpec`` fields).
 (``hf_config._Config``: ``req``, ``req_any``, ``get``, ``raw``, ``name``) and returns the fields
 of a ``ModelSpec``. Keys transformers defaults are defaulted to transformers' own default
 (transformers 5, ``configuration_<type>.py``); the parameter counts are checked against
-transformers' models built on the meta device (tests/test_spec_new_models.py).
+transformers' models built on the meta device (tests/spec/test_spec_new_models.py).
 
 What each family brings that the older ones lack (ModelSpec fields in brackets):
 

@@ -15,7 +15,7 @@ the attention mesh's, the EP group being ``ep`` consecutive ``dp x cp`` indices 
 
 Everything that maps ranks to axes reads these functions: the runtime's device mesh
 (runtime/distributed/mesh.py builds ``arange(world).reshape(pp, dp, cp, tp)``, which is this
-order; tests/test_ranks.py checks it), the expert-parallel groups (runtime/parallel/expert.py), the
+order; tests/spec/test_ranks.py checks it), the expert-parallel groups (runtime/parallel/expert.py), the
 engine's replicas (runtime/engine/model_runner.py), the comm log's axis names
 (runtime/distributed/collectives.py) and the planner's per-rank traffic forecast
 (plan/predict/step_traffic.py). Pure Python: no torch.

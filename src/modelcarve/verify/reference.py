@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from modelcarve.runtime.distributed.primitives import gather_cat
 from modelcarve.runtime.parallel.parallelize import StepHooks
 
-# Tolerances: fp32 from the issue; bf16 measured (tests/test_runtime_layouts.py) with margin:
+# Tolerances: fp32 from the issue; bf16 measured (tests/runtime/test_runtime_layouts.py) with margin:
 # both sides run bf16 autocast, the differences come from reduction order in bf16 matmuls.
 TOLERANCES = {
     "fp32": dict(logits=1e-4, loss=1e-5, grad=1e-4, param=1e-4, routing=0.0),

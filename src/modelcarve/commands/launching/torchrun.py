@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 
 TORCHRUN = "torch.distributed.run"
-"""torchrun's module; tests/test_launcher.py checks that no other module of src/ names it."""
+"""torchrun's module; tests/commands/test_launcher.py checks that no other module of src/ names it."""
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@ one a request rate keeps in flight.
 
 ``_largest_batch(ctx, max_b, ttft_bound, tpot_bound)`` searches bands of batches that share one
 decode step (see its docstring), with a few decode-step evaluations per layout where trying
-every batch would take ``max_b``; tests/test_serve_speed.py checks it against trying every batch.
+every batch would take ``max_b``; tests/plan/test_serve_speed.py checks it against trying every batch.
 ``sustained_batch(ctx, max_b, rate_per_replica)`` is the steady-state batch at a request rate
 (Little's law, see its docstring), with the replica's capacity.
 """
@@ -31,7 +31,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     without an evaluation when the step's proven growth (``_step_slope``) already breaks a bound
     with a margin; the slopes only choose which band to try next, so a poor aim costs
     evaluations, never a different batch (given, as any bracketing search assumes, that the
-    bounds' slack falls with the batch; tests/test_serve_speed.py compares with trying every
+    bounds' slack falls with the batch; tests/plan/test_serve_speed.py compares with trying every
     batch). Typically 2-3 decode-step evaluations per layout, where trying every batch takes
     max_b."""
     if c.prefill_s < 0:

@@ -17,7 +17,7 @@ Usage::
   1.03 bytes), combine in bf16. Node-limited routing and NVLink forwarding (DeepEP's
   normal kernels) would send fewer bytes; not modelled, so prefill's exchange is an upper bound.
 
-Checked against DeepEP's published low-latency kernel times (tests/test_serve_disagg.py):
+Checked against DeepEP's published low-latency kernel times (tests/plan/test_serve_disagg.py):
 H800 + CX7 400 Gb/s, 128 tokens per rank, hidden 7168, top-8, EP 16-256.
 """
 

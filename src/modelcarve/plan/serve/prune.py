@@ -9,7 +9,7 @@ Usage::
                                                # rejected for TPOT at batch 1; None: search the batch
 
 ``c`` is a layout's ``layout_costs.LayoutCosts`` with its prefills costed. Every bound here is
-proven, not estimated (the argument is in each docstring; tests/test_serve_prune.py checks it on every
+proven, not estimated (the argument is in each docstring; tests/plan/test_serve_prune.py checks it on every
 candidate of several searches): a pruned search returns exactly what an unpruned one returns.
 """
 

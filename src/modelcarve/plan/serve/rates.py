@@ -121,7 +121,7 @@ def _decode_gemm_efficiency(c, m: int) -> float:
     ``m >= 1`` rows, or a prefill chunk of ``m`` tokens), with the factors that do not depend on
     ``m`` computed once per shape (``_eff_parts``): the batch search asks for a new ``m`` at
     almost every step. The same operations in the same order as
-    ``plan.efficiency.matmul_efficiency`` (tests/test_serve_speed.py checks they agree exactly)."""
+    ``plan.efficiency.matmul_efficiency`` (tests/plan/test_serve_speed.py checks they agree exactly)."""
     if achieved(c.device):
         return c.device.gemm_efficiency
     frac, ramp_n, ramp_k, pad_n, peak, elem, hbm, n, k, fp8_ratio = c.eff_parts

@@ -15,7 +15,7 @@ rank's figures are computed from the stage's built parameter list and grouped: o
 distinct (stage, figures), with how many ranks share it.
 
 The byte figures need no training step (the proof, checked against torch in
-tests/test_dry_run_bytes.py):
+tests/runtime/test_dry_run_bytes.py):
 * weights: the runtime keeps fp32 master weights as the parameters (train.py: bf16 runs under
   autocast), so 4 bytes x local elements (a DTensor's local shard under FSDP2);
 * gradients: autograd accumulates ``.grad`` in the parameter's shape and dtype; FSDP2

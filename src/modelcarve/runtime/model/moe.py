@@ -4,7 +4,7 @@ Plain PyTorch, no torch.distributed, and no import of the parallel modules: ``ex
 it expert-parallel by shrinking ``experts`` to the local ones and installing a ``dispatcher``
 (all-to-all), and tensor.py splits the experts' matrices over tp, both without touching this file.
 What it computes is what Hugging Face's mixtral, qwen3_moe and deepseek_v3 compute on the same
-weights (tests/test_moe_layer.py compares logits with transformers).
+weights (tests/runtime/test_moe_layer.py compares logits with transformers).
 
 Structure (names are checkpoint FQNs under ``layers.<i>.feed_forward``)::
 

@@ -2,7 +2,7 @@
 
 The types are those of ``ModelSpec.rope_scaling`` (read from config.json by spec/hf_config.py),
 computed as transformers' ``modeling_rope_utils`` computes them (fp32 throughout, so logits
-match to 1e-5; tests/test_runtime_rope_window.py checks each type against transformers at
+match to 1e-5; tests/runtime/test_runtime_rope_window.py checks each type against transformers at
 positions past ``original_max_position_embeddings``):
 
 * default: ``inv_freq[i] = theta ** (-2i / dim)``.

@@ -4,7 +4,7 @@ Every layout is checked against this model, and each parallelism is applied to i
 module (tensor.py, pipeline.py, expert.py, context.py, data_parallel.py) without editing this
 file: this file never imports torch.distributed. It computes what Hugging Face's llama,
 mistral, qwen2, qwen3, gpt2 and deepseek_v3 (MLA) models compute on the same weights
-(tests/test_runtime_checkpoint.py compares logits); MoE blocks come from moe.py, the dense MLP
+(tests/runtime/test_runtime_checkpoint.py compares logits); MoE blocks come from moe.py, the dense MLP
 from mlp.py, rotary frequencies from rope.py. It imports no module of the runtime but those three.
 
 Structure (torchtitan-like, so parallelisms can find their pieces by name)::

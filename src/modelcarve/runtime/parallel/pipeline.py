@@ -2,7 +2,7 @@
 
 Uses ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); all four run on
-CPU/gloo (checked in tests/test_runtime_pipeline.py). What is ours: the split (pipeline_split.py),
+CPU/gloo (checked in tests/runtime/test_runtime_pipeline.py). What is ours: the split (pipeline_split.py),
 the loss normalisation, the tied-embedding gradient sum, the loss broadcast and clear errors,
 plus two measurements torch does not give: each rank's timed list of compute actions per step
 (``runner.actions``, ``runner.gather_actions()``; its sends/recvs with the time each was posted in

@@ -142,7 +142,7 @@ def _same_head_dim(*tensors):
 
 def _flash_forward(q, k, v, scale, causal):
     """(out, lse) of one tile by torch's fused CPU flash-attention kernel (several times faster
-    than the written-out math; same results to rounding, tests/test_ring_attention.py)."""
+    than the written-out math; same results to rounding, tests/runtime/test_ring_attention.py)."""
     dv = v.shape[-1]
     q, k, v = _same_head_dim(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
