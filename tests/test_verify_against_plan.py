@@ -19,8 +19,8 @@ Axis names come from the layout's varying axes, never ``world`` (the gradient no
 of ``tp=2,sp,dp=2`` is ``dp_tp``).
 Activations: plan/predict/activations.py (what the eager runtime saves: fused SDPA keeps its
 output and log-sum-exp, no scores) is held within 10% in fp32 (exact there up to 28 bytes of
-boolean masks under tp); verify/against_plan.py tells an autocast weight copy by its autograd
-history, so the tied bf16 ``dp=2,zero=1`` at seq=64 (tokens == hidden, where the old shape rule
+boolean masks under tp); memory_report.py tells an autocast weight copy by its autograd
+history (runtime/measure/memory_report.py: the one rule, for `run` too), so the tied bf16 ``dp=2,zero=1`` at seq=64 (tokens == hidden, where the old shape rule
 dropped real activations) is held too.
 """
 

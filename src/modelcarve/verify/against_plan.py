@@ -38,37 +38,6 @@ _META = {"int32", "int64", "uint8", "bool"}
 REPORTED_ONLY = "reported only"
 
 
-_VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "PermuteBackward0",
-          "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
-
-
-def _weight_cast(t) -> bool:
-    """An autocast copy of a parameter (through views): a ``_to_copy`` whose input is a leaf that
-    accumulates a gradient. Told by its autograd history, not by its shape."""
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _VIEWS and fn.next_functions:
-        fn = fn.next_functions[0][0]
-    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
-        return False
-    source = fn.next_functions[0][0]
-    return source is not None and type(source).__name__ == "AccumulateGrad"
-
-
-class _Saved(SavedActivations):
-    """runtime/measure/memory_report.py's saved-for-backward counter, except that an autocast copy
-    of a weight is told by its history (``_weight_cast``), not by having a weight's shape in
-    another dtype: that shape rule dropped real bf16 activations whose shape happened to equal a
-    weight's (``mbs x seq == hidden``, e.g. 64 tokens of a 64-wide model: the attention and MLP
-    inputs' casts) and kept transposed weight copies."""
-
-    def _param_keys(self) -> tuple[set, set]:
-        keys, _shapes = super()._param_keys()
-        return keys, set()  # no shape rule: ``_pack`` tells a weight's cast by its history
-
-    def _pack(self, t):
-        return t if _weight_cast(t) else super()._pack(t)
-
-
 class AgainstPlan:
     def __init__(self, trainer, spec, layout):
         self.trainer, self.spec, self.layout = trainer, spec, layout
@@ -76,7 +45,7 @@ class AgainstPlan:
         self.mem: dict = {}
 
     def forward_backward(self, tokens, targets):
-        with collectives.CommLog(self.layout) as log, _Saved(self.trainer.chunks) as acts:
+        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts:
             loss = self.trainer.forward_backward(tokens, targets)
         self.events += log.events
         self.mem["activations"] = acts.peak
