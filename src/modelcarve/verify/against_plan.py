@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
 from modelcarve.runtime.distributed import collectives
-from modelcarve.runtime.measure.memory_report import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
+from modelcarve.runtime.measure.memory_report import SavedActivations, held_grads, optimizer_bytes, param_bytes
 
 ACTIVATION_TOLERANCE = 0.10
 EXACT = ("params", "grads", "optimizer", "comm_buffers")
@@ -49,7 +49,7 @@ class AgainstPlan:
             loss = self.trainer.forward_backward(tokens, targets)
         self.events += log.events
         self.mem["activations"] = acts.peak
-        self.mem["grads"] = grad_bytes(self.trainer.chunks)
+        self.mem["grads"] = held_grads(self.trainer.chunks, self.trainer.optimizer)
         return loss
 
     def optimizer_step(self):

@@ -14,8 +14,10 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
 
 * data parallel (``zero=0``): one all-reduce of every local gradient over the dp x cp group
   (bucketed or not, the payload is the sum of the gradients: compare bytes, not calls);
-  ZeRO-1/2: reduce-scatter of the gradients + all-gather of the parameters over dp (Megatron's
-  distributed optimiser, the runtime of branch ``zero``); FSDP (``fsdp``, one shard group):
+  ZeRO-1/2: reduce-scatter of the gradients (once per step, not per micro-batch) + all-gather
+  of the parameters over dp, of the flat buffer padded to a multiple of dp (Megatron's
+  distributed optimiser, runtime/parallel/zero_optimizer.py); ZeRO-2 holds only its 1/dp
+  range of the reduced gradients (measured from the optimiser's flat buffer); FSDP (``fsdp``, one shard group):
   per micro-batch each decoder layer's parameters all-gathered in forward and again in
   backward, the root (embeddings, final norm, head) once, and every unit's gradient
   reduce-scattered;
@@ -197,12 +199,15 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             params = grads = local * MASTER_BYTES // n
             optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors
         elif layout.zero in (1, 2):
-            msgs += [Message("reduce_scatter", dp_group, "fp32", local * MASTER_BYTES),
-                     Message("all_gather", dp_group, "fp32", local * MASTER_BYTES)]
-            # runtime/parallel/zero_optimizer.py: one flat fp32 shard of 1/n, its two moments, one step counter
-            optimizer = 2 * local * MASTER_BYTES // n + 4
+            # runtime/parallel/zero_optimizer.py: one flat fp32 buffer of the local parameters, padded
+            # to a multiple of n, reduce-scattered ONCE per step (after the last micro-batch's backward,
+            # whatever m) and all-gathered after the step; the rank keeps its 1/n range, its two
+            # moments and one step counter. ZeRO-2 frees every p.grad and holds only that range.
+            flat = -(-local // n) * n * MASTER_BYTES
+            msgs += [Message("reduce_scatter", dp_group, "fp32", flat), Message("all_gather", dp_group, "fp32", flat)]
+            optimizer = 2 * flat // n + 4
             if layout.zero == 2:
-                grads = local * MASTER_BYTES // n
+                grads = flat // n
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
         msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
