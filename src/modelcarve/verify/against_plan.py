@@ -88,7 +88,8 @@ class AgainstPlan:
             if p is not None and m is not None:
                 ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
             if ok is None and pred is not None and name == "activations":
-                why_here = "not modelled: saved activations under recomputation / this layer kind"
+                why_here = ("not modelled: saved activations under the zero-bubble schedule" if self.layout.schedule == "zero-bubble"
+                            else "not modelled: saved activations under recomputation / this layer kind")
             else:
                 why_here = why
             out.append(_row(name, "-", "-", rank, p, m, ok, None if ok is not None else why_here))
