@@ -291,3 +291,23 @@ def test_plan_side_alone_needs_no_torch_and_sums_by_hand():
     assert gpipe == 8 * one
     with pytest.raises(NotModelled):
         predict_rank(get_model("tiny-moe"), Layout.parse(f"dp=2,ep=2,gbs=4,{FP32}"), 0)
+
+
+def test_padded_vocabulary_through_the_cli(tmp_path):
+    """A 255-token vocabulary under tp=2: the runtime pads it to 256 (tensor.padded_vocab_size);
+    the forecast prices the padded shard (embedding, head, logits): exit 0, every row judged."""
+    import json
+
+    from hf_tiny import save_hf
+
+    from modelcarve.plan.predict.step_traffic import padded_vocab
+    from modelcarve.runtime.parallel.tensor import padded_vocab_size
+
+    for vocab, tp in ((255, 2), (256, 2), (1000, 3), (32000, 8), (50257, 4)):
+        assert padded_vocab(vocab, tp) == padded_vocab_size(vocab, tp)
+    save_hf("LlamaConfig", "LlamaForCausalLM", tmp_path / "odd", vocab_size=255)
+    done = _cli(f"tp=2,sp,gbs=2,{FP32}", "--model", str(tmp_path / "odd"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["against_plan"]
+    assert all(r["ok"] is True for r in rows if r["quantity"] != "activations_fused" and "send_meta" not in r["quantity"])
+    assert {r["measured"] for r in rows if r["quantity"] == "params"} == {189696}  # 256/2 x 64 rows, not 255/2

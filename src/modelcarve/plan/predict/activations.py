@@ -77,7 +77,8 @@ def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     if last:
         out["final_norm"] = _norm(T, spec.hidden_size, rep)
         out["head_input"] = c * T * spec.hidden_size
-        out["logits"] = FP32 * T * spec.vocab_size / tp
+        vocab = spec.vocab_size if spec.vocab_size % tp == 0 else -(-spec.vocab_size // (tp * 128)) * tp * 128
+        out["logits"] = FP32 * T * vocab / tp  # the padded shard (runtime/parallel/tensor.py)
         out["targets"] = INDEX * T + FP32
     return out
 

@@ -136,12 +136,26 @@ def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
     return tensors
 
 
+VOCAB_GRANULE = 128
+"""runtime/parallel/tensor.py's ``VOCAB_GRANULE``: a vocabulary tp does not divide is padded to the
+next multiple of ``tp x 128`` (``padded_vocab_size``); the plan cannot import the runtime, so the
+rule is restated here and held equal by tests/test_verify_against_plan.py."""
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary the runtime shards: ``vocab`` if ``tp`` divides it, else the next multiple of
+    ``tp x VOCAB_GRANULE``."""
+    if vocab % tp == 0:
+        return vocab
+    return -(-vocab // (tp * VOCAB_GRANULE)) * tp * VOCAB_GRANULE
+
+
 def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[int]:
     """Embedding (first stage), final norm and LM head (last stage) on a TP rank. A tied head
     reuses the embedding's (vocab-parallel) shard on a stage that holds both; a last stage
     without the embedding holds its own copy of it (runtime/parallel/pipeline_split.py), column-
     sharded like an untied head."""
-    h, v = spec.hidden_size, spec.vocab_size // tp
+    h, v = spec.hidden_size, padded_vocab(spec.vocab_size, tp) // tp
     out = [v * h] if first else []
     if last:
         out += [h] + ([] if spec.tied_embeddings and first else [v * h])
@@ -183,7 +197,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
         tied = tied_group(spec, layout, rank)
         if tied is not None:  # the embedding's and the head copy's gradients summed, fp32, once per step
-            msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (spec.vocab_size // tp) * MASTER_BYTES))
+            msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (padded_vocab(spec.vocab_size, tp) // tp) * MASTER_BYTES))
     params = grads = local * MASTER_BYTES
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
     if layout.dp > 1:
