@@ -30,43 +30,12 @@ import torch.distributed as dist
 
 from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
 from modelcarve.runtime.distributed import collectives
-from modelcarve.runtime.measure.memory_report import SavedActivations, grad_bytes, optimizer_bytes, param_bytes
+from modelcarve.runtime.measure.memory_report import SavedActivations, held_grads, optimizer_bytes, param_bytes
 
 ACTIVATION_TOLERANCE = 0.10
 EXACT = ("params", "grads", "optimizer", "comm_buffers")
 _META = {"int32", "int64", "uint8", "bool"}
 REPORTED_ONLY = "reported only"
-
-
-_VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "PermuteBackward0",
-          "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
-
-
-def _weight_cast(t) -> bool:
-    """An autocast copy of a parameter (through views): a ``_to_copy`` whose input is a leaf that
-    accumulates a gradient. Told by its autograd history, not by its shape."""
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _VIEWS and fn.next_functions:
-        fn = fn.next_functions[0][0]
-    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
-        return False
-    source = fn.next_functions[0][0]
-    return source is not None and type(source).__name__ == "AccumulateGrad"
-
-
-class _Saved(SavedActivations):
-    """runtime/measure/memory_report.py's saved-for-backward counter, except that an autocast copy
-    of a weight is told by its history (``_weight_cast``), not by having a weight's shape in
-    another dtype: that shape rule dropped real bf16 activations whose shape happened to equal a
-    weight's (``mbs x seq == hidden``, e.g. 64 tokens of a 64-wide model: the attention and MLP
-    inputs' casts) and kept transposed weight copies."""
-
-    def _param_keys(self) -> tuple[set, set]:
-        keys, _shapes = super()._param_keys()
-        return keys, set()  # no shape rule: ``_pack`` tells a weight's cast by its history
-
-    def _pack(self, t):
-        return t if _weight_cast(t) else super()._pack(t)
 
 
 class AgainstPlan:
@@ -76,11 +45,11 @@ class AgainstPlan:
         self.mem: dict = {}
 
     def forward_backward(self, tokens, targets):
-        with collectives.CommLog(self.layout) as log, _Saved(self.trainer.chunks) as acts:
+        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts:
             loss = self.trainer.forward_backward(tokens, targets)
         self.events += log.events
         self.mem["activations"] = acts.peak
-        self.mem["grads"] = grad_bytes(self.trainer.chunks)
+        self.mem["grads"] = held_grads(self.trainer.chunks, self.trainer.optimizer)
         return loss
 
     def optimizer_step(self):
@@ -119,7 +88,8 @@ class AgainstPlan:
             if p is not None and m is not None:
                 ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
             if ok is None and pred is not None and name == "activations":
-                why_here = "not modelled: saved activations under recomputation / this layer kind"
+                why_here = ("not modelled: saved activations under the zero-bubble schedule" if self.layout.schedule == "zero-bubble"
+                            else "not modelled: saved activations under recomputation / this layer kind")
             else:
                 why_here = why
             out.append(_row(name, "-", "-", rank, p, m, ok, None if ok is not None else why_here))

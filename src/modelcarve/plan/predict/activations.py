@@ -22,12 +22,22 @@ residual stream, norms, logits and the loss in fp32):
   final norm, the head's input, the fp32 logits ``4 T V / t``, the targets (int64) and the loss.
 
 Peak over a step: the stage's layers x the micro-batches in flight (1 without a pipeline).
-Recomputation and MoE/MLA layers are not covered (``None``).
+Interleaved 1F1B (``virtual_stages`` v > 1, torch's ``ScheduleInterleaved1F1B``): pipeline rank
+``r`` of ``p`` peaks just before its first backward, after ``N = min(m v, 2 (p - r - 1) + (v - 1) p
++ 1)`` forwards (plan/cost/schedule.py's count), issued in Megatron's order: ``p`` micro-batches
+of chunk 0, ``p`` of chunk 1, ... so forward ``k`` runs chunk ``(k // p) % v``, i.e. stage ``r +
+chunk p`` (spec/stages.py), and each counts that stage's own layers and stage terms (checked on
+tiny-llama, pp=2, v=2: rank 0 holds 3 micro-batches of stage 0 and 2 of stage 2, rank 1 2 of
+stage 1 and 1 of the last). Recomputation, MoE/MLA layers and the zero-bubble schedule (its
+input-gradient step keeps part of each micro-batch's graph for the deferred weight gradients)
+are not covered (``None``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from modelcarve.spec.stages import stage_counts
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -67,7 +77,8 @@ def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     if last:
         out["final_norm"] = _norm(T, spec.hidden_size, rep)
         out["head_input"] = c * T * spec.hidden_size
-        out["logits"] = FP32 * T * spec.vocab_size / tp
+        vocab = spec.vocab_size if spec.vocab_size % tp == 0 else -(-spec.vocab_size // (tp * 128)) * tp * 128
+        out["logits"] = FP32 * T * vocab / tp  # the padded shard (runtime/parallel/tensor.py)
         out["targets"] = INDEX * T + FP32
     return out
 
@@ -77,8 +88,29 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
     if layout.recompute != "none" or spec.is_moe or spec.attention_kind != "gqa" or spec.ffn_kind != "swiglu":
         return None
+    if layout.pp > 1 and layout.schedule == "zero-bubble":
+        return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     T = layout.mbs * layout.seq
     one = layers * sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c).values())
     one += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last).values())
     return float(one * in_flight)
+
+
+def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: int) -> float | None:
+    """Peak saved-for-backward bytes of pipeline rank ``pp_rank`` under interleaved 1F1B (see the
+    module doc: the first ``N`` forwards, each of its own stage), None where this model does not apply."""
+    if rank_activation_bytes(spec, layout, 1, False, False) is None:
+        return None
+    p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    T, last_stage = layout.mbs * layout.seq, p * v - 1
+    layer = sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c).values())
+    counts = stage_counts(spec.num_layers, p, v)
+    n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
+    total = 0.0
+    for k in range(n):
+        stage = pp_rank + ((k // p) % v) * p
+        terms = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage)
+        total += counts[stage] * layer + sum(terms.values())
+    return total

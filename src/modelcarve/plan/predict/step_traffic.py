@@ -14,8 +14,10 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
 
 * data parallel (``zero=0``): one all-reduce of every local gradient over the dp x cp group
   (bucketed or not, the payload is the sum of the gradients: compare bytes, not calls);
-  ZeRO-1/2: reduce-scatter of the gradients + all-gather of the parameters over dp (Megatron's
-  distributed optimiser, the runtime of branch ``zero``); FSDP (``fsdp``, one shard group):
+  ZeRO-1/2: reduce-scatter of the gradients (once per step, not per micro-batch) + all-gather
+  of the parameters over dp, of the flat buffer padded to a multiple of dp (Megatron's
+  distributed optimiser, runtime/parallel/zero_optimizer.py); ZeRO-2 holds only its 1/dp
+  range of the reduced gradients (measured from the optimiser's flat buffer); FSDP (``fsdp``, one shard group):
   per micro-batch each decoder layer's parameters all-gathered in forward and again in
   backward, the root (embeddings, final norm, head) once, and every unit's gradient
   reduce-scattered;
@@ -28,7 +30,9 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   all-reduced once per step; the vocab-parallel cross entropy all-reduces three ``mbs x seq``
   fp32 vectors (max, sum of exponentials, target logit);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
-  the first sends its input gradient back (torch's shape metadata messages are not predicted);
+  the first sends its input gradient back, each to its neighbour stage's rank: a rank of an
+  interleaved schedule sends for each of its ``virtual_stages`` chunks (``pipeline_sends``; torch's
+  shape metadata messages are not predicted);
 * tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
   its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
   last stage of each pipeline all-reduce the two fp32 gradients once per step;
@@ -43,8 +47,8 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE, MLA, cp, hsdp, interleaved and zero-bubble schedules, FSDP with
-tp or pp, biases): the verify table marks those quantities as unpredicted instead of guessing.
+this model does not cover (MoE, MLA, cp, hsdp, FSDP with tp or pp, biases; the zero-bubble
+schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ from typing import TYPE_CHECKING
 
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.activations import layer_activation_bytes
-from modelcarve.plan.predict.activations import rank_activation_bytes
+from modelcarve.plan.predict.activations import interleaved_activation_bytes, rank_activation_bytes
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
-from modelcarve.spec.stages import rank_layers
+from modelcarve.spec.stages import rank_layers, rank_stage_ids
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -115,8 +119,6 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("context / expert parallelism")
     if layout.dp_shard:
         problems.append("hsdp")
-    if layout.virtual_stages > 1 or layout.schedule not in ("1f1b", "gpipe"):
-        problems.append(f"the {layout.schedule} schedule")
     if layout.zero == 3 and (layout.tp > 1 or layout.pp > 1):
         problems.append("fsdp together with tp or pp")
     if problems:
@@ -134,12 +136,26 @@ def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
     return tensors
 
 
+VOCAB_GRANULE = 128
+"""runtime/parallel/tensor.py's ``VOCAB_GRANULE``: a vocabulary tp does not divide is padded to the
+next multiple of ``tp x 128`` (``padded_vocab_size``); the plan cannot import the runtime, so the
+rule is restated here and held equal by tests/test_verify_against_plan.py."""
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary the runtime shards: ``vocab`` if ``tp`` divides it, else the next multiple of
+    ``tp x VOCAB_GRANULE``."""
+    if vocab % tp == 0:
+        return vocab
+    return -(-vocab // (tp * VOCAB_GRANULE)) * tp * VOCAB_GRANULE
+
+
 def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[int]:
     """Embedding (first stage), final norm and LM head (last stage) on a TP rank. A tied head
     reuses the embedding's (vocab-parallel) shard on a stage that holds both; a last stage
     without the embedding holds its own copy of it (runtime/parallel/pipeline_split.py), column-
     sharded like an untied head."""
-    h, v = spec.hidden_size, spec.vocab_size // tp
+    h, v = spec.hidden_size, padded_vocab(spec.vocab_size, tp) // tp
     out = [v * h] if first else []
     if last:
         out += [h] + ([] if spec.tied_embeddings and first else [v * h])
@@ -177,14 +193,11 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     if tp > 1:
         msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act)
     if layout.pp > 1:
-        if not last:
-            msgs.append(Message("send", (rank, rank_of(layout, **(c | {"pp": stage + 1}))), "fp32", hidden * 4, m))
-        if not first:
-            msgs.append(Message("send", (rank, rank_of(layout, **(c | {"pp": stage - 1}))), "fp32", hidden * 4, m))
+        msgs += pipeline_sends(layout, rank, hidden * 4)
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
         tied = tied_group(spec, layout, rank)
         if tied is not None:  # the embedding's and the head copy's gradients summed, fp32, once per step
-            msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (spec.vocab_size // tp) * MASTER_BYTES))
+            msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (padded_vocab(spec.vocab_size, tp) // tp) * MASTER_BYTES))
     params = grads = local * MASTER_BYTES
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
     if layout.dp > 1:
@@ -197,21 +210,44 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             params = grads = local * MASTER_BYTES // n
             optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors
         elif layout.zero in (1, 2):
-            msgs += [Message("reduce_scatter", dp_group, "fp32", local * MASTER_BYTES),
-                     Message("all_gather", dp_group, "fp32", local * MASTER_BYTES)]
-            # runtime/parallel/zero_optimizer.py: one flat fp32 shard of 1/n, its two moments, one step counter
-            optimizer = 2 * local * MASTER_BYTES // n + 4
+            # runtime/parallel/zero_optimizer.py: one flat fp32 buffer of the local parameters, padded
+            # to a multiple of n, reduce-scattered ONCE per step (after the last micro-batch's backward,
+            # whatever m) and all-gathered after the step; the rank keeps its 1/n range, its two
+            # moments and one step counter. ZeRO-2 frees every p.grad and holds only that range.
+            flat = -(-local // n) * n * MASTER_BYTES
+            msgs += [Message("reduce_scatter", dp_group, "fp32", flat), Message("all_gather", dp_group, "fp32", flat)]
+            optimizer = 2 * flat // n + 4
             if layout.zero == 2:
-                grads = local * MASTER_BYTES // n
+                grads = flat // n
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
         msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        acts = interleaved_activation_bytes(spec, layout, stage)
+    else:
+        acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
     fused = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     return RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def pipeline_sends(layout: "Layout", rank: int, payload: int) -> list[Message]:
+    """The activations and input gradients this rank's chunks send per step (fp32 residual stream,
+    ``payload`` bytes each): every one of its stages (spec/stages.py: ``pp_rank + i pp``) but the
+    last sends each micro-batch's output to the next stage's rank, every one but stage 0 its input
+    gradient back to the previous stage's rank, under every schedule (gpipe, 1f1b,
+    interleaved-1f1b, zero-bubble: torch.distributed.pipelining posts one send per chunk, micro-
+    batch and direction; its shape-metadata messages are not predicted)."""
+    c, pp, m = coords(layout, rank), layout.pp, layout.num_microbatches
+    last_stage = pp * layout.virtual_stages - 1
+    calls: dict = {}
+    for s in rank_stage_ids(pp, layout.virtual_stages, c["pp"]):
+        for peer_stage in ([s + 1] if s < last_stage else []) + ([s - 1] if s > 0 else []):
+            peer = rank_of(layout, **(c | {"pp": peer_stage % pp}))
+            calls[peer] = calls.get(peer, 0) + m
+    return [Message("send", (rank, peer), "fp32", payload, n) for peer, n in calls.items()]
 
 
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,

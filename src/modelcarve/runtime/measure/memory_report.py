@@ -5,15 +5,20 @@ this rank (local shards: a DTensor counts its local piece):
 
 * ``params``: bytes of the parameters the rank holds (each tensor once);
 * ``grads``: bytes of their gradients after the backward and the gradient reduction, before
-  the optimiser step frees them (``zero_grad(set_to_none=True)``);
+  the optimiser step frees them (``zero_grad(set_to_none=True)``), plus what the optimiser holds
+  in place of ``p.grad`` (``held_grad_bytes``: ZeRO-2's reduced owned range, kept in its flat
+  buffer after every ``p.grad`` is freed); ``held_grads(chunks, optimizer)`` is that sum;
 * ``optimizer``: bytes of the optimiser state after the step (AdamW's moments and step
   counters; ZeRO-1: this rank's partition);
 * ``activations``: the peak, over the step, of the bytes saved for backward and still alive
   (``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves passes through
   ``pack``; it is counted once per distinct view (storage, offset, shape, stride), at the bytes
   it views, while any saved reference to it lives; parameters,
-  their gathered copies (FSDP2) and their autocast copies (a tensor of a weight's shape in
-  another dtype) are not activations and are skipped). Under a pipeline schedule
+  their gathered copies (FSDP2) and their autocast copies are not activations and are skipped).
+  An autocast copy of a weight is told by its autograd history (``weight_cast``: a ``_to_copy``,
+  through views, of a leaf that accumulates a gradient), never by its shape: a shape rule would
+  drop real bf16 activations whose shape equals a weight's (``mbs x seq == hidden``, e.g. 64
+  tokens of a 64-wide model) and keep transposed weight copies. Under a pipeline schedule
   this is the peak over the micro-batches in flight;
 * ``comm_buffers``: the largest single collective buffer of the step (collectives.CommLog's
   largest payload: the flat data-parallel gradient bucket, FSDP2's largest all-gather);
@@ -49,6 +54,22 @@ def _storage_key(t: torch.Tensor):
         return None
 
 
+_VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0", "PermuteBackward0",
+          "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
+
+
+def weight_cast(t: torch.Tensor) -> bool:
+    """An autocast copy of a parameter (through views): a ``_to_copy`` whose input is a leaf that
+    accumulates a gradient. Told by its autograd history, not by its shape."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEWS and fn.next_functions:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
 class SavedActivations:
     """Context manager: the live and peak bytes autograd saves for backward (see module doc)."""
 
@@ -58,25 +79,20 @@ class SavedActivations:
         self.peak = 0
         self._refs: dict = {}
 
-    def _param_keys(self) -> tuple[set, set]:
-        """Storages of the parameters now (FSDP2 swaps in the gathered ones during forward) and
-        (shape, dtype) of each, to tell an autocast copy of a weight from an activation."""
-        keys, shapes = set(), set()
+    def _param_keys(self) -> set:
+        """Storages of the parameters now (FSDP2 swaps in the gathered ones during forward)."""
+        keys = set()
         for chunk in self.chunks:
             for p in chunk.parameters():
-                local = _local(p)
-                key = _storage_key(local)
+                key = _storage_key(_local(p))
                 if key is not None:
                     keys.add(key[:2])  # any view of a parameter's storage
-                shapes.add((tuple(local.shape), local.dtype))
-        return keys, shapes
+        return keys
 
     def _pack(self, t: torch.Tensor):
         local = _local(t)
         key = _storage_key(local)
-        params, shapes = self._param_keys()
-        cast_weight = any(shape == tuple(local.shape) and dtype != local.dtype for shape, dtype in shapes)
-        if key is None or key[:2] in params or cast_weight:
+        if key is None or key[:2] in self._param_keys() or weight_cast(t):
             return t
         count, size = self._refs.get(key, (0, local.numel() * local.element_size()))
         if count == 0:
@@ -127,6 +143,11 @@ def grad_bytes(chunks) -> int:
     return sum(_bytes(p.grad) for p in {id(p): p for c in chunks for p in c.parameters()}.values())
 
 
+def held_grads(chunks, optimizer) -> int:
+    """``grads`` of the module doc: every ``p.grad`` plus what the optimiser holds in their place."""
+    return grad_bytes(chunks) + getattr(optimizer, "held_grad_bytes", lambda: 0)()
+
+
 def optimizer_bytes(optimizer) -> int:
     states = []
     for opt in getattr(optimizer, "optimizers", [optimizer]):
@@ -144,7 +165,7 @@ def measure_step(trainer, tokens, targets) -> tuple[dict, dict]:
         torch.cuda.reset_peak_memory_stats()
     with CommLog(trainer.layout) as log, SavedActivations(trainer.chunks) as acts:
         loss = trainer.forward_backward(tokens, targets)
-        grads = grad_bytes(trainer.chunks) + getattr(trainer.optimizer, "held_grad_bytes", lambda: 0)()
+        grads = held_grads(trainer.chunks, trainer.optimizer)
         norm = trainer.optimizer_step()
     out = dict(loss=loss, grad_norm=norm)
     if trainer.is_moe:
