@@ -14,8 +14,14 @@ every rank issues the same collectives in the same order whatever order its hook
 parameter that got no gradient, e.g. an unrouted expert, only delays the launch to ``finish``).
 
 ``finish()`` (the step's gradient reduction, after the last backward) launches what is left,
-with zeros for missing gradients, waits for every bucket, copies the sums back into ``p.grad``
-and resets the counts.
+with zeros for missing gradients, waits for every bucket, points every ``p.grad`` at its piece of
+the summed flat buffer (a view: no copy back) and resets the counts.
+
+Each bucket's flat buffer is allocated once and kept (as DDP keeps its buckets): a fresh
+``torch.cat`` per step paid the allocation and its page faults every step, and copying the sums
+back into separate gradients paid a second pass over them (benchmarks/runtime_vs_torch.py
+measures dp=2 against DDP). The cost is the one resident gradient-sized buffer DDP also holds. A gradient that already is its view (the optimiser kept the gradients
+instead of setting them to None) is not copied onto itself.
 
 Why not torch's DDP or ``replicate``: the loss here is normalised by the global token count
 (train.py), so the reduction must be a SUM, not DDP's mean; DDP wraps the module (FQNs change,
@@ -68,7 +74,8 @@ class GradBuckets:
         for p, group in reversed(groups):
             if group is None or dist.get_world_size(group) == 1:
                 continue
-            by_group.setdefault(id(group), (group, []))[1].append(p)
+            # one flat buffer holds one dtype: a dtype change starts another set of buckets
+            by_group.setdefault((id(group), p.dtype), (group, []))[1].append(p)
         self.buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
         for group, params in by_group.values():
@@ -103,8 +110,18 @@ class GradBuckets:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        if bucket.flat is None:
+            p0 = bucket.params[0]
+            bucket.flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            piece = bucket.flat[offset : offset + n]
+            if p.grad is None:
+                piece.zero_()
+            elif p.grad.data_ptr() != piece.data_ptr():
+                piece.copy_(p.grad.reshape(-1))
+            offset += n
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._next += 1
         self.overlapped += self._in_hook
@@ -120,13 +137,9 @@ class GradBuckets:
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                piece = bucket.flat[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = piece.clone()
-                else:
-                    p.grad.copy_(piece)
+                p.grad = bucket.flat[offset : offset + n].view_as(p)
                 offset += n
-            bucket.flat = bucket.work = None
+            bucket.work = None
             bucket.pending = len(bucket.params)
         self.counts.clear()
         self._next = 0
