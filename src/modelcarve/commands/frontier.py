@@ -32,10 +32,10 @@ def run_frontier_plan(args, model, cluster, options: dict, *, top: int = 5) -> i
         from modelcarve.commands.pricing import wants_cost
 
         if wants_cost(args):  # issue 30: the front priced, $/M output tokens against tokens/s per user
+            from modelcarve.commands.pricing import cluster_price
             from modelcarve.plan.pricing import price_front
-            from modelcarve.spec.prices import device_price, parse_prices
 
-            usd, source = device_price(cluster.device.name, parse_prices(args.price), cluster.device.usd_per_hour)
+            usd, source = cluster_price(args, cluster)
             front["priced"] = price_front(front, usd_per_device_hour=usd, utilisation=args.utilisation or 1.0)
             front["price"] = dict(usd_per_device_hour=usd, source=source, utilisation=args.utilisation or 1.0)
         if as_json:

@@ -48,14 +48,24 @@ def _api_price(text: str | None) -> tuple[float, float] | None:
     return values
 
 
+def cluster_price(args, cluster) -> tuple[float, str]:
+    """(dollars per device-hour, its source) for ``cluster``'s device: ``--price``, else the cluster
+    file's ``usd_per_hour``, else the catalogue (spec/prices.py)."""
+    from modelcarve.spec.prices import device_price, parse_prices
+
+    return device_price(cluster.device.name, parse_prices(args.price), cluster.device.usd_per_hour)
+
+
 def attach_costs(args, cluster, results: list[dict], *, serving: bool) -> list[dict]:
     """Add ``cost`` to each estimate in ``results`` (in place) and return the cost rows."""
     from modelcarve.plan.pricing import serving_cost, training_cost
-    from modelcarve.spec.prices import device_price, parse_prices
+    from modelcarve.plan.serve.options import serve_options
 
     if not wants_cost(args):
         return []
-    usd, source = device_price(cluster.device.name, parse_prices(args.price), cluster.device.usd_per_hour)
+    usd, source = cluster_price(args, cluster)
+    # the request shape the plan was made for, with serve_options' defaults for what was not given
+    shape = serve_options(input_len=getattr(args, "input_len", None), output_len=getattr(args, "output_len", None))
     util = args.utilisation
     if util is not None and not 0 < util <= 1:
         raise ModelcarveError(f"--utilisation {util}: give a fraction in (0, 1]")
@@ -71,8 +81,7 @@ def attach_costs(args, cluster, results: list[dict], *, serving: bool) -> list[d
             if "serve" not in result:
                 continue
             cost = serving_cost(result, devices=cluster.num_devices, usd_per_device_hour=usd,
-                                input_len=getattr(args, "input_len", None) or 2048,
-                                output_len=getattr(args, "output_len", None) or 256,
+                                input_len=shape.input_len, output_len=shape.output_len,
                                 utilisation=util, api_price=_api_price(args.api_price))
         else:
             if args.train_tokens is None:

@@ -185,15 +185,15 @@ class Layout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This layout's ``{"pp", "dp", "cp", "tp"}`` coordinates of global ``rank`` (spec/ranks.py)."""
-        from modelcarve.spec import ranks
+        from modelcarve.spec.ranks import coords
 
-        return ranks.coords(self, rank)
+        return coords(self, rank)
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The global rank at these coordinates (spec/ranks.py: TP innermost, PP outermost)."""
-        from modelcarve.spec import ranks
+        from modelcarve.spec.ranks import rank_of
 
-        return ranks.rank_of(self, pp=pp, dp=dp, cp=cp, tp=tp)
+        return rank_of(self, pp=pp, dp=dp, cp=cp, tp=tp)
 
     def short(self) -> str:
         """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2``."""

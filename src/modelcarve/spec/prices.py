@@ -9,6 +9,7 @@ line naming how to give a price. Pure data, no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from importlib import resources
@@ -16,7 +17,9 @@ from importlib import resources
 from modelcarve.spec.errors import SpecError
 
 
+@functools.cache
 def catalogue() -> dict[str, dict]:
+    """The catalogue's entries by device (read once; treat as read-only)."""
     text = resources.files("modelcarve.spec.catalog").joinpath("prices.json").read_text()
     return json.loads(text)["devices"]
 
