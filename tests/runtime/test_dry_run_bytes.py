@@ -3,7 +3,7 @@ planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
 meta device under the fake process group. Their per-rank figures do NOT all equal the
-planner's today, for one stated reason (/work/notes/report-dryrun.md): the runtime keeps fp32
+planner's today, for one stated reason (docs/reports/2026-12-03-s2-dryrun.md): the runtime keeps fp32
 weights (4 bytes) where the planner counts bf16 weights (2 bytes) with the fp32 master in the
 optimiser. The layers agree (issue 25: both sides take spec/stages.py's split, the embedding and
 head counted as a layer each), so what is asserted holds on EVERY rank: the planner's gradient
