@@ -65,3 +65,32 @@ def test_no_fit_error_names_the_layout_closest_to_fitting():
     best = min(ratios)
     assert best[1] == "TP8" and best[0] == pytest.approx(242.6 / 126.4, abs=0.01)
     assert max(ratios)[0] == pytest.approx(1914.1 / 126.4, abs=0.01)
+
+
+def test_pareto_and_disagg_size_experts_as_released_too():
+    """The same rule (``served_expert_dtype``) in ``--pareto`` and ``serve-disagg``: before, both sized
+    gpt-oss's experts in the weight dtype, so ``--pareto`` on 1 x H100 had no point at all and
+    serve-disagg on 2 x H100 (one device a pool) found no unit that fits (217.6 GiB of bf16
+    weights each). As released, each device holds the 60.77 GiB of the test above (bf16 weights)."""
+    from modelcarve.plan.serve.disagg import decode_unit, prefill_unit
+    from modelcarve.plan.serve.options import serve_options
+    from modelcarve.plan.serve.pareto import pareto_front
+    from modelcarve.spec.layout import Layout
+
+    model = get_model("gpt-oss-120b")
+    one, two = parse_cluster("1xH100"), parse_cluster("2xH100")
+    front = pareto_front(model, one)
+    assert front["points"] > 0 and front["front"]
+    assert all(p["name"].endswith("(experts mxfp4)") for p in front["front"])
+    assert pareto_front(model, one, weight_dtypes="bf16")["points"] == 0
+
+    opts = serve_options()
+    unit = Layout(tp=1, weight_dtype="bf16", kv_dtype="bf16")
+    for phase in (prefill_unit, decode_unit):
+        figures = phase(model, two, unit, opts)
+        assert figures is not None and figures["weights_gib"] == pytest.approx(60.77, abs=0.01)
+    plan = search(model, two, "serve-disagg", top=2)
+    assert plan["layouts"]
+    for result in plan["layouts"]:
+        assert result["expert_dtype"] == "mxfp4" and result["name"].endswith("(experts mxfp4)")
+    assert not search(model, two, "serve-disagg", top=1, weight_dtypes="bf16")["layouts"]

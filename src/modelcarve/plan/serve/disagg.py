@@ -38,7 +38,7 @@ import math
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, kv_bytes, quality_note
 from modelcarve.plan.serve.layout_costs import layout_costs
-from modelcarve.plan.serve.memory import max_sequences, shard_facts
+from modelcarve.plan.serve.memory import max_sequences, served_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import serve_options
 from modelcarve.plan.serve.queue import md1_wait_s
 from modelcarve.plan.serve.time import _ensure_prefill, decode_tpot_s
@@ -58,9 +58,11 @@ def _unit_devices(layout: Layout) -> int:
 
 
 def _ctx(model, cluster, layout: Layout, opts):
-    f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+    ed = served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
+    f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                    expert_dtype=ed)
     c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.ep, layout.weight_dtype, layout.kv_dtype,
-                 opts.input_len, opts.output_len, opts.load_imbalance, f)
+                 opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed)
     return f, c
 
 
@@ -214,8 +216,11 @@ class _DisaggGoal:
         rate = options.get("rate")
         rate = float(rate) if rate is not None else None
         p_layout, d_layout = candidate
-        name = f"P[{_name(p_layout)}] D[{_name(d_layout)}]"
+        ed = served_expert_dtype(model, p_layout.weight_dtype, opts.released_experts)
+        experts = f" (experts {ed})" if ed else ""
+        name = f"P[{_name(p_layout)}] D[{_name(d_layout)}]{experts}"
         result = {"goal": self.name, "name": name, "prefill_layout": p_layout.to_dict(), "decode_layout": d_layout.to_dict(),
+                  "expert_dtype": ed,
                   "layout": d_layout.to_dict(), "fits": False, "serve": {}, "warnings": [], "reject_reason": None,
                   "quality": quality_note(p_layout.weight_dtype, p_layout.kv_dtype),
                   "quality_short": QUALITY_SHORT.get(p_layout.weight_dtype, "?")}

@@ -45,7 +45,7 @@ from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, quality_note
 from modelcarve.plan.serve.batch import _largest_batch, sustained_batch
 from modelcarve.plan.serve.layout_costs import layout_costs
-from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, released_expert_dtype, shard_facts
+from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, served_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
 from modelcarve.plan.serve.prune import prune
 from modelcarve.plan.serve.queue import md1_wait_s, queued_ttft
@@ -114,7 +114,7 @@ def _name(layout: Layout, expert_dtype: str = "") -> str:
 def _expert_dtype(model, layout: Layout, opts: ServeOptions) -> str:
     """The routed experts' dtype when not the layout's weight dtype: as the checkpoint ships them
     (gpt-oss: mxfp4) unless the user named the weight dtypes."""
-    return released_expert_dtype(model, layout.weight_dtype) if opts.released_experts else ""
+    return served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
 
 
 class _ServeGoal:
@@ -244,7 +244,7 @@ class _ServeGoal:
         released = opts.released_experts
 
         def screen(layout: Layout, floor: float | None = None):
-            ed = released_expert_dtype(model, layout.weight_dtype) if released else ""
+            ed = served_expert_dtype(model, layout.weight_dtype, released)
             f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
                             expert_dtype=ed)
             fit = max_sequences(f, memory_bytes, ctx_len)

@@ -178,6 +178,14 @@ def released_expert_dtype(model: ModelSpec, weight_dtype: str) -> str:
     return ""
 
 
+def served_expert_dtype(model: ModelSpec, weight_dtype: str, released_experts: bool) -> str:
+    """The one rule every serving goal sizes routed experts by (serve-latency, serve-throughput,
+    serve-disagg, ``--pareto``): as the checkpoint ships them (``released_expert_dtype``) unless the
+    user named the weight dtypes (``ServeOptions.released_experts`` False), then ``weight_dtype``
+    ("")."""
+    return released_expert_dtype(model, weight_dtype) if released_experts else ""
+
+
 class _TpCounts:
     """Elements on one TP rank of one layer's parts (dtype-independent), cached per (model, tp)."""
 

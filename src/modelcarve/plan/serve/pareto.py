@@ -21,7 +21,7 @@ from __future__ import annotations
 from modelcarve.plan.cost.quant import QUALITY_SHORT
 from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.goal import SERVE_THROUGHPUT
-from modelcarve.plan.serve.memory import max_sequences, shard_facts
+from modelcarve.plan.serve.memory import max_sequences, served_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import serve_options
 from modelcarve.plan.serve.time import _rates
 
@@ -52,18 +52,21 @@ def pareto_front(model, cluster, **options) -> dict:
     memory = cluster.device.memory_bytes
     points = []
     for layout in SERVE_THROUGHPUT.candidates(model, cluster, **options):
-        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype)
+        ed = served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
+        f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
+                        expert_dtype=ed)
         fit = min(max_sequences(f, memory, opts.context), opts.max_batch)
         if fit < 1:
             continue
         c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
-                     opts.input_len, opts.output_len, opts.load_imbalance, f)
+                     opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed)
+        experts = f" (experts {ed})" if ed else ""
         for b in _batches(fit):
             _, tpot, ttft, group = _rates(c, b)
             if ttft > ttft_bound:
                 break  # TTFT grows with the batch
             points.append({
-                "name": f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}", "layout": layout.to_dict(),
+                "name": f"{layout.short()} w{layout.weight_dtype}/kv{layout.kv_dtype}{experts}", "layout": layout.to_dict(),
                 "batch": b, "tokens_per_s_per_device": group / (layout.tp * layout.pp), "tokens_per_s_per_user": 1.0 / tpot,
                 "tpot_s": tpot, "ttft_s": ttft, "quality_short": QUALITY_SHORT.get(layout.weight_dtype, "?"),
             })
