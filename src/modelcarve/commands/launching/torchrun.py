@@ -77,6 +77,23 @@ def environment(base: dict | None = None) -> dict:
     return env
 
 
+def _name_interface(env: dict, master_addr: str) -> None:
+    """Several nodes: the ranks' sockets on the interface that routes to node 0 (rendezvous.py's
+    ``route_interface``), unless the caller named one (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``)."""
+    from modelcarve.commands.launching.rendezvous import route_interface
+
+    if "GLOO_SOCKET_IFNAME" in env and "NCCL_SOCKET_IFNAME" in env:
+        return
+    found = route_interface(master_addr)
+    if found is None:
+        return
+    env.setdefault("GLOO_SOCKET_IFNAME", found[0])
+    env.setdefault("NCCL_SOCKET_IFNAME", found[0])
+    if env.get("MODELCARVE_PROGRESS") == "1" or sys.stderr.isatty():
+        sys.stderr.write(f"modelcarve: this node's ranks talk over {found[0]} ({found[1]}), the route to "
+                         f"--master-addr {master_addr}\n")
+
+
 def _read_pid(path: str) -> int | None:
     try:
         return int(open(path).read().strip())
@@ -95,6 +112,8 @@ def launch(ranks: Torchrun, module: str, argv: list[str], *, timeout_s: float, r
     from modelcarve.commands.launching.supervise import supervise
 
     env = environment()
+    if ranks.nnodes > 1:
+        _name_interface(env, ranks.master_addr)
     if sys.stderr.isatty() or os.environ.get("MODELCARVE_PROGRESS") == "1":  # start-up lines for a person watching
         env["MODELCARVE_PROGRESS"] = "1"
         sys.stderr.write(f"modelcarve: starting {ranks.world_size} ranks with torchrun "
