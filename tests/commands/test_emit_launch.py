@@ -217,7 +217,8 @@ def test_torchtitan_config_manager_reads_every_training_winner(tmp_path, capsys,
     for case, flags in sorted(TRAIN.items()):
         layout, why, out = _plan(tmp_path / case, flags, "torchtitan", capsys)
         if layout is None:
-            assert "torchtitan 0.3.0" in why and "\n" not in why
+            # fp8 training: torchtitan sets Float8 in its config registry, not a flag -> none of the ranked fits
+            assert "--precision" in flags and "that torchtitan can express" in why and "\n" not in why, why
             continue
         cmd = _commands(out / "launch.sh")[0]
         args = cmd[cmd.index("--config") + 2:]
@@ -301,13 +302,16 @@ def test_refusal_names_the_rank_of_the_nearest_layout_in_the_plan(capsys):
     argv = ["plan", *TRAIN["dense-bf16"], "--top", "3"]
     assert main([*argv, "--emit-launch", "torchtitan"]) == 2
     err = capsys.readouterr().err
-    assert main([*argv[:-2], "--json", "--top", "40"]) == 0
+    from modelcarve.commands.plan import RANK_DEPTH
+
+    assert main([*argv[:-2], "--json", "--top", str(RANK_DEPTH)]) == 0
     ranking = [Layout.from_dict(item["layout"]) for item in json.loads(capsys.readouterr().out)["layouts"]]
     near = nearest("torchtitan", ranking[0], serving=False)
     at = [i for i, lay in enumerate(ranking, 1) if lay == near]
-    assert (f"rank {at[0]} in this plan" in err) if at else ("not in this plan's top 40" in err), err
+    assert (f"rank {at[0]} in this plan" in err) if at else (f"not in this plan's top {RANK_DEPTH}" in err), err
     best = next(i for i, lay in enumerate(ranking, 1) if can_express("torchtitan", lay, serving=False))
-    assert f"best it can express here is rank {best} ({ranking[best - 1].short()})" in err, err
+    if not at or at[0] != best:
+        assert f"best it can express here is rank {best} ({ranking[best - 1].short()})" in err, err
 
 
 def test_plan_engine_ranks_only_what_the_engine_expresses(capsys):

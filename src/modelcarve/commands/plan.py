@@ -203,7 +203,7 @@ def ranked_search(args, model, cluster, goal_name: str, top: int, options: dict)
     return result, ranking
 
 
-RANK_DEPTH = 40
+RANK_DEPTH = 400
 """Layouts ranked when --engine filters or a refusal names the nearest layout's rank."""
 
 

@@ -260,9 +260,9 @@ def refusal(engine: str, layout: Layout, model=None, *, serving: bool, ranking: 
         kind = table(engine)["kind"]
         return f"{title(engine)}: {why}" + ("" if kind != "both" and "engine and this is" in why else "; no nearby layout it can express")
     line = f"{title(engine)}: {why}: nearest expressible is {_diff(layout, near)} ({near.short()}; {rank_in(near, ranking)})"
-    if ranking and "rank " not in rank_in(near, ranking):
+    if ranking:
         best = next((i for i, other in enumerate(ranking, 1) if can_express(engine, other, model, serving=serving)), None)
-        if best:
+        if best and rank_in(near, ranking) != f"rank {best} in this plan":
             line += f"; the best it can express here is rank {best} ({ranking[best - 1].short()})"
     return line
 
