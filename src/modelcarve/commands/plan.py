@@ -20,12 +20,16 @@ import json
 
 from modelcarve.spec.errors import ModelcarveError
 
+from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
+
 
 def register(sub) -> None:
     estimate = sub.add_parser("estimate", help="memory, step time and link traffic of one layout")
     _common(estimate)
     estimate.add_argument("--layout", required=True, help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536,seq=2048" or layout.json')
     estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
+    estimate.add_argument("--max-batch-launch", dest="launch_batch", type=int, default=None, metavar="N",
+                          help="--emit-launch of a serving layout: the engine's max concurrent sequences (default: --batch)")
     estimate.set_defaults(func=_estimate)
 
     plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")
@@ -33,6 +37,8 @@ def register(sub) -> None:
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     plan.add_argument("--emit", metavar="PATH", help="write the best layout as the JSON the runtime reads")
     plan.add_argument("--plot", metavar="PNG", help="draw memory breakdown and per-link traffic of the top layouts")
+    plan.add_argument("--engine", choices=ENGINES, default=None,
+                      help="rank only the layouts this engine can express (commands/emit/engines/<engine>.json)")
     plan.set_defaults(func=_plan)
 
 
@@ -58,6 +64,11 @@ def _common(p) -> None:
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--emit-launch", metavar="ENGINE", choices=ENGINES, default=None,
+                   help=f"write the winner's launch command for an engine: {', '.join(ENGINES)} (refused in one line "
+                        f"if the engine cannot express it)")
+    p.add_argument("--out", metavar="DIR", default=None, help="--emit-launch: write launch.sh (and its files) into DIR "
+                                                               "instead of printing them")
     from modelcarve.commands.pricing import add_price_arguments
     from modelcarve.commands.serving_plan import add_serve_arguments
 
@@ -87,8 +98,12 @@ def _estimate(args) -> int:
     layout = Layout.parse(args.layout)
     from modelcarve.commands.serving_plan import is_serve_goal, run_serve_estimate
 
+    if args.emit_launch:
+        _check_launch(args, model, cluster, layout)
     if is_serve_goal(args.goal):
-        return run_serve_estimate(args, model, cluster, layout)
+        code = run_serve_estimate(args, model, cluster, layout)
+        _emit_launch(args, model, cluster, args._launch_layout, max_batch=args.launch_batch or args.batch or args.max_batch)
+        return code
     options = _options(args)
     if args.goal == "train":
         if layout.gbs and options.get("global_batch") not in (None, layout.gbs):
@@ -103,6 +118,8 @@ def _estimate(args) -> int:
         options.pop("global_batch", None)
         options.pop("seq", None)
     result = goal.evaluate(model, cluster, layout, **options)
+    if args.emit_launch:
+        _check_launch(args, model, cluster, layout)
     from modelcarve.commands.timeline import draw_estimate
 
     draw_estimate(getattr(args, "timeline", None), layout)
@@ -122,7 +139,89 @@ def _estimate(args) -> int:
     if not result["fits"]:
         out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
     print_costs(costs, serving=False)
+    _emit_launch(args, model, cluster, layout)
     return 0
+
+
+def _check_launch(args, model, cluster, layout) -> None:
+    """``estimate --emit-launch``: refuse (one line, exit 2) before any output if the engine cannot
+    express ``layout``; keep the layout to emit on ``args``."""
+    from modelcarve.commands.emit import EngineRefusal, refusal
+    from modelcarve.commands.serving_plan import engine_dtypes, is_serve_goal
+
+    serving = is_serve_goal(args.goal)
+    if serving:
+        layout = engine_dtypes(args.layout, layout)
+        group = layout.tp * layout.pp * layout.cp
+        if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
+            layout = layout.replace(dp=cluster.num_devices // group)  # as run_serve_estimate fills the cluster
+    line = refusal(args.emit_launch, layout, model, serving=serving, ranking=None)
+    if line:
+        raise EngineRefusal(line)
+    args._launch_layout = layout
+
+
+def _emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, label: str = "") -> None:
+    if not getattr(args, "emit_launch", None):
+        return
+    import sys
+
+    from modelcarve.commands.emit import render, write
+    from modelcarve.commands.serving_plan import is_serve_goal
+
+    files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
+                   label=label)
+    written = write(files, args.out)
+    if args.out:
+        sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")
+    else:
+        stream = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
+        stream.write("\n".join(written).rstrip("\n") + "\n")
+
+
+def ranked_search(args, model, cluster, goal_name: str, top: int, options: dict) -> tuple[dict, list | None]:
+    """The search, filtered to what ``--engine`` can express and deep enough to say where the nearest
+    expressible layout of a refusal ranks: ``(result with the top layouts, the deeper ranking as
+    Layouts)``. Without --engine/--emit-launch it is the plain search (ranking None)."""
+    from modelcarve.plan.search import search
+    from modelcarve.spec.layout import Layout
+
+    if not (getattr(args, "engine", None) or getattr(args, "emit_launch", None)):
+        return search(model, cluster, goal_name, top=top, **options), None
+    from modelcarve.commands.emit import can_express
+    from modelcarve.commands.serving_plan import is_serve_goal
+
+    depth = max(top, RANK_DEPTH)
+    result = search(model, cluster, goal_name, top=depth, **options)
+    ranking = [Layout.from_dict(item["layout"]) for item in result["layouts"]]
+    if args.engine:
+        serving = is_serve_goal(goal_name)
+        kept = [item for item, lay in zip(result["layouts"], ranking) if can_express(args.engine, lay, model, serving=serving)]
+        result["filtered_out"] = len(result["layouts"]) - len(kept)
+        result["layouts"] = kept
+    result["layouts"] = result["layouts"][:top]
+    return result, ranking
+
+
+RANK_DEPTH = 400
+"""Layouts ranked when --engine filters or a refusal names the nearest layout's rank."""
+
+
+def launch_winner(args, model, cluster, result: dict, ranking) -> None:
+    """``plan --emit-launch``: refuse in one line if the engine cannot express the winner, else emit."""
+    if not getattr(args, "emit_launch", None) or not result["layouts"]:
+        return
+    from modelcarve.commands.emit import EngineRefusal, refusal
+    from modelcarve.commands.serving_plan import is_serve_goal
+    from modelcarve.spec.layout import Layout
+
+    serving = is_serve_goal(args.goal)
+    winner = result["layouts"][0]
+    layout = Layout.from_dict(winner["layout"])
+    line = refusal(args.emit_launch, layout, model, serving=serving, ranking=ranking)
+    if line:
+        raise EngineRefusal(line)
+    args._launch = (layout, (winner.get("serve") or {}).get("batch"), f"{winner.get('name') or layout.short()}, rank 1")
 
 
 def _plan(args) -> int:
@@ -130,6 +229,8 @@ def _plan(args) -> int:
 
     from modelcarve.spec import files
 
+    if args.engine and args.emit_launch and args.engine != args.emit_launch:
+        raise ModelcarveError(f"--engine {args.engine} and --emit-launch {args.emit_launch} disagree; give one engine")
     for flag, value in (("--emit", args.emit), ("--plot", args.plot)):
         if value:
             files.output_path(value, flag)  # before the search, not after it
@@ -141,9 +242,11 @@ def _plan(args) -> int:
     options = _options(args)
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
-    result = search(model, cluster, goal.name, top=args.top, **options)
+    result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)
     if not result["layouts"]:
-        raise nothing_qualifies(result, f"no layout of {model.name} fits on {cluster.name}")
+        raise nothing_qualifies(result, f"no layout of {model.name} fits on {cluster.name}"
+                                + (f" that {args.engine} can express" if args.engine else ""))
+    launch_winner(args, model, cluster, result, ranking)
     if args.emit:
         from modelcarve.spec.layout import Layout
 
@@ -158,6 +261,9 @@ def _plan(args) -> int:
     costs = attach_costs(args, cluster, result["layouts"], serving=False)
     if args.json:
         print(json.dumps(result, indent=2))
+        if args.emit_launch:
+            layout, batch, label = args._launch
+            _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
         return 0
     from modelcarve.report.tables import console, plan_tables
 
@@ -170,4 +276,7 @@ def _plan(args) -> int:
         + (f"; wrote {args.emit}" if args.emit else "")
         + (f"; drew {args.plot}" if args.plot else "")
     )
+    if args.emit_launch:
+        layout, batch, label = args._launch
+        _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
     return 0

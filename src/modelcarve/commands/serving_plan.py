@@ -61,7 +61,11 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         from modelcarve.commands.frontier import run_frontier_plan
 
         return run_frontier_plan(args, model, cluster, options, top=top)
-    plan = search(model, cluster, args.goal, top=top, **options)
+    from modelcarve.commands.plan import launch_winner, ranked_search
+
+    plan, ranking = ranked_search(args, model, cluster, args.goal, top, options)
+    if plan["layouts"]:
+        launch_winner(args, model, cluster, plan, ranking)
     from modelcarve.commands.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, plan["layouts"], serving=True)
@@ -93,6 +97,11 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         plot_pareto(pareto_front(model, cluster, **options), args.plot,
                     title=f"{model.name} on {cluster.name}: {args.goal} (winner {plan['layouts'][0].get('name', '')})")
         sys.stderr.write(f"modelcarve: wrote {args.plot}\n")
+    if getattr(args, "emit_launch", None) and plan["layouts"]:
+        from modelcarve.commands.plan import _emit_launch
+
+        layout, batch, label = args._launch
+        _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
     return 0 if plan["layouts"] else 1
 
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# modelcarve --emit-launch megatron: CP2-DP4-Z1, rank 1 for llama-3.1-8b on 1x8xH100
+# mapping: Megatron-LM core_v0.19.2 (engines/megatron.json; checked against Megatron-LM megatron/training/arguments.py (megatron-core 0.19.2))
+# layout: CP2-DP4-Z1 tp=1 pp=1 dp=4 cp=2 ep=1 seq=4096
+torchrun \
+  --nnodes 1 \
+  --nproc-per-node 8 pretrain_gpt.py \
+  --tensor-model-parallel-size 1 \
+  --pipeline-model-parallel-size 1 \
+  --context-parallel-size 2 \
+  --use-distributed-optimizer \
+  --num-distributed-optimizer-instances 1 \
+  --micro-batch-size 1 \
+  --global-batch-size 256 \
+  --seq-length 4096 \
+  --bf16
