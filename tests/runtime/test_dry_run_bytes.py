@@ -2,14 +2,12 @@
 planner's top training layouts at full world size.
 
 The full-scale checks build DeepSeek-V3 (2048 ranks) and Llama-3.1-405B (16384 ranks) on the
-meta device under the fake process group. Their per-rank figures do NOT all equal the
-planner's today, for one stated reason (docs/reports/2026-12-03-s2-dryrun.md): the runtime keeps fp32
-weights (4 bytes) where the planner counts bf16 weights (2 bytes) with the fp32 master in the
-optimiser. The layers agree (issue 25: both sides take spec/stages.py's split, the embedding and
-head counted as a layer each), so what is asserted holds on EVERY rank: the planner's gradient
-bytes exactly (fp32 on both sides) and its ZeRO-1 optimiser bytes within the bucket padding. The
-full equality is a strict xfail: it starts failing (XPASS) the day both sides agree, so the test
-is then tightened.
+meta device under the fake process group. Both layouts are ZeRO-1 with bf16 parameters: the
+runtime holds bf16 weights with the fp32 master in the (distributed) optimiser
+(zero_optimizer.py's mixed precision), as the planner counts them (issue 26), and the layers
+agree (issue 25: both sides take spec/stages.py's split, the embedding and head counted as a
+layer each). So on EVERY distinct rank weights and gradients equal the planner's exactly and the
+optimiser state is within the bucket padding (``tolerance_bytes``).
 """
 
 from __future__ import annotations
@@ -98,8 +96,6 @@ def test_full_scale_gradients_and_zero_totals(full_scale):
         # bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
         assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
 
-@pytest.mark.xfail(strict=True, reason="fp32 runtime weights differ from the planner's bf16 weights "
-                   "(see the module doc)")
 def test_full_scale_equals_planner(full_scale):
     assert full_scale["ok"], [r for r in full_scale["rows"] if not r["ok"]][:2]
 

@@ -36,6 +36,7 @@ LAYOUTS = {
         ("tiny-llama", f"tp=2,sp,gbs=2,{COMMON}"),
         ("tiny-llama", "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16"),
         ("tiny-llama", "dp=2,fsdp,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
+        ("tiny-llama", "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16"),  # bf16 params, fp32 master (issue 26)
         ("@qwen3-tied", f"tp=2,sp,gbs=2,{COMMON}"),
         ("@mla-dense", f"tp=2,gbs=2,{COMMON}"),
         ("tiny-llama", f"dp=2,fsdp,recompute=full,gbs=4,{COMMON}"),
@@ -47,6 +48,8 @@ LAYOUTS = {
         ("tiny-llama", f"tp=2,sp,dp=2,zero=1,gbs=4,{COMMON}"),
         ("@qwen3-tied", f"tp=2,dp=2,fsdp,gbs=4,{COMMON}"),
         ("tiny-llama", f"dp=4,dp_shard=2,zero=1,gbs=4,{COMMON}"),
+        ("tiny-llama", "tp=2,sp,dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
+        ("tiny-llama", "pp=2,dp=2,zero=2,gbs=8,seq=16,mbs=1,param_dtype=bf16"),
         ("tiny-llama", f"tp=4,sp,gbs=2,{COMMON}"),  # 2 kv heads: each replicated over 2 ranks
         ("@qwen3-tied", f"tp=4,gbs=2,{COMMON}"),
     ],

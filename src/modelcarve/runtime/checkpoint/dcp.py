@@ -85,8 +85,12 @@ def _box(chunk: nn.Module, fqn: str, tensor: torch.Tensor, param, shape: tuple[i
     return Box(local, tuple(start), tuple(shape))
 
 
-def model_entries(chunks: list[nn.Module], spec) -> tuple[dict[str, Box], dict[int, tuple[str, nn.Module, str]]]:
-    """``{key: Box}`` of every saved tensor on this rank, and ``{id(param): (fqn key, chunk, local fqn)}``."""
+def model_entries(chunks: list[nn.Module], spec, optimizer=None) -> tuple[dict[str, Box], dict[int, tuple[str, nn.Module, str]]]:
+    """``{key: Box}`` of every saved tensor on this rank, and ``{id(param): (fqn key, chunk, local fqn)}``.
+    With ``optimizer`` holding fp32 master weights of low-precision parameters (mixed-precision
+    ZeRO: ``master_params()``), the masters are saved / loaded in their place: a checkpoint is
+    always the full-precision state (call the optimiser's ``after_load`` after a load)."""
+    masters = getattr(optimizer, "master_params", dict)()
     shapes = full_shapes(spec)
     boxes: dict[str, Box] = {}
     owners: dict[int, tuple[str, nn.Module, str]] = {}
@@ -96,7 +100,7 @@ def model_entries(chunks: list[nn.Module], spec) -> tuple[dict[str, Box], dict[i
             name = tied.get(fqn, fqn)
             if name not in shapes:
                 raise ModelcarveError(f"{fqn}: not a tensor of the full {spec.name} model; cannot checkpoint it")
-            box = _box(chunk, fqn, t, t, shapes[name])
+            box = _box(chunk, fqn, masters.get(id(t), t), t, shapes[name])
             owners[id(t)] = (name, chunk, fqn)
             if box is not None:
                 boxes[f"model.{name}"] = box
@@ -118,9 +122,10 @@ def init_optimizer_state(optimizer) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 if not opt.state.get(p):
+                    # fp32 moments also beside bf16 parameters (mixed-precision ZeRO's view)
                     opt.state[p] = dict(step=torch.tensor(0.0, dtype=torch.float32),
-                                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                                        exp_avg=torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format),
+                                        exp_avg_sq=torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format))
 
 
 def optimizer_entries(optimizer, owners, spec) -> dict[str, Box]:

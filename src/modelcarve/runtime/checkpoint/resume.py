@@ -90,7 +90,7 @@ class Checkpointing:
             return 0
         step_dir, manifest, skipped = Path(picked[0]), picked[1], picked[2]
         _say(commit.Choice(step_dir, manifest, skipped).describe())
-        boxes, owners = dcpk.model_entries(chunks, spec)
+        boxes, owners = dcpk.model_entries(chunks, spec, trainer.optimizer)
         dcpk.init_optimizer_state(trainer.optimizer)
         boxes |= dcpk.optimizer_entries(trainer.optimizer, owners, spec)
         rng = dcpk.rng_entries(load=True)
@@ -98,6 +98,7 @@ class Checkpointing:
         if have_rng:
             boxes |= rng
         dcpk.load_state(step_dir, boxes)
+        getattr(trainer.optimizer, "after_load", lambda: None)()  # mixed precision: masters -> parameters
         if have_rng:
             torch.set_rng_state(next(iter(rng.values())).local)
         lrs = manifest["state"].get("lr")
@@ -137,7 +138,7 @@ class Checkpointing:
         if not self.enabled or step in self.saved:
             return None
         chunks, trainer, spec, layout, data_info = self.context
-        boxes, owners = dcpk.model_entries(chunks, spec)
+        boxes, owners = dcpk.model_entries(chunks, spec, trainer.optimizer)
         boxes |= dcpk.optimizer_entries(trainer.optimizer, owners, spec)
         boxes |= dcpk.rng_entries(load=False)
         rng_keys = [None] * dist.get_world_size()

@@ -16,8 +16,10 @@ distinct (stage, figures), with how many ranks share it.
 
 The byte figures need no training step (the proof, checked against torch in
 tests/runtime/test_dry_run_bytes.py):
-* weights: the runtime keeps fp32 master weights as the parameters (train.py: bf16 runs under
-  autocast), so 4 bytes x local elements (a DTensor's local shard under FSDP2);
+* weights: ZeRO-1/2 with ``param_dtype=bf16`` holds bf16 parameters (zero_optimizer.py's mixed
+  precision: the fp32 master is the optimiser's owned range), so 2 bytes x local elements; every
+  other layout keeps fp32 parameters (bf16 runs under autocast), 4 bytes x local elements (a
+  DTensor's local shard under FSDP2);
 * gradients: autograd accumulates ``.grad`` in the parameter's shape and dtype; FSDP2
   reduce-scatters into the sharded gradient, so the same local elements x 4;
 * optimiser: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (2 x 4 bytes per
@@ -25,7 +27,8 @@ tests/runtime/test_dry_run_bytes.py):
   zero_optimizer.ShardedAdamW: one flat bucket per gradient group (dense: dp x cp; experts:
   their expert-data-parallel group), padded to a multiple of the group size ``n``; each rank
   owns ``padded / n`` elements and keeps an fp32 master copy of them plus the two moments (12
-  bytes each). ZeRO-1 keeps the whole padded flat gradient buffer, ZeRO-2 its owned range.
+  bytes each). ZeRO-1 keeps the whole padded flat gradient buffer, ZeRO-2 its owned range (fp32
+  under mixed precision too: the hooks accumulate the bf16 micro-batch gradients into it).
 
 The planner's figures (``planner_figures``) are plan/train/model.py's ``rank_state_parts`` of
 each pipeline rank (the layers spec/stages.py's split gives it: the split ``parallelize``
@@ -46,6 +49,7 @@ from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.stages import stage_kind
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train/trainer.py, spec/support.py)
+LOW_BYTES = 2  # bf16 parameters of mixed-precision ZeRO-1/2 (zero_optimizer.py)
 CATEGORIES = ("weights", "gradients", "optimizer_states")
 ZERO_STATE_BYTES = 12  # zero_optimizer: fp32 master of the owned range + exp_avg + exp_avg_sq
 
@@ -109,7 +113,8 @@ def _rank_figures(layout, params, q: int) -> tuple[float, float, float]:
         padded = -(-total // n) * n  # zero_optimizer._Bucket: one flat bucket per gradient group
         grads += padded if zero == 1 else padded // n  # ZeRO-1 keeps the flat buffer, ZeRO-2 its range
         opt += padded // n
-    return elems * MASTER_BYTES, grads * MASTER_BYTES, ZERO_STATE_BYTES * opt
+    weight = LOW_BYTES if layout.param_dtype == "bf16" else MASTER_BYTES
+    return elems * weight, grads * MASTER_BYTES, ZERO_STATE_BYTES * opt
 
 
 def measure(model_name: str, layout) -> dict:

@@ -81,10 +81,13 @@ def _grad_groups(chunks, mesh) -> list:
 
 
 def _partial_sums(chunks) -> None:
+    zero_opt = chunks[0].__dict__.get("_mc_zero_optimizer")
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         for fqn, groups in partial_grads_of(chunk).items():
-            grad = params[fqn].grad
+            # mixed-precision ZeRO: the fp32 gradient the optimiser accumulated (zero_optimizer.py)
+            grad = zero_opt.grad_of(params[fqn]) if zero_opt is not None else None
+            grad = params[fqn].grad if grad is None else grad
             if grad is None:
                 continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -111,8 +114,9 @@ def reduce_gradients(chunks: list[nn.Module], mesh, layout) -> None:
         if zero_opt is None:  # no optimiser built (gradients only): a plain all-reduce
             _reduce_once(_grad_groups(chunks, mesh))
         else:
-            # ZeRO-2 frees p.grad, which train.py's 1/(dp x cp) after a pipeline step scales
-            scale = 1.0 / replicas if layout.pp > 1 and layout.zero == 2 else None
+            # ZeRO-2 (and mixed precision, whose fp32 gradients are no p.grad) frees p.grad, which
+            # train.py's 1/(dp x cp) after a pipeline step scales
+            scale = 1.0 / replicas if layout.pp > 1 and (layout.zero == 2 or zero_opt.mixed) else None
             zero_opt.reduce(scale=scale)
 
 
@@ -152,10 +156,26 @@ def build_optimizer(chunks: list[nn.Module], mesh, layout, **adamw):
                     groups.append((chunk, fqn, p, overrides[fqn], None))
                 else:
                     groups.append((chunk, fqn, p, shard_group or default, replicate))
-        opt = ShardedAdamW(chunks, groups, layout.zero, **adamw)
+        mixed = dict(param_dtype=torch.bfloat16, unhooked=_tied_params(chunks, layout),
+                     grad_scale=1.0 / layout.num_microbatches if layout.pp > 1 else 1.0)
+        opt = ShardedAdamW(chunks, groups, layout.zero, **(mixed if layout.param_dtype == "bf16" else {}), **adamw)
         chunks[0].__dict__["_mc_zero_optimizer"] = opt
         return opt
     return torch.optim.AdamW(params, **adamw)
+
+
+def _tied_params(chunks, layout) -> frozenset:
+    """ids of the parameters whose gradient the pipeline sums across stages (the tied embedding
+    and its copies): mixed-precision ZeRO leaves their ``.grad`` to pipeline.py."""
+    if layout.pp == 1 or not chunks[0].spec.tied_embeddings:
+        return frozenset()
+    out = set()
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for fqn in [*tied_copy_names(chunk), "tok_embeddings.weight"]:
+            if fqn in params:
+                out.add(id(params[fqn]))
+    return frozenset(out)
 
 
 def _copies(chunk, fqn, param, world_per_stage) -> int:

@@ -37,6 +37,19 @@ is held from the reduction to the step.
 every ``p.grad`` holds the full reduced gradient. ``checkpoint_view()`` gives the checkpoint code
 a per-parameter AdamW state of full local shapes (all-gathered); what a load writes into it is
 taken back into the owned ranges at the next step.
+
+Mixed precision (``param_dtype``: bf16, as Megatron's distributed optimiser): the model's
+parameters are cast to bf16 once the fp32 master ranges are taken from them; the master ranges
+are then the only full-precision weights (never refreshed from the parameters) and each step
+copies the all-gathered fp32 result into the bf16 parameters. Gradients are accumulated in fp32
+(``grad_dtype``): a post-accumulate-grad hook adds each parameter's bf16 micro-batch gradient
+into the bucket's fp32 flat buffer (Megatron's ``main_grad``) and frees it; under a pipeline the
+hook also applies torch's ``scale_grads`` 1/micro-batches, which then finds no ``.grad``.
+Parameters named in ``unhooked`` (a pipeline's tied embedding copies, whose gradient
+pipeline.py sums across stages) keep their ``.grad``, folded into the flat buffer at ``reduce``.
+``master_params()`` gives the checkpoint code the fp32 weights of full local shapes
+(all-gathered) to save and load in place of the bf16 parameters; ``after_load()`` takes a loaded
+state back into the master ranges and the parameters.
 """
 
 from __future__ import annotations
@@ -63,7 +76,7 @@ class _Bucket:
         self.shard = self.padded // self.n
         self.rank = 0 if group is None or self.n == 1 else dist.get_rank(group)
         self.lo, self.hi = self.rank * self.shard, (self.rank + 1) * self.shard
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, device  # the gradient buffer's dtype (fp32 under mixed precision)
         self.master = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.flat_grad: torch.Tensor | None = None
 
@@ -91,13 +104,18 @@ class _Bucket:
 class ShardedAdamW:
     """AdamW sharded over the data-parallel ranks (ZeRO ``stage`` 1 or 2); see the module doc."""
 
-    def __init__(self, chunks, groups, stage: int, **adamw):
-        """``groups``: ``[(chunk, fqn, param, group, replicate_group)]`` in parameter order."""
+    def __init__(self, chunks, groups, stage: int, param_dtype: torch.dtype | None = None,
+                 grad_scale: float = 1.0, unhooked: frozenset = frozenset(), **adamw):
+        """``groups``: ``[(chunk, fqn, param, group, replicate_group)]`` in parameter order;
+        ``param_dtype``: the model's parameters are cast to it (mixed precision, module doc);
+        ``grad_scale``: what the accumulation hook multiplies each gradient by."""
         self.stage = stage
+        self.mixed = param_dtype is not None and param_dtype != torch.float32
         by_key: dict = {}
         for chunk, fqn, p, group, replicate in groups:
-            key = (id(group), id(replicate), p.dtype, p.device)
-            by_key.setdefault(key, (group, replicate, p.dtype, p.device, []))[4].append((chunk, fqn, p))
+            dtype = torch.float32 if self.mixed else p.dtype
+            key = (id(group), id(replicate), dtype, p.device)
+            by_key.setdefault(key, (group, replicate, dtype, p.device, []))[4].append((chunk, fqn, p))
         self.buckets = []
         for group, replicate, dtype, device, items in by_key.values():
             entries, off = [], 0
@@ -109,6 +127,47 @@ class ShardedAdamW:
             b.refresh_master()
         self.optim = torch.optim.AdamW([b.master for b in self.buckets], **adamw)
         self._view = None
+        self._view_masters: dict | None = None
+        if self.mixed:
+            self._to_low_precision(param_dtype, grad_scale, unhooked)
+
+    @torch.no_grad()
+    def _to_low_precision(self, dtype, grad_scale: float, unhooked) -> None:
+        """Cast the parameters to ``dtype`` (the masters hold fp32) and hook fp32 accumulation."""
+        seen = set()
+        for b in self.buckets:
+            for _, _, p, off in b.entries:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    p.data = p.data.to(dtype)
+                if id(p) not in unhooked:
+                    p.register_post_accumulate_grad_hook(self._accumulate_hook(b, off, grad_scale))
+
+    @staticmethod
+    def _accumulate_hook(b, off: int, grad_scale: float):
+        def hook(p):
+            with torch.no_grad():
+                if b.flat_grad is None:
+                    b.flat_grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                piece = b.flat_grad[off : off + p.numel()]
+                if grad_scale == 1.0:
+                    piece.add_(p.grad.reshape(-1))
+                else:
+                    piece.add_(p.grad.reshape(-1), alpha=grad_scale)
+                p.grad = None
+        return hook
+
+    def grad_of(self, p) -> torch.Tensor | None:
+        """The fp32 accumulated gradient of ``p`` (a view of the flat buffer), mixed precision only."""
+        if not self.mixed:
+            return None
+        for b in self.buckets:
+            for _, _, q, off in b.entries:
+                if q is p:
+                    if b.flat_grad is None:
+                        b.flat_grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                    return b.flat_grad[off : off + p.numel()].view(p.shape)
+        return None
 
     # --- what train.py / the checkpoint code / the memory report read ----------------------
 
@@ -123,7 +182,10 @@ class ShardedAdamW:
     def held_grad_bytes(self) -> int:
         """Gradient bytes held only here (ZeRO-2's owned ranges; ZeRO-1's alias ``p.grad``)."""
         if self.stage == 1:
-            return 0
+            if not self.mixed:
+                return 0
+            return sum(b.flat_grad.numel() * b.flat_grad.element_size() for b in self.buckets
+                       if b.flat_grad is not None)
         return sum(b.master.grad.numel() * b.master.grad.element_size() for b in self.buckets
                    if b.master.grad is not None)
 
@@ -133,6 +195,9 @@ class ShardedAdamW:
     def reduce(self, scale: float | None = None) -> None:
         """Reduce-scatter every bucket's gradients (see the module doc); collective."""
         for b in self.buckets:
+            if self.mixed:
+                self._reduce_mixed(b, scale)
+                continue
             flat = b.flatten_grads()
             if b.n > 1:
                 out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
@@ -158,6 +223,33 @@ class ShardedAdamW:
                     p.grad = None
                 del flat
 
+    @torch.no_grad()
+    def _reduce_mixed(self, b, scale: float | None) -> None:
+        """Mixed precision: reduce the fp32 flat buffer the hooks accumulated into (module doc)."""
+        if b.flat_grad is None:
+            b.flat_grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        flat = b.flat_grad
+        for _, _, p, off in b.entries:  # unhooked parameters (tied copies) still hold .grad
+            if p.grad is not None:
+                flat[off : off + p.numel()].add_(p.grad.reshape(-1))
+                p.grad = None
+        if b.n > 1:
+            out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+            reduce_scatter_tensor(out, flat, group=b.group)
+            flat[b.lo : b.hi].copy_(out)
+            del out
+        if _size(b.replicate) > 1:
+            owned = flat[b.lo : b.hi].contiguous()
+            dist.all_reduce(owned, group=b.replicate)
+            flat[b.lo : b.hi].copy_(owned)
+        if scale is not None:
+            flat[b.lo : b.hi].mul_(scale)
+        if self.stage == 1:
+            b.master.grad = flat[b.lo : b.hi].view(-1)
+        else:
+            b.master.grad = flat[b.lo : b.hi].clone()
+            b.flat_grad = None
+
     def owned_grad_pieces(self):
         """(chunk, fqn, param, group size, owned gradient piece) of every piece this rank owns."""
         for b in self.buckets:
@@ -172,7 +264,8 @@ class ShardedAdamW:
     def step(self) -> None:
         self._adopt_view()
         for b in self.buckets:
-            b.refresh_master()
+            if not self.mixed:  # fp32: the parameters are the weights (a load writes into them)
+                b.refresh_master()
             if b.master.grad is None:
                 b.master.grad = torch.zeros_like(b.master)
         self.optim.step()
@@ -184,7 +277,10 @@ class ShardedAdamW:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
-            b.flat_grad = None
+            if self.mixed and self.stage == 1 and b.flat_grad is not None:
+                b.flat_grad.zero_()  # ZeRO-1 keeps its fp32 gradient buffer (Megatron's main_grad)
+            else:
+                b.flat_grad = None
             b.master.grad = None
             for _, _, p, _ in b.entries:
                 p.grad = None
@@ -199,7 +295,7 @@ class ShardedAdamW:
                 continue
             full = gather_flat(b.master.grad, b.group)  # fp32 (master.grad always is), b.padded elements
             for _, _, p, off in b.entries:
-                p.grad = full[off : off + p.numel()].view_as(p).to(b.dtype)
+                p.grad = full[off : off + p.numel()].view_as(p).to(p.dtype)
 
     def checkpoint_view(self) -> torch.optim.Optimizer:
         """A plain AdamW over the model's parameters whose state (if any) is the full local
@@ -222,9 +318,39 @@ class ShardedAdamW:
         self._view = view
         return view
 
+    def master_params(self) -> dict:
+        """Mixed precision: ``{id(param): its fp32 master weights of the parameter's local shape}``,
+        all-gathered (collective), what a checkpoint saves and loads as the model's weights; the
+        same tensors until the next step or ``after_load``. Empty with fp32 parameters."""
+        if not self.mixed:
+            return {}
+        if self._view_masters is None:
+            masters = {}
+            for b in self.buckets:
+                full = gather_flat(b.master, b.group)
+                for _, _, p, off in b.entries:
+                    masters[id(p)] = full[off : off + p.numel()].view(p.shape).clone()
+                del full
+            self._view_masters = masters
+        return self._view_masters
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """A checkpoint was loaded into ``master_params()``: take it into the master ranges and
+        the low-precision parameters (the moments are taken at the next step)."""
+        masters, self._view_masters = self._view_masters, None
+        if not masters:
+            return
+        for b in self.buckets:
+            for p, ps, ms, k in b.owned():
+                b.master[ms : ms + k].copy_(masters[id(p)].reshape(-1)[ps : ps + k])
+            for _, _, p, _ in b.entries:
+                p.detach().copy_(masters[id(p)])
+
     @torch.no_grad()
     def _adopt_view(self) -> None:
         view, self._view = self._view, None
+        self._view_masters = None
         if view is None:
             return
         for b in self.buckets:
