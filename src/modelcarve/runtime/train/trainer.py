@@ -24,8 +24,11 @@ Both paths yield the gradient of the global-batch mean. cp > 1 takes this rank's
 micro-batch from ``context.shard_batch(tokens, targets, mesh, layout) -> (tokens, targets, positions)``.
 
 Mixed precision: ``param_dtype=bf16`` runs forward and backward under ``torch.autocast`` (bf16
-matmuls) with fp32 master weights, fp32 gradients, fp32 reductions and fp32 AdamW state
-(``grad_dtype``/``optim_dtype`` other than fp32, and fp16, are refused by spec/support.py).
+matmuls) with fp32 gradients, fp32 reductions and fp32 AdamW state. Under ZeRO-1/2 the model's
+parameters are bf16 and the fp32 master weights live in the distributed optimiser's owned range
+(parallel/zero_optimizer.py, as Megatron's distributed optimiser holds them); with zero=0 and
+FSDP2 the fp32 parameters are the master weights themselves (``grad_dtype``/``optim_dtype`` other
+than fp32, and fp16, are refused by spec/support.py).
 """
 
 from __future__ import annotations
