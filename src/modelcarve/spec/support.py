@@ -129,6 +129,24 @@ def pipeline_problems(layout: "Layout", num_layers: int) -> list[str]:
 
 
 # --- training ---------------------------------------------------------------------------
+def held_param_dtype(layout: "Layout") -> str:
+    """The dtype the training runtime holds the model's parameters in for ``layout``: the one
+    precision-policy rule, read by the runtime (parallel/data_parallel.py builds the optimiser by
+    it), verify's single-device reference (which then holds the same), the dry run and the
+    planner's forecast of our runtime.
+
+    ``"bf16"`` exactly when the distributed optimiser exists and owns an fp32 master copy:
+    ``param_dtype=bf16`` with ZeRO-1/2 over more than one data-parallel (dp x cp) rank
+    (zero_optimizer.ShardedAdamW's mixed precision, as Megatron's distributed optimiser holds it:
+    bf16 parameters, fp32 master range, fp32 moments, fp32 gradient accumulation). Every other
+    layout — zero=0, FSDP2 (zero=3), a ZeRO stage over one replica (plain AdamW), fp32 — holds
+    fp32 parameters, which are then their own master weights, and a bf16 layout computes under
+    autocast. Gradients and optimiser state are fp32 everywhere (``runtime_problems``)."""
+    if layout.param_dtype == "bf16" and layout.zero in (1, 2) and layout.dp * layout.cp > 1:
+        return "bf16"
+    return "fp32"
+
+
 def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
     """What the training runtime does not execute of a layout ``Layout.validate`` accepts."""
     problems = []

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.stages import stage_kind
+from modelcarve.spec.support import held_param_dtype
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments (train/trainer.py, spec/support.py)
 LOW_BYTES = 2  # bf16 parameters of mixed-precision ZeRO-1/2 (zero_optimizer.py)
@@ -113,7 +114,7 @@ def _rank_figures(layout, params, q: int) -> tuple[float, float, float]:
         padded = -(-total // n) * n  # zero_optimizer._Bucket: one flat bucket per gradient group
         grads += padded if zero == 1 else padded // n  # ZeRO-1 keeps the flat buffer, ZeRO-2 its range
         opt += padded // n
-    weight = LOW_BYTES if layout.param_dtype == "bf16" else MASTER_BYTES
+    weight = LOW_BYTES if held_param_dtype(layout) == "bf16" else MASTER_BYTES
     return elems * weight, grads * MASTER_BYTES, ZERO_STATE_BYTES * opt
 
 

@@ -37,6 +37,7 @@ from modelcarve.runtime.parallel.grad_buckets import GradBuckets, plan_buckets
 from modelcarve.runtime.distributed.mesh import axis_group, merged_mesh
 from modelcarve.runtime.distributed.shards import grad_groups_of, partial_grads_of, shards_of, tied_copy_names
 from modelcarve.runtime.parallel.zero_optimizer import ShardedAdamW
+from modelcarve.spec.support import held_param_dtype
 
 
 def _dp_mesh(mesh, layout):
@@ -158,7 +159,8 @@ def build_optimizer(chunks: list[nn.Module], mesh, layout, **adamw):
                     groups.append((chunk, fqn, p, shard_group or default, replicate))
         mixed = dict(param_dtype=torch.bfloat16, unhooked=_tied_params(chunks, layout),
                      grad_scale=1.0 / layout.num_microbatches if layout.pp > 1 else 1.0)
-        opt = ShardedAdamW(chunks, groups, layout.zero, **(mixed if layout.param_dtype == "bf16" else {}), **adamw)
+        low = held_param_dtype(layout) == "bf16"  # the one precision-policy rule (spec/support.py)
+        opt = ShardedAdamW(chunks, groups, layout.zero, **(mixed if low else {}), **adamw)
         chunks[0].__dict__["_mc_zero_optimizer"] = opt
         return opt
     return torch.optim.AdamW(params, **adamw)
