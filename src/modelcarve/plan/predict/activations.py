@@ -5,7 +5,9 @@ fused SwiGLU, fused norms, GQA keys not expanded). modelcarve's own runtime is e
 saves more; to check the planner against it (``verify --against-plan``) this module counts the
 tensors it really saves, term by term, per micro-batch of ``T = mbs x seq`` tokens on one rank
 (``t`` = tp, ``rep`` = t under sequence parallelism else 1, ``c`` the compute dtype's bytes,
-residual stream, norms, logits and the loss in fp32):
+residual stream, norms, logits and the loss in fp32; where the runtime holds bf16 parameters,
+spec/support.held_param_dtype, the embedding's output and so the residual stream are bf16: each
+norm's output is saved in bf16 and the projections read that one tensor, no autocast copies):
 
 * each RMSNorm: its input and its normalised output ``2 x 4 T h / rep`` and the fp32 inverse
   RMS ``4 T / rep``;
@@ -38,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from modelcarve.spec.stages import stage_counts
+from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -47,18 +50,29 @@ FP32 = 4
 INDEX = 8  # int64 token ids and targets
 
 
-def _norm(T: float, h: int, rep: int) -> float:
-    return 2 * FP32 * T * h / rep + FP32 * T / rep
+def _norm(T: float, h: int, rep: int, resid: int = FP32) -> float:
+    """RMSNorm saves its fp32 input, the fp32 inverse RMS and its normalised output cast back to
+    the residual stream's dtype (``resid`` bytes) for the weight's product."""
+    return (FP32 + resid) * T * h / rep + FP32 * T / rep
 
 
-def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int) -> dict[str, float]:
-    """Saved bytes of one dense decoder layer and one micro-batch on one TP rank."""
+def residual_bytes(layout: "Layout") -> int:
+    """Bytes of the residual stream: bf16 where the runtime holds bf16 parameters (the embedding's
+    output is then bf16, spec/support.held_param_dtype), else fp32 (autocast leaves it fp32)."""
+    return 2 if held_param_dtype(layout) == "bf16" else FP32
+
+
+def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int,
+                resid: int = FP32) -> dict[str, float]:
+    """Saved bytes of one dense decoder layer and one micro-batch on one TP rank (``resid``: the
+    residual stream's bytes, ``residual_bytes``; a bf16 stream feeds the projections with no
+    autocast copies)."""
     h, hd, f = spec.hidden_size, spec.head_dim, spec.ffn_size
     rep = tp if sp else 1
     heads = spec.num_heads / tp
-    casts_attn, casts_mlp = (1, 1) if c == FP32 else (3, 2)
+    casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2)
     return {
-        "norms": 2 * _norm(T, h, rep),
+        "norms": 2 * _norm(T, h, rep, resid),
         "attn_input": casts_attn * c * T * h,
         "qkv": 3 * c * T * heads * hd,
         "attn_out": c * T * heads * hd + FP32 * T * heads,  # fused SDPA: output + log-sum-exp, no scores
@@ -68,14 +82,15 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     }
 
 
-def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, first: bool, last: bool) -> dict[str, float]:
+def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, first: bool, last: bool,
+                resid: int = FP32) -> dict[str, float]:
     """Once per stage and micro-batch: rotary tables, token ids, final norm, head input, logits, loss."""
     rep = tp if sp else 1
     out = {"rope": 2 * FP32 * seq * spec.head_dim}
     if first:
         out["token_ids"] = INDEX * T
     if last:
-        out["final_norm"] = _norm(T, spec.hidden_size, rep)
+        out["final_norm"] = _norm(T, spec.hidden_size, rep, resid)
         out["head_input"] = c * T * spec.hidden_size
         vocab = spec.vocab_size if spec.vocab_size % tp == 0 else -(-spec.vocab_size // (tp * 128)) * tp * 128
         out["logits"] = FP32 * T * vocab / tp  # the padded shard (runtime/parallel/tensor.py)
@@ -92,8 +107,9 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     T = layout.mbs * layout.seq
-    one = layers * sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c).values())
-    one += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last).values())
+    r = residual_bytes(layout)
+    one = layers * sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r).values())
+    one += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
     return float(one * in_flight)
 
 
@@ -105,12 +121,13 @@ def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: i
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     T, last_stage = layout.mbs * layout.seq, p * v - 1
-    layer = sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c).values())
+    r = residual_bytes(layout)
+    layer = sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r).values())
     counts = stage_counts(spec.num_layers, p, v)
     n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
     total = 0.0
     for k in range(n):
         stage = pp_rank + ((k // p) % v) * p
-        terms = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage)
+        terms = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
         total += counts[stage] * layer + sum(terms.values())
     return total

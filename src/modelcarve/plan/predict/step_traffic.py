@@ -62,6 +62,7 @@ from modelcarve.plan.predict.activations import interleaved_activation_bytes, ra
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
 from modelcarve.spec.stages import rank_layers, rank_stage_ids
+from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 
 DTYPE_SIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "float32": 4, "bfloat16": 2, "float64": 8}
 MASTER_BYTES = 4
+LOW_BYTES = 2  # bf16 parameters of mixed-precision ZeRO-1/2 (spec/support.held_param_dtype)
 """The runtime keeps fp32 parameters, gradients and AdamW moments whatever the compute dtype."""
 
 
@@ -200,6 +202,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             msgs.append(Message("all_reduce", tied, "fp32", spec.hidden_size * (padded_vocab(spec.vocab_size, tp) // tp) * MASTER_BYTES))
     params = grads = local * MASTER_BYTES
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
+    low = held_param_dtype(layout) == "bf16"  # the runtime's precision policy (spec/support.py)
     if layout.dp > 1:
         n = layout.dp
         if layout.zero == 3:
@@ -214,9 +217,16 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             # to a multiple of n, reduce-scattered ONCE per step (after the last micro-batch's backward,
             # whatever m) and all-gathered after the step; the rank keeps its 1/n range, its two
             # moments and one step counter. ZeRO-2 frees every p.grad and holds only that range.
+            # Its owned range is an fp32 master copy beside the two moments (3 x 4 bytes per element).
+            # Under bf16 (held_param_dtype) the parameters are bf16 (2 bytes) and the master range
+            # is the only fp32 weight; the gradients are accumulated in the fp32 flat buffer (no
+            # p.grad), which ZeRO-1 keeps whole (padded) and ZeRO-2 reduces to its range.
             flat = -(-local // n) * n * MASTER_BYTES
             msgs += [Message("reduce_scatter", dp_group, "fp32", flat), Message("all_gather", dp_group, "fp32", flat)]
-            optimizer = 2 * flat // n + 4
+            optimizer = 3 * flat // n + 4
+            if low:
+                params = local * LOW_BYTES
+                grads = flat
             if layout.zero == 2:
                 grads = flat // n
         else:

@@ -9,7 +9,7 @@ this rank (local shards: a DTensor counts its local piece):
   in place of ``p.grad`` (``held_grad_bytes``: ZeRO-2's reduced owned range, kept in its flat
   buffer after every ``p.grad`` is freed); ``held_grads(chunks, optimizer)`` is that sum;
 * ``optimizer``: bytes of the optimiser state after the step (AdamW's moments and step
-  counters; ZeRO-1: this rank's partition);
+  counters; ZeRO-1/2: this rank's partition, with its fp32 master range);
 * ``activations``: the peak, over the step, of the bytes saved for backward and still alive
   (``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves passes through
   ``pack``; it is counted once per distinct view (storage, offset, shape, stride), at the bytes
@@ -149,11 +149,15 @@ def held_grads(chunks, optimizer) -> int:
 
 
 def optimizer_bytes(optimizer) -> int:
-    states = []
+    """AdamW's state tensors, plus the fp32 master ranges ZeRO-1/2's ShardedAdamW steps (its
+    ``buckets``' ``master``: under ``param_dtype=bf16`` the only fp32 weights, and a copy of the
+    owned range beside fp32 parameters too)."""
+    states, masters = [], 0
     for opt in getattr(optimizer, "optimizers", [optimizer]):
         states.append(getattr(opt, "optim", opt).state)  # ZeroRedundancyOptimizer wraps the local one
-    return sum(_bytes(v) for state in states for s in state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+        masters += sum(_bytes(b.master) for b in getattr(opt, "buckets", ()))
+    return masters + sum(_bytes(v) for state in states for s in state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor))
 
 
 def measure_step(trainer, tokens, targets) -> tuple[dict, dict]:
