@@ -323,7 +323,11 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
     # the reference holds the layout's precision policy: bf16 parameters with fp32 masters where
     # the runtime does (ZeRO-1/2), fp32 parameters under autocast elsewhere
     mixed = held_param_dtype(layout) == "bf16"
-    policy = "bf16-master" if mixed else "bf16" if bf16 else "fp32"
+    # bf16-master's gradient bound assumes every activation of a row is computed identically on
+    # both sides (BF16_MASTER_GRAD_ROUNDINGS); tp and cp split sums inside the forward (row-parallel
+    # outputs, ring attention's softmax) and so keep the bf16 tolerances, not derived for them
+    exact_rows = layout.tp == 1 and layout.cp == 1
+    policy = "bf16-master" if mixed and exact_rows else "bf16" if bf16 else "fp32"
     tol = TOLERANCES[policy]
     checks: list[Check] = []
     ref_opt = None
@@ -414,7 +418,7 @@ def verify_worker(model: str, layout: str, steps: int = 3, seed: int = 0, data: 
         return None
     for fqn, ref_p in reference.named_parameters():
         got = params.get(fqn)
-        allow = BF16_PARAM_ULP * ref_p.detach().float().abs() if mixed else allowance.get(ref_p)
+        allow = BF16_PARAM_ULP * ref_p.detach().float().abs() if mixed else allowance.get(ref_p)  # one bf16 spacing
         checks.append(compare(f"param/{fqn}", got if got is not None else torch.full((0,), math.nan), ref_p, tol["param"],
                               allowance=allow))
     return dict(
