@@ -100,6 +100,9 @@ _PER_LAYER_SUMS = (
     "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
     "ep_bytes", "ep_nic", "act_bytes",
 )
+_DETAIL_SUMS = tuple(k for k in _PER_LAYER_SUMS if k not in ("compute_s", "fwd_s", "bwd_s", "tp_s", "cp_s", "ep_s", "act_bytes"))
+"""Per-stage sums only the full estimate reads: a profile gets them when a finalist is reported
+(``_complete``), not when the search screens it (the screen reads the other seven)."""
 
 STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device memory"
 ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
@@ -183,6 +186,7 @@ class TrainCostModel:
         self._splits: dict = {}
         self._floors: dict = {}
         self._states: dict = {}
+        self._dp_static: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._last_etp = 0
@@ -377,7 +381,16 @@ class TrainCostModel:
         for kind, index, n_moe, params_dense, params_exp, layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
             n_dense = nls - n_moe
             last = kind in ("last", "only")
-            stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
+            # the sums the screen reads (the same expression as _complete's for the others)
+            stage = {
+                "compute_s": dense["compute_s"] * n_dense + moe["compute_s"] * n_moe,
+                "fwd_s": dense["fwd_s"] * n_dense + moe["fwd_s"] * n_moe,
+                "bwd_s": dense["bwd_s"] * n_dense + moe["bwd_s"] * n_moe,
+                "tp_s": dense["tp_s"] * n_dense + moe["tp_s"] * n_moe,
+                "cp_s": dense["cp_s"] * n_dense + moe["cp_s"] * n_moe,
+                "ep_s": dense["ep_s"] * n_dense + moe["ep_s"] * n_moe,
+                "act_bytes": dense["act_bytes"] * n_dense + moe["act_bytes"] * n_moe,
+            }
             if last:
                 stage["compute_s"] += head_s
                 stage["fwd_s"] += head_fwd
@@ -418,6 +431,19 @@ class TrainCostModel:
             "dp": {},
         }
 
+    @staticmethod
+    def _complete(prof: dict) -> None:
+        """Add to each stage of ``prof`` the per-layer sums only the full estimate reads (``_DETAIL_SUMS``)."""
+        if prof.get("complete"):
+            return
+        dense, moe = prof["dense"], prof["moe"]
+        for stage in prof["stages"].values():
+            n_moe = stage["moe_layers"]
+            n_dense = stage["layers"] - n_moe
+            for key in _DETAIL_SUMS:
+                stage[key] = dense[key] * n_dense + moe[key] * n_moe
+        prof["complete"] = True
+
     def _logits_bytes(self, T: float, v_local: float, h: int) -> float:
         """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
         whole logits with fp32 copies, the fused loss's bf16 logits, or one chunk's logits plus
@@ -432,19 +458,26 @@ class TrainCostModel:
     def _dp_entry(self, prof: dict, cand: tuple) -> dict:
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
-        tp, cp, pp, dp, ep = prof["key"][:5]
-        etp, v = prof["key"][8], prof["key"][9]
-        states = self.stage_states(tp, cp, pp, dp, ep, cand.zero, cand.dp_shard, cand.param_dtype, cand.grad_dtype,
-                                   cand.optim_dtype, etp, v)
-        buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
-        reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+        pk = prof["key"]
+        # what depends on the mesh, ZeRO and dtypes only, not the micro-batching: shared by profiles
+        skey = (pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard, cand.param_dtype, cand.grad_dtype, cand.optim_dtype)
+        static = self._dp_static.get(skey)
+        if static is None:
+            tp, cp, pp, dp, ep = pk[:5]
+            etp, v = pk[8], pk[9]
+            states = self.stage_states(tp, cp, pp, dp, ep, cand.zero, cand.dp_shard, cand.param_dtype,
+                                       cand.grad_dtype, cand.optim_dtype, etp, v)
+            reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+            static = self._dp_static[skey] = (states, max(states), reserved, DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        states, top_states, reserved, bucket = static
+        buffers = prof["buffers"] + bucket
         base = buffers * self._growth + reserved
         return {
             "states": states,
             "buffers": buffers,
             "reserved": reserved,
             "base_bytes": base,
-            "floor_bytes": max(states) + base,
+            "floor_bytes": top_states + base,
             "exposed_s": None,
         }
 
@@ -513,6 +546,41 @@ class TrainCostModel:
             tier=r["tier"],
         )
 
+    # --- the two halves of one layout's screen, shared by _evaluate and the train goal's sweep --------
+    def peak_bytes(self, prof: dict, d: dict, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
+        """(peak bytes, its stage kind, its micro-batches in flight) of the worst device: every
+        stage kind's states + activations in flight + buffers, keep the largest."""
+        peak, worst, worst_inflight = -1.0, None, 0.0
+        base = d["base_bytes"]
+        growth = self._growth
+        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
+        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
+            if simple:
+                inflight = pp - index if pp - index < n_mb else n_mb
+            else:
+                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
+            total = states + (inflight * act_mb + fixed) * growth + base
+            if total > peak:
+                peak, worst, worst_inflight = total, kind, inflight
+        return peak, worst, worst_inflight
+
+    def step_base(self, prof: dict, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
+        """(bubble units, exposed pipeline sends, all pipeline sends, step seconds without the
+        data-parallel part): the step is ``step_base + d["exposed_s"]``, and ``exposed_s >= 0``,
+        so ``prof["tokens"] / step_base`` bounds the tokens/s from above (in floating point too:
+        adding a non-negative number never lowers a sum, dividing by a larger one never raises a quotient)."""
+        t_mb = prof["t_mb"]
+        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
+        p2p_total = p2p = 0.0
+        if pp > 1:
+            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
+            if v > 1 and self.options.overlap_p2p:
+                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
+                # warm-up and cool-down sends stay on the critical path
+                edge = 2.0 * (pp - 1) * prof["p2p_s"]
+                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
+        return idle, p2p, p2p_total, (n_mb + idle) * t_mb + p2p
+
     # --- one layout ------------------------------------------------------------------------------------
     def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
         """(tokens/s, reject category, reject reason) of a candidate tuple; the search's fast path."""
@@ -557,39 +625,18 @@ class TrainCostModel:
             self._dp_comm(prof, d, cand)
         n_mb = prof["n_mb"]
 
-        # --- memory: every stage kind, keep the worst ---------------------------------------------
-        peak, worst, worst_inflight = -1.0, None, 0.0
-        base = d["base_bytes"]
-        growth = self._growth
-        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
-        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
-            if simple:
-                inflight = pp - index if pp - index < n_mb else n_mb
-            else:
-                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
-            total = states + (inflight * act_mb + fixed) * growth + base
-            if total > peak:
-                peak, worst, worst_inflight = total, kind, inflight
+        peak, worst, worst_inflight = self.peak_bytes(prof, d, schedule, pp, n_mb, v)
         fits = peak <= self.capacity
-
-        # --- time ------------------------------------------------------------------------------------
-        t_mb = prof["t_mb"]
-        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
-        p2p_total = p2p = 0.0
-        if pp > 1:
-            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
-            if v > 1 and self.options.overlap_p2p:
-                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
-                # warm-up and cool-down sends stay on the critical path
-                edge = 2.0 * (pp - 1) * prof["p2p_s"]
-                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
-        step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
+        idle, p2p, p2p_total, step_base = self.step_base(prof, schedule, pp, n_mb, v)
+        step = step_base + d["exposed_s"]
         tokens_per_s = prof["tokens"] / step
         if not detail:
             if fits:
                 return tokens_per_s, None, None
             return tokens_per_s, ACTIVATIONS_DO_NOT_FIT, None
 
+        self._complete(prof)
+        t_mb = prof["t_mb"]
         return build_report(
             self, cand, prof, d, peak=peak, worst=worst, inflight=worst_inflight, fits=fits, n_mb=n_mb,
             idle=idle, t_mb=t_mb, p2p=p2p, p2p_total=p2p_total, step=step, tokens_per_s=tokens_per_s,
