@@ -22,9 +22,11 @@ micro-batch count is a multiple of pp, as Megatron requires).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import TYPE_CHECKING, Iterator
 
+from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.model import TrainCostModel, TrainOptions
@@ -81,6 +83,121 @@ class TrainGoal:
 
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
         return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
+
+    def sweep(self, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
+        """The search's screening pass (plan/search.py ``_screened``) over every candidate, with
+        the same answer, faster: ``(best, rejected, best_rejected, best_family, evaluated)``
+        exactly as that loop leaves them (the heap ``best`` holds ``(score, position, candidate)``,
+        position in ``candidates``' order, so its order is the loop's).
+
+        It walks ``layout_blocks`` and computes each candidate's reject category exactly as
+        ``TrainCostModel._evaluate`` does (the same cached floors, profiles and ``peak_bytes``),
+        but its tokens/s only when that number can change the answer. The bound that decides it:
+        ``prof["tokens"] / step_base`` is at least the candidate's tokens/s, because its step is
+        ``step_base + exposed_s`` with ``exposed_s >= 0`` (TrainCostModel.step_base), in floating
+        point as in exact arithmetic. Every use the loop makes of a score is a strict ``>``
+        comparison with a score held (the top's lowest once the top is full, the best of the
+        candidate's family, the best of its reject category), so a candidate whose bound is no
+        higher than each score its outcome is compared with changes nothing but the counts, which
+        are kept. The data-parallel traffic (``_dp_comm``) is priced only for those that can."""
+        from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT
+
+        gbs = options.get("global_batch")
+        seq = options.get("seq") or 2048
+        if not gbs:
+            raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
+        precisions = _precisions(cluster, options.get("precision"))
+        cost = self.cost_model(model, cluster, **options)
+        capacity, growth, floors = cost.capacity, cost._growth, cost._floors
+        best: list = []
+        rejected: dict[str, int] = {}
+        best_rejected: dict = {}
+        best_family: dict = {}
+        position = 0
+        new = tuple.__new__
+        heappush, heapreplace = heapq.heappush, heapq.heapreplace
+        blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+        for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
+            n_mb = gbs // (mbs * dp)
+            # per (schedule, v, precision), in the candidates' order: built when first needed
+            inner: list = [None] * (len(scheds) * len(precisions))
+            for zero, shard in zeros:
+                family = None
+                for i, (sched, v) in enumerate(scheds):
+                    for j, (prec, scaling) in enumerate(precisions):
+                        position += 1
+                        floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
+                        if floor is None:
+                            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                        cand = None
+                        if floor > capacity:  # as _evaluate: rejected whatever the micro-batching
+                            rejected[STATES_DO_NOT_FIT] = rejected.get(STATES_DO_NOT_FIT, 0) + 1
+                            held = best_rejected.get(STATES_DO_NOT_FIT)
+                            if held is None or -floor > held[0]:
+                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                       "fp32", "fp32", etp, scaling))
+                                best_rejected[STATES_DO_NOT_FIT] = (-floor, cand, None)
+                            continue
+                        k = i * len(precisions) + j
+                        slot = inner[k]
+                        if slot is None:
+                            dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
+                            prof = cost.profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+                            step_base = cost.step_base(prof, sched, pp, n_mb, v)[3]
+                            # each stage's activations in flight and fixed buffers, as peak_bytes sums them
+                            grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                                     for _kind, index, act_mb, fixed in prof["rows"]]
+                            slot = inner[k] = (prof, step_base, prof["tokens"] / step_base, grown)
+                        prof, step_base, bound, grown = slot
+                        dkey = (zero, shard, prec, "fp32", "fp32", etp, scaling)
+                        d = prof["dp"].get(dkey)
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                               "fp32", "fp32", etp, scaling))
+                        if d is None:
+                            d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
+                        if d["floor_bytes"] > capacity:  # as _evaluate: one micro-batch's buffers overflow
+                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                            held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                            if held is None or -d["floor_bytes"] > held[0]:
+                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (-d["floor_bytes"], cand, None)
+                            continue
+                        base = d["base_bytes"]
+                        fits = True
+                        for states, g in zip(d["states"], grown):
+                            if states + g + base > capacity:  # the expression peak_bytes compares
+                                fits = False
+                                break
+                        if fits:
+                            if family is None:
+                                family = (self.family(model, cluster, cand),)
+                            fam = family[0]
+                            held = best_family.get(fam) if fam is not None else None
+                            if (len(best) == top and bound <= best[0][0]
+                                    and (fam is None or (held is not None and bound <= held[0]))):
+                                continue  # accepted; provably neither in the top nor its family's best
+                            score = self._exact(cost, prof, d, cand, step_base)
+                            item = (score, position, cand)
+                            if len(best) < top:
+                                heappush(best, item)
+                            elif score > best[0][0]:
+                                heapreplace(best, item)
+                            if fam is not None and (held is None or score > held[0]):
+                                best_family[fam] = (score, cand)
+                            continue
+                        rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                        held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                        if held is None or bound > held[0]:
+                            score = self._exact(cost, prof, d, cand, step_base)
+                            if held is None or score > held[0]:
+                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+        return best, rejected, best_rejected, best_family, position
+
+    @staticmethod
+    def _exact(cost: TrainCostModel, prof: dict, d: dict, cand: Candidate, step_base: float) -> float:
+        """A candidate's tokens/s, as ``TrainCostModel._evaluate`` computes it."""
+        if d["exposed_s"] is None:
+            cost._dp_comm(prof, d, cand)
+        return prof["tokens"] / (step_base + d["exposed_s"])
 
     def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: Candidate) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""
@@ -163,6 +280,19 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
     """Every valid training layout as a ``Candidate``, for each (param_dtype, fp8_scaling) in
     ``precisions`` (bf16 unless the user asks for FP8)."""
     new = tuple.__new__  # Candidate(...) through its generated __new__ costs ~7% of a full search
+    for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in layout_blocks(model, cluster, global_batch, seq, max_mbs):
+        for zero, shard in zeros:
+            for sched, v in scheds:
+                for prec, scaling in precisions:
+                    yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
+                                          v, prec, "fp32", "fp32", etp, scaling))
+
+
+def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
+                  max_mbs: int = MAX_MBS) -> Iterator[tuple]:
+    """The search space in blocks, in ``enumerate_layouts``' order: ``(tp, cp, pp, dp, mbs, ep, etp,
+    sp, recompute, zeros, schedules)``, each block standing for every ``(zero, dp_shard)`` in
+    ``zeros`` x ``(schedule, virtual_stages)`` in ``schedules`` x precision, in that order."""
     n = cluster.num_devices
     L = model.num_layers
     moe = model.is_moe
@@ -208,11 +338,14 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                     for ep, etp in eps:
                         for sp in sps:
                             for rc in ("none", "selective", "full"):
-                                for zero, shard in zeros:
-                                    for sched, v in scheds:
-                                        for prec, scaling in precisions:
-                                            yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
-                                                                  v, prec, "fp32", "fp32", etp, scaling))
+                                yield tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds
+
+
+def inflight_of(schedule: str, pp: int, n_mb: int, v: int, index: int):
+    """Micro-batches in flight on pipeline rank ``index``, as ``TrainCostModel.peak_bytes`` counts them."""
+    if schedule == "1f1b" or schedule == "zero-bubble":
+        return pp - index if pp - index < n_mb else n_mb
+    return in_flight_microbatches(schedule, pp, n_mb, v, index)
 
 
 def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:
