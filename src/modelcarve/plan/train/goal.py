@@ -117,48 +117,61 @@ class TrainGoal:
         new = tuple.__new__
         heappush, heapreplace = heapq.heappush, heapq.heapreplace
         blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+        n_prec = len(precisions)
         for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
             n_mb = gbs // (mbs * dp)
-            # per (schedule, v, precision), in the candidates' order: built when first needed
-            inner: list = [None] * (len(scheds) * len(precisions))
+            # per (schedule, precision), in the candidates' order: profile, step without the DP
+            # part, the tokens/s bound, each stage's activations in flight and buffers (as
+            # peak_bytes sums them); built when first needed
+            slots: list = [None] * (len(scheds) * n_prec)
             for zero, shard in zeros:
                 family = None
+                # (v, precision) -> the states floor (over capacity), False (under it), or the DP entry of its profile
+                states_of: dict = {}
                 for i, (sched, v) in enumerate(scheds):
                     for j, (prec, scaling) in enumerate(precisions):
                         position += 1
-                        floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
-                        if floor is None:
-                            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                        entry = states_of.get((v, j))
+                        if entry is None:
+                            floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
+                            if floor is None:
+                                floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                            entry = states_of[(v, j)] = floor if floor > capacity else False
                         cand = None
-                        if floor > capacity:  # as _evaluate: rejected whatever the micro-batching
+                        if entry is not False and entry.__class__ is not dict:  # the floor: as _evaluate,
+                            # rejected whatever the micro-batching
                             rejected[STATES_DO_NOT_FIT] = rejected.get(STATES_DO_NOT_FIT, 0) + 1
                             held = best_rejected.get(STATES_DO_NOT_FIT)
-                            if held is None or -floor > held[0]:
+                            if held is None or -entry > held[0]:
                                 cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
                                                        "fp32", "fp32", etp, scaling))
-                                best_rejected[STATES_DO_NOT_FIT] = (-floor, cand, None)
+                                best_rejected[STATES_DO_NOT_FIT] = (-entry, cand, None)
                             continue
-                        k = i * len(precisions) + j
-                        slot = inner[k]
+                        k = i * n_prec + j
+                        slot = slots[k]
                         if slot is None:
                             dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
                             prof = cost.profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
                             step_base = cost.step_base(prof, sched, pp, n_mb, v)[3]
-                            # each stage's activations in flight and fixed buffers, as peak_bytes sums them
                             grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
                                      for _kind, index, act_mb, fixed in prof["rows"]]
-                            slot = inner[k] = (prof, step_base, prof["tokens"] / step_base, grown)
+                            slot = slots[k] = (prof, step_base, prof["tokens"] / step_base, grown)
                         prof, step_base, bound, grown = slot
-                        dkey = (zero, shard, prec, "fp32", "fp32", etp, scaling)
-                        d = prof["dp"].get(dkey)
-                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                               "fp32", "fp32", etp, scaling))
-                        if d is None:
-                            d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
+                        if entry is False:
+                            dkey = (zero, shard, prec, "fp32", "fp32", etp, scaling)
+                            d = prof["dp"].get(dkey)
+                            if d is None:
+                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                       "fp32", "fp32", etp, scaling))
+                                d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
+                            entry = states_of[(v, j)] = d
+                        d = entry
                         if d["floor_bytes"] > capacity:  # as _evaluate: one micro-batch's buffers overflow
                             rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
                             held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
                             if held is None or -d["floor_bytes"] > held[0]:
+                                cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                               prec, "fp32", "fp32", etp, scaling))
                                 best_rejected[ACTIVATIONS_DO_NOT_FIT] = (-d["floor_bytes"], cand, None)
                             continue
                         base = d["base_bytes"]
@@ -169,12 +182,16 @@ class TrainGoal:
                                 break
                         if fits:
                             if family is None:
+                                cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                               prec, "fp32", "fp32", etp, scaling))
                                 family = (self.family(model, cluster, cand),)
                             fam = family[0]
                             held = best_family.get(fam) if fam is not None else None
                             if (len(best) == top and bound <= best[0][0]
                                     and (fam is None or (held is not None and bound <= held[0]))):
                                 continue  # accepted; provably neither in the top nor its family's best
+                            cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                           prec, "fp32", "fp32", etp, scaling))
                             score = self._exact(cost, prof, d, cand, step_base)
                             item = (score, position, cand)
                             if len(best) < top:
@@ -187,6 +204,8 @@ class TrainGoal:
                         rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
                         held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
                         if held is None or bound > held[0]:
+                            cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                           prec, "fp32", "fp32", etp, scaling))
                             score = self._exact(cost, prof, d, cand, step_base)
                             if held is None or score > held[0]:
                                 best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)

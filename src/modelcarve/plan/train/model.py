@@ -415,7 +415,6 @@ class TrainCostModel:
         return {
             "stages": stages,
             "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
-            "params_rows": [(st["params_dense"], st["params_expert"], st["layer_params"]) for st in stages.values()],
             "slow": slow,
             "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
             "n_mb": gbs // (mbs * dp),
