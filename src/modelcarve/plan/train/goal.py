@@ -124,6 +124,7 @@ class TrainGoal:
             # part, the tokens/s bound, each stage's activations in flight and buffers (as
             # peak_bytes sums them); built when first needed
             slots: list = [None] * (len(scheds) * n_prec)
+            profiles: dict = {}  # (v, precision) -> the cost model's profile
             for zero, shard in zeros:
                 family = None
                 # (v, precision) -> the states floor (over capacity), False (under it), or the DP entry of its profile
@@ -150,8 +151,11 @@ class TrainGoal:
                         k = i * n_prec + j
                         slot = slots[k]
                         if slot is None:
-                            dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
-                            prof = cost.profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+                            prof = profiles.get((v, j))
+                            if prof is None:
+                                dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
+                                prof = profiles[(v, j)] = cost.profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype,
+                                                                       etp, v)
                             step_base = cost.step_base(prof, sched, pp, n_mb, v)[3]
                             grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
                                      for _kind, index, act_mb, fixed in prof["rows"]]

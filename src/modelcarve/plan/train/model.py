@@ -187,6 +187,7 @@ class TrainCostModel:
         self._floors: dict = {}
         self._states: dict = {}
         self._dp_static: dict = {}
+        self._heads: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._last_etp = 0
@@ -372,11 +373,14 @@ class TrainCostModel:
         moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
         h, V = m.hidden_size, m.vocab_size
         T = mbs * seq / cp
-        # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
-        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
-        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-        head_s = 3.0 * head_fwd + loss_s
-        logits_bytes = self._logits_bytes(T, V / tp, h)
+        hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
+        head = self._heads.get(hkey)
+        if head is None:
+            # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
+            head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+            loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+            head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        head_fwd, loss_s, head_s, logits_bytes = head
         stages = {}
         for kind, index, n_moe, params_dense, params_exp, layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
             n_dense = nls - n_moe
