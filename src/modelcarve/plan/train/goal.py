@@ -124,10 +124,10 @@ class TrainGoal:
             # part, the tokens/s bound, each stage's activations in flight and buffers (as
             # peak_bytes sums them); built when first needed
             slots: list = [None] * (len(scheds) * n_prec)
-            profiles: dict = {}  # (v, precision) -> the cost model's profile
+            leans: dict = {}  # (v, precision) -> the cost model's screen_profile
             for zero, shard in zeros:
                 family = None
-                # (v, precision) -> the states floor (over capacity), False (under it), or the DP entry of its profile
+                # (v, precision) -> the states floor (over capacity), False (under it), or (states, base, floor) of the DP entry
                 states_of: dict = {}
                 for i, (sched, v) in enumerate(scheds):
                     for j, (prec, scaling) in enumerate(precisions):
@@ -139,7 +139,7 @@ class TrainGoal:
                                 floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
                             entry = states_of[(v, j)] = floor if floor > capacity else False
                         cand = None
-                        if entry is not False and entry.__class__ is not dict:  # the floor: as _evaluate,
+                        if entry is not False and entry.__class__ is not tuple:  # the floor: as _evaluate,
                             # rejected whatever the micro-batching
                             rejected[STATES_DO_NOT_FIT] = rejected.get(STATES_DO_NOT_FIT, 0) + 1
                             held = best_rejected.get(STATES_DO_NOT_FIT)
@@ -151,36 +151,34 @@ class TrainGoal:
                         k = i * n_prec + j
                         slot = slots[k]
                         if slot is None:
-                            prof = profiles.get((v, j))
-                            if prof is None:
+                            lean = leans.get((v, j))
+                            if lean is None:
                                 dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
-                                prof = profiles[(v, j)] = cost.profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype,
-                                                                       etp, v)
-                            step_base = cost.step_base(prof, sched, pp, n_mb, v)[3]
+                                lean = leans[(v, j)] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                                           dtype, etp, v)
+                            t_mb, rows, _buffers, p2p_s, _n, tokens = lean[:6]
+                            step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
                             grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                                     for _kind, index, act_mb, fixed in prof["rows"]]
-                            slot = slots[k] = (prof, step_base, prof["tokens"] / step_base, grown)
-                        prof, step_base, bound, grown = slot
+                                     for _kind, index, act_mb, fixed in rows]
+                            slot = slots[k] = (step_base, tokens / step_base, grown)
+                        step_base, bound, grown = slot
                         if entry is False:
-                            dkey = (zero, shard, prec, "fp32", "fp32", etp, scaling)
-                            d = prof["dp"].get(dkey)
-                            if d is None:
-                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                                       "fp32", "fp32", etp, scaling))
-                                d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
-                            entry = states_of[(v, j)] = d
-                        d = entry
-                        if d["floor_bytes"] > capacity:  # as _evaluate: one micro-batch's buffers overflow
+                            # _dp_entry's memory sums, without the entry (built for those priced in full)
+                            states, top_states, reserved, bucket = cost.dp_static(
+                                (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                            base = (leans[(v, j)][2] + bucket) * growth + reserved
+                            entry = states_of[(v, j)] = (states, base, top_states + base)
+                        states_v, base, floor_bytes = entry
+                        if floor_bytes > capacity:  # as _evaluate: one micro-batch's buffers overflow
                             rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
                             held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-                            if held is None or -d["floor_bytes"] > held[0]:
-                                cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                               prec, "fp32", "fp32", etp, scaling))
-                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (-d["floor_bytes"], cand, None)
+                            if held is None or -floor_bytes > held[0]:
+                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                       prec, "fp32", "fp32", etp, scaling))
+                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (-floor_bytes, cand, None)
                             continue
-                        base = d["base_bytes"]
                         fits = True
-                        for states, g in zip(d["states"], grown):
+                        for states, g in zip(states_v, grown):
                             if states + g + base > capacity:  # the expression peak_bytes compares
                                 fits = False
                                 break
@@ -196,7 +194,7 @@ class TrainGoal:
                                 continue  # accepted; provably neither in the top nor its family's best
                             cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
                                                            prec, "fp32", "fp32", etp, scaling))
-                            score = self._exact(cost, prof, d, cand, step_base)
+                            score = self._exact(cost, cand, step_base)
                             item = (score, position, cand)
                             if len(best) < top:
                                 heappush(best, item)
@@ -210,14 +208,21 @@ class TrainGoal:
                         if held is None or bound > held[0]:
                             cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
                                                            prec, "fp32", "fp32", etp, scaling))
-                            score = self._exact(cost, prof, d, cand, step_base)
+                            score = self._exact(cost, cand, step_base)
                             if held is None or score > held[0]:
                                 best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
         return best, rejected, best_rejected, best_family, position
 
     @staticmethod
-    def _exact(cost: TrainCostModel, prof: dict, d: dict, cand: Candidate, step_base: float) -> float:
-        """A candidate's tokens/s, as ``TrainCostModel._evaluate`` computes it."""
+    def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
+        """A candidate's tokens/s, as ``TrainCostModel._evaluate`` computes it (``step_base``:
+        its ``step_base``, the same number from the screen profile as from the full one)."""
+        dtype = "fp8cs" if cand.param_dtype == "fp8" and cand.fp8_scaling == "current" else cand.param_dtype
+        prof = cost.profile(*cand[:8], cost.seq, dtype, cand.etp, cand.virtual_stages)
+        dkey = (cand.zero, cand.dp_shard) + cand[12:]
+        d = prof["dp"].get(dkey)
+        if d is None:
+            d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
         if d["exposed_s"] is None:
             cost._dp_comm(prof, d, cand)
         return prof["tokens"] / (step_base + d["exposed_s"])

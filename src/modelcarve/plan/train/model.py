@@ -188,6 +188,7 @@ class TrainCostModel:
         self._states: dict = {}
         self._dp_static: dict = {}
         self._heads: dict = {}
+        self._leans: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._last_etp = 0
@@ -367,7 +368,21 @@ class TrainCostModel:
             floor = self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
         return floor
 
-    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
+    def screen_profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str,
+                       seq: int, dtype: str = "bf16", etp: int = 0, v: int = 1) -> tuple:
+        """What a screen reads of ``profile(...)``, without building it: ``(t_mb, rows, buffers,
+        p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
+        ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
+        built from this, so the two agree to the last bit."""
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
+        lean = self._leans.get(key)
+        if lean is None:
+            self._dtype = dtype
+            lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+        return lean
+
+    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
         m, o = self.model, self.options
         dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
         moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
@@ -380,23 +395,60 @@ class TrainCostModel:
             head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
             loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
             head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
-        head_fwd, loss_s, head_s, logits_bytes = head
+        head_s, logits_bytes = head[2], head[3]
+        d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
+                                         dense["act_bytes"], dense["work_bytes"])
+        m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
+        sums, rows = [], []
+        t_mb, slow = -1.0, 0
+        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(self.stage_params(tp, pp, ep, etp, v)):
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            compute_s = d_c * n_dense + m_c * n_moe
+            if last:
+                compute_s += head_s
+            tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
+            sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+            t = compute_s + tp_s + cp_s + ep_s
+            if t > t_mb:  # the first slowest, as max() picks it
+                t_mb, slow = t, i
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
+            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+        p2p_s = comm.p2p_s(p2p_bytes, self.tier(pp, dp * cp * tp)) if pp > 1 else 0.0
+        gbs = o.global_batch or mbs * dp
+        return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
+        m, o = self.model, self.options
+        t_mb, rows, buffers, p2p_s, n_mb, tokens, sums, slow_i = self.screen_profile(
+            tp, cp, pp, dp, ep, mbs, sp, recompute, seq, self._dtype, etp, v)
+        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        h = m.hidden_size
+        T = mbs * seq / cp
+        head_fwd, loss_s, _head_s, logits_bytes = self._heads[(T, tp, self._dtype)]
         stages = {}
-        for kind, index, n_moe, params_dense, params_exp, layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
+        params = self.stage_params(tp, pp, ep, etp, v)
+        for (kind, index, n_moe, params_dense, params_exp, layer, _lin, nls), (compute_s, tp_s, cp_s, ep_s, act_bytes,
+                                                                               work_bytes) in zip(params, sums):
             n_dense = nls - n_moe
             last = kind in ("last", "only")
             # the sums the screen reads (the same expression as _complete's for the others)
             stage = {
-                "compute_s": dense["compute_s"] * n_dense + moe["compute_s"] * n_moe,
+                "compute_s": compute_s,
                 "fwd_s": dense["fwd_s"] * n_dense + moe["fwd_s"] * n_moe,
                 "bwd_s": dense["bwd_s"] * n_dense + moe["bwd_s"] * n_moe,
-                "tp_s": dense["tp_s"] * n_dense + moe["tp_s"] * n_moe,
-                "cp_s": dense["cp_s"] * n_dense + moe["cp_s"] * n_moe,
-                "ep_s": dense["ep_s"] * n_dense + moe["ep_s"] * n_moe,
-                "act_bytes": dense["act_bytes"] * n_dense + moe["act_bytes"] * n_moe,
+                "tp_s": tp_s,
+                "cp_s": cp_s,
+                "ep_s": ep_s,
+                "act_bytes": act_bytes,
             }
             if last:
-                stage["compute_s"] += head_s
                 stage["fwd_s"] += head_fwd
                 stage["bwd_s"] += 2 * head_fwd + loss_s
             stage.update(
@@ -405,7 +457,7 @@ class TrainCostModel:
                 moe_layers=n_moe,
                 params_dense=params_dense,
                 params_expert=params_exp,
-                work_bytes=max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
+                work_bytes=work_bytes,
                 logits_bytes=logits_bytes if last else 0.0,
                 layer_params=layer,
                 linear_params=_lin,
@@ -414,23 +466,20 @@ class TrainCostModel:
         act = 2.0 * T * h
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         pp_tier = self.tier(pp, dp * cp * tp)
-        gbs = o.global_batch or mbs * dp
-        slow = max(stages.values(), key=lambda st: st["compute_s"] + st["tp_s"] + st["cp_s"] + st["ep_s"])
         return {
             "stages": stages,
-            "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
-            "slow": slow,
-            "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
-            "n_mb": gbs // (mbs * dp),
-            "tokens": gbs * seq,
+            "rows": rows,
+            "slow": list(stages.values())[slow_i],
+            "t_mb": t_mb,
+            "n_mb": n_mb,
+            "tokens": tokens,
             "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp, v),
             "dense": dense,
             "moe": moe,
-            "p2p_s": comm.p2p_s(p2p_bytes, pp_tier) if pp > 1 else 0.0,
+            "p2p_s": p2p_s,
             "p2p_bytes": p2p_bytes if pp > 1 else 0.0,
             "p2p_nic": p2p_bytes if pp > 1 and pp_tier.members_per_node else 0.0,
-            "buffers": (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0)
-            + (2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0),
+            "buffers": buffers,
             "dp": {},
         }
 
@@ -462,17 +511,8 @@ class TrainCostModel:
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         pk = prof["key"]
-        # what depends on the mesh, ZeRO and dtypes only, not the micro-batching: shared by profiles
-        skey = (pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard, cand.param_dtype, cand.grad_dtype, cand.optim_dtype)
-        static = self._dp_static.get(skey)
-        if static is None:
-            tp, cp, pp, dp, ep = pk[:5]
-            etp, v = pk[8], pk[9]
-            states = self.stage_states(tp, cp, pp, dp, ep, cand.zero, cand.dp_shard, cand.param_dtype,
-                                       cand.grad_dtype, cand.optim_dtype, etp, v)
-            reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
-            static = self._dp_static[skey] = (states, max(states), reserved, DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
-        states, top_states, reserved, bucket = static
+        states, top_states, reserved, bucket = self.dp_static(pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard,
+                                                              cand.param_dtype, cand.grad_dtype, cand.optim_dtype)
         buffers = prof["buffers"] + bucket
         base = buffers * self._growth + reserved
         return {
@@ -483,6 +523,20 @@ class TrainCostModel:
             "floor_bytes": top_states + base,
             "exposed_s": None,
         }
+
+    def dp_static(self, mesh: tuple, etp: int, v: int, zero: int, dp_shard: int, p_dt: str, g_dt: str,
+                  o_dt: str) -> tuple:
+        """The part of a DP entry (``_dp_entry``) that depends on the mesh ``(tp, cp, pp, dp, ep)``,
+        ZeRO and dtypes only, not the micro-batching: (states per stage, the largest, the
+        runtime reserve, the gradient buckets); buffers and floor are ``_dp_entry``'s sums of these."""
+        skey = (mesh, etp, v, zero, dp_shard, p_dt, g_dt, o_dt)
+        static = self._dp_static.get(skey)
+        if static is None:
+            tp, cp, pp, dp, ep = mesh
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+            reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+            static = self._dp_static[skey] = (states, max(states), reserved, DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        return static
 
     def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
         """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
@@ -567,20 +621,20 @@ class TrainCostModel:
                 peak, worst, worst_inflight = total, kind, inflight
         return peak, worst, worst_inflight
 
-    def step_base(self, prof: dict, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
+    def step_base(self, t_mb: float, p2p_s: float, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
         """(bubble units, exposed pipeline sends, all pipeline sends, step seconds without the
         data-parallel part): the step is ``step_base + d["exposed_s"]``, and ``exposed_s >= 0``,
         so ``prof["tokens"] / step_base`` bounds the tokens/s from above (in floating point too:
-        adding a non-negative number never lowers a sum, dividing by a larger one never raises a quotient)."""
-        t_mb = prof["t_mb"]
+        adding a non-negative number never lowers a sum, dividing by a larger one never raises a
+        quotient). ``t_mb`` and ``p2p_s``: the profile's."""
         idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
         p2p_total = p2p = 0.0
         if pp > 1:
-            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
+            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * p2p_s
             if v > 1 and self.options.overlap_p2p:
                 # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
                 # warm-up and cool-down sends stay on the critical path
-                edge = 2.0 * (pp - 1) * prof["p2p_s"]
+                edge = 2.0 * (pp - 1) * p2p_s
                 p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
         return idle, p2p, p2p_total, (n_mb + idle) * t_mb + p2p
 
@@ -630,7 +684,7 @@ class TrainCostModel:
 
         peak, worst, worst_inflight = self.peak_bytes(prof, d, schedule, pp, n_mb, v)
         fits = peak <= self.capacity
-        idle, p2p, p2p_total, step_base = self.step_base(prof, schedule, pp, n_mb, v)
+        idle, p2p, p2p_total, step_base = self.step_base(prof["t_mb"], prof["p2p_s"], schedule, pp, n_mb, v)
         step = step_base + d["exposed_s"]
         tokens_per_s = prof["tokens"] / step
         if not detail:
