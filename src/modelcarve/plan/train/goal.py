@@ -117,100 +117,124 @@ class TrainGoal:
         new = tuple.__new__
         heappush, heapreplace = heapq.heappush, heapq.heapreplace
         blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
-        n_prec = len(precisions)
+        shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
         for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
             n_mb = gbs // (mbs * dp)
-            # per (schedule, precision), in the candidates' order: profile, step without the DP
-            # part, the tokens/s bound, each stage's activations in flight and buffers (as
-            # peak_bytes sums them); built when first needed
-            slots: list = [None] * (len(scheds) * n_prec)
-            leans: dict = {}  # (v, precision) -> the cost model's screen_profile
+            shape = shapes.get(id(scheds))
+            if shape is None or shape[0] is not scheds:
+                # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
+                # groups: each (v, precision index) with its number of specs and its first, in order of first
+                # appearance (the states floor and the DP memory depend on nothing else of a spec)
+                specs = [(sched, v, prec, scaling, (v, j)) for sched, v in scheds
+                         for j, (prec, scaling) in enumerate(precisions)]
+                groups: dict = {}
+                for spec in specs:
+                    held = groups.get(spec[4])
+                    groups[spec[4]] = [1, spec] if held is None else [held[0] + 1, held[1]]
+                shape = shapes[id(scheds)] = (scheds, specs, list(groups.items()))
+            _, specs, groups = shape
+            n_spec = len(specs)
+            # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
+            # and buffers (as peak_bytes sums them); built when first needed
+            slots: list = [None] * n_spec
+            leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
             for zero, shard in zeros:
+                # per group: (category, score) when every candidate of it is rejected whatever its
+                # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
+                # else (None, None, states per stage, base bytes) for the per-schedule memory check
+                entries: dict = {}
+                open_groups = False
+                for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
+                    floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
+                    if floor is None:
+                        floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                    if floor > capacity:
+                        entries[vj] = (STATES_DO_NOT_FIT, -floor)
+                        continue
+                    lean = leans.get(vj)
+                    if lean is None:
+                        dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+                    # _dp_entry's memory sums, without the entry (built for those priced in full)
+                    states, top_states, reserved, bucket = cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard,
+                                                                          prec, "fp32", "fp32")
+                    base = (lean[2] + bucket) * growth + reserved
+                    if top_states + base > capacity:
+                        entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
+                    else:
+                        entries[vj] = (None, None, states, base)
+                        open_groups = True
+                if not open_groups:
+                    # every candidate of this ZeRO setting rejected by its group: count them together; the
+                    # best of a category is the first candidate of the first group holding its best score
+                    for vj, (count, (sched, v, prec, scaling, _vj)) in groups:
+                        category, score = entries[vj]
+                        rejected[category] = rejected.get(category, 0) + count
+                        held = best_rejected.get(category)
+                        if held is None or score > held[0]:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   "fp32", "fp32", etp, scaling))
+                            best_rejected[category] = (score, cand, None)
+                    position += n_spec
+                    continue
                 family = None
-                # (v, precision) -> the states floor (over capacity), False (under it), or (states, base, floor) of the DP entry
-                states_of: dict = {}
-                for i, (sched, v) in enumerate(scheds):
-                    for j, (prec, scaling) in enumerate(precisions):
-                        position += 1
-                        entry = states_of.get((v, j))
-                        if entry is None:
-                            floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
-                            if floor is None:
-                                floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
-                            entry = states_of[(v, j)] = floor if floor > capacity else False
-                        cand = None
-                        if entry is not False and entry.__class__ is not tuple:  # the floor: as _evaluate,
-                            # rejected whatever the micro-batching
-                            rejected[STATES_DO_NOT_FIT] = rejected.get(STATES_DO_NOT_FIT, 0) + 1
-                            held = best_rejected.get(STATES_DO_NOT_FIT)
-                            if held is None or -entry > held[0]:
-                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                                       "fp32", "fp32", etp, scaling))
-                                best_rejected[STATES_DO_NOT_FIT] = (-entry, cand, None)
-                            continue
-                        k = i * n_prec + j
-                        slot = slots[k]
-                        if slot is None:
-                            lean = leans.get((v, j))
-                            if lean is None:
-                                dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
-                                lean = leans[(v, j)] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
-                                                                           dtype, etp, v)
-                            t_mb, rows, _buffers, p2p_s, _n, tokens = lean[:6]
-                            step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
-                            grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                                     for _kind, index, act_mb, fixed in rows]
-                            slot = slots[k] = (step_base, tokens / step_base, grown)
-                        step_base, bound, grown = slot
-                        if entry is False:
-                            # _dp_entry's memory sums, without the entry (built for those priced in full)
-                            states, top_states, reserved, bucket = cost.dp_static(
-                                (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
-                            base = (leans[(v, j)][2] + bucket) * growth + reserved
-                            entry = states_of[(v, j)] = (states, base, top_states + base)
-                        states_v, base, floor_bytes = entry
-                        if floor_bytes > capacity:  # as _evaluate: one micro-batch's buffers overflow
-                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
-                            held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-                            if held is None or -floor_bytes > held[0]:
-                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                for k in range(n_spec):
+                    sched, v, prec, scaling, vj = specs[k]
+                    position += 1
+                    entry = entries[vj]
+                    category = entry[0]
+                    if category is not None:
+                        rejected[category] = rejected.get(category, 0) + 1
+                        held = best_rejected.get(category)
+                        if held is None or entry[1] > held[0]:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   "fp32", "fp32", etp, scaling))
+                            best_rejected[category] = (entry[1], cand, None)
+                        continue
+                    slot = slots[k]
+                    if slot is None:
+                        t_mb, rows, _buffers, p2p_s, _n, tokens = leans[vj][:6]
+                        step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+                        grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                                 for _kind, index, act_mb, fixed in rows]
+                        slot = slots[k] = (step_base, tokens / step_base, grown)
+                    step_base, bound, grown = slot
+                    base = entry[3]
+                    fits = True
+                    for states, g in zip(entry[2], grown):
+                        if states + g + base > capacity:  # the expression peak_bytes compares
+                            fits = False
+                            break
+                    cand = None
+                    if fits:
+                        if family is None:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   "fp32", "fp32", etp, scaling))
+                            family = (self.family(model, cluster, cand),)
+                        fam = family[0]
+                        held = best_family.get(fam) if fam is not None else None
+                        if (len(best) == top and bound <= best[0][0]
+                                and (fam is None or (held is not None and bound <= held[0]))):
+                            continue  # accepted; provably neither in the top nor its family's best
+                        cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
                                                        prec, "fp32", "fp32", etp, scaling))
-                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (-floor_bytes, cand, None)
-                            continue
-                        fits = True
-                        for states, g in zip(states_v, grown):
-                            if states + g + base > capacity:  # the expression peak_bytes compares
-                                fits = False
-                                break
-                        if fits:
-                            if family is None:
-                                cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                               prec, "fp32", "fp32", etp, scaling))
-                                family = (self.family(model, cluster, cand),)
-                            fam = family[0]
-                            held = best_family.get(fam) if fam is not None else None
-                            if (len(best) == top and bound <= best[0][0]
-                                    and (fam is None or (held is not None and bound <= held[0]))):
-                                continue  # accepted; provably neither in the top nor its family's best
-                            cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                           prec, "fp32", "fp32", etp, scaling))
-                            score = self._exact(cost, cand, step_base)
-                            item = (score, position, cand)
-                            if len(best) < top:
-                                heappush(best, item)
-                            elif score > best[0][0]:
-                                heapreplace(best, item)
-                            if fam is not None and (held is None or score > held[0]):
-                                best_family[fam] = (score, cand)
-                            continue
-                        rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
-                        held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-                        if held is None or bound > held[0]:
-                            cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                           prec, "fp32", "fp32", etp, scaling))
-                            score = self._exact(cost, cand, step_base)
-                            if held is None or score > held[0]:
-                                best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+                        score = self._exact(cost, cand, step_base)
+                        item = (score, position, cand)
+                        if len(best) < top:
+                            heappush(best, item)
+                        elif score > best[0][0]:
+                            heapreplace(best, item)
+                        if fam is not None and (held is None or score > held[0]):
+                            best_family[fam] = (score, cand)
+                        continue
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                    held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                    if held is None or bound > held[0]:
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                               prec, "fp32", "fp32", etp, scaling))
+                        score = self._exact(cost, cand, step_base)
+                        if held is None or score > held[0]:
+                            best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
         return best, rejected, best_rejected, best_family, position
 
     @staticmethod
