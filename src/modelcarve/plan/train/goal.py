@@ -154,7 +154,8 @@ class TrainGoal:
                     lean = leans.get(vj)
                     if lean is None:
                         dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
-                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v,
+                                                                 keep=False)
                     # _dp_entry's memory sums, without the entry (built for those priced in full)
                     states, top_states, reserved, bucket = cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard,
                                                                           prec, "fp32", "fp32")

@@ -369,17 +369,20 @@ class TrainCostModel:
         return floor
 
     def screen_profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str,
-                       seq: int, dtype: str = "bf16", etp: int = 0, v: int = 1) -> tuple:
+                       seq: int, dtype: str = "bf16", etp: int = 0, v: int = 1, keep: bool = True) -> tuple:
         """What a screen reads of ``profile(...)``, without building it: ``(t_mb, rows, buffers,
         p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
         ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
-        built from this, so the two agree to the last bit."""
+        built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
+        for each once; keeping them all only lengthens a process's exit)."""
         etp = etp or tp
         key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
         lean = self._leans.get(key)
         if lean is None:
             self._dtype = dtype
-            lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+            lean = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+            if keep:
+                self._leans[key] = lean
         return lean
 
     def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
