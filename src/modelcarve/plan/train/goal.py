@@ -90,16 +90,25 @@ class TrainGoal:
         exactly as that loop leaves them (the heap ``best`` holds ``(score, position, candidate)``,
         position in ``candidates``' order, so its order is the loop's).
 
-        It walks ``layout_blocks`` and computes each candidate's reject category exactly as
-        ``TrainCostModel._evaluate`` does (the same cached floors, profiles and ``peak_bytes``),
-        but its tokens/s only when that number can change the answer. The bound that decides it:
-        ``prof["tokens"] / step_base`` is at least the candidate's tokens/s, because its step is
-        ``step_base + exposed_s`` with ``exposed_s >= 0`` (TrainCostModel.step_base), in floating
-        point as in exact arithmetic. Every use the loop makes of a score is a strict ``>``
-        comparison with a score held (the top's lowest once the top is full, the best of the
-        candidate's family, the best of its reject category), so a candidate whose bound is no
-        higher than each score its outcome is compared with changes nothing but the counts, which
-        are kept. The data-parallel traffic (``_dp_comm``) is priced only for those that can."""
+        It walks ``layout_blocks`` and decides each candidate's reject category exactly as
+        ``TrainCostModel._evaluate`` does: the same states floor, the same DP memory sums
+        (``dp_static``), the same profile numbers (``screen_profile``, which ``profile`` is built
+        from) and the same per-stage sum ``peak_bytes`` compares with capacity; it computes a
+        candidate's tokens/s (``_exact``: the full profile, DP entry and traffic, as ``_evaluate``)
+        only when that number can change the answer. Two exact shortcuts:
+
+        * The bound: ``tokens / step_base`` is at least the candidate's tokens/s, because its step
+          is ``step_base + exposed_s`` with ``exposed_s >= 0`` (TrainCostModel.step_base), in
+          floating point as in exact arithmetic. Every use the loop makes of a score is a strict
+          ``>`` against a score held (the top's lowest once the top is full, the best of the
+          candidate's family, the best of its reject category), so a candidate whose bound is no
+          higher than each score its outcome meets changes nothing but the counts, which are kept.
+        * Whole groups: the states floor and the DP memory floor depend on the (v, precision) of
+          a candidate and not on its schedule, so when every group of a ZeRO setting is rejected
+          by one of them, its candidates are counted together; the best rejected of a category is
+          then the first candidate of the first group holding its best score, as the loop's
+          strict ``>`` keeps the first of equals.
+        """
         from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT
 
         gbs = options.get("global_batch")
@@ -108,7 +117,7 @@ class TrainGoal:
             raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
         precisions = _precisions(cluster, options.get("precision"))
         cost = self.cost_model(model, cluster, **options)
-        capacity, growth, floors = cost.capacity, cost._growth, cost._floors
+        capacity, growth = cost.capacity, cost._growth
         best: list = []
         rejected: dict[str, int] = {}
         best_rejected: dict = {}
@@ -118,8 +127,14 @@ class TrainGoal:
         heappush, heapreplace = heapq.heappush, heapq.heapreplace
         blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
         shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
+        mesh = None
         for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
             n_mb = gbs // (mbs * dp)
+            if (tp, cp, pp) != mesh:
+                mesh = (tp, cp, pp)
+                # (ep, etp, zero, dp_shard, (v, precision)) -> (states floor,) + dp_static(...): what
+                # the memory checks read that no micro-batching changes, for this (tp, cp, pp, dp)
+                statics: dict = {}
             shape = shapes.get(id(scheds))
             if shape is None or shape[0] is not scheds:
                 # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -145,9 +160,12 @@ class TrainGoal:
                 entries: dict = {}
                 open_groups = False
                 for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
-                    floor = floors.get((tp, cp, pp, dp, ep, zero, shard, v, prec, "fp32", "fp32", etp))
-                    if floor is None:
+                    static = statics.get((ep, etp, zero, shard, vj))
+                    if static is None:
                         floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                        static = statics[(ep, etp, zero, shard, vj)] = (floor,) + cost.dp_static(
+                            (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                    floor, states, top_states, reserved, bucket = static
                     if floor > capacity:
                         entries[vj] = (STATES_DO_NOT_FIT, -floor)
                         continue
@@ -157,8 +175,6 @@ class TrainGoal:
                         lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v,
                                                                  keep=False)
                     # _dp_entry's memory sums, without the entry (built for those priced in full)
-                    states, top_states, reserved, bucket = cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard,
-                                                                          prec, "fp32", "fp32")
                     base = (lean[2] + bucket) * growth + reserved
                     if top_states + base > capacity:
                         entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
