@@ -153,6 +153,7 @@ class TrainGoal:
             # and buffers (as peak_bytes sums them); built when first needed
             slots: list = [None] * n_spec
             leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
+            grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
             for zero, shard in zeros:
                 # per group: (category, score) when every candidate of it is rejected whatever its
                 # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
@@ -195,6 +196,7 @@ class TrainGoal:
                     position += n_spec
                     continue
                 family = None
+                fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
                 for k in range(n_spec):
                     sched, v, prec, scaling, vj = specs[k]
                     position += 1
@@ -212,16 +214,24 @@ class TrainGoal:
                     if slot is None:
                         t_mb, rows, _buffers, p2p_s, _n, tokens = leans[vj][:6]
                         step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
-                        grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                                 for _kind, index, act_mb, fixed in rows]
+                        # 1F1B and zero-bubble hold the same micro-batches in flight: one list for both
+                        in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
+                        grown = grown_of.get(in_flight)
+                        if grown is None:
+                            grown = grown_of[in_flight] = [
+                                (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                                for _kind, index, act_mb, fixed in rows]
                         slot = slots[k] = (step_base, tokens / step_base, grown)
                     step_base, bound, grown = slot
-                    base = entry[3]
-                    fits = True
-                    for states, g in zip(entry[2], grown):
-                        if states + g + base > capacity:  # the expression peak_bytes compares
-                            fits = False
-                            break
+                    fits = fits_of.get(id(grown))
+                    if fits is None:
+                        base = entry[3]
+                        fits = True
+                        for states, g in zip(entry[2], grown):
+                            if states + g + base > capacity:  # the expression peak_bytes compares
+                                fits = False
+                                break
+                        fits_of[id(grown)] = fits
                     cand = None
                     if fits:
                         if family is None:
