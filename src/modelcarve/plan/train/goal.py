@@ -135,6 +135,7 @@ class TrainGoal:
                 # (ep, etp, zero, dp_shard, (v, precision)) -> (states floor,) + dp_static(...): what
                 # the memory checks read that no micro-batching changes, for this (tp, cp, pp, dp)
                 statics: dict = {}
+                families: dict = {}  # (ep, etp, zero) -> (family label,)
             shape = shapes.get(id(scheds))
             if shape is None or shape[0] is not scheds:
                 # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -235,9 +236,11 @@ class TrainGoal:
                     cand = None
                     if fits:
                         if family is None:
-                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                                   "fp32", "fp32", etp, scaling))
-                            family = (self.family(model, cluster, cand),)
+                            family = families.get((ep, etp, zero))
+                            if family is None:  # family() reads tp, cp, pp, ep, zero and etp only
+                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                       "fp32", "fp32", etp, scaling))
+                                family = families[(ep, etp, zero)] = (self.family(model, cluster, cand),)
                         fam = family[0]
                         held = best_family.get(fam) if fam is not None else None
                         if (len(best) == top and bound <= best[0][0]
