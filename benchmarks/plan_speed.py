@@ -16,6 +16,8 @@ batch 15,360 sequences of 4,096 tokens) and the 1T-parameter GPT of Narayanan et
 * ``layouts``: candidates enumerated (each is screened: its reject category is decided) and
   ``priced``: the ones whose tokens/s the sweep computed (the others provably could not change
   the answer; plan/train/goal.py ``TrainGoal.sweep``);
+* ``baseline_cold_s`` (with ``--baseline-src``): the same cold run of another checkout's
+  ``src/``, e.g. the commit before the speed work, timed in the same run (same load);
 * ``same_as_golden``: the answer (top 10 estimates to the last digit, rejected counts,
   alternatives) equals the one recorded before the speed work (tests/plan/golden/).
 
@@ -58,9 +60,9 @@ print(json.dumps({"import_s": t1 - t0, "search_s": t2 - t1, "shorts": [r["short"
 """
 
 
-def cold(case: tuple) -> dict:
+def cold(case: tuple, src: Path = ROOT / "src") -> dict:
     _id, model, cluster, goal, options = case
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(src))
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", COLD, model, cluster, goal, json.dumps(options), str(TOP)],
                          check=True, capture_output=True, text=True, env=env)
@@ -103,8 +105,9 @@ def priced(case: tuple) -> int:
     return count
 
 
-def run_case(case: tuple, repeat: int) -> dict:
+def run_case(case: tuple, repeat: int, baseline: Path | None) -> dict:
     colds = [cold(case) for _ in range(repeat)]
+    base = min((cold(case, baseline) for _ in range(repeat)), key=lambda r: r["wall_s"]) if baseline else None
     best_cold = min(colds, key=lambda r: r["wall_s"])
     warms = [warm(case) for _ in range(repeat)]
     result, wall, cpu = min(warms, key=lambda r: r[2])
@@ -122,6 +125,8 @@ def run_case(case: tuple, repeat: int) -> dict:
         "cold_import_s": round(best_cold["import_s"], 3),
         "cold_search_s": round(best_cold["search_s"], 3),
         "cold_all_s": [round(r["wall_s"], 3) for r in colds],
+        "baseline_cold_s": round(base["wall_s"], 3) if base else None,
+        "baseline_cold_search_s": round(base["search_s"], 3) if base else None,
         "warm_s": round(wall, 3),
         "warm_cpu_s": round(cpu, 3),
         "under_target": best_cold["wall_s"] < TARGET_S and wall < TARGET_S,
@@ -137,9 +142,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/plan_speed.json"))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="another checkout's src/ (e.g. before the speed work) to time cold beside this one, "
+                             "under the same load")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    rows = [run_case(case, args.repeat) for case in FRONTIER]
+    rows = [run_case(case, args.repeat, args.baseline_src) for case in FRONTIER]
     load_after = os.getloadavg()[0]
     valid = max(load_before, load_after) <= MAX_LOAD
     report = {
@@ -151,6 +159,7 @@ def main() -> None:
         "valid": valid,
         "why_not_valid": None if valid else f"1-minute load average above {MAX_LOAD}: timings inflated, re-measure on a quiet machine",
         "target_s": TARGET_S,
+        "baseline_src": str(args.baseline_src) if args.baseline_src else None,
         "cases": rows,
     }
     out = Path(args.out)
@@ -162,6 +171,7 @@ def main() -> None:
             f"{row['case']}: {row['layouts']:,} layouts ({row['priced']:,} priced in full); cold {row['cold_s']:.2f} s "
             f"(imports {row['cold_import_s']:.2f} s, search {row['cold_search_s']:.2f} s), warm {row['warm_s']:.2f} s "
             f"({row['warm_cpu_s']:.2f} s CPU); same answer as recorded: {row['same_as_golden']}; best {row['best']}"
+            + (f"; baseline cold {row['baseline_cold_s']:.2f} s" if row["baseline_cold_s"] is not None else "")
         )
     if not all(row["same_as_golden"] for row in rows):
         raise SystemExit("the search's answer differs from the recorded one (tests/plan/golden/)")
