@@ -21,8 +21,9 @@ batch 15,360 sequences of 4,096 tokens) and the 1T-parameter GPT of Narayanan et
 * ``same_as_golden``: the answer (top 10 estimates to the last digit, rejected counts,
   alternatives) equals the one recorded before the speed work (tests/plan/golden/).
 
-The 1-minute load average is recorded before and after; a run with either above 1.5 is
-marked ``"valid": false`` (timings on a shared machine; re-measure on a quiet one). Target
+The 1-minute load average is recorded before and after. A run is ``"valid": false`` when the
+load it started at was above 1.5, or the load at its end, less the one process the benchmark
+itself keeps busy, was (timings on a shared machine; re-measure on a quiet one). Target
 from issue #28: each search under 1 s.
 """
 
@@ -149,7 +150,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = [run_case(case, args.repeat, args.baseline_src) for case in FRONTIER]
     load_after = os.getloadavg()[0]
-    valid = max(load_before, load_after) <= MAX_LOAD
+    valid = load_before <= MAX_LOAD and load_after - 1.0 <= MAX_LOAD  # the benchmark's own process adds ~1
     report = {
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -157,7 +158,8 @@ def main() -> None:
         "load_1min_before": round(load_before, 2),
         "load_1min_after": round(load_after, 2),
         "valid": valid,
-        "why_not_valid": None if valid else f"1-minute load average above {MAX_LOAD}: timings inflated, re-measure on a quiet machine",
+        "why_not_valid": None if valid else (f"1-minute load average from other processes above {MAX_LOAD}: timings "
+                                             "inflated, re-measure on a quiet machine"),
         "target_s": TARGET_S,
         "baseline_src": str(args.baseline_src) if args.baseline_src else None,
         "cases": rows,
@@ -165,7 +167,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"load average (1 min) {load_before:.2f} -> {load_after:.2f}" + ("" if valid else "  NOT VALID (> 1.5)"))
+    print(f"load average (1 min) {load_before:.2f} -> {load_after:.2f}" + ("" if valid else "  NOT VALID (others' load > 1.5)"))
     for row in rows:
         print(
             f"{row['case']}: {row['layouts']:,} layouts ({row['priced']:,} priced in full); cold {row['cold_s']:.2f} s "
