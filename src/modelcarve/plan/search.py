@@ -15,7 +15,11 @@ it ranks below the winner (from the goal's ``compare``), then the best-scoring r
 candidate of each reason, with its ``reject_reason`` in words.
 
 Goals with a ``prepare`` (see goals.py) are screened with their cheap scorer and only the
-finalists go through ``evaluate``; the others are evaluated in full. A screen with an ``above``
+finalists go through ``evaluate``; the others are evaluated in full. A goal with a
+``sweep(model, cluster, top, **options)`` screens its whole space itself and returns what the
+screening loop here would leave (``_screen_all``: the top heap, rejected counts, best rejected
+per category, best per family, candidates evaluated), exactly: it is that loop, made faster by
+the goal's knowledge of its space (the train goal's, plan/train/goal.py, says what it skips and why). A screen with an ``above``
 (goals.py) is asked, once the top is full, to screen a candidate only if it can beat the
 ``top``-th score so far: it may answer None instead, for a candidate it proves would be accepted
 with a score no higher (the search's answer is then the same as without asking; the candidate
@@ -57,6 +61,17 @@ def search(model: "ModelSpec", cluster: "ClusterSpec", goal_name: str, top: int 
 
 
 def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
+    sweep = getattr(goal, "sweep", None)
+    if sweep is not None:
+        best, rejected, best_rejected, best_family, evaluated = sweep(model, cluster, top, **options)
+    else:
+        best, rejected, best_rejected, best_family, evaluated = _screen_all(goal, screen, model, cluster, top, options)
+    return _finalists(goal, model, cluster, options, best, rejected, best_rejected, best_family, evaluated)
+
+
+def _screen_all(goal, screen, model, cluster, top: int, options: dict) -> tuple:
+    """Screen every candidate: the top (a min-heap of ``(score, position, candidate)``), the
+    rejected counts, the best rejected of each category and the best of each family."""
     best: list[tuple[float, int, Any]] = []  # min-heap of the top accepted
     rejected: dict[str, int] = {}
     best_rejected: dict[str, tuple[float, Any, str]] = {}
@@ -92,6 +107,12 @@ def _screened(goal, screen, model, cluster, top: int, options: dict) -> dict:
         held = best_rejected.get(category)
         if held is None or score > held[0]:
             best_rejected[category] = (score, candidate, reason)
+    return best, rejected, best_rejected, best_family, evaluated
+
+
+def _finalists(goal, model, cluster, options: dict, best: list, rejected: dict, best_rejected: dict,
+               best_family: dict, evaluated: int) -> dict:
+    """The screened top evaluated in full, best first, and the alternatives (module doc)."""
     layouts = [goal.evaluate(model, cluster, c, **options) for _, _, c in best]
     layouts.sort(key=goal.score, reverse=True)
     alternatives = []

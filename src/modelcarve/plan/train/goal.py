@@ -22,9 +22,11 @@ micro-batch count is a multiple of pp, as Megatron requires).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import TYPE_CHECKING, Iterator
 
+from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.model import TrainCostModel, TrainOptions
@@ -81,6 +83,203 @@ class TrainGoal:
 
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):
         return self.cost_model(model, cluster, **options)._evaluate  # screen() without the extra call
+
+    def sweep(self, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
+        """The search's screening pass (plan/search.py ``_screened``) over every candidate, with
+        the same answer, faster: ``(best, rejected, best_rejected, best_family, evaluated)``
+        exactly as that loop leaves them (the heap ``best`` holds ``(score, position, candidate)``,
+        position in ``candidates``' order, so its order is the loop's).
+
+        It walks ``layout_blocks`` and decides each candidate's reject category exactly as
+        ``TrainCostModel._evaluate`` does: the same states floor, the same DP memory sums
+        (``dp_static``), the same profile numbers (``screen_profile``, which ``profile`` is built
+        from) and the same per-stage sum ``peak_bytes`` compares with capacity; it computes a
+        candidate's tokens/s (``_exact``: the full profile, DP entry and traffic, as ``_evaluate``)
+        only when that number can change the answer. Two exact shortcuts:
+
+        * The bound: ``tokens / step_base`` is at least the candidate's tokens/s, because its step
+          is ``step_base + exposed_s`` with ``exposed_s >= 0`` (TrainCostModel.step_base), in
+          floating point as in exact arithmetic. Every use the loop makes of a score is a strict
+          ``>`` against a score held (the top's lowest once the top is full, the best of the
+          candidate's family, the best of its reject category), so a candidate whose bound is no
+          higher than each score its outcome meets changes nothing but the counts, which are kept.
+        * Whole groups: the states floor and the DP memory floor depend on the (v, precision) of
+          a candidate and not on its schedule, so when every group of a ZeRO setting is rejected
+          by one of them, its candidates are counted together; the best rejected of a category is
+          then the first candidate of the first group holding its best score, as the loop's
+          strict ``>`` keeps the first of equals.
+        """
+        from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT
+
+        gbs = options.get("global_batch")
+        seq = options.get("seq") or 2048
+        if not gbs:
+            raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
+        precisions = _precisions(cluster, options.get("precision"))
+        cost = self.cost_model(model, cluster, **options)
+        capacity, growth = cost.capacity, cost._growth
+        best: list = []
+        rejected: dict[str, int] = {}
+        best_rejected: dict = {}
+        best_family: dict = {}
+        position = 0
+        new = tuple.__new__
+        heappush, heapreplace = heapq.heappush, heapq.heapreplace
+        blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+        shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
+        mesh = None
+        for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
+            n_mb = gbs // (mbs * dp)
+            if (tp, cp, pp) != mesh:
+                mesh = (tp, cp, pp)
+                # (ep, etp, zero, dp_shard, (v, precision)) -> (states floor,) + dp_static(...): what
+                # the memory checks read that no micro-batching changes, for this (tp, cp, pp, dp)
+                statics: dict = {}
+                families: dict = {}  # (ep, etp, zero) -> (family label,)
+            shape = shapes.get(id(scheds))
+            if shape is None or shape[0] is not scheds:
+                # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
+                # groups: each (v, precision index) with its number of specs and its first, in order of first
+                # appearance (the states floor and the DP memory depend on nothing else of a spec)
+                specs = [(sched, v, prec, scaling, (v, j)) for sched, v in scheds
+                         for j, (prec, scaling) in enumerate(precisions)]
+                groups: dict = {}
+                for spec in specs:
+                    held = groups.get(spec[4])
+                    groups[spec[4]] = [1, spec] if held is None else [held[0] + 1, held[1]]
+                shape = shapes[id(scheds)] = (scheds, specs, list(groups.items()))
+            _, specs, groups = shape
+            n_spec = len(specs)
+            # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
+            # and buffers (as peak_bytes sums them); built when first needed
+            slots: list = [None] * n_spec
+            leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
+            grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
+            for zero, shard in zeros:
+                # per group: (category, score) when every candidate of it is rejected whatever its
+                # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
+                # else (None, None, states per stage, base bytes) for the per-schedule memory check
+                entries: dict = {}
+                open_groups = False
+                for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
+                    static = statics.get((ep, etp, zero, shard, vj))
+                    if static is None:
+                        floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                        static = statics[(ep, etp, zero, shard, vj)] = (floor,) + cost.dp_static(
+                            (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                    floor, states, top_states, reserved, bucket = static
+                    if floor > capacity:
+                        entries[vj] = (STATES_DO_NOT_FIT, -floor)
+                        continue
+                    lean = leans.get(vj)
+                    if lean is None:
+                        dtype = "fp8cs" if prec == "fp8" and scaling == "current" else prec
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype, etp, v,
+                                                                 keep=False)
+                    # _dp_entry's memory sums, without the entry (built for those priced in full)
+                    base = (lean[2] + bucket) * growth + reserved
+                    if top_states + base > capacity:
+                        entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
+                    else:
+                        entries[vj] = (None, None, states, base)
+                        open_groups = True
+                if not open_groups:
+                    # every candidate of this ZeRO setting rejected by its group: count them together; the
+                    # best of a category is the first candidate of the first group holding its best score
+                    for vj, (count, (sched, v, prec, scaling, _vj)) in groups:
+                        category, score = entries[vj]
+                        rejected[category] = rejected.get(category, 0) + count
+                        held = best_rejected.get(category)
+                        if held is None or score > held[0]:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   "fp32", "fp32", etp, scaling))
+                            best_rejected[category] = (score, cand, None)
+                    position += n_spec
+                    continue
+                family = None
+                fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
+                for k in range(n_spec):
+                    sched, v, prec, scaling, vj = specs[k]
+                    position += 1
+                    entry = entries[vj]
+                    category = entry[0]
+                    if category is not None:
+                        rejected[category] = rejected.get(category, 0) + 1
+                        held = best_rejected.get(category)
+                        if held is None or entry[1] > held[0]:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   "fp32", "fp32", etp, scaling))
+                            best_rejected[category] = (entry[1], cand, None)
+                        continue
+                    slot = slots[k]
+                    if slot is None:
+                        t_mb, rows, _buffers, p2p_s, _n, tokens = leans[vj][:6]
+                        step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+                        # 1F1B and zero-bubble hold the same micro-batches in flight: one list for both
+                        in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
+                        grown = grown_of.get(in_flight)
+                        if grown is None:
+                            grown = grown_of[in_flight] = [
+                                (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                                for _kind, index, act_mb, fixed in rows]
+                        slot = slots[k] = (step_base, tokens / step_base, grown)
+                    step_base, bound, grown = slot
+                    fits = fits_of.get(id(grown))
+                    if fits is None:
+                        base = entry[3]
+                        fits = True
+                        for states, g in zip(entry[2], grown):
+                            if states + g + base > capacity:  # the expression peak_bytes compares
+                                fits = False
+                                break
+                        fits_of[id(grown)] = fits
+                    cand = None
+                    if fits:
+                        if family is None:
+                            family = families.get((ep, etp, zero))
+                            if family is None:  # family() reads tp, cp, pp, ep, zero and etp only
+                                cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                       "fp32", "fp32", etp, scaling))
+                                family = families[(ep, etp, zero)] = (self.family(model, cluster, cand),)
+                        fam = family[0]
+                        held = best_family.get(fam) if fam is not None else None
+                        if (len(best) == top and bound <= best[0][0]
+                                and (fam is None or (held is not None and bound <= held[0]))):
+                            continue  # accepted; provably neither in the top nor its family's best
+                        cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                       prec, "fp32", "fp32", etp, scaling))
+                        score = self._exact(cost, cand, step_base)
+                        item = (score, position, cand)
+                        if len(best) < top:
+                            heappush(best, item)
+                        elif score > best[0][0]:
+                            heapreplace(best, item)
+                        if fam is not None and (held is None or score > held[0]):
+                            best_family[fam] = (score, cand)
+                        continue
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                    held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                    if held is None or bound > held[0]:
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                               prec, "fp32", "fp32", etp, scaling))
+                        score = self._exact(cost, cand, step_base)
+                        if held is None or score > held[0]:
+                            best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+        return best, rejected, best_rejected, best_family, position
+
+    @staticmethod
+    def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
+        """A candidate's tokens/s, as ``TrainCostModel._evaluate`` computes it (``step_base``:
+        its ``step_base``, the same number from the screen profile as from the full one)."""
+        dtype = "fp8cs" if cand.param_dtype == "fp8" and cand.fp8_scaling == "current" else cand.param_dtype
+        prof = cost.profile(*cand[:8], cost.seq, dtype, cand.etp, cand.virtual_stages)
+        dkey = (cand.zero, cand.dp_shard) + cand[12:]
+        d = prof["dp"].get(dkey)
+        if d is None:
+            d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
+        if d["exposed_s"] is None:
+            cost._dp_comm(prof, d, cand)
+        return prof["tokens"] / (step_base + d["exposed_s"])
 
     def family(self, model: "ModelSpec", cluster: "ClusterSpec", candidate: Candidate) -> str | None:
         """Label of the kind of layout, for 'why not X' alternatives in a plan."""
@@ -163,6 +362,19 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
     """Every valid training layout as a ``Candidate``, for each (param_dtype, fp8_scaling) in
     ``precisions`` (bf16 unless the user asks for FP8)."""
     new = tuple.__new__  # Candidate(...) through its generated __new__ costs ~7% of a full search
+    for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in layout_blocks(model, cluster, global_batch, seq, max_mbs):
+        for zero, shard in zeros:
+            for sched, v in scheds:
+                for prec, scaling in precisions:
+                    yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
+                                          v, prec, "fp32", "fp32", etp, scaling))
+
+
+def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
+                  max_mbs: int = MAX_MBS) -> Iterator[tuple]:
+    """The search space in blocks, in ``enumerate_layouts``' order: ``(tp, cp, pp, dp, mbs, ep, etp,
+    sp, recompute, zeros, schedules)``, each block standing for every ``(zero, dp_shard)`` in
+    ``zeros`` x ``(schedule, virtual_stages)`` in ``schedules`` x precision, in that order."""
     n = cluster.num_devices
     L = model.num_layers
     moe = model.is_moe
@@ -208,11 +420,14 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                     for ep, etp in eps:
                         for sp in sps:
                             for rc in ("none", "selective", "full"):
-                                for zero, shard in zeros:
-                                    for sched, v in scheds:
-                                        for prec, scaling in precisions:
-                                            yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
-                                                                  v, prec, "fp32", "fp32", etp, scaling))
+                                yield tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds
+
+
+def inflight_of(schedule: str, pp: int, n_mb: int, v: int, index: int):
+    """Micro-batches in flight on pipeline rank ``index``, as ``TrainCostModel.peak_bytes`` counts them."""
+    if schedule == "1f1b" or schedule == "zero-bubble":
+        return pp - index if pp - index < n_mb else n_mb
+    return in_flight_microbatches(schedule, pp, n_mb, v, index)
 
 
 def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:

@@ -100,6 +100,9 @@ _PER_LAYER_SUMS = (
     "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
     "ep_bytes", "ep_nic", "act_bytes",
 )
+_DETAIL_SUMS = tuple(k for k in _PER_LAYER_SUMS if k not in ("compute_s", "fwd_s", "bwd_s", "tp_s", "cp_s", "ep_s", "act_bytes"))
+"""Per-stage sums only the full estimate reads: a profile gets them when a finalist is reported
+(``_complete``), not when the search screens it (the screen reads the other seven)."""
 
 STATES_DO_NOT_FIT = "weights, gradients and optimizer states alone exceed device memory"
 ACTIVATIONS_DO_NOT_FIT = "activations do not fit beside the model states"
@@ -183,6 +186,9 @@ class TrainCostModel:
         self._splits: dict = {}
         self._floors: dict = {}
         self._states: dict = {}
+        self._dp_static: dict = {}
+        self._heads: dict = {}
+        self._leans: dict = {}
         self._last_pkey: tuple | None = None
         self._last_dtype = "bf16"
         self._last_etp = 0
@@ -362,24 +368,90 @@ class TrainCostModel:
             floor = self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
         return floor
 
-    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
+    def screen_profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str,
+                       seq: int, dtype: str = "bf16", etp: int = 0, v: int = 1, keep: bool = True) -> tuple:
+        """What a screen reads of ``profile(...)``, without building it: ``(t_mb, rows, buffers,
+        p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
+        ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
+        built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
+        for each once; keeping them all only lengthens a process's exit)."""
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
+        lean = self._leans.get(key)
+        if lean is None:
+            self._dtype = dtype
+            lean = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+            if keep:
+                self._leans[key] = lean
+        return lean
+
+    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
         m, o = self.model, self.options
         dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
         moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
         h, V = m.hidden_size, m.vocab_size
         T = mbs * seq / cp
-        # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
-        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
-        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-        head_s = 3.0 * head_fwd + loss_s
-        logits_bytes = self._logits_bytes(T, V / tp, h)
+        hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
+        head = self._heads.get(hkey)
+        if head is None:
+            # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
+            head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+            loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+            head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        head_s, logits_bytes = head[2], head[3]
+        d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
+                                         dense["act_bytes"], dense["work_bytes"])
+        m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
+        sums, rows = [], []
+        t_mb, slow = -1.0, 0
+        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(self.stage_params(tp, pp, ep, etp, v)):
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            compute_s = d_c * n_dense + m_c * n_moe
+            if last:
+                compute_s += head_s
+            tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
+            sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+            t = compute_s + tp_s + cp_s + ep_s
+            if t > t_mb:  # the first slowest, as max() picks it
+                t_mb, slow = t, i
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
+            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+        p2p_s = comm.p2p_s(p2p_bytes, self.tier(pp, dp * cp * tp)) if pp > 1 else 0.0
+        gbs = o.global_batch or mbs * dp
+        return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
+        m, o = self.model, self.options
+        t_mb, rows, buffers, p2p_s, n_mb, tokens, sums, slow_i = self.screen_profile(
+            tp, cp, pp, dp, ep, mbs, sp, recompute, seq, self._dtype, etp, v)
+        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        h = m.hidden_size
+        T = mbs * seq / cp
+        head_fwd, loss_s, _head_s, logits_bytes = self._heads[(T, tp, self._dtype)]
         stages = {}
-        for kind, index, n_moe, params_dense, params_exp, layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
+        params = self.stage_params(tp, pp, ep, etp, v)
+        for (kind, index, n_moe, params_dense, params_exp, layer, _lin, nls), (compute_s, tp_s, cp_s, ep_s, act_bytes,
+                                                                               work_bytes) in zip(params, sums):
             n_dense = nls - n_moe
             last = kind in ("last", "only")
-            stage = {key: dense[key] * n_dense + moe[key] * n_moe for key in _PER_LAYER_SUMS}
+            # the sums the screen reads (the same expression as _complete's for the others)
+            stage = {
+                "compute_s": compute_s,
+                "fwd_s": dense["fwd_s"] * n_dense + moe["fwd_s"] * n_moe,
+                "bwd_s": dense["bwd_s"] * n_dense + moe["bwd_s"] * n_moe,
+                "tp_s": tp_s,
+                "cp_s": cp_s,
+                "ep_s": ep_s,
+                "act_bytes": act_bytes,
+            }
             if last:
-                stage["compute_s"] += head_s
                 stage["fwd_s"] += head_fwd
                 stage["bwd_s"] += 2 * head_fwd + loss_s
             stage.update(
@@ -388,7 +460,7 @@ class TrainCostModel:
                 moe_layers=n_moe,
                 params_dense=params_dense,
                 params_expert=params_exp,
-                work_bytes=max(dense["work_bytes"], moe["work_bytes"] if n_moe else 0.0),
+                work_bytes=work_bytes,
                 logits_bytes=logits_bytes if last else 0.0,
                 layer_params=layer,
                 linear_params=_lin,
@@ -397,26 +469,35 @@ class TrainCostModel:
         act = 2.0 * T * h
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         pp_tier = self.tier(pp, dp * cp * tp)
-        gbs = o.global_batch or mbs * dp
-        slow = max(stages.values(), key=lambda st: st["compute_s"] + st["tp_s"] + st["cp_s"] + st["ep_s"])
         return {
             "stages": stages,
-            "rows": [(k, st["index"], st["act_bytes"], st["work_bytes"] + st["logits_bytes"]) for k, st in stages.items()],
-            "params_rows": [(st["params_dense"], st["params_expert"], st["layer_params"]) for st in stages.values()],
-            "slow": slow,
-            "t_mb": slow["compute_s"] + slow["tp_s"] + slow["cp_s"] + slow["ep_s"],
-            "n_mb": gbs // (mbs * dp),
-            "tokens": gbs * seq,
+            "rows": rows,
+            "slow": list(stages.values())[slow_i],
+            "t_mb": t_mb,
+            "n_mb": n_mb,
+            "tokens": tokens,
             "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp, v),
             "dense": dense,
             "moe": moe,
-            "p2p_s": comm.p2p_s(p2p_bytes, pp_tier) if pp > 1 else 0.0,
+            "p2p_s": p2p_s,
             "p2p_bytes": p2p_bytes if pp > 1 else 0.0,
             "p2p_nic": p2p_bytes if pp > 1 and pp_tier.members_per_node else 0.0,
-            "buffers": (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0)
-            + (2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0),
+            "buffers": buffers,
             "dp": {},
         }
+
+    @staticmethod
+    def _complete(prof: dict) -> None:
+        """Add to each stage of ``prof`` the per-layer sums only the full estimate reads (``_DETAIL_SUMS``)."""
+        if prof.get("complete"):
+            return
+        dense, moe = prof["dense"], prof["moe"]
+        for stage in prof["stages"].values():
+            n_moe = stage["moe_layers"]
+            n_dense = stage["layers"] - n_moe
+            for key in _DETAIL_SUMS:
+                stage[key] = dense[key] * n_dense + moe[key] * n_moe
+        prof["complete"] = True
 
     def _logits_bytes(self, T: float, v_local: float, h: int) -> float:
         """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
@@ -432,21 +513,33 @@ class TrainCostModel:
     def _dp_entry(self, prof: dict, cand: tuple) -> dict:
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
-        tp, cp, pp, dp, ep = prof["key"][:5]
-        etp, v = prof["key"][8], prof["key"][9]
-        states = self.stage_states(tp, cp, pp, dp, ep, cand.zero, cand.dp_shard, cand.param_dtype, cand.grad_dtype,
-                                   cand.optim_dtype, etp, v)
-        buffers = prof["buffers"] + (DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
-        reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+        pk = prof["key"]
+        states, top_states, reserved, bucket = self.dp_static(pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard,
+                                                              cand.param_dtype, cand.grad_dtype, cand.optim_dtype)
+        buffers = prof["buffers"] + bucket
         base = buffers * self._growth + reserved
         return {
             "states": states,
             "buffers": buffers,
             "reserved": reserved,
             "base_bytes": base,
-            "floor_bytes": max(states) + base,
+            "floor_bytes": top_states + base,
             "exposed_s": None,
         }
+
+    def dp_static(self, mesh: tuple, etp: int, v: int, zero: int, dp_shard: int, p_dt: str, g_dt: str,
+                  o_dt: str) -> tuple:
+        """The part of a DP entry (``_dp_entry``) that depends on the mesh ``(tp, cp, pp, dp, ep)``,
+        ZeRO and dtypes only, not the micro-batching: (states per stage, the largest, the
+        runtime reserve, the gradient buckets); buffers and floor are ``_dp_entry``'s sums of these."""
+        skey = (mesh, etp, v, zero, dp_shard, p_dt, g_dt, o_dt)
+        static = self._dp_static.get(skey)
+        if static is None:
+            tp, cp, pp, dp, ep = mesh
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+            reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
+            static = self._dp_static[skey] = (states, max(states), reserved, DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
+        return static
 
     def state_parts(self, prof: dict, cand: tuple, kind: str) -> dict[str, float]:
         """Weights, gradients, optimiser states and ZeRO-3 gather buffers of one stage, bytes."""
@@ -513,6 +606,41 @@ class TrainCostModel:
             tier=r["tier"],
         )
 
+    # --- the two halves of one layout's screen, shared by _evaluate and the train goal's sweep --------
+    def peak_bytes(self, prof: dict, d: dict, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
+        """(peak bytes, its stage kind, its micro-batches in flight) of the worst device: every
+        stage kind's states + activations in flight + buffers, keep the largest."""
+        peak, worst, worst_inflight = -1.0, None, 0.0
+        base = d["base_bytes"]
+        growth = self._growth
+        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
+        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
+            if simple:
+                inflight = pp - index if pp - index < n_mb else n_mb
+            else:
+                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
+            total = states + (inflight * act_mb + fixed) * growth + base
+            if total > peak:
+                peak, worst, worst_inflight = total, kind, inflight
+        return peak, worst, worst_inflight
+
+    def step_base(self, t_mb: float, p2p_s: float, schedule: str, pp: int, n_mb: int, v: int) -> tuple:
+        """(bubble units, exposed pipeline sends, all pipeline sends, step seconds without the
+        data-parallel part): the step is ``step_base + d["exposed_s"]``, and ``exposed_s >= 0``,
+        so ``prof["tokens"] / step_base`` bounds the tokens/s from above (in floating point too:
+        adding a non-negative number never lowers a sum, dividing by a larger one never raises a
+        quotient). ``t_mb`` and ``p2p_s``: the profile's."""
+        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
+        p2p_total = p2p = 0.0
+        if pp > 1:
+            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * p2p_s
+            if v > 1 and self.options.overlap_p2p:
+                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
+                # warm-up and cool-down sends stay on the critical path
+                edge = 2.0 * (pp - 1) * p2p_s
+                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
+        return idle, p2p, p2p_total, (n_mb + idle) * t_mb + p2p
+
     # --- one layout ------------------------------------------------------------------------------------
     def screen(self, cand: tuple) -> tuple[float, str | None, str | None]:
         """(tokens/s, reject category, reject reason) of a candidate tuple; the search's fast path."""
@@ -557,39 +685,18 @@ class TrainCostModel:
             self._dp_comm(prof, d, cand)
         n_mb = prof["n_mb"]
 
-        # --- memory: every stage kind, keep the worst ---------------------------------------------
-        peak, worst, worst_inflight = -1.0, None, 0.0
-        base = d["base_bytes"]
-        growth = self._growth
-        simple = schedule == "1f1b" or schedule == "zero-bubble"  # inlined in_flight_microbatches
-        for (kind, index, act_mb, fixed), states in zip(prof["rows"], d["states"]):
-            if simple:
-                inflight = pp - index if pp - index < n_mb else n_mb
-            else:
-                inflight = in_flight_microbatches(schedule, pp, n_mb, v, index)
-            total = states + (inflight * act_mb + fixed) * growth + base
-            if total > peak:
-                peak, worst, worst_inflight = total, kind, inflight
+        peak, worst, worst_inflight = self.peak_bytes(prof, d, schedule, pp, n_mb, v)
         fits = peak <= self.capacity
-
-        # --- time ------------------------------------------------------------------------------------
-        t_mb = prof["t_mb"]
-        idle = bubble_time_units(schedule, pp, v) if pp > 1 else 0.0
-        p2p_total = p2p = 0.0
-        if pp > 1:
-            p2p_total = p2p = 2.0 * (n_mb * v + pp - 1) * prof["p2p_s"]
-            if v > 1 and self.options.overlap_p2p:
-                # Megatron-Core overlaps the interleaved schedule's sends with compute; only the
-                # warm-up and cool-down sends stay on the critical path
-                edge = 2.0 * (pp - 1) * prof["p2p_s"]
-                p2p = edge + comm.OVERLAP_COMPUTE_COST * (p2p_total - edge)
-        step = (n_mb + idle) * t_mb + p2p + d["exposed_s"]
+        idle, p2p, p2p_total, step_base = self.step_base(prof["t_mb"], prof["p2p_s"], schedule, pp, n_mb, v)
+        step = step_base + d["exposed_s"]
         tokens_per_s = prof["tokens"] / step
         if not detail:
             if fits:
                 return tokens_per_s, None, None
             return tokens_per_s, ACTIVATIONS_DO_NOT_FIT, None
 
+        self._complete(prof)
+        t_mb = prof["t_mb"]
         return build_report(
             self, cand, prof, d, peak=peak, worst=worst, inflight=worst_inflight, fits=fits, n_mb=n_mb,
             idle=idle, t_mb=t_mb, p2p=p2p, p2p_total=p2p_total, step=step, tokens_per_s=tokens_per_s,

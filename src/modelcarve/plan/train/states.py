@@ -129,12 +129,16 @@ def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", gr
 def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     """Data-parallel collectives of the stage with the most parameters: seconds and bytes
     (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
-    it is shared by every micro-batch size and recomputation mode."""
+    it is shared by every micro-batch size and recomputation mode. The cache key holds the
+    fullest stage's parameters and layers too: virtual-stage counts that split the layers
+    differently give another fullest stage, so the answer never depends on which was priced first."""
     tp, cp, pp, dp, ep = prof["key"][:5]
     etp = prof["key"][8]
     zero, dp_shard = cand.zero, cand.dp_shard
     p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
-    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt)
+    big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
+    pd, pe = big["params_dense"], big["params_expert"]
+    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"])
     cached = cost._traffic.get(key)
     if cached is not None:
         return cached
@@ -145,8 +149,6 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     # expert mesh ETP x EP x EDP over the same ranks as TP x CP x DP (MoE parallel folding)
     edp = max(1, tp * dp * cp // (etp * ep))
     n_exp = max(1, shard * cp * tp // (etp * ep)) if zero else 1
-    big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
-    pd, pe = big["params_dense"], big["params_expert"]
     dense_t = cost.tier(dp * cp, tp)
     exp_t = cost.tier(edp, etp * ep)
     r = {"tier": dense_t.name, "reduce_s": 0.0, "gather_s": 0.0, "per_mb_s": 0.0, "first_gather_s": 0.0,

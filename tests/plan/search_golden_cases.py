@@ -1,0 +1,72 @@
+"""The searches whose answers the speed work must not change (tests/plan/test_search_golden.py).
+
+``SUITE`` runs in the test suite (small clusters, each well under a second); ``FRONTIER`` are
+the two full-scale searches of benchmarks/plan_speed.py, recorded too and checked by that
+benchmark. ``answer`` reduces a search to what a user sees: the top ``TOP`` layouts (the whole
+estimate JSON of each), the counts of candidates evaluated and rejected per reason, and the
+alternatives (each's short form, family or reject reason, and score). The golden files were
+written by ``python tests/plan/search_golden_cases.py`` on the commit before the speed work
+(187ce0a), and are never rewritten to make a test pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TOP = 10
+GOLDEN = Path(__file__).parent / "golden"
+
+SUITE = [
+    # (id, model, cluster, goal, options)
+    ("llama-3.1-70b-64xH100", "llama-3.1-70b", "8x8xH100", "train", {"global_batch": 512, "seq": 4096}),
+    ("llama-3.1-70b-64xH100-fp8", "llama-3.1-70b", "8x8xH100", "train", {"global_batch": 512, "seq": 8192, "precision": "fp8"}),
+    ("gpt3-175b-1024xA100", "gpt3-175b", "128x8xA100-80GB", "train", {"global_batch": 1536, "seq": 2048}),
+    ("qwen3-235b-128xH100", "qwen3-235b-a22b", "16x8xH100", "train", {"global_batch": 512, "seq": 4096}),
+    ("kimi-k2-256xH200", "kimi-k2", "32x8xH200", "train", {"global_batch": 1024, "seq": 4096}),
+    ("deepseek-v3-128xH100", "deepseek-v3", "16x8xH100", "train", {"global_batch": 960, "seq": 4096}),
+    ("mixtral-8x7b-16xH100-fused", "mixtral-8x7b", "2x8xH100", "train", {"global_batch": 256, "seq": 4096, "loss": "fused"}),
+    ("llama-3.1-70b-8xH100-serve", "llama-3.1-70b", "1x8xH100", "serve-throughput", {}),
+]
+
+FRONTIER = [
+    ("deepseek-v3-16384xH100", "deepseek-v3", "2048x8xH100", "train", {"global_batch": 15360, "seq": 4096}),
+    ("gpt-1t-131072xH100", "gpt-1t", "16384x8xH100", "train", {"global_batch": 16384, "seq": 2048}),
+]
+
+
+def run(case: tuple) -> dict:
+    """The search of ``case``, reduced by ``answer``, through JSON (as a golden file holds it)."""
+    from modelcarve.plan.search import search
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import parse_cluster
+
+    _id, model, cluster, goal, options = case
+    result = search(get_model(model), parse_cluster(cluster), goal, top=TOP, **options)
+    return json.loads(json.dumps(answer(result)))
+
+
+def answer(result: dict) -> dict:
+    return {
+        "layouts": result["layouts"],
+        "evaluated": result["evaluated"],
+        "rejected": result["rejected"],
+        "alternatives": [
+            {"short": a.get("short"), "family": a.get("family"), "reject_category": a.get("reject_category"),
+             "why": a.get("why"), "tokens_per_s": (a.get("time") or {}).get("tokens_per_s")}
+            for a in result["alternatives"]
+        ],
+    }
+
+
+def golden_path(case: tuple) -> Path:
+    return GOLDEN / f"{case[0]}.json"
+
+
+if __name__ == "__main__":
+    cases = SUITE + FRONTIER if len(sys.argv) < 2 else [c for c in SUITE + FRONTIER if c[0] in sys.argv[1:]]
+    GOLDEN.mkdir(exist_ok=True)
+    for case in cases:
+        golden_path(case).write_text(json.dumps(run(case), indent=1, sort_keys=True) + "\n")
+        print("wrote", golden_path(case))
