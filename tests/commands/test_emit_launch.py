@@ -255,14 +255,24 @@ def test_modelcarve_commands_parse_with_our_own_parser(tmp_path, capsys):
 
     for flags, serving in ((TRAIN["moe-bf16"], False), (SERVE["moe-fp8"], True)):
         layout, _, out = _plan(tmp_path / str(serving), flags, "modelcarve", capsys)
-        cmds = _commands(out / "launch.sh")
-        assert len(cmds) == -(-layout.world_size // 8)  # one per node of 8 devices
-        for node, cmd in enumerate(cmds):
-            args = build_parser(cmd[1]).parse_args(cmd[1:])
-            assert (args.nnodes, args.node_rank, args.nproc_per_node) == (len(cmds), node, min(8, layout.world_size))
-            assert Layout.parse(str(out / args.layout)) == layout
+        nodes = -(-layout.world_size // 8)  # of 8 devices
+        script = out / "launch.sh"
+        for node in range(nodes):
+            # the script as bash runs it on node `node`: its argv, echoed instead of executed
+            shown = subprocess.run(["bash", "-c", f"modelcarve() {{ printf '%s\\n' \"$@\"; }}; "
+                                    f"export -f modelcarve; source {shlex.quote(str(script))} {node}"],
+                                   capture_output=True, text=True, env=dict(os.environ, MASTER_ADDR="10.1.2.3"))
+            assert shown.returncode == 0, shown.stderr
+            cmd = shown.stdout.splitlines()
+            args = build_parser(cmd[0]).parse_args(cmd)
+            assert (args.nnodes, args.node_rank, args.nproc_per_node) == (nodes, node, min(8, layout.world_size))
+            assert args.master_addr == "10.1.2.3" and Layout.parse(str(out / args.layout)) == layout
+        if nodes > 1:  # without its node rank, or without MASTER_ADDR, the script refuses to start
+            assert subprocess.run(["bash", str(script)], capture_output=True, env=dict(os.environ, MASTER_ADDR="x")).returncode
+            assert subprocess.run(["bash", str(script), "0"], capture_output=True,
+                                  env={k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}).returncode
         slurm = (out / "launch.slurm").read_text()
-        assert f"#SBATCH --nodes={len(cmds)}" in slurm and "$SLURM_NODEID" in slurm
+        assert f"#SBATCH --nodes={nodes}" in slurm and "$SLURM_NODEID" in slurm
 
 
 # --- refusals and the --engine filter --------------------------------------------------------

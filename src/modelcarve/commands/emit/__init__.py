@@ -362,10 +362,14 @@ def render(engine: str, layout: Layout, model, cluster, *, serving: bool, max_ba
     if engine == "modelcarve":
         files["layout.json"] = layout.to_json() + "\n"
         nodes = max(1, -(-layout.world_size // cluster.devices_per_node))
-        body = []
-        for node in range(nodes):
-            body.append(f"# node {node} of {nodes}")
-            body.append(_join(argv(engine, layout, model, cluster, serving=serving, max_batch=max_batch, node_rank=node)))
+        if nodes == 1:
+            body = [_join(argv(engine, layout, model, cluster, serving=serving, max_batch=max_batch, node_rank=0))]
+        else:  # one script for every node: its rank the argument, node 0's address in MASTER_ADDR
+            body = [f"# on each of the {nodes} nodes: MASTER_ADDR=<node 0's address> bash launch.sh NODE_RANK",
+                    f'NODE_RANK=${{1:?usage: MASTER_ADDR=<node 0 address> bash launch.sh NODE_RANK (0..{nodes - 1})}}',
+                    ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"',
+                    _join(argv(engine, layout, model, cluster, serving=serving, max_batch=max_batch,
+                               node_rank="$NODE_RANK"))]
         files["launch.sh"] = "\n".join(head + body) + "\n"
         files["launch.slurm"] = _slurm(engine, layout, model, cluster, serving=serving, max_batch=max_batch, nodes=nodes)
         return files
