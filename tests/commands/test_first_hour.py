@@ -17,10 +17,14 @@ def _one_line_error(capsys, argv) -> str:
 
 
 def test_no_abbreviated_flags(capsys):
-    # `--out` is not a flag of plan; argparse's abbreviations took it as --output-len
+    # argparse's abbreviations took `--output DIR` as --output-len DIR
+    err = _one_line_error(capsys, ["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
+                                   "--output", "/tmp/x"])
+    assert "unrecognized arguments: --output" in err
+    # `--out` is --emit-launch's directory: alone it says so, not a silent success
     err = _one_line_error(capsys, ["plan", "--goal", "serve-latency", "--model", "qwen3-32b", "--cluster", "2xH100",
                                    "--out", "/tmp/x"])
-    assert "unrecognized arguments: --out" in err
+    assert "--out /tmp/x is where --emit-launch writes" in err
 
 
 def test_a_hub_id_says_to_download_first(capsys, tmp_path, monkeypatch):

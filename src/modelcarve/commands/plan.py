@@ -21,6 +21,7 @@ import json
 from modelcarve.spec.errors import ModelcarveError
 
 from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
+from modelcarve.commands.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
 
 
 def register(sub) -> None:
@@ -91,18 +92,28 @@ def _load(args):
     return get_model(args.model), parse_cluster(args.cluster), get_goal(args.goal)
 
 
+def _out_needs_emit_launch(args) -> None:
+    if getattr(args, "out", None) and not getattr(args, "emit_launch", None):
+        raise ModelcarveError(f"--out {args.out} is where --emit-launch writes its files; add --emit-launch ENGINE "
+                              f"({', '.join(ENGINES)}), or use --emit FILE for the layout alone")
+
+
 def _estimate(args) -> int:
     from modelcarve.spec.layout import Layout
+
+    _out_needs_emit_launch(args)
 
     model, cluster, goal = _load(args)
     layout = Layout.parse(args.layout)
     from modelcarve.commands.serving_plan import is_serve_goal, run_serve_estimate
 
     if args.emit_launch:
-        _check_launch(args, model, cluster, layout)
+        check_launch(args, model, cluster, layout)
     if is_serve_goal(args.goal):
         code = run_serve_estimate(args, model, cluster, layout)
-        _emit_launch(args, model, cluster, args._launch_layout, max_batch=args.launch_batch or args.batch or args.max_batch)
+        if args.emit_launch:
+            emit_launch(args, model, cluster, args._launch_layout,
+                        max_batch=args.launch_batch or args.batch or args.max_batch)
         return code
     options = _options(args)
     if args.goal == "train":
@@ -119,7 +130,7 @@ def _estimate(args) -> int:
         options.pop("seq", None)
     result = goal.evaluate(model, cluster, layout, **options)
     if args.emit_launch:
-        _check_launch(args, model, cluster, layout)
+        check_launch(args, model, cluster, layout)
     from modelcarve.commands.timeline import draw_estimate
 
     draw_estimate(getattr(args, "timeline", None), layout)
@@ -139,92 +150,12 @@ def _estimate(args) -> int:
     if not result["fits"]:
         out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
     print_costs(costs, serving=False)
-    _emit_launch(args, model, cluster, layout)
+    emit_launch(args, model, cluster, layout)
     return 0
 
 
-def _check_launch(args, model, cluster, layout) -> None:
-    """``estimate --emit-launch``: refuse (one line, exit 2) before any output if the engine cannot
-    express ``layout``; keep the layout to emit on ``args``."""
-    from modelcarve.commands.emit import EngineRefusal, refusal
-    from modelcarve.commands.serving_plan import engine_dtypes, is_serve_goal
-
-    serving = is_serve_goal(args.goal)
-    if serving:
-        layout = engine_dtypes(args.layout, layout)
-        group = layout.tp * layout.pp * layout.cp
-        if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
-            layout = layout.replace(dp=cluster.num_devices // group)  # as run_serve_estimate fills the cluster
-    line = refusal(args.emit_launch, layout, model, serving=serving, ranking=None)
-    if line:
-        raise EngineRefusal(line)
-    args._launch_layout = layout
-
-
-def _emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, label: str = "") -> None:
-    if not getattr(args, "emit_launch", None):
-        return
-    import sys
-
-    from modelcarve.commands.emit import render, write
-    from modelcarve.commands.serving_plan import is_serve_goal
-
-    files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
-                   label=label)
-    written = write(files, args.out)
-    if args.out:
-        sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")
-    else:
-        stream = sys.stderr if args.json else sys.stdout  # --json keeps stdout one JSON document
-        stream.write("\n".join(written).rstrip("\n") + "\n")
-
-
-def ranked_search(args, model, cluster, goal_name: str, top: int, options: dict) -> tuple[dict, list | None]:
-    """The search, filtered to what ``--engine`` can express and deep enough to say where the nearest
-    expressible layout of a refusal ranks: ``(result with the top layouts, the deeper ranking as
-    Layouts)``. Without --engine/--emit-launch it is the plain search (ranking None)."""
-    from modelcarve.plan.search import search
-    from modelcarve.spec.layout import Layout
-
-    if not (getattr(args, "engine", None) or getattr(args, "emit_launch", None)):
-        return search(model, cluster, goal_name, top=top, **options), None
-    from modelcarve.commands.emit import can_express
-    from modelcarve.commands.serving_plan import is_serve_goal
-
-    depth = max(top, RANK_DEPTH)
-    result = search(model, cluster, goal_name, top=depth, **options)
-    ranking = [Layout.from_dict(item["layout"]) for item in result["layouts"]]
-    if args.engine:
-        serving = is_serve_goal(goal_name)
-        kept = [item for item, lay in zip(result["layouts"], ranking) if can_express(args.engine, lay, model, serving=serving)]
-        result["filtered_out"] = len(result["layouts"]) - len(kept)
-        result["layouts"] = kept
-    result["layouts"] = result["layouts"][:top]
-    return result, ranking
-
-
-RANK_DEPTH = 400
-"""Layouts ranked when --engine filters or a refusal names the nearest layout's rank."""
-
-
-def launch_winner(args, model, cluster, result: dict, ranking) -> None:
-    """``plan --emit-launch``: refuse in one line if the engine cannot express the winner, else emit."""
-    if not getattr(args, "emit_launch", None) or not result["layouts"]:
-        return
-    from modelcarve.commands.emit import EngineRefusal, refusal
-    from modelcarve.commands.serving_plan import is_serve_goal
-    from modelcarve.spec.layout import Layout
-
-    serving = is_serve_goal(args.goal)
-    winner = result["layouts"][0]
-    layout = Layout.from_dict(winner["layout"])
-    line = refusal(args.emit_launch, layout, model, serving=serving, ranking=ranking)
-    if line:
-        raise EngineRefusal(line)
-    args._launch = (layout, (winner.get("serve") or {}).get("batch"), f"{winner.get('name') or layout.short()}, rank 1")
-
-
 def _plan(args) -> int:
+    _out_needs_emit_launch(args)
     from modelcarve.plan.search import nothing_qualifies, search
 
     from modelcarve.spec import files
@@ -263,7 +194,7 @@ def _plan(args) -> int:
         print(json.dumps(result, indent=2))
         if args.emit_launch:
             layout, batch, label = args._launch
-            _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+            emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
         return 0
     from modelcarve.report.tables import console, plan_tables
 
@@ -278,5 +209,5 @@ def _plan(args) -> int:
     )
     if args.emit_launch:
         layout, batch, label = args._launch
-        _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+        emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
     return 0

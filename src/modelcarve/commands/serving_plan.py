@@ -17,11 +17,7 @@ import argparse
 import json
 import sys
 
-SERVE_GOALS = ("serve-latency", "serve-throughput", "serve-disagg")
-
-
-def is_serve_goal(name: str | None) -> bool:
-    return bool(name) and name in SERVE_GOALS
+from modelcarve.commands.serve_goals import SERVE_GOALS, engine_dtypes, fill_replicas, is_serve_goal  # noqa: F401 (re-exported)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +57,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         from modelcarve.commands.frontier import run_frontier_plan
 
         return run_frontier_plan(args, model, cluster, options, top=top)
-    from modelcarve.commands.plan import launch_winner, ranked_search
+    from modelcarve.commands.launch_emit import launch_winner, ranked_search
 
     plan, ranking = ranked_search(args, model, cluster, args.goal, top, options)
     if plan["layouts"]:
@@ -98,33 +94,11 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
                     title=f"{model.name} on {cluster.name}: {args.goal} (winner {plan['layouts'][0].get('name', '')})")
         sys.stderr.write(f"modelcarve: wrote {args.plot}\n")
     if getattr(args, "emit_launch", None) and plan["layouts"]:
-        from modelcarve.commands.plan import _emit_launch
+        from modelcarve.commands.launch_emit import emit_launch
 
         layout, batch, label = args._launch
-        _emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+        emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
     return 0 if plan["layouts"] else 1
-
-
-def engine_dtypes(text: str, layout):
-    """``layout`` with the weight and KV dtypes the engine will run for the layout ``text``: one not
-    stated defaults to ``param_dtype`` (as ``runtime.engine.resolve_layout`` resolves it for
-    ``generate`` and ``serve``; the spec's own default, bf16, is the training/planning one), so that
-    ``estimate --goal serve-*`` costs the dtypes the server runs. A JSON layout states its fields."""
-    import json as _json
-    from pathlib import Path
-
-    text = str(text).strip()
-    if text.startswith("{") or text.endswith(".json"):
-        raw = _json.loads(text if text.startswith("{") else Path(text).read_text())
-        stated = set(raw["layout"] if isinstance(raw.get("layout"), dict) else raw)
-    else:
-        stated = {part.partition("=")[0].strip().lower().replace("-", "_") for part in text.split(",")}
-    changes = {}
-    if "weight_dtype" not in stated:
-        changes["weight_dtype"] = layout.param_dtype
-    if "kv_dtype" not in stated:
-        changes["kv_dtype"] = layout.param_dtype
-    return layout.replace(**changes) if changes else layout
 
 
 def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
@@ -142,10 +116,9 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         # (otherwise experts a checkpoint ships narrower are sized as released: plan/serve/options.py).
         options["weight_dtypes"] = layout.weight_dtype
     note = None
-    group = layout.tp * layout.pp * layout.cp
-    if layout.dp == 1 and group < cluster.num_devices and cluster.num_devices % group == 0:
-        # A serving layout names the model-parallel group; the other devices are replicas.
-        layout = layout.replace(dp=cluster.num_devices // group)
+    filled = fill_replicas(layout, cluster)
+    if filled is not layout:
+        layout = filled
         note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
     result = get_goal(args.goal).evaluate(model, cluster, layout, **options)
     if getattr(args, "rate", None) is not None:
