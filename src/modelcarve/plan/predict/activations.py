@@ -3,7 +3,7 @@
 plan/cost/activations.py sizes what a fused production stack keeps (Megatron / Transformer Engine:
 fused SwiGLU, fused norms, GQA keys not expanded). modelcarve's own runtime is eager PyTorch and
 saves more; to check the planner against it (``verify --against-plan``) this module counts the
-tensors it really saves, term by term, per micro-batch of ``T = mbs x seq`` tokens on one rank
+tensors it really saves, term by term, per micro-batch of ``T = mbs x seq / cp`` tokens on one rank
 (``t`` = tp, ``rep`` = t under sequence parallelism else 1, ``c`` the compute dtype's bytes,
 residual stream, norms, logits and the loss in fp32; where the runtime holds bf16 parameters,
 spec/support.held_param_dtype, the embedding's output and so the residual stream are bf16: each
@@ -63,18 +63,20 @@ def residual_bytes(layout: "Layout") -> int:
 
 
 def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int,
-                resid: int = FP32) -> dict[str, float]:
+                resid: int = FP32, ring: bool = False) -> dict[str, float]:
     """Saved bytes of one dense decoder layer and one micro-batch on one TP rank (``resid``: the
     residual stream's bytes, ``residual_bytes``; a bf16 stream feeds the projections with no
-    autocast copies)."""
+    autocast copies; ``ring``: context parallel, whose ring attention saves the keys and values
+    with their kv heads only, not expanded to the query heads)."""
     h, hd, f = spec.hidden_size, spec.head_dim, spec.ffn_size
     rep = tp if sp else 1
     heads = spec.num_heads / tp
     casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2)
+    kv = max(spec.num_kv_heads // tp, 1) if ring else heads
     return {
         "norms": 2 * _norm(T, h, rep, resid),
         "attn_input": casts_attn * c * T * h,
-        "qkv": 3 * c * T * heads * hd,
+        "qkv": c * T * (heads + 2 * kv) * hd,
         "attn_out": c * T * heads * hd + FP32 * T * heads,  # fused SDPA: output + log-sum-exp, no scores
         "proj_input": c * T * heads * hd,
         "mlp_input": casts_mlp * c * T * h,
@@ -106,10 +108,11 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
-    T = layout.mbs * layout.seq
+    seq, ring = layout.seq // layout.cp, layout.cp > 1  # a rank's zig-zag chunks (cp)
+    T = layout.mbs * seq
     r = residual_bytes(layout)
-    one = layers * sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r).values())
-    one += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
+    one = layers * sum(layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, ring).values())
+    one += sum(stage_terms(spec, T, seq, layout.tp, layout.sp, c, first, last, r).values())
     return float(one * in_flight)
 
 
@@ -120,14 +123,15 @@ def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: i
         return None
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
-    T, last_stage = layout.mbs * layout.seq, p * v - 1
+    seq, ring = layout.seq // layout.cp, layout.cp > 1
+    T, last_stage = layout.mbs * seq, p * v - 1
     r = residual_bytes(layout)
-    layer = sum(layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r).values())
+    layer = sum(layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, ring).values())
     counts = stage_counts(spec.num_layers, p, v)
     n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
     total = 0.0
     for k in range(n):
         stage = pp_rank + ((k // p) % v) * p
-        terms = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
+        terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
         total += counts[stage] * layer + sum(terms.values())
     return total

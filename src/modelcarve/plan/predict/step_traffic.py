@@ -33,6 +33,10 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   the first sends its input gradient back, each to its neighbour stage's rank: a rank of an
   interleaved schedule sends for each of its ``virtual_stages`` chunks (``pipeline_sends``; torch's
   shape metadata messages are not predicted);
+* context parallel (ring attention over zig-zag chunks, ``mbs x seq / cp`` tokens a rank): per
+  layer and micro-batch ``cp - 1`` K/V blocks sent forward, ``cp - 1`` again in backward and
+  ``cp - 1`` fp32 dK/dV accumulators, all to the next rank of the cp ring (``ring_sends``); the
+  gradients, the loss and ZeRO/FSDP state go over the dp x cp group (``data_group``);
 * tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
   its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
   last stage of each pipeline all-reduce the two fp32 gradients once per step;
@@ -47,8 +51,8 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE, MLA, cp, hsdp, FSDP with tp or pp, biases; the zero-bubble
-schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
+this model does not cover (MoE, MLA, ep, cp under recomputation, hsdp, FSDP with tp or pp,
+biases; the zero-bubble schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from typing import TYPE_CHECKING
 
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.activations import layer_activation_bytes
-from modelcarve.plan.predict.activations import interleaved_activation_bytes, rank_activation_bytes
+from modelcarve.plan.predict.activations import interleaved_activation_bytes, rank_activation_bytes, residual_bytes
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
 from modelcarve.spec.stages import rank_layers, rank_stage_ids
@@ -117,8 +121,10 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append(f"{spec.attention_kind} attention")
     if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm or spec.position_kind != "rope":
         problems.append("biases / qk-norm / learned positions")
-    if layout.cp > 1 or layout.ep > 1:
-        problems.append("context / expert parallelism")
+    if layout.ep > 1:
+        problems.append("expert parallelism")
+    if layout.cp > 1 and layout.recompute != "none":
+        problems.append("ring attention under recomputation")
     if layout.dp_shard:
         problems.append("hsdp")
     if layout.zero == 3 and (layout.tp > 1 or layout.pp > 1):
@@ -185,15 +191,19 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     nl = stage_layers if stage_layers is not None else rank_layers(spec.num_layers, layout.pp, layout.virtual_stages)[stage]
     m = layout.num_microbatches
     act = DTYPE_SIZE[layout.param_dtype]
-    hidden = layout.mbs * layout.seq * spec.hidden_size  # elements of one micro-batch's hidden state
+    tokens = layout.mbs * layout.seq // layout.cp  # this rank's share of a micro-batch (zig-zag chunks)
+    hidden = tokens * spec.hidden_size  # elements of one micro-batch's hidden state on this rank
     layer, root = layer_tensors(spec, tp), root_tensors(spec, tp, first, last)
     local = nl * sum(layer) + sum(root)
     n_tensors = nl * len(layer) + len(root)
     msgs: list[Message] = []
-    dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp", "tp", "pp"))
+    tp_group, pp_group = (group_along(layout, rank, a) for a in ("tp", "pp"))
+    dp_group = data_group(layout, rank)
 
     if tp > 1:
-        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act)
+        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens)
+    if layout.cp > 1:
+        msgs += ring_sends(spec, layout, rank, nl, m, tokens)
     if layout.pp > 1:
         msgs += pipeline_sends(layout, rank, hidden * 4)
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
@@ -203,8 +213,8 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     params = grads = local * MASTER_BYTES
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
     low = held_param_dtype(layout) == "bf16"  # the runtime's precision policy (spec/support.py)
-    if layout.dp > 1:
-        n = layout.dp
+    if layout.dp * layout.cp > 1:
+        n = layout.dp * layout.cp
         if layout.zero == 3:
             unit_l, unit_r = sum(layer) * MASTER_BYTES, sum(root) * MASTER_BYTES
             gathers = [Message("all_gather", dp_group, "fp32", unit_l, 2 * nl * m), Message("all_gather", dp_group, "fp32", unit_r, m)]
@@ -231,7 +241,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
                 grads = flat // n
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
-        msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp (every stage)
+        msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
     if layout.pp > 1 and layout.virtual_stages > 1:
         acts = interleaved_activation_bytes(spec, layout, stage)
@@ -260,8 +270,33 @@ def pipeline_sends(layout: "Layout", rank: int, payload: int) -> list[Message]:
     return [Message("send", (rank, peer), "fp32", payload, n) for peer, n in calls.items()]
 
 
+def data_group(layout: "Layout", rank: int) -> tuple:
+    """The ranks that sum this rank's gradients (and shard ZeRO / FSDP state): its dp x cp group
+    (runtime/parallel/data_parallel.py's ``dp_cp`` mesh), ascending."""
+    c = coords(layout, rank)
+    return tuple(sorted(rank_of(layout, **(c | {"dp": d, "cp": k})) for d in range(layout.dp) for k in range(layout.cp)))
+
+
+def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, tokens: int) -> list[Message]:
+    """Ring attention's point-to-point traffic of one step (runtime/parallel/ring_attention.py): per
+    layer and micro-batch this rank sends ``cp - 1`` K/V blocks in forward, ``cp - 1`` again in
+    backward and ``cp - 1`` fp32 dK/dV accumulators, every one to the next rank of its cp ring. A
+    block is this rank's ``tokens`` keys and values with the kv heads of its TP rank only (not
+    expanded to the query heads), in the residual stream's dtype (the rotary embedding's fp32
+    tables make K fp32 under autocast; bf16 where the runtime holds bf16 parameters:
+    ``residual_bytes``); the dK/dV accumulators in fp32 (the ring's tile arithmetic)."""
+    c = coords(layout, rank)
+    peer = rank_of(layout, **(c | {"cp": (c["cp"] + 1) % layout.cp}))
+    kv_heads = max(spec.num_kv_heads // layout.tp, 1)
+    block = 2 * tokens * kv_heads * spec.head_dim  # K and V elements
+    hops = nl * m * (layout.cp - 1)
+    kv = residual_bytes(layout)
+    return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, 2 * hops),
+            Message("send", (rank, peer), "fp32", block * 4, hops)]
+
+
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
-                hidden: int, act: int) -> list[Message]:
+                hidden: int, act: int, tokens: int | None = None) -> list[Message]:
     """Tensor-parallel messages of one step on one rank (see the module doc)."""
     dt, region = layout.param_dtype, hidden * act
     f32 = hidden * 4
@@ -280,7 +315,8 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
         norms = nl * spec.layer_norms + int(last)
         out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
     if last:  # vocab-parallel cross entropy: max, sum of exponentials, target logit
-        out.append(Message("all_reduce", group, "fp32", layout.mbs * layout.seq * 4, 3 * m))
+        rows = tokens if tokens is not None else layout.mbs * layout.seq
+        out.append(Message("all_reduce", group, "fp32", rows * 4, 3 * m))
     return out
 
 
