@@ -83,8 +83,10 @@ def test_two_ranks_equal_transformers(ckpts):
     assert not bad, bad
     for (name, layout), (_, stats, _) in results.items():
         assert stats["plan_bytes"] > 0 and stats["generation_tokens"] == 3 * 32, (name, layout)
-        if layout.startswith("pp=2"):  # several micro-batches of requests in flight per step
-            assert stats["microbatches"] > stats["steps"], (name, stats)
+        if layout.startswith("pp=2"):  # micro-batches of different requests in flight across steps
+            assert stats["max_in_flight"] == 2 and stats["microbatches"] == stats["steps"], (name, stats)
+        else:
+            assert stats["max_in_flight"] == 0, (name, stats)
     _kv_equals_planner(ckpts, results)
 
 
