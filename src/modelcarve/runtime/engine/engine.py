@@ -17,7 +17,17 @@ replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its 
 incrementally, checks stops and frees finished sequences. A request with ``prompt_logprobs``
 (``echo`` with ``logprobs``) gets its prompt tokens' logprobs (and top alternatives) from the
 runner's packed rows; ``max_tokens=0`` computes the prompt and generates nothing ("length").
-New requests go to the replica with the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
+New requests go to the replica with the fewest unfinished sequences.
+
+Pipeline parallelism (pp > 1; vLLM's one batch per pipeline stage): one plan is one micro-batch
+and ``step()`` keeps up to ``pp`` in flight across steps -- it launches micro-batches (each of about
+1/pp of the requests, none of them in a micro-batch still in flight: a request's next token needs
+its previous one) until ``pp`` are out, running stage 0 of each itself, then retires the oldest
+(receives its logits, samples): stage 0 works on micro-batch k+1 while the last stage finishes k,
+and a request is scheduled again as soon as its own token is sampled. Plans go to the other ranks
+point to point (a broadcast would wait for the busy stages). An abort of a request in flight takes
+effect when its micro-batch is back. ``step_records()`` gives every forward's rank, micro-batch,
+start and end (and rank 0's launch/retire times per micro-batch); ``stats().max_in_flight``. ``add_request`` / ``abort`` take a lock and may be called from
 another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
 sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
 default to its ``param_dtype`` (``resolve_layout``).
