@@ -16,6 +16,9 @@ wanting ``--new`` greedy tokens (ignore_eos). Per layout and round:
   time from then to the end (the decode phase alone);
 * ``max_in_flight`` (pp=2: 2 when two micro-batches were in flight at once).
 
+``--src OTHER/src --layouts pp=2 --out ...`` runs another checkout's engine (e.g. the one whose
+pp=2 overlapped micro-batches only within a step) for comparison.
+
 Rounds interleave the layouts. The 1-minute load average is recorded before each round; the
 machine is shared with other work, so a round that starts at a load above ``MAX_LOAD`` (1.5) is
 marked ``valid: false`` and the summary's medians use valid rounds only (none valid: no medians).
@@ -35,11 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, os.environ.get("PP_SERVING_SRC") or str(ROOT / "src"))  # --src: another checkout's
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-6)
-LAYOUTS = ("pp=2", "tp=2", "dp=2")
+LAYOUTS = ["pp=2", "tp=2", "dp=2"]
 MAX_LOAD = 1.5
 PROMPT = 32
 
@@ -60,7 +63,7 @@ def _rank(rank: int, port: int, path: str, args, queue) -> None:
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     rows = []
     for rnd in range(args.rounds):
-        for layout in LAYOUTS:
+        for layout in args.layouts:
             dist.barrier()
             load = os.getloadavg()[0]
             engine = Engine(EngineConfig(model=path, layout=f"{layout},param_dtype=fp32", kv_cache_bytes=1 << 28,
@@ -86,7 +89,7 @@ def _rank(rank: int, port: int, path: str, args, queue) -> None:
                 rows.append(dict(round=rnd, layout=layout, load_1min=load, valid=load <= MAX_LOAD,
                                  wall_s=end - t0, tokens=len(tokens), tokens_per_s=len(tokens) / (end - t0),
                                  decode_tokens_per_s=len(decode) / (end - all_first) if decode else None,
-                                 max_in_flight=stats["max_in_flight"], steps=stats["steps"],
+                                 max_in_flight=stats.get("max_in_flight"), steps=stats["steps"],
                                  outputs_hash=hash(tuple(tuple(outs[f"r{i}"]) for i in range(len(prompts))))))
                 print(json.dumps(rows[-1]), flush=True)
             else:
@@ -102,8 +105,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--layouts", nargs="+", default=LAYOUTS)
+    ap.add_argument("--src", default=None, help="another checkout's src/ (e.g. the engine before this benchmark)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pp_serving.json"))
     args = ap.parse_args()
+    if args.src:
+        os.environ["PP_SERVING_SRC"] = str(Path(args.src).resolve())  # read by the spawned ranks on import
     import multiprocessing as mp
 
     import torch
@@ -129,14 +136,14 @@ def main() -> None:
             if p.is_alive():
                 p.kill()
     summary = {}
-    for layout in LAYOUTS:
+    for layout in args.layouts:
         valid = [r for r in rows if r["layout"] == layout and r["valid"]]
         summary[layout] = dict(
             valid_rounds=len(valid),
             tokens_per_s=statistics.median(r["tokens_per_s"] for r in valid) if valid else None,
             decode_tokens_per_s=statistics.median(r["decode_tokens_per_s"] for r in valid) if valid else None)
     same = len({r["outputs_hash"] for r in rows}) == 1
-    result = dict(config=CONFIG, requests=args.requests, prompt_tokens=PROMPT, new_tokens=args.new,
+    result = dict(src=os.environ.get("PP_SERVING_SRC") or str(ROOT / "src"), config=CONFIG, requests=args.requests, prompt_tokens=PROMPT, new_tokens=args.new,
                   threads_per_rank=1, ranks=2, cpu_count=os.cpu_count(), machine=platform.machine(),
                   load_before=load_before, load_after=os.getloadavg(), max_load=MAX_LOAD,
                   same_outputs_every_layout=same, rounds=rows, summary=summary)
