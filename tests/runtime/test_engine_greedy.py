@@ -83,8 +83,10 @@ def test_two_ranks_equal_transformers(ckpts):
     assert not bad, bad
     for (name, layout), (_, stats, _) in results.items():
         assert stats["plan_bytes"] > 0 and stats["generation_tokens"] == 3 * 32, (name, layout)
-        if layout.startswith("pp=2"):  # several micro-batches of requests in flight per step
-            assert stats["microbatches"] > stats["steps"], (name, stats)
+        if layout.startswith("pp=2"):  # micro-batches of different requests in flight across steps
+            assert stats["max_in_flight"] == 2 and stats["microbatches"] == stats["steps"], (name, stats)
+        else:
+            assert stats["max_in_flight"] == 0, (name, stats)
     _kv_equals_planner(ckpts, results)
 
 
@@ -105,9 +107,13 @@ def _kv_equals_planner(ckpts, results):
 
 
 def test_four_ranks_equal_transformers(ckpts):
-    """tp=2 x pp=2 for every family, and tp=2 x ep=2 (expert TP = TP, two DP-attention replicas) for MoE."""
+    """tp=2 x pp=2 for every family, tp=2 x ep=2 (expert TP = TP, two DP-attention replicas) for MoE, and
+    dp=2 x pp=2 for llama (each micro-batch in flight spans both replicas' pipelines)."""
     layouts = [(name, f"tp=2,pp=2,{FP32}") for name in CKPTS] + [(name, f"tp=2,dp=2,ep=2,{FP32}") for name in MOE]
+    layouts.append(("llama", f"dp=2,pp=2,{FP32}"))
     results = run_distributed(_world, 4, ckpts, layouts, timeout=900)[0]
     bad = [(n, lay) for n, lay in layouts if results[(n, lay)][0] != ckpts[n][2]]
     assert not bad, bad
+    for (name, layout), (_, stats, _) in results.items():
+        assert stats["max_in_flight"] == (2 if "pp=2" in layout else 0), (name, layout, stats)
     _kv_equals_planner(ckpts, results)

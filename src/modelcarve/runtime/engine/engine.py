@@ -17,7 +17,17 @@ replica's scheduler for its chunks, broadcasts that plan to all ranks, runs its 
 incrementally, checks stops and frees finished sequences. A request with ``prompt_logprobs``
 (``echo`` with ``logprobs``) gets its prompt tokens' logprobs (and top alternatives) from the
 runner's packed rows; ``max_tokens=0`` computes the prompt and generates nothing ("length").
-New requests go to the replica with the fewest unfinished sequences. ``add_request`` / ``abort`` take a lock and may be called from
+New requests go to the replica with the fewest unfinished sequences.
+
+Pipeline parallelism (pp > 1; vLLM's one batch per pipeline stage): one plan is one micro-batch
+and ``step()`` keeps up to ``pp`` in flight across steps -- it launches micro-batches (each of about
+1/pp of the requests, none of them in a micro-batch still in flight: a request's next token needs
+its previous one) until ``pp`` are out, running stage 0 of each itself, then retires the oldest
+(receives its logits, samples): stage 0 works on micro-batch k+1 while the last stage finishes k,
+and a request is scheduled again as soon as its own token is sampled. Plans go to the other ranks
+point to point (a broadcast would wait for the busy stages). An abort of a request in flight takes
+effect when its micro-batch is back. ``step_records()`` gives every forward's rank, micro-batch,
+start and end (and rank 0's launch/retire times per micro-batch); ``stats().max_in_flight``. ``add_request`` / ``abort`` take a lock and may be called from
 another thread than ``step``; call ``step()`` regularly even when idle (every ``HEARTBEAT_S`` it
 sends the followers an empty plan, so they do not hit their collective timeout). Dtypes: ``weight_dtype`` / ``kv_dtype`` not stated in the layout
 default to its ``param_dtype`` (``resolve_layout``).
@@ -29,6 +39,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -135,7 +146,9 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     microbatches: int = 0
-    """Forwards rank 0 ran (pp > 1: several per step)."""
+    """Forwards rank 0 ran."""
+    max_in_flight: int = 0
+    """pp > 1: the most micro-batches in flight at once (across steps); 0 otherwise."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +194,13 @@ class Engine:
         self._steps = self._prompt_tokens = self._gen_tokens = 0
         self._next_key = 0
         self._last_plan = time.monotonic()
+        self.pipelined = self.runner.pipelined
+        self.depth = layout.pp
+        """pp > 1: up to this many micro-batches of disjoint requests in flight (one per stage)."""
+        self._inflight: deque = deque()  # (scheduled, plan, pending sends, launch time), oldest first
+        self._max_in_flight = 0
+        self._plans = self._calls = 0
+        self._flights: deque = deque(maxlen=65536)
 
     # --- requests -------------------------------------------------------------------------
     @property
@@ -235,7 +255,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.seqs)
+            return bool(self.seqs) or bool(self._inflight)
 
     # --- the step --------------------------------------------------------------------------
     def _output(self, seq: Sequence, new: list[int], new_lp: list | None, new_top: list | None = None) -> RequestOutput:
@@ -295,25 +315,88 @@ class Engine:
         self._generators.pop(seq.request_id, None)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; with pp > 1 it launches micro-batches until ``pp`` are in flight, then
+        retires (receives, samples) the oldest, whose requests the next step can schedule again."""
+        if self.pipelined:
+            return self._pipelined_step()
         outputs = []
         with self._lock:
-            for rid in self._aborted:
-                seq = self.seqs.get(rid)
-                if seq is not None:
-                    self._finish(seq, "abort")
-                    outputs.append(self._output(seq, [], None))
-            self._aborted.clear()
+            outputs += self._take_aborts()
             scheduled = [s.schedule() for s in self.schedulers]
         if not any(scheduled):
-            if self.runner.world > 1 and time.monotonic() - self._last_plan > min(HEARTBEAT_S, self.cfg.timeout_s / 4):
-                self.runner.broadcast(StepPlan())  # keeps idle followers inside their collective timeout
-                self._last_plan = time.monotonic()
+            self._heartbeat()
             return outputs
         self._last_plan = time.monotonic()
-        plan = StepPlan.from_scheduled(scheduled)
+        plan = StepPlan.from_scheduled(scheduled, self._plans, self._calls)
+        self._plans += 1
+        self._calls += 1
         self.runner.broadcast(plan)
+        launched = time.monotonic()
         results = self.runner.execute(plan)
         self._steps += 1
+        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        return outputs + self._absorb(scheduled, plan, results)
+
+    def _take_aborts(self, busy=frozenset()) -> list[RequestOutput]:
+        """Finish the aborted requests (under the lock); one in flight waits until it is retired."""
+        outputs, keep = [], []
+        for rid in self._aborted:
+            seq = self.seqs.get(rid)
+            if seq is not None and seq in busy:
+                keep.append(rid)  # its blocks are being written: free them when its micro-batch is back
+            elif seq is not None:
+                self._finish(seq, "abort")
+                outputs.append(self._output(seq, [], None))
+        self._aborted[:] = keep
+        return outputs
+
+    def _heartbeat(self) -> None:
+        if self.runner.world > 1 and time.monotonic() - self._last_plan > min(HEARTBEAT_S, self.cfg.timeout_s / 4):
+            if self.pipelined:
+                self.runner.wait(self.runner.send_plan(StepPlan()))
+            else:
+                self.runner.broadcast(StepPlan())  # keeps idle followers inside their collective timeout
+            self._last_plan = time.monotonic()
+
+    def _busy(self) -> set:
+        return {item.seq for entry in self._inflight for items in entry[0] for item in items}
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs = self._take_aborts(self._busy())
+        launched_any = False
+        while len(self._inflight) < self.depth:
+            with self._lock:
+                busy = self._busy()
+                # the micro-batches in flight share the requests: each takes about 1/pp of them
+                scheduled = [s.schedule(busy, max(1, -(-(len(s.running) + len(s.waiting)) // self.depth)))
+                             for s in self.schedulers]
+            if not any(scheduled):
+                break
+            plan = StepPlan.from_scheduled(scheduled, self._plans, self._calls)
+            self._plans += 1
+            sends = self.runner.send_plan(plan)
+            launched = time.monotonic()
+            more, _ = self.runner.launch(plan)  # rank 0 is stage 0: never the last stage here
+            self._inflight.append((scheduled, plan, sends + more, launched))
+            self._max_in_flight = max(self._max_in_flight, len(self._inflight))
+            launched_any = True
+        if launched_any:
+            self._calls += 1
+        if not self._inflight:
+            self._heartbeat()
+            return outputs
+        self._last_plan = time.monotonic()
+        scheduled, plan, sends, launched = self._inflight.popleft()
+        results = self.runner.collect(plan)
+        self.runner.wait(sends)
+        self._steps += 1
+        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        return outputs + self._absorb(scheduled, plan, results)
+
+    def _absorb(self, scheduled, plan: StepPlan, results) -> list[RequestOutput]:
+        """Record a step's (or micro-batch's) computed tokens, prompt logprobs and samples."""
+        outputs = []
         with self._lock:
             for replica, items in enumerate(scheduled):
                 self.schedulers[replica].after_step(items)
@@ -327,6 +410,12 @@ class Engine:
                 block = torch.cat(parts) if len(parts) != 1 else parts[0]
                 outputs += self._sample(rows, block)
         return outputs
+
+    def step_records(self) -> dict:
+        """This rank's step records: ``forwards`` (per forward: mb, sub, step, rank, pp, tp, dp, start,
+        end) and, on rank 0, ``flights`` (per plan: mb, step, launched, retired); times are
+        ``time.monotonic()`` seconds, one clock for every process of a machine."""
+        return dict(forwards=list(self.runner.records), flights=list(self._flights))
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         params = [s.params for s in rows]
@@ -373,6 +462,19 @@ class Engine:
     # --- other ranks, end, stats ------------------------------------------------------------
     def follow(self) -> None:
         """Non-zero ranks: execute rank 0's step plans until ``shutdown()``."""
+        if self.pipelined:
+            pending: deque = deque()
+            while True:
+                plan = self.runner.recv_plan()
+                if plan is None:
+                    break
+                if plan:
+                    pending.append(self.runner.launch(plan)[0])
+                    while len(pending) > self.depth:  # sends of plans long retired are done
+                        self.runner.wait(pending.popleft())
+            for sends in pending:
+                self.runner.wait(sends)
+            return
         while True:
             plan = self.runner.broadcast(None)
             if plan is None:
@@ -381,7 +483,14 @@ class Engine:
 
     def shutdown(self) -> None:
         if self.is_driver and self.runner.world > 1:
-            self.runner.broadcast(None)
+            if self.pipelined:
+                while self._inflight:  # normally none: has_unfinished() is False only when all are back
+                    scheduled, plan, sends, _ = self._inflight.popleft()
+                    self.runner.collect(plan)
+                    self.runner.wait(sends)
+                self.runner.wait(self.runner.send_plan(None))
+            else:
+                self.runner.broadcast(None)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -397,7 +506,7 @@ class Engine:
                 preemptions=sum(s.preemptions for s in self.schedulers), steps=self._steps,
                 plan_bytes=self.runner.plan_bytes, logit_bytes=self.runner.logit_bytes,
                 prompt_tokens=self._prompt_tokens, generation_tokens=self._gen_tokens,
-                microbatches=self.runner.microbatches)
+                microbatches=self.runner.microbatches, max_in_flight=self._max_in_flight)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Convenience (rank 0): run ``prompts`` together to completion; final outputs in order."""

@@ -12,9 +12,13 @@ minimum over ranks) and installs paged attention (paged_attention.py).
 per DP replica, a ``StepItem`` (token_ids, start, block_table, sample, logprob rows) per scheduled chunk. A
 replica's ranks run only its items:
 
-* pipeline (pp > 1): the items are cut into up to ``2 x pp`` micro-batches; stage 0 embeds and
-  sends each micro-batch's hidden states on as soon as it is computed (``isend``), the next stage
-  receives, runs its layers and sends on, so several micro-batches are in flight at once;
+* pipeline (pp > 1): one plan is one micro-batch (per replica) and the engine keeps up to ``pp``
+  of them, of disjoint requests, in flight across its steps: rank 0 sends each plan point to
+  point (``send_plan`` / ``recv_plan``, no broadcast that would wait for the busy stages), runs
+  stage 0 (``launch``) and sends the hidden states on (``isend``); each next stage receives, runs
+  its layers and sends on, while stage 0 already runs the next micro-batch; rank 0 receives a
+  micro-batch's logits when the engine retires it (``collect``). Every forward is recorded
+  (``records``: rank, micro-batch, start and end);
 * the last stage applies the final norm and the LM head to the rows that sample only, gathers
   the vocabulary-parallel logits over tp once (``full_vocab_logits``: padded ids cut off) and its
   tp-rank 0 sends them to global rank 0 (which receives them per micro-batch per replica);
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -64,6 +70,12 @@ class PackedLinear(torch.nn.Module):
                                                "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
+
+PLAN_TAG = 7
+"""The point-to-point tag of plans (pp > 1), apart from the hidden states' and logits' tag 0."""
+
+RECORDS = 65536
+"""Step records kept per rank (the oldest are dropped)."""
 
 LOGPROB_ROWS = 256
 """Prompt-logprob rows go through the head this many at a time (bounds the [rows, V] fp32 logits)."""
@@ -172,7 +184,11 @@ class ModelRunner:
         self.plan_bytes = 0
         self.logit_bytes = 0
         self.microbatches = 0
-        """Forwards this rank ran (with pp > 1, several per step: micro-batches in flight)."""
+        """Forwards this rank ran."""
+        self.pipelined = layout.pp > 1 and self.world > 1
+        """One plan is one micro-batch and the engine keeps several in flight (``send_plan``)."""
+        self.records: deque = deque(maxlen=RECORDS)
+        """The step records: per forward, dict(mb, sub, step, rank, pp, tp, dp, start, end)."""
 
     def output_rank(self, replica: int) -> int:
         """The rank that holds replica ``replica``'s logits: its last stage's first TP rank."""
@@ -196,12 +212,34 @@ class ModelRunner:
         dist.broadcast(buf, 0)
         return pickle.loads(buf.numpy().tobytes())
 
+    def send_plan(self, plan: StepPlan | None) -> list:
+        """Rank 0 (pp > 1): send ``plan`` to every other rank point to point (tag ``PLAN_TAG``) without
+        waiting for them: a rank still busy with an earlier plan takes it when it gets there. Returns
+        the pending sends ((work, tensor) pairs; ``wait`` them before they are dropped)."""
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        pending = []
+        for r in range(1, self.world):
+            pending.append((dist.isend(size, r, tag=PLAN_TAG), size))
+            pending.append((dist.isend(payload, r, tag=PLAN_TAG), payload))
+        self.plan_bytes += (8 + len(data)) * (self.world - 1)
+        return pending
+
+    def recv_plan(self) -> StepPlan | None:
+        """Other ranks (pp > 1): the next plan ``send_plan`` sent (None: the end of the loop)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, 0, tag=PLAN_TAG)
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(buf, 0, tag=PLAN_TAG)
+        return pickle.loads(buf.numpy().tobytes())
+
     def micro_batches(self, items: list[StepItem]) -> list[list[StepItem]]:
         """How ``execute`` cuts a replica's items (the engine reads its results in this order)."""
         return self._microbatches(items)
 
     def _microbatches(self, items: list[StepItem]) -> list[list[StepItem]]:
-        if self.layout.pp == 1 or len(items) <= 1:
+        if self.pipelined or self.layout.pp == 1 or len(items) <= 1:
             return [items] if items else []
         m = min(len(items), 2 * self.layout.pp)
         total = sum(len(it.token_ids) for it in items)
@@ -273,59 +311,79 @@ class ModelRunner:
         h = chunk.norm(h[:, rows])
         return full_vocab_logits(chunk.output(h), chunk)[0].float(), packed
 
-    def execute(self, plan: StepPlan) -> list[list[tuple]] | None:
-        """Run this rank's share of ``plan``; rank 0 returns per replica, per micro-batch (in item
-        order), the pair (logits of its sampling rows or None, its packed prompt logprobs or None)."""
+    def launch(self, plan: StepPlan) -> tuple[list, list]:
+        """This rank's compute and sends for ``plan``: (sends still pending as (work, tensor) pairs,
+        the results rank 0 holds itself when it is the last stage). Every forward is recorded in
+        ``records`` (per rank, per micro-batch: start/end in ``time.monotonic()`` seconds)."""
         mine = plan.for_replica(self.dp_rank)
         dummy = not mine and self.layout.ep > 1 and bool(plan)
         if dummy:
             mine = [DUMMY_ITEM]
         pending = []
         results_here = []
-        for mb in self._microbatches(mine):
+        for j, mb in enumerate(self._microbatches(mine)):
             if self.first:
                 h = None
             else:
                 t = sum(len(it.token_ids) for it in mb)
                 h = torch.empty(1, t, self.spec.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(h, self.layout.rank_of(pp=self.pp_rank - 1, dp=self.dp_rank, tp=self.tp_rank))
+            start = time.monotonic()
             out = self._forward(mb, h)
+            self.records.append(dict(mb=plan.index, sub=j, step=plan.step, rank=self.rank, pp=self.pp_rank,
+                                     tp=self.tp_rank, dp=self.dp_rank, start=start, end=time.monotonic()))
             self.microbatches += 1
             if not self.last:
                 after = self.layout.rank_of(pp=self.pp_rank + 1, dp=self.dp_rank, tp=self.tp_rank)
-                pending.append(dist.isend(out.contiguous(), after))
+                out = out.contiguous()
+                pending.append((dist.isend(out, after), out))
             elif not dummy:
                 logits, packed = out
                 if self.rank == 0:
                     results_here.append((logits, packed))
                 elif self.tp_rank == 0:
                     if any(it.sample for it in mb):
-                        pending.append(dist.isend(logits.contiguous(), 0))
+                        logits = logits.contiguous()
+                        pending.append((dist.isend(logits, 0), logits))
                     if packed is not None:
-                        pending.append(dist.isend(packed.contiguous(), 0))
-        results = None
-        if self.rank == 0:
-            results = []
-            for replica, items in enumerate(plan.replicas):
-                if replica == 0 and self.last:
-                    results.append(results_here)
-                    continue
-                got = []
-                for mb in self._microbatches(items):
-                    n = sum(1 for it in mb if it.sample)
-                    logits = packed = None
-                    if n:
-                        logits = torch.empty(n, self.spec.vocab_size, dtype=torch.float32)
-                        dist.recv(logits, self.output_rank(replica))
-                        self.logit_bytes += logits.nbytes
-                    rows, k = self.logprob_width(mb)
-                    if rows:
-                        packed = torch.empty(rows, 1 + 2 * k, dtype=torch.float32)
-                        dist.recv(packed, self.output_rank(replica))
-                        self.logit_bytes += packed.nbytes
-                    if logits is not None or packed is not None:
-                        got.append((logits, packed))
-                results.append(got)
-        for work in pending:
+                        packed = packed.contiguous()
+                        pending.append((dist.isend(packed, 0), packed))
+        return pending, results_here
+
+    def collect(self, plan: StepPlan, results_here: list | None = None) -> list[list[tuple]]:
+        """Rank 0: per replica, per micro-batch (in item order), the pair (logits of its sampling rows
+        or None, its packed prompt logprobs or None), received from each replica's last stage."""
+        results = []
+        for replica, items in enumerate(plan.replicas):
+            if replica == 0 and self.last:
+                results.append(results_here or [])
+                continue
+            got = []
+            for mb in self._microbatches(items):
+                n = sum(1 for it in mb if it.sample)
+                logits = packed = None
+                if n:
+                    logits = torch.empty(n, self.spec.vocab_size, dtype=torch.float32)
+                    dist.recv(logits, self.output_rank(replica))
+                    self.logit_bytes += logits.nbytes
+                rows, k = self.logprob_width(mb)
+                if rows:
+                    packed = torch.empty(rows, 1 + 2 * k, dtype=torch.float32)
+                    dist.recv(packed, self.output_rank(replica))
+                    self.logit_bytes += packed.nbytes
+                if logits is not None or packed is not None:
+                    got.append((logits, packed))
+            results.append(got)
+        return results
+
+    @staticmethod
+    def wait(pending: list) -> None:
+        for work, _ in pending:
             work.wait()
+
+    def execute(self, plan: StepPlan) -> list[list[tuple]] | None:
+        """Run this rank's share of ``plan`` and wait for it; rank 0 returns ``collect``'s results."""
+        pending, here = self.launch(plan)
+        results = self.collect(plan, here) if self.rank == 0 else None
+        self.wait(pending)
         return results

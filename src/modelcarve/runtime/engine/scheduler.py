@@ -17,6 +17,11 @@ they are all computed (a cached block has no logits; vLLM does the same).
 
 A sequence whose scheduled tokens reach the end of what it knows (prompt + generated) gets a
 new token sampled from the step's logits; a partial prefill chunk does not.
+
+Pipeline parallelism (the engine keeps up to ``pp`` micro-batches in flight): ``schedule(busy,
+max_seqs)`` leaves out the sequences of micro-batches still in flight (``busy``: their next token
+or chunk depends on what is being computed) and never preempts one of them (their blocks are in
+use), and takes at most ``max_seqs`` sequences, so the micro-batches in flight share the requests.
 """
 
 from __future__ import annotations
@@ -112,19 +117,22 @@ class Scheduler:
         self.waiting.insert(0, seq)
         self.preemptions += 1
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, busy=frozenset(), max_seqs: int | None = None) -> list[Scheduled]:
+        """The next step's (or micro-batch's) work; ``busy``: sequences in flight, left out and never
+        preempted; ``max_seqs``: at most this many sequences (pp > 1: a share of the requests)."""
         budget = self.budget
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
         out: list[Scheduled] = []
         given: set[int] = set()
         preempted = False
         for seq in sorted(self.running, key=lambda s: s.order):
-            if budget == 0:
+            if budget == 0 or len(out) >= cap:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq not in self.running or seq in busy:  # preempted earlier in this loop / in flight
                 continue
             count = min(len(seq) - seq.computed, budget)
             while not self.blocks.grow(seq.block_table, seq.computed + count):
-                victims = [s for s in self.running if id(s) not in given]
+                victims = [s for s in self.running if id(s) not in given and s not in busy]
                 victim = max(victims, key=lambda s: s.order)
                 self._preempt(victim)
                 preempted = True
@@ -135,7 +143,8 @@ class Scheduler:
             given.add(id(seq))
             out.append(Scheduled(seq, seq.computed, count, seq.computed + count == len(seq)))
             budget -= count
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+               and len(out) < cap):
             seq = self.waiting[0]
             tokens = seq.tokens
             wants_rows = getattr(seq.params, "prompt_logprobs", False) and not seq.prompt_logprobs_done

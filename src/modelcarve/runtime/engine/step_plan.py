@@ -10,6 +10,9 @@ their next token's log-probability and top alternatives (``logprob_rows``, ``nex
 ``top_logprobs``). Rank 0 broadcasts it
 (``ModelRunner.broadcast``, pickled; ``None`` is the end of the followers' loop and an empty
 plan the idle heartbeat), and every rank's ``ModelRunner.execute`` runs its replica's share.
+With pipeline parallelism (pp > 1) one plan is one micro-batch (per replica) and several are in
+flight at once: rank 0 sends each plan point to point (``ModelRunner.send_plan``) instead of a
+broadcast, so a stage busy with an earlier plan never holds the next one up.
 
 What comes back for the logprob rows is packed here too (``top_and_chosen`` / ``unpack_tops``: a
 row's target logprob and top-k as ``1 + 2k`` floats), shared by the runner and the sampler.
@@ -52,11 +55,15 @@ class StepPlan:
     """Per DP replica, the items its ranks run this step (replica order = the ``dp`` rank)."""
 
     replicas: list[list[StepItem]] = field(default_factory=list)
+    index: int = -1
+    """Rank 0's running number of the plans it sent (the micro-batch id in the step records)."""
+    step: int = -1
+    """The engine ``step()`` call that launched it (pp > 1: plans of several steps are in flight)."""
 
     @classmethod
-    def from_scheduled(cls, scheduled) -> "StepPlan":
+    def from_scheduled(cls, scheduled, index: int = -1, step: int = -1) -> "StepPlan":
         """From each replica's ``Scheduler.schedule()`` result (a list of ``Scheduled``)."""
-        return cls([[_item(item) for item in items] for items in scheduled])
+        return cls([[_item(item) for item in items] for items in scheduled], index, step)
 
     def for_replica(self, replica: int) -> list[StepItem]:
         return self.replicas[replica] if replica < len(self.replicas) else []
