@@ -357,7 +357,7 @@ def test_refusal_names_the_rank_of_the_nearest_layout_in_the_plan(capsys):
     argv = ["plan", *TRAIN["dense-bf16"], "--top", "3"]
     assert main([*argv, "--emit-launch", "torchtitan"]) == 2
     err = capsys.readouterr().err
-    from modelcarve.commands.launch_emit import RANK_DEPTH
+    from modelcarve.commands.planning.launch_emit import RANK_DEPTH
 
     assert main([*argv[:-2], "--json", "--top", str(RANK_DEPTH)]) == 0
     ranking = [Layout.from_dict(item["layout"]) for item in json.loads(capsys.readouterr().out)["layouts"]]

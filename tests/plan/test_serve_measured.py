@@ -104,7 +104,7 @@ def test_catalogue_devices_are_unchanged_by_the_new_terms():
                                   "param_dtype=fp16,kv_dtype=fp8", "tp=1,param_dtype=fp32,weight_dtype=bf16,kv_dtype=bf16"])
 def test_estimate_resolves_dtypes_as_the_engine_does(text):
     """The oracle is the engine's own resolution (runtime/engine/engine.py resolve_layout)."""
-    from modelcarve.commands.serving_plan import engine_dtypes
+    from modelcarve.commands.planning.serving_plan import engine_dtypes
     from modelcarve.runtime.engine.engine import resolve_layout
     from modelcarve.spec.layout import Layout
 

@@ -21,7 +21,7 @@ import json
 from modelcarve.spec.errors import ModelcarveError
 
 from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
-from modelcarve.commands.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
+from modelcarve.commands.planning.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
 
 
 def register(sub) -> None:
@@ -70,8 +70,8 @@ def _common(p) -> None:
                         f"if the engine cannot express it)")
     p.add_argument("--out", metavar="DIR", default=None, help="--emit-launch: write launch.sh (and its files) into DIR "
                                                                "instead of printing them")
-    from modelcarve.commands.pricing import add_price_arguments
-    from modelcarve.commands.serving_plan import add_serve_arguments
+    from modelcarve.commands.planning.pricing import add_price_arguments
+    from modelcarve.commands.planning.serving_plan import add_serve_arguments
 
     add_serve_arguments(p)
     add_price_arguments(p)
@@ -105,7 +105,7 @@ def _estimate(args) -> int:
 
     model, cluster, goal = _load(args)
     layout = Layout.parse(args.layout)
-    from modelcarve.commands.serving_plan import is_serve_goal, run_serve_estimate
+    from modelcarve.commands.planning.serving_plan import is_serve_goal, run_serve_estimate
 
     if args.emit_launch:
         check_launch(args, model, cluster, layout)
@@ -134,7 +134,7 @@ def _estimate(args) -> int:
     from modelcarve.commands.timeline import draw_estimate
 
     draw_estimate(getattr(args, "timeline", None), layout)
-    from modelcarve.commands.pricing import attach_costs, print_costs
+    from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, [result], serving=False)
     if args.json:
@@ -166,7 +166,7 @@ def _plan(args) -> int:
         if value:
             files.output_path(value, flag)  # before the search, not after it
     model, cluster, goal = _load(args)
-    from modelcarve.commands.serving_plan import is_serve_goal, run_serve_plan
+    from modelcarve.commands.planning.serving_plan import is_serve_goal, run_serve_plan
 
     if is_serve_goal(args.goal):
         return run_serve_plan(args, model, cluster, top=args.top)
@@ -187,7 +187,7 @@ def _plan(args) -> int:
         from modelcarve.report.figures import plot_plan
 
         plot_plan(result, args.plot, title=f"{model.name} on {cluster.name}")
-    from modelcarve.commands.pricing import attach_costs, print_costs
+    from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, result["layouts"], serving=False)
     if args.json:

@@ -23,8 +23,8 @@ DTYPES = ("bf16", "fp8", "int4", "fp4")
 
 
 def register(sub) -> None:
-    from modelcarve.commands.pricing import add_price_arguments
-    from modelcarve.commands.serving_plan import add_serve_arguments
+    from modelcarve.commands.planning.pricing import add_price_arguments
+    from modelcarve.commands.planning.serving_plan import add_serve_arguments
 
     p = sub.add_parser("selfhost", help="one model (or two) in each weight dtype on the fewest devices, priced, "
                                         "against a hosted API")
@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 def compare(model, device: str, dtypes: tuple[str, ...], max_devices: int, options: dict, args) -> list[dict]:
     """One row per weight dtype: the winner on the fewest devices that hold the model, priced."""
-    from modelcarve.commands.pricing import attach_costs
+    from modelcarve.commands.planning.pricing import attach_costs
     from modelcarve.plan.search import search
     from modelcarve.spec.hardware import parse_cluster
 
@@ -69,7 +69,7 @@ def compare(model, device: str, dtypes: tuple[str, ...], max_devices: int, optio
 
 
 def _selfhost(args) -> int:
-    from modelcarve.commands.serving_plan import serve_options_from_args
+    from modelcarve.commands.planning.serving_plan import serve_options_from_args
     from modelcarve.spec.catalog import get_model
 
     if args.max_devices < 1:

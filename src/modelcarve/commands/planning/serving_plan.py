@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from modelcarve.commands.serve_goals import SERVE_GOALS, engine_dtypes, fill_replicas, is_serve_goal  # noqa: F401 (re-exported)
+from modelcarve.commands.planning.serve_goals import SERVE_GOALS, engine_dtypes, fill_replicas, is_serve_goal  # noqa: F401 (re-exported)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,15 +54,15 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
 
     options = serve_options_from_args(args)
     if getattr(args, "pareto", False) or args.goal == "serve-disagg":
-        from modelcarve.commands.frontier import run_frontier_plan
+        from modelcarve.commands.planning.frontier import run_frontier_plan
 
         return run_frontier_plan(args, model, cluster, options, top=top)
-    from modelcarve.commands.launch_emit import launch_winner, ranked_search
+    from modelcarve.commands.planning.launch_emit import launch_winner, ranked_search
 
     plan, ranking = ranked_search(args, model, cluster, args.goal, top, options)
     if plan["layouts"]:
         launch_winner(args, model, cluster, plan, ranking)
-    from modelcarve.commands.pricing import attach_costs, print_costs
+    from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, plan["layouts"], serving=True)
     why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
@@ -94,7 +94,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
                     title=f"{model.name} on {cluster.name}: {args.goal} (winner {plan['layouts'][0].get('name', '')})")
         sys.stderr.write(f"modelcarve: wrote {args.plot}\n")
     if getattr(args, "emit_launch", None) and plan["layouts"]:
-        from modelcarve.commands.launch_emit import emit_launch
+        from modelcarve.commands.planning.launch_emit import emit_launch
 
         layout, batch, label = args._launch
         emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
@@ -107,7 +107,7 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     if isinstance(getattr(args, "layout", None), str):
         layout = engine_dtypes(args.layout, layout)
     if getattr(args, "phase", None) or args.goal == "serve-disagg":
-        from modelcarve.commands.frontier import run_frontier_estimate
+        from modelcarve.commands.planning.frontier import run_frontier_estimate
 
         return run_frontier_estimate(args, model, cluster, layout, serve_options_from_args(args))
     options = serve_options_from_args(args)
@@ -122,12 +122,12 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
         note = f"note: dp={layout.dp} replicas fill the {cluster.num_devices} devices of {cluster.name}"
     result = get_goal(args.goal).evaluate(model, cluster, layout, **options)
     if getattr(args, "rate", None) is not None:
-        from modelcarve.commands.frontier import attach_queue
+        from modelcarve.commands.planning.frontier import attach_queue
 
         attach_queue(args, result)
     if note and not getattr(args, "json", False):
         print(note)
-    from modelcarve.commands.pricing import attach_costs, print_costs
+    from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, [result], serving=True) if result["fits"] else []
     if getattr(args, "json", False):

@@ -9,7 +9,7 @@ Usage::
     modelcarve estimate --goal serve-throughput --phase decode --layout tp=4,weight_dtype=fp8 --model ... --cluster 8xH100
     modelcarve estimate --goal serve-throughput --rate 20 --layout tp=2,weight_dtype=fp8 --model ... --cluster 8xH100
 
-commands/serving_plan.py hands these flags here; the figures come from plan/serve/disagg.py,
+commands/planning/serving_plan.py hands these flags here; the figures come from plan/serve/disagg.py,
 plan/serve/pareto.py and plan/serve/queue.py, the tables and plot from report/frontier.py.
 """
 
@@ -29,10 +29,10 @@ def run_frontier_plan(args, model, cluster, options: dict, *, top: int = 5) -> i
         from modelcarve.plan.serve.pareto import pareto_front
 
         front = pareto_front(model, cluster, **options)
-        from modelcarve.commands.pricing import wants_cost
+        from modelcarve.commands.planning.pricing import wants_cost
 
         if wants_cost(args):  # issue 30: the front priced, $/M output tokens against tokens/s per user
-            from modelcarve.commands.pricing import cluster_price
+            from modelcarve.commands.planning.pricing import cluster_price
             from modelcarve.plan.pricing import price_front
 
             usd, source = cluster_price(args, cluster)

@@ -7,7 +7,7 @@ express, the one-line refusal before any output, and the launch files written af
     emit_launch(args, model, cluster, layout, max_batch=64)                   # writes launch.sh (and its files)
 
 The mapping tables and the "can this engine express it" rule are ``commands/emit``; this module
-is the commands' side of it, used by ``commands/plan.py`` and ``commands/serving_plan.py``.
+is the commands' side of it, used by ``commands/plan.py`` and ``commands/planning/serving_plan.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def check_launch(args, model, cluster, layout) -> None:
     """``estimate --emit-launch``: refuse (one line, exit 2) before any output if the engine cannot
     express ``layout``; keep the layout to emit on ``args``."""
     from modelcarve.commands.emit import EngineRefusal, refusal
-    from modelcarve.commands.serve_goals import engine_dtypes, fill_replicas, is_serve_goal
+    from modelcarve.commands.planning.serve_goals import engine_dtypes, fill_replicas, is_serve_goal
 
     serving = is_serve_goal(args.goal)
     if serving:
@@ -34,7 +34,7 @@ def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, l
     import sys
 
     from modelcarve.commands.emit import render, write
-    from modelcarve.commands.serve_goals import is_serve_goal
+    from modelcarve.commands.planning.serve_goals import is_serve_goal
 
     files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
                    label=label)
@@ -56,7 +56,7 @@ def ranked_search(args, model, cluster, goal_name: str, top: int, options: dict)
     if not (getattr(args, "engine", None) or getattr(args, "emit_launch", None)):
         return search(model, cluster, goal_name, top=top, **options), None
     from modelcarve.commands.emit import can_express
-    from modelcarve.commands.serve_goals import is_serve_goal
+    from modelcarve.commands.planning.serve_goals import is_serve_goal
 
     depth = max(top, RANK_DEPTH)
     result = search(model, cluster, goal_name, top=depth, **options)
@@ -79,7 +79,7 @@ def launch_winner(args, model, cluster, result: dict, ranking) -> None:
     if not getattr(args, "emit_launch", None) or not result["layouts"]:
         return
     from modelcarve.commands.emit import EngineRefusal, refusal
-    from modelcarve.commands.serve_goals import is_serve_goal
+    from modelcarve.commands.planning.serve_goals import is_serve_goal
     from modelcarve.spec.layout import Layout
 
     serving = is_serve_goal(args.goal)

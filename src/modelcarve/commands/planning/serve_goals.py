@@ -4,7 +4,7 @@
     engine_dtypes("tp=2,param_dtype=fp32", layout)      # weight and KV dtypes fp32, as the server runs it
     fill_replicas(Layout(tp=2), cluster)                # dp=4 on 8 devices: the rest are replicas
 
-Shared by ``commands/plan.py``, ``commands/serving_plan.py`` and ``commands/launch_emit.py``
+Shared by ``commands/plan.py``, ``commands/planning/serving_plan.py`` and ``commands/planning/launch_emit.py``
 (one module below them all, so none of them imports another for these).
 """
 
