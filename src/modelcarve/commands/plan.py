@@ -31,6 +31,10 @@ def register(sub) -> None:
     estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
     estimate.add_argument("--max-batch-launch", dest="launch_batch", type=int, default=None, metavar="N",
                           help="--emit-launch of a serving layout: the engine's max concurrent sequences (default: --batch)")
+    estimate.add_argument("--framework", choices=ENGINES, default=None,
+                          help="read --layout in this framework's words: its values (torchtitan's recompute=selective is "
+                               "op-level SAC, Megatron's the attention core) or its own flags, e.g. \"--tensor-model-"
+                               "parallel-size 8 --sequence-parallel ...\" (docs/engines/)")
     estimate.set_defaults(func=_estimate)
 
     plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")
@@ -104,6 +108,14 @@ def _estimate(args) -> int:
     _out_needs_emit_launch(args)
 
     model, cluster, goal = _load(args)
+    notes = []
+    if args.framework:
+        from modelcarve.commands.emit.vocab import read_layout
+
+        args.layout, notes = read_layout(args.framework, args.layout, devices=cluster.num_devices)
+        if not args.json:
+            for note in notes:
+                print(f"note: {note}")
     layout = Layout.parse(args.layout)
     from modelcarve.commands.planning.serving_plan import is_serve_goal, run_serve_estimate
 
@@ -129,6 +141,8 @@ def _estimate(args) -> int:
         options.pop("global_batch", None)
         options.pop("seq", None)
     result = goal.evaluate(model, cluster, layout, **options)
+    if notes:
+        result["read_as"] = notes
     if args.emit_launch:
         check_launch(args, model, cluster, layout)
     from modelcarve.commands.timeline import draw_estimate

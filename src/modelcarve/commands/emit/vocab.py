@@ -1,0 +1,185 @@
+"""A layout described in a framework's own words, read into modelcarve's: ``estimate --framework``.
+
+    text, notes = read_layout("torchtitan", "tp=2,recompute=selective", devices=8)
+    # "tp=2,recompute=ops"; notes: torchtitan's recompute=selective is op-level SAC
+    text, notes = read_layout("megatron", "--tensor-model-parallel-size 8 --sequence-parallel "
+                              "--use-distributed-optimizer --recompute-granularity selective", devices=64)
+    # "tp=8,sp,zero=1,recompute=selective,dp=8"
+
+The words are the ones ``--emit-launch`` writes (``engines/<engine>.json``), read backwards, so
+one table per engine serves both directions. Two forms:
+
+* **our keys, their values** (``key=value,...``): a value is read through the engine's map for that
+  key (``recompute``, ``schedule``, ``param_dtype``, ``weight_dtype``, ``kv_dtype``): torchtitan's
+  ``selective`` is op-level selective activation checkpointing (our ``ops``), Megatron's
+  ``selective`` its attention-core recompute (our ``selective``);
+* **their flags** (text starting with ``--``): each flag the table emits, read back into the
+  layout field it came from (degrees, batch, sequence, schedule, recompute, ZeRO / distributed
+  optimiser / FSDP, FP8); data parallelism Megatron leaves implicit is ``devices / (tp pp cp)``,
+  torchtitan's is its replicate x shard degrees (shard > 1: FSDP, with replicas HSDP).
+
+Every translation that changed a word is returned as a note (``estimate`` prints them), so the
+user sees which meaning was used; a flag the table does not know is refused in one line.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from modelcarve.commands.emit import table, title
+from modelcarve.spec.errors import ModelcarveError
+
+MEANING = {
+    "none": "no recomputation",
+    "selective": "Megatron's selective recompute (the attention core: softmax, dropout, scores)",
+    "full": "whole-layer recompute",
+    "ops": "op-level selective activation checkpointing (matmul outputs saved, the rest recomputed)",
+}
+"""What each of our ``recompute`` values means, for the notes."""
+
+_FIELDS = {"global_batch": "gbs", "expert_tp": "etp"}
+"""A table's context name -> the layout field it is (the rest are the field's own name)."""
+_IGNORED = {"layers_per_stage", "one", "local_batch"}
+"""Context names a table emits that follow from the others (checked by --emit-launch, not read)."""
+
+
+def _inverse(mapping: dict, word: str) -> str | None:
+    """Our value for the engine's ``word`` (the first of ours the table writes that way)."""
+    for ours, theirs in mapping.items():
+        if theirs is not None and str(theirs).lower() == str(word).lower():
+            return ours
+    return None
+
+
+def _note(engine: str, key: str, word: str, ours: str) -> str:
+    meaning = f": {MEANING[ours]}" if key == "recompute" and ours in MEANING else ""
+    return f"{title(engine)}'s {key}={word} read as {key}={ours}{meaning}"
+
+
+def _words(engine: str, text: str) -> tuple[str, list[str]]:
+    maps, out, notes = table(engine)["maps"], [], []
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        key, sep, word = part.partition("=")
+        key = key.strip().lower().replace("-", "_")
+        if sep and key in maps:
+            ours = _inverse(maps[key], word.strip())
+            if ours is None:
+                known = sorted({str(v) for v in maps[key].values() if v is not None})
+                raise ModelcarveError(f"{title(engine)} has no {key}={word.strip()}; its words: {', '.join(known)}")
+            if ours != word.strip() or key == "recompute":  # recompute: the meaning, even where the word is ours
+                notes.append(_note(engine, key, word.strip(), ours))
+            part = f"{key}={ours}"
+        out.append(part)
+    return ",".join(out), notes
+
+
+def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]:
+    t = table(engine)
+    by_flag = {arg["flag"]: arg for arg in t["args"] if "flag" in arg}
+    positional = [arg for arg in t["args"] if "positional" in arg]  # e.g. torchtitan's activation-checkpoint:<mode>
+    tokens = shlex.split(text)
+    fields: dict = {}
+    floors: dict = {}
+    modules = None
+    notes: list[str] = []
+    i = 0
+    while i < len(tokens):
+        flag = tokens[i]
+        arg = by_flag.get(flag)
+        if arg is None and not flag.startswith("-"):
+            for pos in positional:
+                head = pos["positional"].split("{}")[0]
+                if flag.startswith(head):
+                    arg, flag = pos, head.rstrip(":")
+                    tokens.insert(i + 1, tokens[i][len(head):])
+                    break
+        if arg is None:
+            raise ModelcarveError(f"{title(engine)}: {flag} is not a flag modelcarve reads; it reads "
+                                  f"{', '.join(sorted(by_flag))}")
+        if "value" not in arg:  # a switch: what its condition says
+            when = arg.get("when", "")
+            if when in ("sp", "!sp"):
+                fields["sp"] = when == "sp"
+            elif ">" in when and when.split(">")[0] == "zero":
+                floors["zero"] = max(floors.get("zero", 0), int(when.split(">")[1]) + 1)
+            i += 1
+            continue
+        if i + 1 >= len(tokens):
+            raise ModelcarveError(f"{title(engine)}: {flag} needs a value")
+        word, name = tokens[i + 1], arg["value"]
+        i += 2
+        if arg.get("nargs"):  # e.g. Megatron's --recompute-modules core_attn mlp: every word up to the next flag
+            words = [word]
+            while i < len(tokens) and not tokens[i].startswith("-"):
+                words.append(tokens[i])
+                i += 1
+            if name == "recompute_list":
+                modules = "+".join(words)
+            continue
+        if name in _IGNORED or (name == "recompute" and arg.get("map") == "recompute_method"):
+            continue
+        if "map" in arg:
+            ours = _inverse(t["maps"][arg["map"]], word)
+            if ours is None:
+                raise ModelcarveError(f"{title(engine)}: {flag} {word} is not a value modelcarve reads")
+            if name == "param_dtype" or arg["map"] == "fp8_recipe":
+                if arg["map"] == "fp8_recipe":
+                    fields["fp8_scaling"] = ours if ours in ("delayed", "current") else fields.get("fp8_scaling", "delayed")
+                    if ours == "mxfp8":
+                        fields["param_dtype"] = "mxfp8"
+                else:
+                    fields.setdefault("param_dtype", ours)
+                continue
+            if name == "recompute" or ours != word:
+                notes.append(_note(engine, name, word, ours))
+            fields[_FIELDS.get(name, name)] = int(ours) if name == "zero" else ours
+            continue
+        fields[_FIELDS.get(name, name)] = int(word) if word.lstrip("-").isdigit() else word
+    if modules is not None:  # the module list is the recompute (its granularity flag only says "selective")
+        fields["recompute"] = modules
+    zero = max(int(fields.pop("zero", 0) or 0), floors.get("zero", 0))
+    replicate, shard = fields.pop("dp_replicate", None), fields.pop("dp_shard", None)
+    model_parallel = int(fields.get("tp", 1)) * int(fields.get("pp", 1)) * int(fields.get("cp", 1))
+    if fields.get("virtual_stages", 1) not in (1, "1") and "schedule" not in fields:
+        fields["schedule"] = "interleaved-1f1b"  # Megatron: virtual stages are its interleaved schedule
+    if shard is not None:  # torchtitan: dp = replicate x shard (-1: the rest)
+        replicate, shard = int(replicate or 1), int(shard or 1)
+        if shard == -1:
+            if not devices:
+                raise ModelcarveError(f"{title(engine)}: data-parallel-shard-degree -1 needs the cluster's devices")
+            shard = devices // (model_parallel * replicate)
+        fields["dp"] = replicate * shard
+        if shard > 1:
+            zero = 3
+            if replicate > 1:
+                fields["dp_shard"] = shard
+            notes.append(f"{title(engine)}'s data-parallel shard degree {shard} read as FSDP (zero=3)"
+                         + (f" with {replicate} replicas (HSDP)" if replicate > 1 else ""))
+    elif devices:  # Megatron: data parallelism is what the other degrees leave
+        if devices % model_parallel:
+            raise ModelcarveError(f"{title(engine)}: tp x pp x cp = {model_parallel} does not divide the cluster's "
+                                  f"{devices} devices")
+        fields["dp"] = devices // model_parallel
+        notes.append(f"{title(engine)} leaves data parallelism implicit: dp = {devices} devices / (tp x pp x cp) "
+                     f"= {fields['dp']}")
+        if replicate is not None and int(replicate) > 1:  # distributed-optimizer instances: the state's replicas
+            fields["dp_shard"] = fields["dp"] // int(replicate)
+    if zero:
+        fields["zero"] = zero
+        if engine == "megatron" and zero == 1:
+            notes.append(f"{title(engine)}'s distributed optimizer read as ZeRO-1 (optimizer state sharded over dp)")
+    parts = []
+    for key, value in fields.items():
+        if value is True:
+            parts.append(key)
+        elif value is not False:
+            parts.append(f"{key}={value}")
+    return ",".join(parts), notes
+
+
+def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str, list[str]]:
+    """``(layout text in our words, notes)`` for ``text`` in ``engine``'s words (see the module doc)."""
+    text = text.strip()
+    if text.startswith("--"):
+        return _flags(engine, text, devices)
+    return _words(engine, text)

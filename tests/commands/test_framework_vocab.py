@@ -1,0 +1,80 @@
+"""``estimate --framework ENGINE``: a layout in a framework's own words read into ours, through the
+same per-engine tables ``--emit-launch`` writes (commands/emit/vocab.py).
+
+* The words: torchtitan's ``recompute=selective`` is op-level SAC (our ``ops``), Megatron's is the
+  attention-core recompute (our ``selective``); each gives that meaning's documented memory (the
+  estimate of our own spelling, to the byte) and the two differ.
+* The flags: every layout the two training frameworks can express, emitted with --emit-launch's
+  own argv and read back, is the same layout (Megatron's implicit data parallelism from the
+  cluster's devices; torchtitan's replicate x shard degrees as FSDP / HSDP).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from modelcarve.cli import main
+from modelcarve.commands.emit import argv, can_express
+from modelcarve.commands.emit.vocab import read_layout
+from modelcarve.spec.catalog import get_model
+from modelcarve.spec.errors import ModelcarveError
+from modelcarve.spec.hardware import parse_cluster
+from modelcarve.spec.layout import Layout
+
+BASE = "gbs=64,mbs=1,seq=4096"
+
+
+def _estimate(capsys, layout: str, *extra: str) -> dict:
+    code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "64xH100", "--layout", layout, "--json", *extra])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    return json.loads(out)
+
+
+def test_selective_means_what_the_framework_means(capsys):
+    layout = f"tp=8,pp=4,dp=2,{BASE},recompute=selective"
+    titan = _estimate(capsys, layout, "--framework", "torchtitan")
+    megatron = _estimate(capsys, layout, "--framework", "megatron")
+    ops = _estimate(capsys, f"tp=8,pp=4,dp=2,{BASE},recompute=ops")
+    selective = _estimate(capsys, layout)
+    assert titan["layout"]["recompute"] == "ops" and megatron["layout"]["recompute"] == "selective"
+    assert titan["memory"] == ops["memory"] and megatron["memory"] == selective["memory"]
+    assert titan["memory"]["peak_bytes"] != megatron["memory"]["peak_bytes"]
+    assert any("op-level selective activation checkpointing" in n for n in titan["read_as"])
+    assert any("attention core" in n for n in megatron["read_as"])
+
+
+LAYOUTS = [
+    "tp=8,pp=4,dp=2,sp,zero=1", "tp=8,pp=4,dp=2,sp,zero=1,schedule=interleaved-1f1b,virtual_stages=2",
+    "tp=4,pp=2,cp=2,dp=4,zero=1,recompute=full", "tp=8,dp=8,zero=1,param_dtype=fp8", "tp=2,dp=32,zero=3",
+    "tp=8,pp=2,dp=4", "tp=2,pp=2,dp=16,zero=3,dp_shard=8,recompute=ops", "dp=64,zero=3", "tp=8,cp=2,dp=4,zero=3",
+    "tp=4,pp=4,dp=4,schedule=gpipe", "tp=8,pp=4,dp=2,zero=1,recompute=core_attn+mlp_act",
+]
+
+
+@pytest.mark.parametrize("engine,cut", [("megatron", "pretrain_gpt.py"), ("torchtitan", "--config")])
+def test_emitted_flags_read_back_to_the_same_layout(engine, cut):
+    model, cluster = get_model("llama-3.1-70b"), parse_cluster("8x8xH100")
+    read = 0
+    for text in LAYOUTS:
+        layout = Layout.parse(f"{text},{BASE}")
+        if not can_express(engine, layout, model, serving=False):
+            continue
+        cmd = argv(engine, layout, model, cluster, serving=False)
+        flags = cmd[cmd.index(cut) + (2 if cut.startswith("--") else 1):]
+        got, notes = read_layout(engine, shlex.join(flags), devices=cluster.num_devices)
+        assert Layout.parse(got) == layout, (engine, text, got)
+        read += 1
+    assert read >= 5, f"only {read} of the layouts are expressible in {engine}"
+
+
+def test_unknown_words_and_flags_are_refused_in_one_line():
+    with pytest.raises(ModelcarveError, match="has no recompute=sometimes"):
+        read_layout("torchtitan", "tp=2,recompute=sometimes")
+    with pytest.raises(ModelcarveError, match="--no-such-flag is not a flag modelcarve reads"):
+        read_layout("megatron", "--tensor-model-parallel-size 8 --no-such-flag 3", devices=64)
+    with pytest.raises(ModelcarveError, match="does not divide the cluster's 64 devices"):
+        read_layout("megatron", "--tensor-model-parallel-size 3", devices=64)
