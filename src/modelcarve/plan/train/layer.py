@@ -45,8 +45,21 @@ FLASH_BACKWARD = 2.5
 
 
 def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+               etp: int = 0, base: dict | None = None) -> dict:
+    """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp).
+
+    ``base``: ``layer_base(cost, moe, tp, cp, ep, mbs, sp, seq, etp)`` at the same compute dtype,
+    when the caller keeps it (the cost model shares one across the recomputation modes: nothing in
+    it reads ``recompute``, so the result is the same to the last bit as without it)."""
+    if base is None:
+        base = layer_base(cost, moe, tp, cp, ep, mbs, sp, seq, etp)
+    return _layer_finish(cost, base, recompute)
+
+
+def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, seq: int,
                etp: int = 0) -> dict:
-    """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp)."""
+    """The part of ``layer_cost`` no recomputation mode changes (GEMMs, element-wise work,
+    communication per collective), for the compute dtype ``cost._dtype``."""
     m, o, dev = cost.model, cost.options, cost.device
     etp = etp or tp
     h = m.hidden_size
@@ -56,7 +69,6 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     dqk, dv = m.qk_head_dim, m.attn_v_head_dim
     kvl = kv_heads_per_rank(m, tp)
     rep = tp if sp else 1
-    mods = _modules(recompute)
     g = 0.0  # forward GEMM seconds outside the attention core
     if m.attention_kind == "mla":
         rq = m.q_lora_rank or 0
@@ -151,21 +163,42 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
     ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
     ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
+    return {
+        "T": T, "moe": moe, "tp": tp, "sp": sp, "etp": etp, "seq": seq, "g_k": g_k, "g_o": g_o, "g_up2": g_up2,
+        "g_ffn": g_ffn, "core": core, "core_ew_s": core_ew_s, "ew_norm": ew_norm, "ew_act": ew_act,
+        "ew_moe": ew_moe if moe else 0.0, "ew_s": ew_s, "q_fwd_s": q_fwd_s, "stall_fwd": stall_fwd, "fwd": fwd,
+        "bwd": bwd, "tp_one": tp_one, "tp_all_reduce": comm.all_reduce_s(act, tp, tp_tier),
+        "tp_bytes_one": tp_bytes_one, "tp_nic_one": comm.nic_bytes(tp_bytes_one, tp_tier), "cp_exposed": cp_exposed,
+        "cp_fwd": cp_fwd, "cp_fwd_bytes": cp_fwd_bytes,
+        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "ep_one": ep_one, "ep_bytes_one": ep_bytes_one, "ep_nic_one": ep_nic_one,
+    }
+
+
+def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
+    """``layer_cost`` from its ``layer_base`` ``b``: what the recomputation mode changes."""
+    m, o, dev = cost.model, cost.options, cost.device
+    mods = _modules(recompute)
+    moe, fwd, bwd, g_ffn, stall_fwd, ew_s, q_fwd_s = b["moe"], b["fwd"], b["bwd"], b["g_ffn"], b["stall_fwd"], b["ew_s"], b["q_fwd_s"]
+    core, core_ew_s, ew_act, ew_moe = b["core"], b["core_ew_s"], b["ew_act"], b["ew_moe"]
+    tp, sp, etp, T, seq = b["tp"], b["sp"], b["etp"], b["T"], b["seq"]
+    tp_one, tp_bytes_one, cp_fwd, cp_fwd_bytes = b["tp_one"], b["tp_bytes_one"], b["cp_fwd"], b["cp_fwd_bytes"]
+    ep_one, ep_bytes_one, ep_nic_one = b["ep_one"], b["ep_bytes_one"], b["ep_nic_one"]
     n_tp = 4 + (2 if recompute == "full" else 0)
     n_ep = 4 + (2 if recompute == "full" or "mlp" in mods else 0)
     if recompute == "full":
         rc = fwd
     elif recompute == "ops":
         # matmuls not saved (k, o, the second MLP input projection) and every element-wise op
-        rc = g_k + g_o + g_up2 + ew_s + q_fwd_s
+        rc = b["g_k"] + b["g_o"] + b["g_up2"] + ew_s + q_fwd_s
     else:
         rc = 0.0
         if "core_attn" in mods:
             rc += core + core_ew_s
         if "layernorm" in mods:
-            rc += memory_bound_time_s(dev, ew_norm)
+            rc += memory_bound_time_s(dev, b["ew_norm"])
         if "mlp" in mods:
-            rc += g_ffn + memory_bound_time_s(dev, ew_act + (ew_moe if moe else 0.0))
+            rc += g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
             rc += stall_fwd
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
@@ -183,14 +216,14 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         "fwd_s": fwd,
         "bwd_s": bwd,
         "tp_s": n_tp * tp_one,
-        "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
-        "cp_s": cp_exposed,
+        "tp_total_s": n_tp * b["tp_all_reduce"],
+        "cp_s": b["cp_exposed"],
         "cp_total_s": 3.0 * cp_fwd,
         "ep_s": n_ep * ep_one,
         "tp_bytes": n_tp * tp_bytes_one,
-        "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
+        "tp_nic": n_tp * b["tp_nic_one"],
         "cp_bytes": 3.0 * cp_fwd_bytes,
-        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "cp_nic": b["cp_nic"],
         "ep_bytes": n_ep * ep_bytes_one,
         "ep_nic": n_ep * ep_nic_one,
         "act_bytes": sum(act_terms.values()),

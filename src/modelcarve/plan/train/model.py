@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
 from modelcarve.plan.cost.schedule import bubble_time_units, in_flight_microbatches
-from modelcarve.plan.train.layer import layer_cost
+from modelcarve.plan.train.layer import layer_base, layer_cost
 from modelcarve.plan.train.report import build_report
 from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for callers of this module
@@ -179,6 +179,7 @@ class TrainCostModel:
         self._profiles: dict = {}
         self._tiers: dict = {}
         self._layers: dict = {}
+        self._layer_bases: dict = {}
         self._gemms: dict = {}
         self._traffic: dict = {}
         self._stage_params: dict = {}
@@ -280,7 +281,12 @@ class TrainCostModel:
         key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq, self._dtype, etp if moe else tp)
         layer = self._layers.get(key)
         if layer is None:
-            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp)
+            # the recomputation-independent part is shared by the three modes the search tries
+            bkey = key[:6] + key[7:]
+            base = self._layer_bases.get(bkey)
+            if base is None:
+                base = self._layer_bases[bkey] = layer_base(self, moe, tp, cp, ep, mbs, sp, seq, etp)
+            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp, base)
         return layer
 
     def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float:
