@@ -209,7 +209,11 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
     act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
     work = 0.0
     if recompute == "full":  # the layer being recomputed holds its full activations
-        work = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+        work = b.get("none_act_bytes")  # the same sum of the same terms as recompute="none"'s act_bytes
+        if work is None:
+            work = b["none_act_bytes"] = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+    elif recompute == "none":
+        b["none_act_bytes"] = sum(act_terms.values())
     return {
         "compute_s": fwd + bwd + rc,
         "recompute_s": rc,

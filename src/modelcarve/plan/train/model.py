@@ -180,6 +180,7 @@ class TrainCostModel:
         self._tiers: dict = {}
         self._layers: dict = {}
         self._layer_bases: dict = {}
+        self._is_moe = model.is_moe
         self._gemms: dict = {}
         self._traffic: dict = {}
         self._stage_params: dict = {}
@@ -393,8 +394,16 @@ class TrainCostModel:
 
     def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
         m, o = self.model, self.options
-        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
-        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        layers, dtype = self._layers, self._dtype  # _layer_cached's keys, looked up here first (the hot path)
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
         h, V = m.hidden_size, m.vocab_size
         T = mbs * seq / cp
         hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
