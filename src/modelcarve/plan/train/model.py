@@ -409,10 +409,7 @@ class TrainCostModel:
         hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
         head = self._heads.get(hkey)
         if head is None:
-            # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
-            head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
-            loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-            head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+            head = self._head(T, tp, hkey)
         head_s, logits_bytes = head[2], head[3]
         d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
                                          dense["act_bytes"], dense["work_bytes"])
@@ -440,6 +437,47 @@ class TrainCostModel:
         p2p_s = comm.p2p_s(p2p_bytes, self.tier(pp, dp * cp * tp)) if pp > 1 else 0.0
         gbs = o.global_batch or mbs * dp
         return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def _head(self, T: float, tp: int, hkey: tuple) -> tuple:
+        """(forward s, loss s, forward + backward + loss s, logits bytes) of the LM head + loss (last
+        stage), per micro-batch of ``T`` tokens; the head stays bf16. Cached under ``hkey``."""
+        h, V = self.model.hidden_size, self.model.vocab_size
+        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        return head
+
+    def screen_rows(self, tp: int, cp: int, pp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                    dtype: str, etp: int, v: int) -> list:
+        """The ``rows`` of ``screen_profile(...)`` (per stage: kind, rank, activation bytes of one
+        micro-batch, working set + logits), the same expressions without the stage times: what a
+        memory verdict reads. ``etp`` resolved (not 0)."""
+        self._dtype = dtype
+        layers = self._layers
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
+        T = mbs * seq / cp
+        hkey = (T, tp, dtype)
+        head = self._heads.get(hkey)
+        if head is None:
+            head = self._head(T, tp, hkey)
+        logits_bytes = head[3]
+        d_a, d_w, m_a, m_w = dense["act_bytes"], dense["work_bytes"], moe["act_bytes"], moe["work_bytes"]
+        rows = []
+        for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # as _build_screen_profile
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+        return rows
 
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
         m, o = self.model, self.options
