@@ -152,10 +152,10 @@ class TrainGoal:
             n_mb = gbs // (mbs * dp)
             if (tp, cp, pp) != mesh:
                 mesh = (tp, cp, pp)
-                # (ep, etp, zero, dp_shard, (v, precision)) -> (states floor,) + dp_static(...): what
-                # the memory checks read that no micro-batching changes, for this (tp, cp, pp, dp)
-                statics: dict = {}
-                families: dict = {}  # (ep, etp, zero) -> (family label,)
+                # (ep, etp) -> per (zero, dp_shard) of the mesh: ({(v, precision): (states floor,) +
+                # dp_static(...)}, [family label]): what the memory checks and the family read that no
+                # micro-batching changes, for this (tp, cp, pp, dp)
+                per_zero: dict = {}
             shape = shapes.get(id(scheds))
             if shape is None or shape[0] is not scheds:
                 # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -179,17 +179,22 @@ class TrainGoal:
             # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
             upper = none_info[1] if rc != "none" and none_info[0] == (tp, cp, pp, mbs, ep, etp, sp) else None
             upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
-            for zero, shard in zeros:
+            zl = per_zero.get((ep, etp))
+            if zl is None:
+                zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
+            low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
+            held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+            for (zero, shard), (statics, family) in zip(zeros, zl):
                 # per group: (category, score) when every candidate of it is rejected whatever its
                 # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
                 # else (None, None, states per stage, base bytes) for the per-schedule memory check
                 entries: dict = {}
                 open_groups = False
                 for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
-                    static = statics.get((ep, etp, zero, shard, vj))
+                    static = statics.get(vj)
                     if static is None:
                         floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
-                        static = statics[(ep, etp, zero, shard, vj)] = (floor,) + cost.dp_static(
+                        static = statics[vj] = (floor,) + cost.dp_static(
                             (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
                     floor, states, top_states, reserved, bucket = static
                     if floor > capacity:
@@ -224,18 +229,15 @@ class TrainGoal:
                             best_rejected[category] = (score, cand, None)
                     position += n_spec
                     continue
-                family = families.get((ep, etp, zero))
-                if family is None:  # family() reads tp, cp, pp, ep, zero and etp only
+                if not family:  # family() reads tp, cp, pp, ep, zero and etp only
                     sched, v, prec, scaling, _vj = specs[0]
-                    family = families[(ep, etp, zero)] = (self.family(model, cluster, new(
+                    family.append(self.family(model, cluster, new(
                         Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, "fp32", "fp32", etp,
-                                    scaling))),)
+                                    scaling))))
                 fam = family[0]
                 # the quiet case: no candidate of this ZeRO setting can change anything but the counts
                 # (sweep's docstring), so the setting is counted in one step
                 held_fam = best_family.get(fam) if fam is not None else None
-                low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
-                held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
                 while True:
                     fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
                     quiet = True
@@ -360,6 +362,8 @@ class TrainGoal:
                         score = self._exact(cost, cand, step_base)
                         if held is None or score > held[0]:
                             best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+                low = best[0][0] if len(best) == top else None  # the scores the next setting meets
+                held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
             if rc == "none":
                 # what the recompute="selective" and "full" blocks of the same rest may take as bounds
                 covered = {}
