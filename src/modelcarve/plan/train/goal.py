@@ -146,6 +146,7 @@ class TrainGoal:
         heappush, heapreplace = heapq.heappush, heapq.heapreplace
         blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
         shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
+        _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
         mesh = None
         none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
         for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
@@ -451,35 +452,40 @@ class TrainGoal:
         ``bound`` (the recompute shortcut) every spec's bound is that number; else each spec's own,
         from its screen profile ``lean``, filling ``slots`` (step without the DP part, bound, in-flight
         list) and ``grown_of`` as the per-candidate loop does."""
-        kinds: dict = {}
-        local: dict = {}
+        plan = _KIND_PLANS.get((id(specs), vj))
+        if plan is None or plan[0] is not specs:
+            by_kind: dict = {}  # in-flight kind -> (its first schedule, v, the specs' positions)
+            for k, (sched, v, _prec, _scaling, svj) in enumerate(specs):
+                if svj == vj:
+                    in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)  # the same micro-batches held
+                    by_kind.setdefault(in_flight, (sched, v, []))[2].append(k)
+            plan = _KIND_PLANS[(id(specs), vj)] = (specs, [(key, sched, v, ks, len(ks))
+                                                           for key, (sched, v, ks) in by_kind.items()])
+        kinds = []
         if bound is None:
             t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
-        for k, (sched, v, _prec, _scaling, svj) in enumerate(specs):
-            if svj != vj:
-                continue
-            in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
+            step_base_of = cost.step_base
+        for in_flight, sched, v, ks, count in plan[1]:
             if bound is None:
-                slot = slots[k]
-                if slot is None:
-                    step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
-                    grown = grown_of.get(in_flight)
-                    if grown is None:
-                        grown = grown_of[in_flight] = [
-                            (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                            for _kind, index, act_mb, fixed in rows]
-                    slot = slots[k] = (step_base, tokens / step_base, grown)
-                grown, most = slot[2], slot[1]
-            else:
-                grown = local.get(in_flight)
+                grown = grown_of.get(in_flight)
                 if grown is None:
-                    grown = local[in_flight] = [
+                    grown = grown_of[in_flight] = [
                         (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
                         for _kind, index, act_mb, fixed in rows]
+                most = None
+                for k in ks:
+                    slot = slots[k]
+                    if slot is None:
+                        step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
+                        slot = slots[k] = (step_base, tokens / step_base, grown)
+                    if most is None or slot[1] > most:
+                        most = slot[1]
+            else:
+                grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                         for _kind, index, act_mb, fixed in rows]
                 most = bound
-            held = kinds.get(id(grown))
-            kinds[id(grown)] = [grown, 1, most] if held is None else [grown, held[1] + 1, max(held[2], most)]
-        return list(kinds.values())
+            kinds.append((grown, count, most))
+        return kinds
 
     @staticmethod
     def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
@@ -642,6 +648,11 @@ def inflight_of(schedule: str, pp: int, n_mb: int, v: int, index: int):
     if schedule == "1f1b" or schedule == "zero-bubble":
         return pp - index if pp - index < n_mb else n_mb
     return in_flight_microbatches(schedule, pp, n_mb, v, index)
+
+
+_KIND_PLANS: dict = {}
+"""(id(specs), (v, precision index)) -> (specs, [(in-flight kind, its first schedule, v, the specs'
+positions, their number)]): ``TrainGoal._kinds``' grouping, once per shape of a block's specs."""
 
 
 def _compute(prec: str, scaling: str) -> str:
