@@ -91,7 +91,13 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     if m.position_kind == "rope":
         ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
     if o.attention == "flash":
-        core = core * _causal_share(m, seq) / FLASH_EFFICIENCY
+        shares = getattr(cost, "_causal_shares", None)  # kept by the cost model: one number per seq
+        share = shares.get(seq) if shares is not None else None
+        if share is None:
+            share = _causal_share(m, seq)
+            if shares is not None:
+                shares[seq] = share
+        core = core * share / FLASH_EFFICIENCY
         core_bwd = core * FLASH_BACKWARD
         core_ew = 0.0
     else:

@@ -180,6 +180,7 @@ class TrainCostModel:
         self._tiers: dict = {}
         self._layers: dict = {}
         self._layer_bases: dict = {}
+        self._causal_shares: dict = {}  # seq -> layer.py's _causal_share
         self._is_moe = model.is_moe
         self._gemms: dict = {}
         self._traffic: dict = {}
@@ -416,7 +417,8 @@ class TrainCostModel:
         m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
         sums, rows = [], []
         t_mb, slow = -1.0, 0
-        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(self.stage_params(tp, pp, ep, etp, v)):
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(stages):
             n_dense = nls - n_moe
             last = kind == "last" or kind == "only"
             compute_s = d_c * n_dense + m_c * n_moe
@@ -471,7 +473,8 @@ class TrainCostModel:
         logits_bytes = head[3]
         d_a, d_w, m_a, m_w = dense["act_bytes"], dense["work_bytes"], moe["act_bytes"], moe["work_bytes"]
         rows = []
-        for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in self.stage_params(tp, pp, ep, etp, v):
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in stages:
             n_dense = nls - n_moe
             last = kind == "last" or kind == "only"
             act_bytes = d_a * n_dense + m_a * n_moe
