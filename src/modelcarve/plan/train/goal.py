@@ -185,69 +185,77 @@ class TrainGoal:
                 zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
             low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
             held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-            # one group (a single (v, precision)): the quiet test first, on what earlier blocks of the
-            # mesh left (statics, family), the base bytes once per block; anything else goes the general way
+            # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
+            # a setting that is not quiet goes the general way
             single = groups[0] if len(groups) == 1 else None
             s_base = s_kinds = None
+            if single is not None:
+                vj, (count, (_sched, v, prec, scaling, _vj)) = single
             for (zero, shard), (statics, family) in zip(zeros, zl):
-                if single is not None and family:
-                    vj, (count, (_sched, v, prec, scaling, _vj)) = single
+                if single is not None:
                     static = statics.get(vj)
-                    if static is not None:
-                        floor, states, top_states, reserved, bucket = static
-                        if floor > capacity:
-                            held = best_rejected.get(STATES_DO_NOT_FIT)
-                            if held is not None and -floor <= held[0]:
-                                rejected[STATES_DO_NOT_FIT] += count
+                    if static is None:
+                        floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                        static = statics[vj] = (floor,) + cost.dp_static(
+                            (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                    if not family:  # family() reads tp, cp, pp, ep, zero and etp only
+                        family.append(self.family(model, cluster, new(
+                            Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, "fp32", "fp32",
+                                        etp, scaling))))
+                    floor, states, top_states, reserved, bucket = static
+                    if floor > capacity:
+                        held = best_rejected.get(STATES_DO_NOT_FIT)
+                        if held is not None and -floor <= held[0]:
+                            rejected[STATES_DO_NOT_FIT] += count
+                            position += n_spec
+                            continue
+                    else:
+                        if s_base is None:
+                            if upper is not None and vj in upper:
+                                buffers = upper[vj][0]
+                                rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
+                                                        _compute(prec, scaling), etp, v)
+                                s_kinds = self._kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                            else:
+                                lean = leans.get(vj)
+                                if lean is None:
+                                    lean = leans[vj] = cost.screen_profile(
+                                        tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling), etp, v,
+                                        keep=False)
+                                buffers = lean[2]
+                                s_kinds = kinds_of.get(vj)
+                                if s_kinds is None:
+                                    s_kinds = kinds_of[vj] = self._kinds(specs, vj, lean[1], None, pp, n_mb,
+                                                                         growth, cost, lean, slots, grown_of)
+                            s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                        base = s_base
+                        if top_states + base > capacity:
+                            if held_act is not None and -(top_states + base) <= held_act[0]:
+                                rejected[ACTIVATIONS_DO_NOT_FIT] += count
                                 position += n_spec
                                 continue
                         else:
-                            if s_base is None:
-                                if upper is not None and vj in upper:
-                                    buffers = upper[vj][0]
-                                    rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
-                                                            _compute(prec, scaling), etp, v)
-                                    s_kinds = self._kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
-                                else:
-                                    lean = leans.get(vj)
-                                    if lean is None:
-                                        lean = leans[vj] = cost.screen_profile(
-                                            tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling), etp, v,
-                                            keep=False)
-                                    buffers = lean[2]
-                                    s_kinds = kinds_of.get(vj)
-                                    if s_kinds is None:
-                                        s_kinds = kinds_of[vj] = self._kinds(specs, vj, lean[1], None, pp, n_mb,
-                                                                             growth, cost, lean, slots, grown_of)
-                                s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
-                            base = s_base
-                            if top_states + base > capacity:
-                                if held_act is not None and -(top_states + base) <= held_act[0]:
-                                    rejected[ACTIVATIONS_DO_NOT_FIT] += count
-                                    position += n_spec
-                                    continue
-                            else:
-                                fam = family[0]
-                                held_fam = best_family.get(fam) if fam is not None else None
-                                n_act = 0
-                                for grown, n_grown, most in s_kinds:
-                                    for st, g in zip(states, grown):
-                                        if st + g + base > capacity:  # the expression peak_bytes compares
-                                            break
-                                    else:  # fits
-                                        if low is None or most > low or (fam is not None and (
-                                                held_fam is None or most > held_fam[0])):
-                                            break
-                                        continue
-                                    n_act += n_grown
-                                    if held_act is None or most > held_act[0]:
+                            fam = family[0]
+                            held_fam = best_family.get(fam) if fam is not None else None
+                            n_act = 0
+                            for grown, n_grown, most in s_kinds:
+                                for st, g in zip(states, grown):
+                                    if st + g + base > capacity:  # the expression peak_bytes compares
                                         break
-                                else:  # quiet
-                                    if n_act:
-                                        rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
-                                                                                        0) + n_act
-                                    position += n_spec
+                                else:  # fits
+                                    if low is None or most > low or (fam is not None and (
+                                            held_fam is None or most > held_fam[0])):
+                                        break
                                     continue
+                                n_act += n_grown
+                                if held_act is None or most > held_act[0]:
+                                    break
+                            else:  # quiet
+                                if n_act:
+                                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
+                                                                                    0) + n_act
+                                position += n_spec
+                                continue
                 # per group: (category, score) when every candidate of it is rejected whatever its
                 # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
                 # else (None, None, states per stage, base bytes) for the per-schedule memory check
