@@ -208,18 +208,24 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
             rc += stall_fwd
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
-    act_kwargs = dict(
-        tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
-        expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
-    )
-    act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
-    work = 0.0
-    if recompute == "full":  # the layer being recomputed holds its full activations
-        work = b.get("none_act_bytes")  # the same sum of the same terms as recompute="none"'s act_bytes
-        if work is None:
-            work = b["none_act_bytes"] = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
-    elif recompute == "none":
-        b["none_act_bytes"] = sum(act_terms.values())
+    # the activation terms read tokens, tp, sp, the layer kind, expert TP and the dtype, not cp or ep
+    # alone: kept by the cost model per that shape (the same call, the same numbers)
+    kept = getattr(cost, "_act_terms", None)
+    akey = (moe, T, tp, sp, recompute, cost._dtype, etp)
+    acts = kept.get(akey) if kept is not None else None
+    if acts is None:
+        act_kwargs = dict(
+            tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
+            expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
+        )
+        act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
+        work = 0.0
+        if recompute == "full":  # the layer being recomputed holds its full activations
+            work = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+        acts = (act_terms, sum(act_terms.values()), work)
+        if kept is not None:
+            kept[akey] = acts
+    act_terms, act_bytes, work = acts
     return {
         "compute_s": fwd + bwd + rc,
         "recompute_s": rc,
@@ -236,7 +242,7 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         "cp_nic": b["cp_nic"],
         "ep_bytes": n_ep * ep_bytes_one,
         "ep_nic": n_ep * ep_nic_one,
-        "act_bytes": sum(act_terms.values()),
+        "act_bytes": act_bytes,
         "act_terms": act_terms,
         "work_bytes": work,
     }

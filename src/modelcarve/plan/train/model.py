@@ -181,6 +181,7 @@ class TrainCostModel:
         self._layers: dict = {}
         self._layer_bases: dict = {}
         self._causal_shares: dict = {}  # seq -> layer.py's _causal_share
+        self._act_terms: dict = {}  # layer.py's activation terms and working set per shape
         self._is_moe = model.is_moe
         self._gemms: dict = {}
         self._traffic: dict = {}
@@ -384,13 +385,14 @@ class TrainCostModel:
         built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
         for each once; keeping them all only lengthens a process's exit)."""
         etp = etp or tp
+        if not keep:  # built afresh: the same numbers as a kept one (one expression, one input)
+            self._dtype = dtype
+            return self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
         key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
         lean = self._leans.get(key)
         if lean is None:
             self._dtype = dtype
-            lean = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
-            if keep:
-                self._leans[key] = lean
+            lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
         return lean
 
     def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
