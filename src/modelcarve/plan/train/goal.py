@@ -477,9 +477,7 @@ class TrainGoal:
             if bound is None:
                 grown = grown_of.get(in_flight)
                 if grown is None:
-                    grown = grown_of[in_flight] = [
-                        (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                        for _kind, index, act_mb, fixed in rows]
+                    grown = grown_of[in_flight] = _grown(rows, sched, pp, n_mb, v, growth)
                 most = None
                 for k in ks:
                     slot = slots[k]
@@ -489,8 +487,7 @@ class TrainGoal:
                     if most is None or slot[1] > most:
                         most = slot[1]
             else:
-                grown = [(inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                         for _kind, index, act_mb, fixed in rows]
+                grown = _grown(rows, sched, pp, n_mb, v, growth)
                 most = bound
             kinds.append((grown, count, most))
         return kinds
@@ -649,6 +646,16 @@ def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int,
                         for sp in sps:
                             for rc in ("none", "selective", "full"):
                                 yield tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds
+
+
+def _grown(rows: list, sched: str, pp: int, n_mb: int, v: int, growth: float) -> list:
+    """Each stage's activations in flight and buffers, grown by the allocator's share, as
+    ``TrainCostModel.peak_bytes`` sums them (``inflight_of`` inlined for 1F1B and zero-bubble)."""
+    if sched == "1f1b" or sched == "zero-bubble":
+        return [((pp - index if pp - index < n_mb else n_mb) * act_mb + fixed) * growth
+                for _kind, index, act_mb, fixed in rows]
+    return [(in_flight_microbatches(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+            for _kind, index, act_mb, fixed in rows]
 
 
 def inflight_of(schedule: str, pp: int, n_mb: int, v: int, index: int):
