@@ -115,6 +115,9 @@ class TrainGoal:
           changes anything but the counts (each is a no-op by the bound above, and a no-op leaves
           the scores the next one meets as they were), so the setting's verdicts are counted
           together: every memory verdict is still decided, per distinct per-stage in-flight list.
+          The scores tested against may be read before the block and not after a setting that
+          only counted rejections: a score held only ever rises, so a stale one is never higher
+          and at worst sends a setting the exact way.
         * Recomputation bounds: a block with recompute "selective" or "full" comes right after the
           "none" block of the same (tp, cp, pp, mbs, ep, etp, sp), and each of its candidates'
           bound is at most the "none" candidate's of the same schedule and precision: a layer's
