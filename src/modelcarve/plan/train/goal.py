@@ -22,6 +22,7 @@ micro-batch count is a multiple of pp, as Megatron requires).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import math
 from typing import TYPE_CHECKING, Iterator
@@ -131,6 +132,19 @@ class TrainGoal:
           expressions; the buffers do not read recompute); a setting that is not quiet under it
           makes the block build its own screen profile and bounds, as any other.
         """
+        # the cyclic collector has nothing to find in the sweep's short-lived tuples and lists, yet
+        # would scan them every few hundred allocations: paused for the sweep (no number changes)
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return self._sweep(model, cluster, top, **options)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _sweep(self, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
+        """``sweep`` itself (see there)."""
         from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT
 
         gbs = options.get("global_batch")
