@@ -69,23 +69,15 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     dqk, dv = m.qk_head_dim, m.attn_v_head_dim
     kvl = kv_heads_per_rank(m, tp)
     rep = tp if sp else 1
-    g = 0.0  # forward GEMM seconds outside the attention core
-    if m.attention_kind == "mla":
-        rq = m.q_lora_rank or 0
-        if rq:
-            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
-        else:
-            g += cost._gemm(T, heads * dqk, h)
-        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
-        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
-    else:
-        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
-    g_o = cost._gemm(T, h, heads * dv)
-    g += g_o
-    g_k = cost._gemm(T, kvl * dqk, h)  # op-level SAC recomputes k (and o and the second MLP input)
-    # attention core: QK^T and PV, batch = mbs x local heads; bf16 under FP8 recipes
+    kept = getattr(cost, "_layer_gemms", None)  # the GEMMs do not read sp: kept by the cost model per the rest
+    gkey = (moe, tp, cp, ep, mbs, seq, cost._dtype, etp)
+    gemms = kept.get(gkey) if kept is not None else None
+    if gemms is None:
+        gemms = _gemms(cost, moe, tp, cp, ep, mbs, seq, etp)
+        if kept is not None:
+            kept[gkey] = gemms
+    g, g_o, g_k, core, g_ffn, g_up2 = gemms
     batch = mbs * heads
-    core = cost._gemm(s_loc, seq, dqk, batch, "bf16") + cost._gemm(s_loc, dv, seq, batch, "bf16")
     ew_norm = 8.0 * T * h / rep
     ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
     if m.position_kind == "rope":
@@ -110,11 +102,6 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     if moe:
         k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
         n_in = 3 if m.ffn_kind == "swiglu" else 2
-        g += cost._gemm(T, E, h, 1.0, "bf16")  # router
-        local = E / ep
-        per_expert = T * k * o.load_imbalance * ep * etp / (tp * E)  # tokens per local expert
-        g_ffn = cost._gemm(per_expert, (n_in - 1) * fe / etp, h, local) + cost._gemm(per_expert, h, fe / etp, local)
-        g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
         routed = T * k * o.load_imbalance  # elements of expert intermediates per device: routed x fe / tp
         ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
         ew_moe = efficiency.MOE_TOKEN_BYTES * routed * h * etp / tp
@@ -122,20 +109,15 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         q_out += routed * ((n_in - 1) * fe + h * etp) / tp
         if m.num_shared_experts:
             fs = m.num_shared_experts * fe
-            g_ffn += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
             ew_act += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * fs / tp
             q_in += T * (h / rep + fs / tp)
             q_out += T * ((n_in - 1) * fs / tp + h)
-        g += g_ffn
         ew += ew_act + ew_moe
         # each TP rank dispatches 1/t of the tokens; the busiest rank receives imbalance x the mean
         a2a_bytes = 2.0 * T * k * h / tp * o.load_imbalance
     else:
         f = m.ffn_size
         n_in = 2 if m.ffn_kind == "swiglu" else 1
-        g_ffn = cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
-        g_up2 = cost._gemm(T, f / tp, h) if n_in == 2 else cost._gemm(T, h, f / tp)
-        g += g_ffn
         ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
         ew += ew_act
         q_in += T * f / tp
@@ -246,6 +228,56 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         "act_terms": act_terms,
         "work_bytes": work,
     }
+
+
+def _gemms(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, seq: int, etp: int) -> tuple:
+    """A layer's GEMM seconds at the compute dtype ``cost._dtype`` (``etp`` resolved): (forward GEMMs
+    outside the attention core, the output projection, the k projection, the attention core before
+    the flash scaling, the MLP or experts, the second MLP input projection), summed in
+    ``layer_base``'s order. Nothing here reads sequence parallelism."""
+    m, o = cost.model, cost.options
+    h = m.hidden_size
+    T = mbs * seq / cp
+    s_loc = seq / cp
+    heads = m.num_heads / tp
+    dqk, dv = m.qk_head_dim, m.attn_v_head_dim
+    kvl = kv_heads_per_rank(m, tp)
+    g = 0.0  # forward GEMM seconds outside the attention core
+    if m.attention_kind == "mla":
+        rq = m.q_lora_rank or 0
+        if rq:
+            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
+        else:
+            g += cost._gemm(T, heads * dqk, h)
+        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
+        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
+    else:
+        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
+    g_o = cost._gemm(T, h, heads * dv)
+    g += g_o
+    g_k = cost._gemm(T, kvl * dqk, h)  # op-level SAC recomputes k (and o and the second MLP input)
+    # attention core: QK^T and PV, batch = mbs x local heads; bf16 under FP8 recipes
+    batch = mbs * heads
+    core = cost._gemm(s_loc, seq, dqk, batch, "bf16") + cost._gemm(s_loc, dv, seq, batch, "bf16")
+    if moe:
+        k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
+        n_in = 3 if m.ffn_kind == "swiglu" else 2
+        g += cost._gemm(T, E, h, 1.0, "bf16")  # router
+        local = E / ep
+        per_expert = T * k * o.load_imbalance * ep * etp / (tp * E)  # tokens per local expert
+        g_ffn = cost._gemm(per_expert, (n_in - 1) * fe / etp, h, local) + cost._gemm(per_expert, h, fe / etp, local)
+        g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
+        if m.num_shared_experts:
+            fs = m.num_shared_experts * fe
+            g_ffn += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
+        g += g_ffn
+    else:
+        f = m.ffn_size
+        n_in = 2 if m.ffn_kind == "swiglu" else 1
+        g_ffn = cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
+        g_up2 = cost._gemm(T, f / tp, h) if n_in == 2 else cost._gemm(T, h, f / tp)
+        g += g_ffn
+    return g, g_o, g_k, core, g_ffn, g_up2
 
 
 def _causal_share(model, seq: int) -> float:

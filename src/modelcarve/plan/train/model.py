@@ -182,6 +182,7 @@ class TrainCostModel:
         self._layer_bases: dict = {}
         self._causal_shares: dict = {}  # seq -> layer.py's _causal_share
         self._act_terms: dict = {}  # layer.py's activation terms and working set per shape
+        self._layer_gemms: dict = {}  # layer.py's GEMM seconds per shape (no sp)
         self._is_moe = model.is_moe
         self._gemms: dict = {}
         self._traffic: dict = {}
