@@ -384,11 +384,12 @@ class TrainCostModel:
         p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
         ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
         built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
-        for each once; keeping them all only lengthens a process's exit)."""
+        for each once; keeping them all only lengthens a process's exit), and without the stage
+        sums (None: the sweep reads the first six)."""
         etp = etp or tp
         if not keep:  # built afresh: the same numbers as a kept one (one expression, one input)
             self._dtype = dtype
-            return self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+            return self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, False)
         key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
         lean = self._leans.get(key)
         if lean is None:
@@ -396,7 +397,9 @@ class TrainCostModel:
             lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
         return lean
 
-    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
+    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, sums_too=True) -> tuple:
+        """``screen_profile``'s tuple; ``sums_too=False``: without the stage sums (None), which only
+        ``_build_profile`` reads (every other number is the same)."""
         m, o = self.model, self.options
         layers, dtype = self._layers, self._dtype  # _layer_cached's keys, looked up here first (the hot path)
         dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
@@ -418,7 +421,7 @@ class TrainCostModel:
         d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
                                          dense["act_bytes"], dense["work_bytes"])
         m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
-        sums, rows = [], []
+        sums, rows = ([] if sums_too else None), []
         t_mb, slow = -1.0, 0
         stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
         for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(stages):
@@ -430,7 +433,8 @@ class TrainCostModel:
             tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
             act_bytes = d_a * n_dense + m_a * n_moe
             work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
-            sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
+            if sums_too:
+                sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
             rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
             t = compute_s + tp_s + cp_s + ep_s
             if t > t_mb:  # the first slowest, as max() picks it
