@@ -208,6 +208,7 @@ class TrainGoal:
             s_base = s_kinds = None
             if single is not None:
                 vj, (count, (_sched, v, prec, scaling, _vj)) = single
+                dtype_s = "fp8cs" if prec == "fp8" and scaling == "current" else prec  # _compute, inlined
             for (zero, shard), (statics, family) in zip(zeros, zl):
                 if single is not None:
                     static = statics.get(vj)
@@ -231,13 +232,13 @@ class TrainGoal:
                             if upper is not None and vj in upper:
                                 buffers = upper[vj][0]
                                 rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
-                                                        _compute(prec, scaling), etp, v)
+                                                        dtype_s, etp, v)
                                 s_kinds = self._kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
                             else:
                                 lean = leans.get(vj)
                                 if lean is None:
                                     lean = leans[vj] = cost.screen_profile(
-                                        tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling), etp, v,
+                                        tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp, v,
                                         keep=False)
                                 buffers = lean[2]
                                 s_kinds = kinds_of.get(vj)
@@ -463,7 +464,11 @@ class TrainGoal:
                     if kinds is None:
                         kinds = kinds_of[vj] = self._kinds(specs, vj, lean[1], None, pp, n_mb, growth, cost, lean,
                                                            slots, grown_of)
-                    covered[vj] = (lean[2], max(most for _grown, _n, most in kinds))
+                    highest = None
+                    for _grown, _n, most in kinds:
+                        if highest is None or most > highest:
+                            highest = most
+                    covered[vj] = (lean[2], highest)
                 none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
         return best, rejected, best_rejected, best_family, position
 
@@ -671,6 +676,9 @@ def _grown(rows: list, sched: str, pp: int, n_mb: int, v: int, growth: float) ->
     if sched == "1f1b" or sched == "zero-bubble":
         return [((pp - index if pp - index < n_mb else n_mb) * act_mb + fixed) * growth
                 for _kind, index, act_mb, fixed in rows]
+    if sched == "gpipe":  # in_flight_microbatches: every micro-batch (one without a pipeline)
+        held = float(n_mb) if pp > 1 else 1.0
+        return [(held * act_mb + fixed) * growth for _kind, _index, act_mb, fixed in rows]
     return [(in_flight_microbatches(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
             for _kind, index, act_mb, fixed in rows]
 

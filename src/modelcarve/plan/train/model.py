@@ -443,7 +443,11 @@ class TrainCostModel:
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
             2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
-        p2p_s = comm.p2p_s(p2p_bytes, self.tier(pp, dp * cp * tp)) if pp > 1 else 0.0
+        if pp > 1:
+            tier = self._tiers.get((pp, dp * cp * tp))
+            p2p_s = comm.p2p_s(p2p_bytes, tier if tier is not None else self.tier(pp, dp * cp * tp))
+        else:
+            p2p_s = 0.0
         gbs = o.global_batch or mbs * dp
         return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
 
