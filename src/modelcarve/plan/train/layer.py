@@ -45,8 +45,21 @@ FLASH_BACKWARD = 2.5
 
 
 def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+               etp: int = 0, base: dict | None = None) -> dict:
+    """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp).
+
+    ``base``: ``layer_base(cost, moe, tp, cp, ep, mbs, sp, seq, etp)`` at the same compute dtype,
+    when the caller keeps it (the cost model shares one across the recomputation modes: nothing in
+    it reads ``recompute``, so the result is the same to the last bit as without it)."""
+    if base is None:
+        base = layer_base(cost, moe, tp, cp, ep, mbs, sp, seq, etp)
+    return _layer_finish(cost, base, recompute)
+
+
+def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, seq: int,
                etp: int = 0) -> dict:
-    """Times (s) and bytes of one layer for one micro-batch on one device (``etp``: expert TP, 0 = tp)."""
+    """The part of ``layer_cost`` no recomputation mode changes (GEMMs, element-wise work,
+    communication per collective), for the compute dtype ``cost._dtype``."""
     m, o, dev = cost.model, cost.options, cost.device
     etp = etp or tp
     h = m.hidden_size
@@ -56,30 +69,27 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     dqk, dv = m.qk_head_dim, m.attn_v_head_dim
     kvl = kv_heads_per_rank(m, tp)
     rep = tp if sp else 1
-    mods = _modules(recompute)
-    g = 0.0  # forward GEMM seconds outside the attention core
-    if m.attention_kind == "mla":
-        rq = m.q_lora_rank or 0
-        if rq:
-            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
-        else:
-            g += cost._gemm(T, heads * dqk, h)
-        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
-        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
-    else:
-        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
-    g_o = cost._gemm(T, h, heads * dv)
-    g += g_o
-    g_k = cost._gemm(T, kvl * dqk, h)  # op-level SAC recomputes k (and o and the second MLP input)
-    # attention core: QK^T and PV, batch = mbs x local heads; bf16 under FP8 recipes
+    kept = getattr(cost, "_layer_gemms", None)  # the GEMMs do not read sp: kept by the cost model per the rest
+    gkey = (moe, tp, cp, ep, mbs, seq, cost._dtype, etp)
+    gemms = kept.get(gkey) if kept is not None else None
+    if gemms is None:
+        gemms = _gemms(cost, moe, tp, cp, ep, mbs, seq, etp)
+        if kept is not None:
+            kept[gkey] = gemms
+    g, g_o, g_k, core, g_ffn, g_up2 = gemms
     batch = mbs * heads
-    core = cost._gemm(s_loc, seq, dqk, batch, "bf16") + cost._gemm(s_loc, dv, seq, batch, "bf16")
     ew_norm = 8.0 * T * h / rep
     ew = (8 + 12 + (10 if o.dropout else 0)) * T * h / rep  # norms, residual adds, dropouts
     if m.position_kind == "rope":
         ew += 4.0 * T * (heads + kvl) * (m.qk_rope_head_dim if m.attention_kind == "mla" else dqk)
     if o.attention == "flash":
-        core = core * _causal_share(m, seq) / FLASH_EFFICIENCY
+        shares = getattr(cost, "_causal_shares", None)  # kept by the cost model: one number per seq
+        share = shares.get(seq) if shares is not None else None
+        if share is None:
+            share = _causal_share(m, seq)
+            if shares is not None:
+                shares[seq] = share
+        core = core * share / FLASH_EFFICIENCY
         core_bwd = core * FLASH_BACKWARD
         core_ew = 0.0
     else:
@@ -92,11 +102,6 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     if moe:
         k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
         n_in = 3 if m.ffn_kind == "swiglu" else 2
-        g += cost._gemm(T, E, h, 1.0, "bf16")  # router
-        local = E / ep
-        per_expert = T * k * o.load_imbalance * ep * etp / (tp * E)  # tokens per local expert
-        g_ffn = cost._gemm(per_expert, (n_in - 1) * fe / etp, h, local) + cost._gemm(per_expert, h, fe / etp, local)
-        g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
         routed = T * k * o.load_imbalance  # elements of expert intermediates per device: routed x fe / tp
         ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
         ew_moe = efficiency.MOE_TOKEN_BYTES * routed * h * etp / tp
@@ -104,20 +109,15 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         q_out += routed * ((n_in - 1) * fe + h * etp) / tp
         if m.num_shared_experts:
             fs = m.num_shared_experts * fe
-            g_ffn += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
             ew_act += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * fs / tp
             q_in += T * (h / rep + fs / tp)
             q_out += T * ((n_in - 1) * fs / tp + h)
-        g += g_ffn
         ew += ew_act + ew_moe
         # each TP rank dispatches 1/t of the tokens; the busiest rank receives imbalance x the mean
         a2a_bytes = 2.0 * T * k * h / tp * o.load_imbalance
     else:
         f = m.ffn_size
         n_in = 2 if m.ffn_kind == "swiglu" else 1
-        g_ffn = cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
-        g_up2 = cost._gemm(T, f / tp, h) if n_in == 2 else cost._gemm(T, h, f / tp)
-        g += g_ffn
         ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * f / tp
         ew += ew_act
         q_in += T * f / tp
@@ -151,52 +151,133 @@ def layer_cost(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
     ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
     ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
+    return {
+        "T": T, "moe": moe, "tp": tp, "sp": sp, "etp": etp, "seq": seq, "g_k": g_k, "g_o": g_o, "g_up2": g_up2,
+        "g_ffn": g_ffn, "core": core, "core_ew_s": core_ew_s, "ew_norm": ew_norm, "ew_act": ew_act,
+        "ew_moe": ew_moe if moe else 0.0, "ew_s": ew_s, "q_fwd_s": q_fwd_s, "stall_fwd": stall_fwd, "fwd": fwd,
+        "bwd": bwd, "tp_one": tp_one, "tp_all_reduce": comm.all_reduce_s(act, tp, tp_tier),
+        "tp_bytes_one": tp_bytes_one, "tp_nic_one": comm.nic_bytes(tp_bytes_one, tp_tier), "cp_exposed": cp_exposed,
+        "cp_fwd": cp_fwd, "cp_fwd_bytes": cp_fwd_bytes,
+        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "ep_one": ep_one, "ep_bytes_one": ep_bytes_one, "ep_nic_one": ep_nic_one,
+    }
+
+
+def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
+    """``layer_cost`` from its ``layer_base`` ``b``: what the recomputation mode changes."""
+    m, o, dev = cost.model, cost.options, cost.device
+    mods = _modules(recompute)
+    moe, fwd, bwd, g_ffn, stall_fwd, ew_s, q_fwd_s = b["moe"], b["fwd"], b["bwd"], b["g_ffn"], b["stall_fwd"], b["ew_s"], b["q_fwd_s"]
+    core, core_ew_s, ew_act, ew_moe = b["core"], b["core_ew_s"], b["ew_act"], b["ew_moe"]
+    tp, sp, etp, T, seq = b["tp"], b["sp"], b["etp"], b["T"], b["seq"]
+    tp_one, tp_bytes_one, cp_fwd, cp_fwd_bytes = b["tp_one"], b["tp_bytes_one"], b["cp_fwd"], b["cp_fwd_bytes"]
+    ep_one, ep_bytes_one, ep_nic_one = b["ep_one"], b["ep_bytes_one"], b["ep_nic_one"]
     n_tp = 4 + (2 if recompute == "full" else 0)
     n_ep = 4 + (2 if recompute == "full" or "mlp" in mods else 0)
     if recompute == "full":
         rc = fwd
     elif recompute == "ops":
         # matmuls not saved (k, o, the second MLP input projection) and every element-wise op
-        rc = g_k + g_o + g_up2 + ew_s + q_fwd_s
+        rc = b["g_k"] + b["g_o"] + b["g_up2"] + ew_s + q_fwd_s
     else:
         rc = 0.0
         if "core_attn" in mods:
             rc += core + core_ew_s
         if "layernorm" in mods:
-            rc += memory_bound_time_s(dev, ew_norm)
+            rc += memory_bound_time_s(dev, b["ew_norm"])
         if "mlp" in mods:
-            rc += g_ffn + memory_bound_time_s(dev, ew_act + (ew_moe if moe else 0.0))
+            rc += g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
             rc += stall_fwd
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
-    act_kwargs = dict(
-        tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
-        expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
-    )
-    act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
-    work = 0.0
-    if recompute == "full":  # the layer being recomputed holds its full activations
-        work = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+    # the activation terms read tokens, tp, sp, the layer kind, expert TP and the dtype, not cp or ep
+    # alone: kept by the cost model per that shape (the same call, the same numbers)
+    kept = getattr(cost, "_act_terms", None)
+    akey = (moe, T, tp, sp, recompute, cost._dtype, etp)
+    acts = kept.get(akey) if kept is not None else None
+    if acts is None:
+        act_kwargs = dict(
+            tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
+            expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
+        )
+        act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
+        work = 0.0
+        if recompute == "full":  # the layer being recomputed holds its full activations
+            work = sum(layer_activation_terms(m, recompute="none", **act_kwargs).values())
+        acts = (act_terms, sum(act_terms.values()), work)
+        if kept is not None:
+            kept[akey] = acts
+    act_terms, act_bytes, work = acts
     return {
         "compute_s": fwd + bwd + rc,
         "recompute_s": rc,
         "fwd_s": fwd,
         "bwd_s": bwd,
         "tp_s": n_tp * tp_one,
-        "tp_total_s": n_tp * comm.all_reduce_s(act, tp, tp_tier),
-        "cp_s": cp_exposed,
+        "tp_total_s": n_tp * b["tp_all_reduce"],
+        "cp_s": b["cp_exposed"],
         "cp_total_s": 3.0 * cp_fwd,
         "ep_s": n_ep * ep_one,
         "tp_bytes": n_tp * tp_bytes_one,
-        "tp_nic": n_tp * comm.nic_bytes(tp_bytes_one, tp_tier),
+        "tp_nic": n_tp * b["tp_nic_one"],
         "cp_bytes": 3.0 * cp_fwd_bytes,
-        "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
+        "cp_nic": b["cp_nic"],
         "ep_bytes": n_ep * ep_bytes_one,
         "ep_nic": n_ep * ep_nic_one,
-        "act_bytes": sum(act_terms.values()),
+        "act_bytes": act_bytes,
         "act_terms": act_terms,
         "work_bytes": work,
     }
+
+
+def _gemms(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, seq: int, etp: int) -> tuple:
+    """A layer's GEMM seconds at the compute dtype ``cost._dtype`` (``etp`` resolved): (forward GEMMs
+    outside the attention core, the output projection, the k projection, the attention core before
+    the flash scaling, the MLP or experts, the second MLP input projection), summed in
+    ``layer_base``'s order. Nothing here reads sequence parallelism."""
+    m, o = cost.model, cost.options
+    h = m.hidden_size
+    T = mbs * seq / cp
+    s_loc = seq / cp
+    heads = m.num_heads / tp
+    dqk, dv = m.qk_head_dim, m.attn_v_head_dim
+    kvl = kv_heads_per_rank(m, tp)
+    g = 0.0  # forward GEMM seconds outside the attention core
+    if m.attention_kind == "mla":
+        rq = m.q_lora_rank or 0
+        if rq:
+            g += cost._gemm(T, rq, h) + cost._gemm(T, heads * dqk, rq)
+        else:
+            g += cost._gemm(T, heads * dqk, h)
+        g += cost._gemm(T, m.kv_lora_rank + m.qk_rope_head_dim, h)
+        g += cost._gemm(T, heads * (m.qk_nope_head_dim + dv), m.kv_lora_rank)
+    else:
+        g += cost._gemm(T, (heads + kvl) * dqk + kvl * dv, h)
+    g_o = cost._gemm(T, h, heads * dv)
+    g += g_o
+    g_k = cost._gemm(T, kvl * dqk, h)  # op-level SAC recomputes k (and o and the second MLP input)
+    # attention core: QK^T and PV, batch = mbs x local heads; bf16 under FP8 recipes
+    batch = mbs * heads
+    core = cost._gemm(s_loc, seq, dqk, batch, "bf16") + cost._gemm(s_loc, dv, seq, batch, "bf16")
+    if moe:
+        k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
+        n_in = 3 if m.ffn_kind == "swiglu" else 2
+        g += cost._gemm(T, E, h, 1.0, "bf16")  # router
+        local = E / ep
+        per_expert = T * k * o.load_imbalance * ep * etp / (tp * E)  # tokens per local expert
+        g_ffn = cost._gemm(per_expert, (n_in - 1) * fe / etp, h, local) + cost._gemm(per_expert, h, fe / etp, local)
+        g_up2 = cost._gemm(per_expert, fe / etp, h, local) if n_in == 3 else cost._gemm(per_expert, h, fe / etp, local)
+        if m.num_shared_experts:
+            fs = m.num_shared_experts * fe
+            g_ffn += cost._gemm(T, (n_in - 1) * fs / tp, h) + cost._gemm(T, h, fs / tp)
+        g += g_ffn
+    else:
+        f = m.ffn_size
+        n_in = 2 if m.ffn_kind == "swiglu" else 1
+        g_ffn = cost._gemm(T, n_in * f / tp, h) + cost._gemm(T, h, f / tp)
+        g_up2 = cost._gemm(T, f / tp, h) if n_in == 2 else cost._gemm(T, h, f / tp)
+        g += g_ffn
+    return g, g_o, g_k, core, g_ffn, g_up2
 
 
 def _causal_share(model, seq: int) -> float:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
 from modelcarve.plan.cost.schedule import bubble_time_units, in_flight_microbatches
-from modelcarve.plan.train.layer import layer_cost
+from modelcarve.plan.train.layer import layer_base, layer_cost
 from modelcarve.plan.train.report import build_report
 from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for callers of this module
@@ -179,6 +179,11 @@ class TrainCostModel:
         self._profiles: dict = {}
         self._tiers: dict = {}
         self._layers: dict = {}
+        self._layer_bases: dict = {}
+        self._causal_shares: dict = {}  # seq -> layer.py's _causal_share
+        self._act_terms: dict = {}  # layer.py's activation terms and working set per shape
+        self._layer_gemms: dict = {}  # layer.py's GEMM seconds per shape (no sp)
+        self._is_moe = model.is_moe
         self._gemms: dict = {}
         self._traffic: dict = {}
         self._stage_params: dict = {}
@@ -280,7 +285,12 @@ class TrainCostModel:
         key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq, self._dtype, etp if moe else tp)
         layer = self._layers.get(key)
         if layer is None:
-            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp)
+            # the recomputation-independent part is shared by the three modes the search tries
+            bkey = key[:6] + key[7:]
+            base = self._layer_bases.get(bkey)
+            if base is None:
+                base = self._layer_bases[bkey] = layer_base(self, moe, tp, cp, ep, mbs, sp, seq, etp)
+            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp, base)
         return layer
 
     def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float:
@@ -374,37 +384,47 @@ class TrainCostModel:
         p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
         ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
         built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
-        for each once; keeping them all only lengthens a process's exit)."""
+        for each once; keeping them all only lengthens a process's exit), and without the stage
+        sums (None: the sweep reads the first six)."""
         etp = etp or tp
+        if not keep:  # built afresh: the same numbers as a kept one (one expression, one input)
+            self._dtype = dtype
+            return self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, False)
         key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
         lean = self._leans.get(key)
         if lean is None:
             self._dtype = dtype
-            lean = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
-            if keep:
-                self._leans[key] = lean
+            lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
         return lean
 
-    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> tuple:
+    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, sums_too=True) -> tuple:
+        """``screen_profile``'s tuple; ``sums_too=False``: without the stage sums (None), which only
+        ``_build_profile`` reads (every other number is the same)."""
         m, o = self.model, self.options
-        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
-        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        layers, dtype = self._layers, self._dtype  # _layer_cached's keys, looked up here first (the hot path)
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
         h, V = m.hidden_size, m.vocab_size
         T = mbs * seq / cp
         hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
         head = self._heads.get(hkey)
         if head is None:
-            # LM head + loss (last stage) and embedding (first stage), per micro-batch; the head stays bf16
-            head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
-            loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-            head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+            head = self._head(T, tp, hkey)
         head_s, logits_bytes = head[2], head[3]
         d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
                                          dense["act_bytes"], dense["work_bytes"])
         m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
-        sums, rows = [], []
+        sums, rows = ([] if sums_too else None), []
         t_mb, slow = -1.0, 0
-        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(self.stage_params(tp, pp, ep, etp, v)):
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(stages):
             n_dense = nls - n_moe
             last = kind == "last" or kind == "only"
             compute_s = d_c * n_dense + m_c * n_moe
@@ -413,7 +433,8 @@ class TrainCostModel:
             tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
             act_bytes = d_a * n_dense + m_a * n_moe
             work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
-            sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
+            if sums_too:
+                sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
             rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
             t = compute_s + tp_s + cp_s + ep_s
             if t > t_mb:  # the first slowest, as max() picks it
@@ -422,9 +443,55 @@ class TrainCostModel:
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
             2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
-        p2p_s = comm.p2p_s(p2p_bytes, self.tier(pp, dp * cp * tp)) if pp > 1 else 0.0
+        if pp > 1:
+            tier = self._tiers.get((pp, dp * cp * tp))
+            p2p_s = comm.p2p_s(p2p_bytes, tier if tier is not None else self.tier(pp, dp * cp * tp))
+        else:
+            p2p_s = 0.0
         gbs = o.global_batch or mbs * dp
         return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def _head(self, T: float, tp: int, hkey: tuple) -> tuple:
+        """(forward s, loss s, forward + backward + loss s, logits bytes) of the LM head + loss (last
+        stage), per micro-batch of ``T`` tokens; the head stays bf16. Cached under ``hkey``."""
+        h, V = self.model.hidden_size, self.model.vocab_size
+        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        return head
+
+    def screen_rows(self, tp: int, cp: int, pp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                    dtype: str, etp: int, v: int) -> list:
+        """The ``rows`` of ``screen_profile(...)`` (per stage: kind, rank, activation bytes of one
+        micro-batch, working set + logits), the same expressions without the stage times: what a
+        memory verdict reads. ``etp`` resolved (not 0)."""
+        self._dtype = dtype
+        layers = self._layers
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
+        T = mbs * seq / cp
+        hkey = (T, tp, dtype)
+        head = self._heads.get(hkey)
+        if head is None:
+            head = self._head(T, tp, hkey)
+        logits_bytes = head[3]
+        d_a, d_w, m_a, m_w = dense["act_bytes"], dense["work_bytes"], moe["act_bytes"], moe["work_bytes"]
+        rows = []
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in stages:
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # as _build_screen_profile
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+        return rows
 
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
         m, o = self.model, self.options
