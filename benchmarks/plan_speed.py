@@ -88,21 +88,22 @@ def warm(case: tuple) -> tuple[dict, float, float]:
 
 def priced(case: tuple) -> int:
     """Candidates whose tokens/s the sweep computed in full (counted by wrapping ``_exact``)."""
-    from modelcarve.plan.train import goal as train_goal
+    from modelcarve.plan.train import sweep as train_sweep
 
     count = 0
-    original = train_goal.TrainGoal._exact
+
+    original = train_sweep._exact
 
     def counting(cost, cand, step_base):
         nonlocal count
         count += 1
         return original(cost, cand, step_base)
 
-    train_goal.TrainGoal._exact = staticmethod(counting)
+    train_sweep._exact = counting
     try:
         warm(case)
     finally:
-        train_goal.TrainGoal._exact = staticmethod(original)
+        train_sweep._exact = original
     return count
 
 

@@ -1,0 +1,278 @@
+"""The per-(tp, cp, pp, mbs, ...) half of the training cost model: one micro-batch's time and
+memory rows per pipeline stage, before data parallelism and the schedule are applied.
+
+    cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq)   # what the search screens
+    cost.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq)          # the full dict, for finalists
+    cost.screen_rows(...)                                              # memory rows alone
+
+``ProfileMixin`` is a part of ``TrainCostModel`` (plan/train/model.py), split out by idea: it
+reads the model's caches (``_layers``, ``_heads``, ``_leans``, ``_stage_params``, ``_tiers``) and
+its ``stage_params`` / ``tier``; one layer's cost is plan/train/layer.py's. The screen profile is
+what the full profile is built from, so the two agree to the last bit.
+"""
+
+from __future__ import annotations
+
+from modelcarve.plan.cost import comm
+from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
+from modelcarve.plan.train.layer import layer_base, layer_cost
+
+_GEMM_DTYPE = {"fp8cs": "fp8", "mxfp8": "fp8"}
+"""Compute keys whose GEMMs run at another dtype's peak (MXFP8 and current scaling: the FP8 rate)."""
+
+LOGITS_BYTES_PER_ELEM = 10.0
+"""Bytes per logit on the last stage with an unfused cross entropy: bf16 logits, their fp32 copy
+in the cross entropy, and the fp32 softmax it keeps for backward."""
+LOSS_KINDS = ("materialized", "fused", "chunked")
+FUSED_LOGITS_BYTES_PER_ELEM = 2.0
+"""Megatron's fused vocab-parallel cross entropy (``--cross-entropy-loss-fusion``): the bf16
+logits are kept and the softmax gradient is written into them in place."""
+
+_PER_LAYER_SUMS = (
+    "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
+    "ep_bytes", "ep_nic", "act_bytes",
+)
+_DETAIL_SUMS = tuple(k for k in _PER_LAYER_SUMS if k not in ("compute_s", "fwd_s", "bwd_s", "tp_s", "cp_s", "ep_s", "act_bytes"))
+"""Per-stage sums only the full estimate reads: a profile gets them when a finalist is reported
+(``_complete``), not when the search screens it (the screen reads the other seven)."""
+
+
+class ProfileMixin:
+    """Stage profiles of a ``TrainCostModel`` (see the module doc)."""
+
+    def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                dtype: str = "bf16", etp: int = 0, v: int = 1) -> dict:
+        """Compute and memory of every stage kind for one micro-batch (GEMMs at ``dtype``'s peak:
+        a param_dtype, or ``fp8cs`` for FP8 with current scaling; ``etp`` expert TP, 0 = tp;
+        ``v`` virtual stages per pipeline rank)."""
+        etp = etp or tp
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
+        prof = self._profiles.get(key)
+        if prof is None:
+            self._dtype = dtype
+            prof = self._profiles[key] = self._build_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+        return prof
+
+    def _layer_cached(self, moe: bool, tp: int, cp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                      etp: int) -> dict:
+        key = (moe, tp, cp, ep if moe else 1, mbs, sp, recompute, seq, self._dtype, etp if moe else tp)
+        layer = self._layers.get(key)
+        if layer is None:
+            # the recomputation-independent part is shared by the three modes the search tries
+            bkey = key[:6] + key[7:]
+            base = self._layer_bases.get(bkey)
+            if base is None:
+                base = self._layer_bases[bkey] = layer_base(self, moe, tp, cp, ep, mbs, sp, seq, etp)
+            layer = self._layers[key] = layer_cost(self, moe, tp, cp, ep, mbs, sp, recompute, seq, etp, base)
+        return layer
+
+    def _gemm(self, m: float, n: float, k: float, batch: float = 1.0, dtype: str | None = None) -> float:
+        """Seconds of a GEMM at the profile's precision, or at ``dtype`` (bf16 for the GEMMs FP8
+        recipes keep in bf16: attention core, router, LM head)."""
+        dt = dtype or _GEMM_DTYPE.get(self._dtype, self._dtype)
+        if dtype and self._dtype in ("fp32", "fp16"):
+            dt = self._dtype  # a 16/32-bit run keeps its own dtype everywhere
+        key = (m, n, k, batch, dt)
+        t = self._gemms.get(key)
+        if t is None:
+            t = self._gemms[key] = gemm_time_s(self.device, m, n, k, batch, dt)
+        return t
+
+    def screen_profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str,
+                       seq: int, dtype: str = "bf16", etp: int = 0, v: int = 1, keep: bool = True) -> tuple:
+        """What a screen reads of ``profile(...)``, without building it: ``(t_mb, rows, buffers,
+        p2p_s, n_mb, tokens, stage_sums, slow)`` (``stage_sums``: per stage, the layer sums
+        ``_build_profile`` starts from; ``slow``: the index of the slowest stage). The profile is
+        built from this, so the two agree to the last bit. ``keep=False``: not kept (the sweep asks
+        for each once; keeping them all only lengthens a process's exit), and without the stage
+        sums (None: the sweep reads the first six)."""
+        etp = etp or tp
+        if not keep:  # built afresh: the same numbers as a kept one (one expression, one input)
+            self._dtype = dtype
+            return self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, False)
+        key = (tp, cp, pp, dp, ep, mbs, sp, recompute, seq, dtype, etp, self.split_id(pp, v))
+        lean = self._leans.get(key)
+        if lean is None:
+            self._dtype = dtype
+            lean = self._leans[key] = self._build_screen_profile(tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v)
+        return lean
+
+    def _build_screen_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v, sums_too=True) -> tuple:
+        """``screen_profile``'s tuple; ``sums_too=False``: without the stage sums (None), which only
+        ``_build_profile`` reads (every other number is the same)."""
+        m, o = self.model, self.options
+        layers, dtype = self._layers, self._dtype  # _layer_cached's keys, looked up here first (the hot path)
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
+        h, V = m.hidden_size, m.vocab_size
+        T = mbs * seq / cp
+        hkey = (T, tp, self._dtype)  # the head's cost depends on nothing else: shared across pp, dp, ep, sp, recompute
+        head = self._heads.get(hkey)
+        if head is None:
+            head = self._head(T, tp, hkey)
+        head_s, logits_bytes = head[2], head[3]
+        d_c, d_t, d_cp, d_e, d_a, d_w = (dense["compute_s"], dense["tp_s"], dense["cp_s"], dense["ep_s"],
+                                         dense["act_bytes"], dense["work_bytes"])
+        m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
+        sums, rows = ([] if sums_too else None), []
+        t_mb, slow = -1.0, 0
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(stages):
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            compute_s = d_c * n_dense + m_c * n_moe
+            if last:
+                compute_s += head_s
+            tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
+            if sums_too:
+                sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+            t = compute_s + tp_s + cp_s + ep_s
+            if t > t_mb:  # the first slowest, as max() picks it
+                t_mb, slow = t, i
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
+            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+        if pp > 1:
+            tier = self._tiers.get((pp, dp * cp * tp))
+            p2p_s = comm.p2p_s(p2p_bytes, tier if tier is not None else self.tier(pp, dp * cp * tp))
+        else:
+            p2p_s = 0.0
+        gbs = o.global_batch or mbs * dp
+        return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def _head(self, T: float, tp: int, hkey: tuple) -> tuple:
+        """(forward s, loss s, forward + backward + loss s, logits bytes) of the LM head + loss (last
+        stage), per micro-batch of ``T`` tokens; the head stays bf16. Cached under ``hkey``."""
+        h, V = self.model.hidden_size, self.model.vocab_size
+        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
+        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
+        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        return head
+
+    def screen_rows(self, tp: int, cp: int, pp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
+                    dtype: str, etp: int, v: int) -> list:
+        """The ``rows`` of ``screen_profile(...)`` (per stage: kind, rank, activation bytes of one
+        micro-batch, working set + logits), the same expressions without the stage times: what a
+        memory verdict reads. ``etp`` resolved (not 0)."""
+        self._dtype = dtype
+        layers = self._layers
+        dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
+        if dense is None:
+            dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        if self._is_moe:
+            moe = layers.get((True, tp, cp, ep, mbs, sp, recompute, seq, dtype, etp))
+            if moe is None:
+                moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        else:
+            moe = dense
+        T = mbs * seq / cp
+        hkey = (T, tp, dtype)
+        head = self._heads.get(hkey)
+        if head is None:
+            head = self._head(T, tp, hkey)
+        logits_bytes = head[3]
+        d_a, d_w, m_a, m_w = dense["act_bytes"], dense["work_bytes"], moe["act_bytes"], moe["work_bytes"]
+        rows = []
+        stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
+        for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in stages:
+            n_dense = nls - n_moe
+            last = kind == "last" or kind == "only"
+            act_bytes = d_a * n_dense + m_a * n_moe
+            work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # as _build_screen_profile
+            rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
+        return rows
+
+    def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
+        m, o = self.model, self.options
+        t_mb, rows, buffers, p2p_s, n_mb, tokens, sums, slow_i = self.screen_profile(
+            tp, cp, pp, dp, ep, mbs, sp, recompute, seq, self._dtype, etp, v)
+        dense = self._layer_cached(False, tp, cp, ep, mbs, sp, recompute, seq, etp)
+        moe = self._layer_cached(True, tp, cp, ep, mbs, sp, recompute, seq, etp) if m.is_moe else dense
+        h = m.hidden_size
+        T = mbs * seq / cp
+        head_fwd, loss_s, _head_s, logits_bytes = self._heads[(T, tp, self._dtype)]
+        stages = {}
+        params = self.stage_params(tp, pp, ep, etp, v)
+        for (kind, index, n_moe, params_dense, params_exp, layer, _lin, nls), (compute_s, tp_s, cp_s, ep_s, act_bytes,
+                                                                               work_bytes) in zip(params, sums):
+            n_dense = nls - n_moe
+            last = kind in ("last", "only")
+            # the sums the screen reads (the same expression as _complete's for the others)
+            stage = {
+                "compute_s": compute_s,
+                "fwd_s": dense["fwd_s"] * n_dense + moe["fwd_s"] * n_moe,
+                "bwd_s": dense["bwd_s"] * n_dense + moe["bwd_s"] * n_moe,
+                "tp_s": tp_s,
+                "cp_s": cp_s,
+                "ep_s": ep_s,
+                "act_bytes": act_bytes,
+            }
+            if last:
+                stage["fwd_s"] += head_fwd
+                stage["bwd_s"] += 2 * head_fwd + loss_s
+            stage.update(
+                index=index,
+                layers=nls,
+                moe_layers=n_moe,
+                params_dense=params_dense,
+                params_expert=params_exp,
+                work_bytes=work_bytes,
+                logits_bytes=logits_bytes if last else 0.0,
+                layer_params=layer,
+                linear_params=_lin,
+            )
+            stages[kind] = stage
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        pp_tier = self.tier(pp, dp * cp * tp)
+        return {
+            "stages": stages,
+            "rows": rows,
+            "slow": list(stages.values())[slow_i],
+            "t_mb": t_mb,
+            "n_mb": n_mb,
+            "tokens": tokens,
+            "key": (tp, cp, pp, dp, ep, mbs, sp, recompute, etp, v),
+            "dense": dense,
+            "moe": moe,
+            "p2p_s": p2p_s,
+            "p2p_bytes": p2p_bytes if pp > 1 else 0.0,
+            "p2p_nic": p2p_bytes if pp > 1 and pp_tier.members_per_node else 0.0,
+            "buffers": buffers,
+            "dp": {},
+        }
+
+    @staticmethod
+    def _complete(prof: dict) -> None:
+        """Add to each stage of ``prof`` the per-layer sums only the full estimate reads (``_DETAIL_SUMS``)."""
+        if prof.get("complete"):
+            return
+        dense, moe = prof["dense"], prof["moe"]
+        for stage in prof["stages"].values():
+            n_moe = stage["moe_layers"]
+            n_dense = stage["layers"] - n_moe
+            for key in _DETAIL_SUMS:
+                stage[key] = dense[key] * n_dense + moe[key] * n_moe
+        prof["complete"] = True
+
+    def _logits_bytes(self, T: float, v_local: float, h: int) -> float:
+        """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
+        whole logits with fp32 copies, the fused loss's bf16 logits, or one chunk's logits plus
+        the fp32 gradient of the hidden states the chunked loss accumulates."""
+        loss = self.options.loss
+        if loss == "fused":
+            return FUSED_LOGITS_BYTES_PER_ELEM * T * v_local
+        if loss == "chunked":
+            return LOGITS_BYTES_PER_ELEM * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
+        return LOGITS_BYTES_PER_ELEM * T * v_local

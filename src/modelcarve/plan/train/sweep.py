@@ -1,0 +1,474 @@
+"""The train goal's screening pass: every candidate's verdict, tokens/s only where it can matter.
+
+    best, rejected, best_rejected, best_family, evaluated = sweep(GOAL, model, cluster, top=10, global_batch=1536, seq=2048)
+
+``plan/search.py`` calls a goal's ``sweep`` when it has one instead of screening candidate by
+candidate; ``TrainGoal.sweep`` (plan/train/goal.py) is this function. It walks
+``plan/train/space.py``'s ``layout_blocks`` and gives the very answer of the one-by-one loop (the
+exact shortcuts are stated in ``sweep``'s docstring); tests/plan/test_search_golden.py and
+tests/plan/test_sweep_shortcuts.py hold it to that.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.train.candidate import Candidate
+from modelcarve.plan.train.model import TrainCostModel
+from modelcarve.plan.train.space import _compute, _grown, _precisions, inflight_of, layout_blocks
+from modelcarve.spec.errors import LayoutError
+
+if TYPE_CHECKING:
+    from modelcarve.spec.hardware import ClusterSpec
+    from modelcarve.spec.model import ModelSpec
+
+_KIND_PLANS: dict = {}
+"""(id(specs), (v, precision index)) -> (specs, [(in-flight kind, its first schedule, v, the specs'
+positions, their number)]): ``_kinds``' grouping, once per shape of a block's specs."""
+
+
+def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
+    """The search's screening pass (plan/search.py ``_screened``) over every candidate, with
+    the same answer, faster: ``(best, rejected, best_rejected, best_family, evaluated)``
+    exactly as that loop leaves them (the heap ``best`` holds ``(score, position, candidate)``,
+    position in ``candidates``' order, so its order is the loop's).
+
+    It walks ``layout_blocks`` and decides each candidate's reject category exactly as
+    ``TrainCostModel._evaluate`` does: the same states floor, the same DP memory sums
+    (``dp_static``), the same profile numbers (``screen_profile``, which ``profile`` is built
+    from) and the same per-stage sum ``peak_bytes`` compares with capacity; it computes a
+    candidate's tokens/s (``_exact``: the full profile, DP entry and traffic, as ``_evaluate``)
+    only when that number can change the answer. Two exact shortcuts:
+
+    * The bound: ``tokens / step_base`` is at least the candidate's tokens/s, because its step
+      is ``step_base + exposed_s`` with ``exposed_s >= 0`` (TrainCostModel.step_base), in
+      floating point as in exact arithmetic. Every use the loop makes of a score is a strict
+      ``>`` against a score held (the top's lowest once the top is full, the best of the
+      candidate's family, the best of its reject category), so a candidate whose bound is no
+      higher than each score its outcome meets changes nothing but the counts, which are kept.
+    * Whole groups: the states floor and the DP memory floor depend on the (v, precision) of
+      a candidate and not on its schedule, so when every group of a ZeRO setting is rejected
+      by one of them, its candidates are counted together; the best rejected of a category is
+      then the first candidate of the first group holding its best score, as the loop's
+      strict ``>`` keeps the first of equals.
+    * Quiet ZeRO settings: when the highest bound among a ZeRO setting's fitting candidates is
+      no higher than the top's lowest (top full) and its family's best, the highest among its
+      candidates rejected for activations no higher than that category's best, and each
+      group-rejected score no higher than its category's best, no candidate of the setting
+      changes anything but the counts (each is a no-op by the bound above, and a no-op leaves
+      the scores the next one meets as they were), so the setting's verdicts are counted
+      together: every memory verdict is still decided, per distinct per-stage in-flight list.
+      The scores tested against may be read before the block and not after a setting that
+      only counted rejections: a score held only ever rises, so a stale one is never higher
+      and at worst sends a setting the exact way.
+    * Recomputation bounds: a block with recompute "selective" or "full" comes right after the
+      "none" block of the same (tp, cp, pp, mbs, ep, etp, sp), and each of its candidates'
+      bound is at most the "none" candidate's of the same schedule and precision: a layer's
+      forward and backward are the same numbers (``layer_base``), recomputation adds a
+      non-negative time, the TP and EP collectives are counted 6 times instead of 4, the CP,
+      pipeline and head terms are equal, and in floating point ``x <= y`` implies
+      ``x + z <= y + z``, ``a x <= a y`` (a >= 0) and ``max`` of larger terms is larger, so the
+      stage times, ``t_mb`` and ``step_base`` are no smaller and ``tokens / step_base`` no
+      larger. Such a block first tries the quiet test with the "none" block's highest bound per
+      group and only the memory rows (``TrainCostModel.screen_rows``, the screen profile's own
+      expressions; the buffers do not read recompute); a setting that is not quiet under it
+      makes the block build its own screen profile and bounds, as any other.
+    """
+    # the cyclic collector has nothing to find in the sweep's short-lived tuples and lists, yet
+    # would scan them every few hundred allocations: paused for the sweep (no number changes)
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _sweep(goal, model, cluster, top, **options)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
+    """``sweep`` itself (see there)."""
+    from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT
+
+    gbs = options.get("global_batch")
+    seq = options.get("seq") or 2048
+    if not gbs:
+        raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
+    precisions = _precisions(cluster, options.get("precision"))
+    cost = goal.cost_model(model, cluster, **options)
+    capacity, growth = cost.capacity, cost._growth
+    best: list = []
+    rejected: dict[str, int] = {}
+    best_rejected: dict = {}
+    best_family: dict = {}
+    position = 0
+    new = tuple.__new__
+    heappush, heapreplace = heapq.heappush, heapq.heapreplace
+    blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+    shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
+    _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
+    mesh = None
+    none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
+    for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
+        n_mb = gbs // (mbs * dp)
+        if (tp, cp, pp) != mesh:
+            mesh = (tp, cp, pp)
+            # (ep, etp) -> per (zero, dp_shard) of the mesh: ({(v, precision): (states floor,) +
+            # dp_static(...)}, [family label]): what the memory checks and the family read that no
+            # micro-batching changes, for this (tp, cp, pp, dp)
+            per_zero: dict = {}
+        shape = shapes.get(id(scheds))
+        if shape is None or shape[0] is not scheds:
+            # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
+            # groups: each (v, precision index) with its number of specs and its first, in order of first
+            # appearance (the states floor and the DP memory depend on nothing else of a spec)
+            specs = [(sched, v, prec, scaling, (v, j)) for sched, v in scheds
+                     for j, (prec, scaling) in enumerate(precisions)]
+            groups: dict = {}
+            for spec in specs:
+                held = groups.get(spec[4])
+                groups[spec[4]] = [1, spec] if held is None else [held[0] + 1, held[1]]
+            shape = shapes[id(scheds)] = (scheds, specs, list(groups.items()))
+        _, specs, groups = shape
+        n_spec = len(specs)
+        # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
+        # and buffers (as peak_bytes sums them); built when first needed
+        slots: list = [None] * n_spec
+        leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
+        grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
+        kinds_of: dict = {}  # (v, precision index) -> _kinds(...): the specs by memory in flight, with bounds
+        # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
+        upper = none_info[1] if rc != "none" and none_info[0] == (tp, cp, pp, mbs, ep, etp, sp) else None
+        upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
+        zl = per_zero.get((ep, etp))
+        if zl is None:
+            zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
+        low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
+        held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+        # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
+        # a setting that is not quiet goes the general way
+        single = groups[0] if len(groups) == 1 else None
+        s_base = s_kinds = None
+        if single is not None:
+            vj, (count, (_sched, v, prec, scaling, _vj)) = single
+            dtype_s = "fp8cs" if prec == "fp8" and scaling == "current" else prec  # _compute, inlined
+        for (zero, shard), (statics, family) in zip(zeros, zl):
+            if single is not None:
+                static = statics.get(vj)
+                if static is None:
+                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                    static = statics[vj] = (floor,) + cost.dp_static(
+                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                if not family:  # family() reads tp, cp, pp, ep, zero and etp only
+                    family.append(goal.family(model, cluster, new(
+                        Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, "fp32", "fp32",
+                                    etp, scaling))))
+                floor, states, top_states, reserved, bucket = static
+                if floor > capacity:
+                    held = best_rejected.get(STATES_DO_NOT_FIT)
+                    if held is not None and -floor <= held[0]:
+                        rejected[STATES_DO_NOT_FIT] += count
+                        position += n_spec
+                        continue
+                else:
+                    if s_base is None:
+                        if upper is not None and vj in upper:
+                            buffers = upper[vj][0]
+                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
+                                                    dtype_s, etp, v)
+                            s_kinds = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                        else:
+                            lean = leans.get(vj)
+                            if lean is None:
+                                lean = leans[vj] = cost.screen_profile(
+                                    tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp, v,
+                                    keep=False)
+                            buffers = lean[2]
+                            s_kinds = kinds_of.get(vj)
+                            if s_kinds is None:
+                                s_kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb,
+                                                                     growth, cost, lean, slots, grown_of)
+                        s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                    base = s_base
+                    if top_states + base > capacity:
+                        if held_act is not None and -(top_states + base) <= held_act[0]:
+                            rejected[ACTIVATIONS_DO_NOT_FIT] += count
+                            position += n_spec
+                            continue
+                    else:
+                        fam = family[0]
+                        held_fam = best_family.get(fam) if fam is not None else None
+                        n_act = 0
+                        for grown, n_grown, most in s_kinds:
+                            for st, g in zip(states, grown):
+                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                    break
+                            else:  # fits
+                                if low is None or most > low or (fam is not None and (
+                                        held_fam is None or most > held_fam[0])):
+                                    break
+                                continue
+                            n_act += n_grown
+                            if held_act is None or most > held_act[0]:
+                                break
+                        else:  # quiet
+                            if n_act:
+                                rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
+                                                                                0) + n_act
+                            position += n_spec
+                            continue
+            # per group: (category, score) when every candidate of it is rejected whatever its
+            # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
+            # else (None, None, states per stage, base bytes) for the per-schedule memory check
+            entries: dict = {}
+            open_groups = False
+            for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
+                static = statics.get(vj)
+                if static is None:
+                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+                    static = statics[vj] = (floor,) + cost.dp_static(
+                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32")
+                floor, states, top_states, reserved, bucket = static
+                if floor > capacity:
+                    entries[vj] = (STATES_DO_NOT_FIT, -floor)
+                    continue
+                if upper is not None and vj in upper:
+                    buffers = upper[vj][0]  # the same number: no term of the buffers reads recompute
+                else:
+                    upper = None  # a group the shortcut does not cover: the block is screened in full
+                    lean = leans.get(vj)
+                    if lean is None:
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                               _compute(prec, scaling), etp, v, keep=False)
+                    buffers = lean[2]
+                # _dp_entry's memory sums, without the entry (built for those priced in full)
+                base = (buffers + bucket) * growth + reserved
+                if top_states + base > capacity:
+                    entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
+                else:
+                    entries[vj] = (None, None, states, base)
+                    open_groups = True
+            if not open_groups:
+                # every candidate of this ZeRO setting rejected by its group: count them together; the
+                # best of a category is the first candidate of the first group holding its best score
+                for vj, (count, (sched, v, prec, scaling, _vj)) in groups:
+                    category, score = entries[vj]
+                    rejected[category] = rejected.get(category, 0) + count
+                    held = best_rejected.get(category)
+                    if held is None or score > held[0]:
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                               "fp32", "fp32", etp, scaling))
+                        best_rejected[category] = (score, cand, None)
+                position += n_spec
+                continue
+            if not family:  # family() reads tp, cp, pp, ep, zero and etp only
+                sched, v, prec, scaling, _vj = specs[0]
+                family.append(goal.family(model, cluster, new(
+                    Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, "fp32", "fp32", etp,
+                                scaling))))
+            fam = family[0]
+            # the quiet case: no candidate of this ZeRO setting can change anything but the counts
+            # (sweep's docstring), so the setting is counted in one step
+            held_fam = best_family.get(fam) if fam is not None else None
+            while True:
+                fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
+                quiet = True
+                n_act = 0
+                for vj, (count, (_sched, v, prec, scaling, _vj)) in groups:
+                    entry = entries[vj]
+                    category = entry[0]
+                    if category is not None:
+                        held = best_rejected.get(category)
+                        if held is None or entry[1] > held[0]:
+                            quiet = False
+                            break
+                        continue
+                    if upper is not None:
+                        kinds = upper_kinds.get(vj)
+                        if kinds is None:
+                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling),
+                                                    etp, v)
+                            kinds = upper_kinds[vj] = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                    else:
+                        kinds = kinds_of.get(vj)
+                        if kinds is None:
+                            lean = leans.get(vj)
+                            if lean is None:
+                                lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                                       _compute(prec, scaling), etp, v, keep=False)
+                            kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth,
+                                                               cost, lean, slots, grown_of)
+                    states, base = entry[2], entry[3]
+                    for grown, n_grown, most in kinds:
+                        fits = True
+                        for st, g in zip(states, grown):
+                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                fits = False
+                                break
+                        fits_of[id(grown)] = fits
+                        if fits:
+                            if low is None or most > low or (fam is not None and (held_fam is None
+                                                                                  or most > held_fam[0])):
+                                quiet = False
+                                break
+                        else:
+                            n_act += n_grown
+                            if held_act is None or most > held_act[0]:
+                                quiet = False
+                                break
+                    if not quiet:
+                        break
+                if quiet or upper is None:
+                    break
+                upper = None  # the shortcut's bound is not low enough here: the block is screened in full
+            if quiet:
+                for vj, (count, _spec) in groups:
+                    category = entries[vj][0]
+                    if category is not None:
+                        rejected[category] = rejected.get(category, 0) + count
+                if n_act:
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                position += n_spec
+                continue
+            for k in range(n_spec):
+                sched, v, prec, scaling, vj = specs[k]
+                position += 1
+                entry = entries[vj]
+                category = entry[0]
+                if category is not None:
+                    rejected[category] = rejected.get(category, 0) + 1
+                    held = best_rejected.get(category)
+                    if held is None or entry[1] > held[0]:
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                               "fp32", "fp32", etp, scaling))
+                        best_rejected[category] = (entry[1], cand, None)
+                    continue
+                slot = slots[k]
+                if slot is None:
+                    lean = leans.get(vj)
+                    if lean is None:
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                               _compute(prec, scaling), etp, v, keep=False)
+                    t_mb, rows, _buffers, p2p_s, _n, tokens = lean[:6]
+                    step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+                    # 1F1B and zero-bubble hold the same micro-batches in flight: one list for both
+                    in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
+                    grown = grown_of.get(in_flight)
+                    if grown is None:
+                        grown = grown_of[in_flight] = [
+                            (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                            for _kind, index, act_mb, fixed in rows]
+                    slot = slots[k] = (step_base, tokens / step_base, grown)
+                step_base, bound, grown = slot
+                fits = fits_of.get(id(grown))
+                if fits is None:
+                    base = entry[3]
+                    fits = True
+                    for states, g in zip(entry[2], grown):
+                        if states + g + base > capacity:  # the expression peak_bytes compares
+                            fits = False
+                            break
+                    fits_of[id(grown)] = fits
+                cand = None
+                if fits:
+                    held = best_family.get(fam) if fam is not None else None
+                    if (len(best) == top and bound <= best[0][0]
+                            and (fam is None or (held is not None and bound <= held[0]))):
+                        continue  # accepted; provably neither in the top nor its family's best
+                    cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                   prec, "fp32", "fp32", etp, scaling))
+                    score = _exact(cost, cand, step_base)
+                    item = (score, position, cand)
+                    if len(best) < top:
+                        heappush(best, item)
+                    elif score > best[0][0]:
+                        heapreplace(best, item)
+                    if fam is not None and (held is None or score > held[0]):
+                        best_family[fam] = (score, cand)
+                    continue
+                rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                if held is None or bound > held[0]:
+                    cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                           prec, "fp32", "fp32", etp, scaling))
+                    score = _exact(cost, cand, step_base)
+                    if held is None or score > held[0]:
+                        best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+            low = best[0][0] if len(best) == top else None  # the scores the next setting meets
+            held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+        if rc == "none":
+            # what the recompute="selective" and "full" blocks of the same rest may take as bounds
+            covered = {}
+            for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
+                lean = leans.get(vj)
+                if lean is None:
+                    continue
+                kinds = kinds_of.get(vj)
+                if kinds is None:
+                    kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth, cost, lean,
+                                                       slots, grown_of)
+                highest = None
+                for _grown, _n, most in kinds:
+                    if highest is None or most > highest:
+                        highest = most
+                covered[vj] = (lean[2], highest)
+            none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
+    return best, rejected, best_rejected, best_family, position
+
+
+def _kinds(specs: list, vj: tuple, rows: list, bound: float | None, pp: int, n_mb: int, growth: float,
+           cost: TrainCostModel | None = None, lean: tuple | None = None, slots: list | None = None,
+           grown_of: dict | None = None) -> list:
+    """The specs of group ``vj`` by the memory they hold in flight: ``[grown, count, highest
+    bound]`` per distinct per-stage list (each stage's activations in flight and buffers, as
+    peak_bytes sums them, from the stage ``rows``), in order of first appearance. With a
+    ``bound`` (the recompute shortcut) every spec's bound is that number; else each spec's own,
+    from its screen profile ``lean``, filling ``slots`` (step without the DP part, bound, in-flight
+    list) and ``grown_of`` as the per-candidate loop does."""
+    plan = _KIND_PLANS.get((id(specs), vj))
+    if plan is None or plan[0] is not specs:
+        by_kind: dict = {}  # in-flight kind -> (its first schedule, v, the specs' positions)
+        for k, (sched, v, _prec, _scaling, svj) in enumerate(specs):
+            if svj == vj:
+                in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)  # the same micro-batches held
+                by_kind.setdefault(in_flight, (sched, v, []))[2].append(k)
+        plan = _KIND_PLANS[(id(specs), vj)] = (specs, [(key, sched, v, ks, len(ks))
+                                                       for key, (sched, v, ks) in by_kind.items()])
+    kinds = []
+    if bound is None:
+        t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
+        step_base_of = cost.step_base
+    for in_flight, sched, v, ks, count in plan[1]:
+        if bound is None:
+            grown = grown_of.get(in_flight)
+            if grown is None:
+                grown = grown_of[in_flight] = _grown(rows, sched, pp, n_mb, v, growth)
+            most = None
+            for k in ks:
+                slot = slots[k]
+                if slot is None:
+                    step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
+                    slot = slots[k] = (step_base, tokens / step_base, grown)
+                if most is None or slot[1] > most:
+                    most = slot[1]
+        else:
+            grown = _grown(rows, sched, pp, n_mb, v, growth)
+            most = bound
+        kinds.append((grown, count, most))
+    return kinds
+
+
+def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
+    """A candidate's tokens/s, as ``TrainCostModel._evaluate`` computes it (``step_base``:
+    its ``step_base``, the same number from the screen profile as from the full one)."""
+    dtype = "fp8cs" if cand.param_dtype == "fp8" and cand.fp8_scaling == "current" else cand.param_dtype
+    prof = cost.profile(*cand[:8], cost.seq, dtype, cand.etp, cand.virtual_stages)
+    dkey = (cand.zero, cand.dp_shard) + cand[12:]
+    d = prof["dp"].get(dkey)
+    if d is None:
+        d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
+    if d["exposed_s"] is None:
+        cost._dp_comm(prof, d, cand)
+    return prof["tokens"] / (step_base + d["exposed_s"])
