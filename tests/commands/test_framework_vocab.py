@@ -78,3 +78,17 @@ def test_unknown_words_and_flags_are_refused_in_one_line():
         read_layout("megatron", "--tensor-model-parallel-size 8 --no-such-flag 3", devices=64)
     with pytest.raises(ModelcarveError, match="does not divide the cluster's 64 devices"):
         read_layout("megatron", "--tensor-model-parallel-size 3", devices=64)
+
+
+def test_plan_in_a_frameworks_terms(capsys):
+    """``plan --framework torchtitan`` ranks only what torchtitan can run: no Megatron-style
+    selective recompute (torchtitan's "selective" is op-level SAC), no ZeRO-1/2."""
+    code = main(["plan", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--global-batch", "256", "--top", "5",
+                 "--framework", "torchtitan", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["layouts"]
+    model = get_model("llama-3.1-70b")
+    for item in out["layouts"]:
+        layout = Layout.from_dict(item["layout"])
+        assert can_express("torchtitan", layout, model, serving=False), layout.short()
+        assert layout.recompute != "selective" and layout.zero not in (1, 2)

@@ -42,8 +42,10 @@ def register(sub) -> None:
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     plan.add_argument("--emit", metavar="PATH", help="write the best layout as the JSON the runtime reads")
     plan.add_argument("--plot", metavar="PNG", help="draw memory breakdown and per-link traffic of the top layouts")
-    plan.add_argument("--engine", choices=ENGINES, default=None,
-                      help="rank only the layouts this engine can express (commands/emit/engines/<engine>.json)")
+    plan.add_argument("--engine", "--framework", dest="engine", choices=ENGINES, default=None,
+                      help="rank only the layouts this engine or framework can express, in its meanings "
+                           "(torchtitan has op-level SAC, not Megatron's selective recompute; "
+                           "commands/emit/engines/<engine>.json)")
     plan.set_defaults(func=_plan)
 
 
