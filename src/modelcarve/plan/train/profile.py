@@ -167,7 +167,7 @@ class ProfileMixin:
         memory verdict reads. ``etp`` resolved (not 0)."""
         self._dtype = dtype
         # the same lookups as _build_screen_profile's, written out in both: a shared helper costs
-        # one more call per screen (measured: DeepSeek-V3 2048x8 cold 0.97 s -> 1.02 s)
+        # one more call per screen (measured, quiet: DeepSeek-V3 2048x8 cold 0.97-1.00 s -> 1.02-1.03 s)
         layers = self._layers
         dense = layers.get((False, tp, cp, 1, mbs, sp, recompute, seq, dtype, tp))
         if dense is None:
