@@ -60,6 +60,20 @@ import torch.distributed as dist
 from modelcarve.runtime.distributed.primitives import gather_flat, reduce_scatter_tensor
 
 
+def _reduce_owned(b, flat: torch.Tensor) -> None:
+    """Sum bucket ``b``'s flat gradients over its shard group into this rank's owned range
+    ``[lo, hi)`` (reduce-scatter), then over its replicas (HSDP-style all-reduce of that range)."""
+    if b.n > 1:
+        out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
+        reduce_scatter_tensor(out, flat, group=b.group)
+        flat[b.lo : b.hi].copy_(out)
+        del out
+    if _size(b.replicate) > 1:
+        owned = flat[b.lo : b.hi].contiguous()
+        dist.all_reduce(owned, group=b.replicate)
+        flat[b.lo : b.hi].copy_(owned)
+
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -199,15 +213,7 @@ class ShardedAdamW:
                 self._reduce_mixed(b, scale)
                 continue
             flat = b.flatten_grads()
-            if b.n > 1:
-                out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
-                reduce_scatter_tensor(out, flat, group=b.group)
-                flat[b.lo : b.hi].copy_(out)
-                del out
-            if _size(b.replicate) > 1:
-                owned = flat[b.lo : b.hi].contiguous()
-                dist.all_reduce(owned, group=b.replicate)
-                flat[b.lo : b.hi].copy_(owned)
+            _reduce_owned(b, flat)
             if self.stage == 1:
                 b.flat_grad = flat
                 for _, _, p, off in b.entries:
@@ -233,15 +239,7 @@ class ShardedAdamW:
             if p.grad is not None:
                 flat[off : off + p.numel()].add_(p.grad.reshape(-1))
                 p.grad = None
-        if b.n > 1:
-            out = torch.empty(b.shard, dtype=b.dtype, device=b.device)
-            reduce_scatter_tensor(out, flat, group=b.group)
-            flat[b.lo : b.hi].copy_(out)
-            del out
-        if _size(b.replicate) > 1:
-            owned = flat[b.lo : b.hi].contiguous()
-            dist.all_reduce(owned, group=b.replicate)
-            flat[b.lo : b.hi].copy_(owned)
+        _reduce_owned(b, flat)
         if scale is not None:
             flat[b.lo : b.hi].mul_(scale)
         if self.stage == 1:
