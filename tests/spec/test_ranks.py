@@ -42,6 +42,9 @@ def test_groups_along_an_axis_are_the_mesh_slices(text):
             index_all = list(index)
             index_all[dim] = slice(None)
             assert ranks.group_along(layout, rank, axis) == tuple(int(r) for r in grid[tuple(index_all)])
+        # joined axes (the data-parallel group of a cp layout): the mesh slice over both dims
+        dp_cp = [c["pp"], slice(None), slice(None), c["tp"]]
+        assert ranks.group_along(layout, rank, "dp_cp") == tuple(int(r) for r in grid[tuple(dp_cp)].flatten())
         assert ranks.group_along(layout, rank, "world") == tuple(range(layout.world_size))
 
 

@@ -23,6 +23,7 @@ engine's replicas (runtime/engine/model_runner.py), the comm log's axis names
 
 from __future__ import annotations
 
+from itertools import product
 from typing import Protocol
 
 
@@ -68,11 +69,15 @@ def rank_of(layout: "Layout", pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0
 
 def group_along(layout: "Layout", rank: int, axis: str) -> tuple[int, ...]:
     """Global ranks of ``rank``'s group along one mesh axis (``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``),
-    or every rank for ``"world"``; in axis order."""
+    along several joined by ``_`` in mesh order (``"dp_cp"``: the data-parallel group of a
+    context-parallel layout, the runtime's merged ``dp_cp`` mesh), or every rank for ``"world"``;
+    in axis order (ascending for axes given in mesh order)."""
     if axis == "world":
         return tuple(range(layout.world_size))
     c = coords(layout, rank)
-    return tuple(rank_of(layout, **(c | {axis: i})) for i in range(getattr(layout, axis)))
+    names = axis.split("_")
+    return tuple(rank_of(layout, **(c | dict(zip(names, index))))
+                 for index in product(*(range(getattr(layout, name)) for name in names)))
 
 
 def stage_size(layout: "Layout") -> int:

@@ -36,7 +36,7 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
 * context parallel (ring attention over zig-zag chunks, ``mbs x seq / cp`` tokens a rank): per
   layer and micro-batch ``cp - 1`` K/V blocks sent forward, ``cp - 1`` again in backward and
   ``cp - 1`` fp32 dK/dV accumulators, all to the next rank of the cp ring (``ring_sends``); the
-  gradients, the loss and ZeRO/FSDP state go over the dp x cp group (``data_group``);
+  gradients, the loss and ZeRO/FSDP state go over the dp x cp group (``group_along(..., "dp_cp")``);
 * tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
   its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
   last stage of each pipeline all-reduce the two fp32 gradients once per step;
@@ -197,8 +197,8 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     local = nl * sum(layer) + sum(root)
     n_tensors = nl * len(layer) + len(root)
     msgs: list[Message] = []
-    tp_group, pp_group = (group_along(layout, rank, a) for a in ("tp", "pp"))
-    dp_group = data_group(layout, rank)
+    # the gradients (and ZeRO / FSDP state) go over dp x cp: runtime/parallel/data_parallel.py's dp_cp mesh
+    dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp_cp", "tp", "pp"))
 
     if tp > 1:
         msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens)
@@ -268,13 +268,6 @@ def pipeline_sends(layout: "Layout", rank: int, payload: int) -> list[Message]:
             peer = rank_of(layout, **(c | {"pp": peer_stage % pp}))
             calls[peer] = calls.get(peer, 0) + m
     return [Message("send", (rank, peer), "fp32", payload, n) for peer, n in calls.items()]
-
-
-def data_group(layout: "Layout", rank: int) -> tuple:
-    """The ranks that sum this rank's gradients (and shard ZeRO / FSDP state): its dp x cp group
-    (runtime/parallel/data_parallel.py's ``dp_cp`` mesh), ascending."""
-    c = coords(layout, rank)
-    return tuple(sorted(rank_of(layout, **(c | {"dp": d, "cp": k})) for d in range(layout.dp) for k in range(layout.cp)))
 
 
 def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, tokens: int) -> list[Message]:
