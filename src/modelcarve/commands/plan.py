@@ -121,9 +121,9 @@ def _estimate(args) -> int:
     layout = Layout.parse(args.layout)
     from modelcarve.commands.planning.serving_plan import is_serve_goal, run_serve_estimate
 
-    if args.emit_launch:
-        check_launch(args, model, cluster, layout)
     if is_serve_goal(args.goal):
+        if args.emit_launch:
+            check_launch(args, model, cluster, layout)
         code = run_serve_estimate(args, model, cluster, layout)
         if args.emit_launch:
             emit_launch(args, model, cluster, args._launch_layout,
@@ -142,11 +142,11 @@ def _estimate(args) -> int:
             layout = layout.replace(seq=options["seq"])
         options.pop("global_batch", None)
         options.pop("seq", None)
+    if args.emit_launch:  # on the final layout, before any output
+        check_launch(args, model, cluster, layout)
     result = goal.evaluate(model, cluster, layout, **options)
     if notes:
         result["read_as"] = notes
-    if args.emit_launch:
-        check_launch(args, model, cluster, layout)
     from modelcarve.commands.timeline import draw_estimate
 
     draw_estimate(getattr(args, "timeline", None), layout)
