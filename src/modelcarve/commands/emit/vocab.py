@@ -122,13 +122,14 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
             ours = _inverse(t["maps"][arg["map"]], word)
             if ours is None:
                 raise ModelcarveError(f"{title(engine)}: {flag} {word} is not a value modelcarve reads")
-            if name == "param_dtype" or arg["map"] == "fp8_recipe":
-                if arg["map"] == "fp8_recipe":
-                    fields["fp8_scaling"] = ours if ours in ("delayed", "current") else fields.get("fp8_scaling", "delayed")
-                    if ours == "mxfp8":
-                        fields["param_dtype"] = "mxfp8"
+            if arg["map"] == "fp8_recipe":  # delayed / current scaling, or MXFP8 blocks (a dtype of its own)
+                if ours == "mxfp8":
+                    fields["param_dtype"] = "mxfp8"
                 else:
-                    fields.setdefault("param_dtype", ours)
+                    fields["fp8_scaling"] = ours
+                continue
+            if name == "param_dtype":  # the recipe's mxfp8, if read first, stands
+                fields.setdefault("param_dtype", ours)
                 continue
             if name == "recompute" or ours != word:
                 notes.append(_note(engine, name, word, ours))
