@@ -28,6 +28,9 @@ def register(sub) -> None:
     estimate = sub.add_parser("estimate", help="memory, step time and link traffic of one layout")
     _common(estimate)
     estimate.add_argument("--layout", required=True, help='e.g. "tp=8,pp=8,dp=16,mbs=1,gbs=1536,seq=2048" or layout.json')
+    estimate.add_argument("--offload-layers", type=int, metavar="N", default=None,
+                          help="training: layers whose saved activations go to host memory and back (Megatron-Core "
+                               "--cpu-offloading-num-layers; pp=1 only)")
     estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
     estimate.add_argument("--max-batch-launch", dest="launch_batch", type=int, default=None, metavar="N",
                           help="--emit-launch of a serving layout: the engine's max concurrent sequences (default: --batch)")
@@ -86,7 +89,7 @@ def _common(p) -> None:
 def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
-             "precision", "loss", "memory_headroom")
+             "precision", "loss", "memory_headroom", "offload_layers")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

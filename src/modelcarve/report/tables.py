@@ -125,6 +125,8 @@ def estimate_table(result: dict, model, cluster) -> list["Table"]:
     memory.add_column("bytes", justify="right")
     for part, nbytes in mem["breakdown"].items():
         memory.add_row(part.replace("_", " "), _bytes(nbytes))
+    if mem.get("offloaded_to_host_bytes"):
+        memory.add_row("activations offloaded to host (not on the device)", _bytes(mem["offloaded_to_host_bytes"]))
     verdict = "fits" if result["fits"] else "does NOT fit"
     memory.add_row("[b]peak / capacity[/]", f"[b]{_gib(mem['peak_bytes'])} / {_gib(mem['capacity_bytes'])} ({verdict})[/]")
     runtime = result.get("runtime")

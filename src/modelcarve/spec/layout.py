@@ -28,7 +28,8 @@ and attention core, embedding, LM head and router stay bf16 (plan/train/layer.py
 Recomputation: ``none``, ``selective`` (Korthikanti's attention core), ``full`` (whole layer),
 ``ops`` (torchtitan's op-level selective AC: matmul and attention outputs saved, element-wise
 ops recomputed), or a ``+``-joined list of Megatron ``--recompute-modules``:
-``core_attn+layernorm+mlp_act+mlp`` (see plan/cost/activations.py for what each drops).
+``core_attn+layernorm+mlp_act+mlp``, and ``mla_up_proj`` for MLA models (see plan/cost/activations.py
+for what each drops).
 
 Data-parallel sharding: ``zero`` 0 (plain all-reduce DP), 1 (optimiser state), 2 (+ gradients),
 3 (+ parameters; FSDP). ``dp_shard`` is the size of the group the ZeRO state is sharded over:
@@ -55,8 +56,9 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full", "ops")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
-"""Megatron ``--recompute-modules`` the planner models (``moe_act``/``moe`` are aliases)."""
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp", "mla_up_proj")
+"""Megatron ``--recompute-modules`` the planner models (``moe_act``/``moe`` are aliases;
+``mla_up_proj`` applies to MLA attention only)."""
 TRAIN_DTYPES = ("fp32", "bf16", "fp16")
 COMPUTE_DTYPES = TRAIN_DTYPES + ("fp8", "mxfp8")
 """``param_dtype`` values: the 16/32-bit dtypes, FP8 (Hopper and later) and MXFP8 (Blackwell)."""

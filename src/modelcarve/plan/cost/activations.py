@@ -43,6 +43,9 @@ Recomputation by op (torchtitan's op-level selective AC, Megatron's ``--recomput
 * ``layernorm``: the two norm outputs (``attn_input``, ``mlp_input``): kept are their inputs.
 * ``mlp_act``: the activation function's output: SwiGLU keeps the gate and up projections
   (``4 sbf / t``), GeLU its input (``2 sbf / t``); the down projection's input is recomputed.
+* ``mla_up_proj`` (MLA only, Megatron-Core's ``--recompute-modules mla_up_proj``): the per-head
+  Q, K and V the up projections make from the latents are not kept for the attention core's
+  backward but recomputed from the (kept) latents: the ``qkv`` term goes.
 * ``mlp``: the whole MLP / MoE block (router, dispatched tokens, expert intermediates; its
   input is kept).
 * ``ops`` (torchtitan ``activation_checkpoint.mode = "selective"``, ``selective_ac_option =
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
@@ -120,7 +124,12 @@ def layer_activation_terms(
     if model.attention_kind == "mla":
         rq = model.q_lora_rank or 0
         terms["mla_latents"] = 2 * a * T * (rq + model.kv_lora_rank) + a * T * model.qk_rope_head_dim
-    terms["qkv"] = a * T * (heads * dqk + kvl * dqk + kvl * dv)
+    if "mla_up_proj" in mods:
+        if model.attention_kind != "mla":
+            raise LayoutError(f"recompute module mla_up_proj needs MLA attention (DeepSeek-V2/V3, Kimi K2); "
+                              f"{model.name} has {model.attention_kind} attention: drop mla_up_proj from recompute")
+    else:
+        terms["qkv"] = a * T * (heads * dqk + kvl * dqk + kvl * dv)
     if "core_attn" not in mods:
         if attention == "flash":
             terms["attn_core"] = 4.0 * T * heads  # fp32 log-sum-exp per query row and head

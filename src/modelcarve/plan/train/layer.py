@@ -190,6 +190,8 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
             rc += stall_fwd
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
+        if "mla_up_proj" in mods and m.attention_kind == "mla":
+            rc += _mla_up_proj_s(cost, T, tp)
     # the activation terms read tokens, tp, sp, the layer kind, expert TP and the dtype, not cp or ep
     # alone: kept by the cost model per that shape (the same call, the same numbers)
     kept = getattr(cost, "_act_terms", None)
@@ -293,6 +295,20 @@ def _causal_share(model, seq: int) -> float:
     w = min(window, seq)
     local_share = (w * seq - w * w / 2.0) / (seq * seq)  # causal band of width w
     return (1.0 - f) * 0.5 + f * local_share
+
+
+def _mla_up_proj_s(cost: "TrainCost", T: float, tp: int) -> float:
+    """Seconds to recompute MLA's up projections (Megatron's ``mla_up_proj`` module): per head, q
+    from the q latent (``r_q -> d_qk``; the plain q projection when the model has no q latent is
+    not an up projection and is kept) and k-nope, v from the kv latent (``r_kv -> d_nope + d_v``),
+    plus rotary on q and k's rope part, for ``T`` tokens on one TP rank."""
+    m, dev = cost.model, cost.device
+    heads = m.num_heads / tp
+    nope = m.qk_head_dim - m.qk_rope_head_dim
+    s = cost._gemm(T, heads * (nope + m.attn_v_head_dim), m.kv_lora_rank)
+    if m.q_lora_rank:
+        s += cost._gemm(T, heads * m.qk_head_dim, m.q_lora_rank)
+    return s + memory_bound_time_s(dev, 4.0 * T * (heads + 1) * m.qk_rope_head_dim)
 
 
 def _modules(recompute: str) -> frozenset:

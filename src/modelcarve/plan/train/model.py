@@ -132,6 +132,10 @@ class TrainOptions:
     expandable segments (Megatron recipes set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``);
     ``FRAGMENTATION_FIXED_SEGMENTS`` (0.20) for PyTorch's default allocator, fitted to torchtitan's
     published reserved memory (benchmarks/calibrate_training.py)."""
+    offload_layers: int = 0
+    """Layers whose saved activations go to host memory in the forward pass and come back for the
+    backward (Megatron-Core ``--cpu-offloading-num-layers``; pp=1 only, as Megatron-Core requires;
+    plan/cost/offload.py). ``estimate --offload-layers N``."""
     memory_headroom: float = MEMORY_HEADROOM
     """Fraction of device memory a layout must leave free to count as fitting (``--memory-headroom``,
     default 0.05); 0 checks against the whole device (published runs that did run)."""
@@ -152,6 +156,11 @@ class TrainCostModel(ProfileMixin):
         if not 0.0 <= self.options.fragmentation < 1.0:
             raise LayoutError(f"fragmentation {self.options.fragmentation} must be a fraction in [0, 1), e.g. 0.05")
         self._growth = 1.0 + self.options.fragmentation
+        off = self.options.offload_layers
+        if not 0 <= off < model.num_layers:
+            raise LayoutError(f"offload_layers={off} must be from 0 to {model.num_layers - 1} "
+                              f"(fewer than the model's {model.num_layers} layers)")
+        self._offload = off
         if self.options.loss_chunk < 1:
             raise LayoutError(f"loss_chunk={self.options.loss_chunk} must be at least 1 token")
         self.device = cluster.device

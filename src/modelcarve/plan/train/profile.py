@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import gemm_time_s, memory_bound_time_s
+from modelcarve.plan.cost.offload import host_link_bytes_per_s, offload_split
 from modelcarve.plan.train.layer import layer_base, layer_cost
+from modelcarve.spec.errors import LayoutError
 
 _GEMM_DTYPE = {"fp8cs": "fp8", "mxfp8": "fp8"}
 """Compute keys whose GEMMs run at another dtype's peak (MXFP8 and current scaling: the FP8 rate)."""
@@ -123,6 +125,7 @@ class ProfileMixin:
         m_c, m_t, m_cp, m_e, m_a, m_w = moe["compute_s"], moe["tp_s"], moe["cp_s"], moe["ep_s"], moe["act_bytes"], moe["work_bytes"]
         sums, rows = ([] if sums_too else None), []
         t_mb, slow = -1.0, 0
+        off = self._offload
         stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
         for i, (kind, index, n_moe, _pd, _pe, _layer, _lin, nls) in enumerate(stages):
             n_dense = nls - n_moe
@@ -132,6 +135,9 @@ class ProfileMixin:
                 compute_s += head_s
             tp_s, cp_s, ep_s = d_t * n_dense + m_t * n_moe, d_cp * n_dense + m_cp * n_moe, d_e * n_dense + m_e * n_moe
             act_bytes = d_a * n_dense + m_a * n_moe
+            if off:
+                act_bytes, _moved, exposed = self._offloaded(act_bytes, nls, compute_s, pp)
+                compute_s += exposed
             work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # max(), the first on ties
             if sums_too:
                 sums.append((compute_s, tp_s, cp_s, ep_s, act_bytes, work_bytes))
@@ -191,9 +197,19 @@ class ProfileMixin:
             n_dense = nls - n_moe
             last = kind == "last" or kind == "only"
             act_bytes = d_a * n_dense + m_a * n_moe
+            if self._offload:
+                compute_s = dense["compute_s"] * n_dense + moe["compute_s"] * n_moe + (head[2] if last else 0.0)
+                act_bytes = self._offloaded(act_bytes, nls, compute_s, pp)[0]
             work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # as _build_screen_profile
             rows.append((kind, index, act_bytes, work_bytes + (logits_bytes if last else 0.0)))
         return rows
+
+    def _offloaded(self, act_bytes: float, layers: int, compute_s: float, pp: int) -> tuple:
+        """``offload_split`` of one stage under ``TrainOptions.offload_layers`` (plan/cost/offload.py)."""
+        if pp > 1:
+            raise LayoutError(f"activation offload (offload_layers={self._offload}) runs without pipeline "
+                              f"parallelism only, as Megatron-Core requires: use pp=1 or drop the offload")
+        return offload_split(act_bytes, layers, self._offload, compute_s, host_link_bytes_per_s(self.device))
 
     def _build_profile(self, tp, cp, pp, dp, ep, mbs, sp, recompute, seq, etp, v) -> dict:
         m, o = self.model, self.options
@@ -219,6 +235,9 @@ class ProfileMixin:
                 "cp_s": cp_s,
                 "ep_s": ep_s,
                 "act_bytes": act_bytes,
+                "offloaded_bytes": (self._offloaded(dense["act_bytes"] * n_dense + moe["act_bytes"] * n_moe, nls,
+                                                    dense["compute_s"] * n_dense + moe["compute_s"] * n_moe
+                                                    + (_head_s if last else 0.0), pp)[1] if self._offload else 0.0),
             }
             if last:
                 stage["fwd_s"] += head_fwd

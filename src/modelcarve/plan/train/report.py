@@ -118,6 +118,8 @@ def build_report(cost: "TrainCost", cand: "Candidate", prof: dict, d: dict, *, p
             "headroom": cost.options.memory_headroom,
             "worst_stage": worst,
             "breakdown": breakdown,
+            **({"offloaded_to_host_bytes": int(round(inflight * st_w["offloaded_bytes"]))}
+               if cost.options.offload_layers else {}),
         },
         "time": {
             "step_s": step,
