@@ -5,24 +5,30 @@ Usage::
     .venv/bin/python benchmarks/calibrate_serving.py          # benchmarks/results/calibrate_serving.json
                                                              # and docs/calibration_serving.md
     .venv/bin/python benchmarks/calibrate_serving.py --fit    # also refit the three decode constants
+    .venv/bin/python benchmarks/calibrate_serving.py --no-loso   # skip the leave-one-source-out table
 
 The published figures and their sources are in data/serving_published.csv (header comments).
 Rows marked ``fit`` are those the decode constants of plan/serve/rates.py were fitted to
 (``--fit`` prints that fit; the constants are then written into serve_rates.py by hand, with the
 fit's figures beside them); ``check`` rows are independent checks; ``excluded`` rows are shown
-with the reason they are not used.
+with the reason they are not used. The leave-one-source-out table (benchmarks/loso.py) refits the
+four serving constants jointly on every source's usable rows but one and predicts the held-out one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
+from loso import coordinate_descent, leave_one_source_out, mean_abs_log
+from loso import markdown as loso_markdown
 from modelcarve.plan.serve import rates as serve_rates
-from modelcarve.plan.serve.calibration import TOLERANCE, calibrate, fit_decode_constants
+from modelcarve.plan.serve import time as serve_time
+from modelcarve.plan.serve.calibration import TOLERANCE, calibrate, fit_decode_constants, load_published, predict
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "serving_published.csv"
@@ -42,6 +48,80 @@ SOURCES = {
 }
 
 
+SERVE_GRID = {
+    "DECODE_HBM_EFFICIENCY": [0.55 + 0.01 * i for i in range(41)],
+    "LAYER_OVERHEAD_S": [2e-6 * i for i in range(41)],
+    "ALLREDUCE_FLOOR_S": [1.5e-6 * i for i in range(41)],
+    "FP4_GEMM_FRACTION": [0.40 + 0.01 * i for i in range(61)],
+}
+"""The four fitted serving constants (plan/serve/rates.py) and the grids of the LOSO's joint fit: the ranges
+of ``fit_decode_constants`` (its grid=41) and ``fit_fp4_fraction``."""
+
+
+def serve_constants() -> dict:
+    return {name: getattr(serve_rates, name) for name in SERVE_GRID}
+
+
+def _set_serve(values: dict) -> None:
+    for name in SERVE_GRID:
+        setattr(serve_rates, name, values[name])
+    serve_time.clear_caches()
+
+
+def serve_errors(rows: list[dict], values: dict) -> list[float]:
+    """Each published row's relative error with ``values`` set; the constants are restored afterwards."""
+    saved = serve_constants()
+    try:
+        _set_serve(values)
+        return [predict(r)["predicted"] / float(r["value"]) - 1.0 for r in rows]
+    finally:
+        _set_serve(saved)
+
+
+def serve_fit(rows: list[dict], rounds: int = 8) -> dict:
+    """The four constants at once over ``rows`` of any roles and sources: coordinate descent over
+    ``SERVE_GRID`` on the mean |log(predicted / published)| per row; the constants are restored afterwards."""
+    saved = serve_constants()
+
+    def objective(values: dict) -> float:
+        _set_serve(values)
+        return mean_abs_log(predict(r)["predicted"] / float(r["value"]) - 1.0 for r in rows)
+
+    try:
+        return coordinate_descent(objective, SERVE_GRID, saved, rounds=rounds)
+    finally:
+        _set_serve(saved)
+
+
+def _row_name(r: dict) -> str:
+    pp = f" pp{r['pp']}" if int(r["pp"]) > 1 else ""
+    ep = f" ep{r['ep']}" if int(r.get("ep") or 1) > 1 else ""
+    return (f"{r['model']} {r['devices']}x{r['device']} tp{r['tp']}{pp}{ep} {r['weight_dtype']}/{r['kv_dtype']} "
+            f"{r['input_len']}/{r['output_len']} c={r['concurrency'] if int(r['concurrency']) else 'max'} {r['metric']}")
+
+
+def loso_table(path: Path = DATA) -> dict:
+    """Leave-one-source-out over every row not marked ``excluded`` (loso.py); sources are the CSV's ``source``."""
+    published = load_published(path)
+    used = [r for r in published if (r.get("role") or "check") != "excluded"]
+    excluded = [(r, re.sub(r"^[\d.,]+ tokens/s; ", "", r.get("note") or "no reason given"))
+                for r in published if r.get("role") == "excluded"]
+    return leave_one_source_out(used, source=lambda r: r["source"], name=_row_name, fit=serve_fit, errors=serve_errors,
+                                code=serve_constants(), excluded=excluded)
+
+
+LOSO_INTRO = [
+    "The four fitted constants of `plan/serve/rates.py` fitted jointly on every row not marked `excluded` (roles fit,",
+    "fit-fp4 and check alike) of every source but one, by coordinate descent over the grids of `fit_decode_constants`",
+    "and `fit_fp4_fraction` on the mean |log(predicted / published)| per row, then the held-out source's rows predicted",
+    "with them. Sources are the CSV's `source` column; `trtllm` and `trtllm-fp4` are two tables (H100 FP8; B200 /",
+    "GB200 NVFP4) of one TensorRT-LLM page, held out separately. Every row is predicted once, by the fold that did",
+    "not see it. The code's constants were fitted differently (the three decode constants by least",
+    "squares on the `fit` rows, the FP4 fraction on the `fit-fp4` rows); the in-sample column is this joint fit on",
+    "all sources. The training calibration's GEMM constants (peak fractions, `RAMP_DIM`) are not refitted here.",
+]
+
+
 def _fmt(value: float, metric: str) -> str:
     if metric == "tpot_ms":
         return f"{value:.2f} ms"
@@ -57,7 +137,7 @@ def _summary(rows: list[dict]) -> str:
             f"max {max(errors):.1%}")
 
 
-def markdown(rows: list[dict], fit: dict | None) -> str:
+def markdown(rows: list[dict], fit: dict | None, loso: dict | None = None) -> str:
     checks = [r for r in rows if r["role"] == "check"]
     fits = [r for r in rows if r["role"] == "fit"]
     lines = [
@@ -124,19 +204,23 @@ def markdown(rows: list[dict], fit: dict | None) -> str:
         "than its peak bus bandwidth on the few-MB all-reduces of large decode batches, and scheduler overhead.",
         "",
     ]
+    if loso:
+        lines += loso_markdown(loso, "Out-of-sample accuracy: leave one source out", LOSO_INTRO)[1:] + [""]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the decode constants to the fit rows and print them")
+    parser.add_argument("--no-loso", action="store_true", help="skip the leave-one-source-out table")
     args = parser.parse_args()
     fit = fit_decode_constants(DATA, grid=81) if args.fit else None
     rows = calibrate(DATA)
+    loso = None if args.no_loso else loso_table(DATA)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "calibrate_serving.json").write_text(json.dumps({"tolerance": TOLERANCE, "fit": fit, "rows": rows}, indent=2))
-    (ROOT / "docs" / "calibration_serving.md").write_text(markdown(rows, fit))
+    (out / "calibrate_serving.json").write_text(json.dumps({"tolerance": TOLERANCE, "fit": fit, "rows": rows, "loso": loso}, indent=2))
+    (ROOT / "docs" / "calibration_serving.md").write_text(markdown(rows, fit, loso))
     if fit:
         print("fit:", json.dumps(fit))
     for role in ("check", "fit", "fit-fp4", "excluded"):
@@ -144,6 +228,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['role']:8s} {r['source']:9s} {r['model']:15s} {r['layout']:5s} {r['input_len']:>6}/{r['output_len']:<5} "
               f"measured {_fmt(r['measured'], r['metric']):>14s} predicted {_fmt(r['predicted'], r['metric']):>14s} {r['error']:+.1%}")
+    if loso:
+        print("\n".join(loso_markdown(loso, "Leave one source out", [])))
+        print(f"LOSO runtime {loso['runtime_s']} s (in-sample fit {loso['in_sample']['fit_s']} s; folds "
+              + ", ".join(f"{f['fit_s']} s" for f in loso["folds"]) + ")")
     return 0
 
 

@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/calibrate_training.py [--json benchmarks/results/calibration_training.json]
-                                            [--doc docs/calibration_training.md] [--no-fit]
+                                            [--doc docs/calibration_training.md] [--no-fit] [--no-loso]
 
 1. Fit: the two free constants of the GEMM-efficiency model (``RAMP_DIM`` and the A100's
    ``PEAK_FRACTION``, plan/cost/efficiency.py) by grid search, minimising the RMS of
@@ -28,7 +28,10 @@ Usage::
    host launch time per local expert; the 21 NeMo 24.07-25.04 rows are held out.
 4. Memory: torchtitan's published peak memory (data/training_memory_published.csv), one
    allocator constant fitted on one row.
-5. Write the table as JSON and as Markdown (docs/calibration_training.md).
+5. Out-of-sample accuracy (``--no-loso`` skips it): the nine constants of steps 1 and 3 fitted jointly
+   on every source's rows but one, the held-out source predicted with them, for each source in turn
+   (benchmarks/loso.py), beside the same joint fit on all sources (in-sample).
+6. Write the table as JSON and as Markdown (docs/calibration_training.md).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import math
 import time
 from pathlib import Path
 
+from loso import coordinate_descent, leave_one_source_out, mean_abs_log
+from loso import markdown as loso_markdown
 from modelcarve.plan.cost import efficiency
 from modelcarve.plan.train import calibration
 from modelcarve.plan.train.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases, torchtitan_memory_cases
@@ -128,8 +133,8 @@ def _modern_constants() -> dict:
 
 
 def _set_modern(values: dict) -> None:
-    efficiency.BLACKWELL_PEAK_FRACTION = {"B200": values["b200_peak_fraction"], "GB200": values["gb200_peak_fraction"],
-                                          "GB300": values["gb300_peak_fraction"]}
+    efficiency.BLACKWELL_PEAK_FRACTION.update({"B200": values["b200_peak_fraction"], "GB200": values["gb200_peak_fraction"],
+                                               "GB300": values["gb300_peak_fraction"]})
     efficiency.FP8_PEAK_RATIO = values["fp8_peak_ratio"]
     calibration.TP_COMM_OVERLAP = values["tp_comm_overlap"]
     efficiency.MOE_TOKEN_BYTES = values["moe_token_bytes"]
@@ -167,6 +172,77 @@ def fit_modern(cases: list[Case], rounds: int = 2) -> dict:
     finally:
         _set_modern(saved)
     return {**{k: round(v, 6) for k, v in current.items()}, "mean_abs_log_error": round(best, 4), "rows": len(cases)}
+
+
+JOINT_GRID = {"ramp_dim": [32.0, 48.0, 64.0, 80.0, 96.0, 112.0, 128.0, 160.0, 192.0, 256.0],
+              "a100_peak_fraction": [0.70 + 0.01 * i for i in range(21)], **MODERN_GRID}
+"""The nine constants of the joint fit (LOSO): ``fit``'s grid for the two Table 1 constants, ``MODERN_GRID``'s for the seven."""
+
+
+def joint_constants() -> dict:
+    return {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"], **_modern_constants()}
+
+
+def _set_joint(values: dict) -> None:
+    efficiency.RAMP_DIM = values["ramp_dim"]
+    efficiency.PEAK_FRACTION["A100"] = values["a100_peak_fraction"]
+    _set_modern(values)
+
+
+def _joint_error(case: Case, values: dict) -> float:
+    """Relative error of one row with the constants already set: tokens/s per GPU where published
+    (NeMo / Megatron-Bridge), else TFLOP/s per GPU (Table 1, MoE README), else MFU (Korthikanti)."""
+    if case.published_tokens_per_device:
+        return _tokens_error(case, values["tp_comm_overlap"])
+    est = predict(case)
+    if case.published_tflops:
+        return est["time"]["tflops_per_device"] / case.published_tflops - 1
+    return est["time"]["mfu"] / case.published_mfu - 1
+
+
+def joint_errors(cases: list[Case], values: dict) -> list[float]:
+    """Each row's relative error with ``values`` set; the module constants are restored afterwards."""
+    saved = joint_constants()
+    try:
+        _set_joint(values)
+        return [_joint_error(c, values) for c in cases]
+    finally:
+        _set_joint(saved)
+
+
+def joint_fit(cases: list[Case], rounds: int = 8) -> dict:
+    """All nine constants at once over ``cases`` from any sources, coordinate descent over
+    ``JOINT_GRID`` on the mean |log(predicted / published)| per row (loso.coordinate_descent);
+    the module constants are restored afterwards."""
+    saved = joint_constants()
+
+    def objective(values: dict) -> float:
+        _set_joint(values)
+        return mean_abs_log(_joint_error(c, values) for c in cases)
+
+    try:
+        return coordinate_descent(objective, JOINT_GRID, saved, rounds=rounds)
+    finally:
+        _set_joint(saved)
+
+
+def loso_table(cases: list[Case]) -> dict:
+    """Leave-one-source-out over the answered rows of every source (loso.py)."""
+    answered = [c for c in cases if not c.unanswered]
+    return leave_one_source_out(answered, source=lambda c: c.source, name=lambda c: c.name, fit=joint_fit,
+                                errors=joint_errors, code=joint_constants(),
+                                excluded=[(c, f"unanswered: {c.unanswered}") for c in cases if c.unanswered])
+
+
+LOSO_INTRO = [
+    "The nine fitted constants (`RAMP_DIM`, the A100 peak fraction and the seven of the NeMo section) fitted jointly",
+    "on the rows of every source but one, by coordinate descent over the fits' grids on the mean |log(predicted /",
+    "published)| per row (TFLOP/s per GPU for Table 1 and the MoE README, MFU for Korthikanti, tokens/s per GPU for",
+    "the NeMo / Megatron-Bridge rows), then the held-out source's rows predicted with them. Sources are the rows'",
+    "`source` (the NeMo / Megatron-Bridge rows by release). Every row is predicted once, by the fold that did not see",
+    "it. The code's constants were fitted by the two separate fits above (Table 1; the MB-25.11 rows), not by this",
+    "joint fit; its in-sample column fits all sources at once. Unanswered rows, if any, are listed, not fitted.",
+]
 
 
 def nemo_row(case: Case) -> dict:
@@ -351,7 +427,8 @@ MODELLING_NOTES = [
 
 
 def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[dict] = (), nemo: list[dict] = (),
-             nemo_stats: dict | None = None, nemo_fit: dict | None = None, memory: list[dict] = ()) -> str:
+             nemo_stats: dict | None = None, nemo_fit: dict | None = None, memory: list[dict] = (),
+             loso: dict | None = None) -> str:
     lines = [
         "# Training cost model: calibration against published runs",
         "",
@@ -405,6 +482,8 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[d
                   f"{fitted['a100_peak_fraction']} (RMS log error {fitted['rms_log_error']:.3f}, worst row "
                   f"{fitted['max_abs_error']:.1%}). Constants in the code: RAMP_DIM = {efficiency.RAMP_DIM:g}, "
                   f"A100 peak fraction = {efficiency.PEAK_FRACTION['A100']}."]
+    if loso:
+        lines += loso_markdown(loso, "Out-of-sample accuracy: leave one source out", LOSO_INTRO)
     return "\n".join(lines) + "\n"
 
 
@@ -414,6 +493,7 @@ def main() -> None:
     parser.add_argument("--doc", default="docs/calibration_training.md")
     parser.add_argument("--no-fit", action="store_true", help="skip the grid search")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's own search per row")
+    parser.add_argument("--no-loso", action="store_true", help="skip the leave-one-source-out table")
     args = parser.parse_args()
     cases = megatron_table1()
     fitted = None if args.no_fit else fit(cases)
@@ -425,13 +505,14 @@ def main() -> None:
     nemo = [nemo_row(c) for c in modern]
     stats = summary(nemo)
     memory = memory_rows()
+    loso = None if args.no_loso else loso_table(cases + moe_cases() + korthikanti2022() + modern)
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"],
                                            **_modern_constants()},
               "megatron_table1": table, "moe": moe, "korthikanti2022": sp,
               "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "nemo_fit": nemo_fit,
-              "torchtitan_memory": memory}
+              "torchtitan_memory": memory, "loso": loso}
     for path, text in ((args.json, json.dumps(report, indent=2) + "\n"),
-                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory))):
+                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory, loso))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     for r in table + moe:
@@ -453,6 +534,10 @@ def main() -> None:
         print("fit:", fitted)
     if nemo_fit:
         print("modern fit:", nemo_fit)
+    if loso:
+        print("\n".join(loso_markdown(loso, "Leave one source out", [])))
+        print(f"LOSO runtime {loso['runtime_s']} s (in-sample fit {loso['in_sample']['fit_s']} s; folds "
+              + ", ".join(f"{f['fit_s']} s" for f in loso["folds"]) + ")")
 
 
 if __name__ == "__main__":
