@@ -43,9 +43,12 @@ class AgainstPlan:
         self.trainer, self.spec, self.layout = trainer, spec, layout
         self.events: list = []
         self.mem: dict = {}
+        self.routing: list = []
+        """Rows per global expert this rank's router sent, per EP dispatcher call (moe_traffic.py)."""
 
     def forward_backward(self, tokens, targets):
-        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts:
+        with collectives.CommLog(self.layout) as log, SavedActivations(self.trainer.chunks) as acts, \
+                _RecordRouting(self.trainer.chunks, self.routing):
             loss = self.trainer.forward_backward(tokens, targets)
         self.events += log.events
         self.mem["activations"] = acts.peak
@@ -67,8 +70,9 @@ class AgainstPlan:
     def rows(self) -> list[dict]:
         rank, per_node = dist.get_rank(), collectives.ranks_per_node()
         measured = measured_bytes(self.events)
+        routing = gather_routing(self.routing) if self.spec.is_moe and self.layout.ep > 1 else None
         try:
-            pred = predict_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers())
+            pred = predict_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers(), routing=routing)
             why = "not modelled: the per-op model predicts no figure for this quantity"
         except NotModelled as exc:
             pred, why = None, str(exc)
@@ -96,6 +100,10 @@ class AgainstPlan:
         if pred is not None:  # the training planner's production-stack estimate, for comparison only
             out.append(_row("activations_fused", "-", "-", rank, pred.memory["activations_fused"], self.mem.get("activations"),
                             None, REPORTED_ONLY))
+        if pred is not None and "all_to_all_apriori" in pred.memory:  # uniform routing x the planner's imbalance
+            measured_a2a = sum(v for (q, _, _), v in measured.items() if q == "payload:all_to_all")
+            out.append(_row("payload:all_to_all_apriori", "-", "-", rank, pred.memory["all_to_all_apriori"],
+                            measured_a2a, None, REPORTED_ONLY))
         if pred is None:
             out.append(_row("model", why, "-", rank, None, None, None, why, unit="-"))
         return out
@@ -133,6 +141,46 @@ def predicted_bytes(messages, layout, rank: int, per_node: int) -> dict:
             key = (f"{kind}:{msg.op}", axis, tier)
             out[key] = out.get(key, 0) + value
     return out
+
+
+class _RecordRouting:
+    """Context manager: every EP dispatcher of ``chunks`` wrapped to append the ``[E]`` row counts
+    its router sends (``counts`` of runtime/parallel/expert.py's ``AllToAllDispatcher``) to
+    ``calls``, once per forward (not again in a recomputation); unwrapped on exit. Reads only."""
+
+    def __init__(self, chunks, calls: list):
+        self.chunks, self.calls, self.saved = chunks, calls, []
+
+    def __enter__(self):
+        from modelcarve.runtime.model.moe import in_backward
+        from modelcarve.runtime.parallel.expert import moe_blocks
+
+        for chunk in self.chunks:
+            for _, moe in moe_blocks(chunk):
+                if moe.dispatcher is None:
+                    continue
+                inner = moe.dispatcher
+                self.saved.append((moe, inner))
+
+                def recording(x_sorted, counts, experts, __inner=inner):
+                    if not in_backward():
+                        self.calls.append([int(c) for c in counts.tolist()])
+                    return __inner(x_sorted, counts, experts)
+
+                moe.dispatcher = recording
+        return self
+
+    def __exit__(self, *exc):
+        for moe, inner in self.saved:
+            moe.dispatcher = inner
+        return False
+
+
+def gather_routing(calls: list) -> dict:
+    """``{global rank: its recorded dispatcher counts}`` on every rank (collective)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, calls)
+    return dict(enumerate(everyone))
 
 
 def gather_rows(rows: list[dict]) -> list[dict] | None:

@@ -1,0 +1,227 @@
+"""The per-op forecast of one rank of a mixture-of-experts model (expert parallelism included).
+
+``step_traffic.predict_rank`` hands an MoE model here (``predict_moe_rank``); the attention, the
+norms, the embedding and head, tensor parallelism and the scalars are step_traffic's own formulas,
+the MoE blocks are this module's. What the runtime does (runtime/model/moe.py,
+runtime/parallel/expert.py, data_parallel.py, zero_optimizer.py), with ``E`` experts, ``k`` the
+top-k, ``F`` the expert ffn size, ``H`` the hidden size, ``ep`` / ``etp`` (= tp here) / ``edp``
+the expert mesh (spec/ranks.py), on one rank:
+
+* parameters of an MoE layer: the router ``[E, H]`` (replicated over tp, its gradient a partial
+  sum all-reduced over tp once per step, fp32), the local experts ``w1, w3 [E/ep, F/etp, H]`` and
+  ``w2 [E/ep, H, F/etp]``, shared experts (a SwiGLU of ``num_shared x F``, split over tp like the
+  dense MLP), the attention and norms of a dense layer;
+* gradients: the experts' (ep > 1) summed over the expert-data-parallel group (``record_grad_group``),
+  everything else over dp x cp; ZeRO-1/2 make one flat bucket per such group (zero_optimizer.py:
+  padded to a multiple of its group's size, reduce-scattered and all-gathered only when that group
+  has more than one rank, an fp32 master range, two moments and one step counter per bucket);
+* the EP all-to-alls (``AllToAllDispatcher``), per MoE layer and micro-batch: the int64 count
+  matrix ``[ep, E/ep]`` (``8 E`` bytes, ``(ep-1)/ep`` of it to others), the dispatched rows
+  (``send_splits``: the rows this rank's tokens route to each EP rank's experts), the combined
+  rows back (``recv_splits``: the rows this rank's experts received), and in backward the same
+  two reversed; each ``H`` wide in the dtype of the tensor carried. The rows depend on the
+  routing, so the prediction is given it: ``routing[global rank]`` = the ``[E]`` rows per global
+  expert that rank's router sent, one list per dispatcher call (the runtime's call order: micro-
+  batch, then layer), recorded by verify/against_plan.py. Beside it, ``all_to_all_apriori``:
+  the same bytes at uniform routing (``T k / ep`` rows to each EP rank) times the planner's load-
+  imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
+* activations: plan/predict/moe_activations.py.
+
+Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP,
+recomputation, a folded expert mesh (etp != tp), group-limited routing, sigmoid routers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modelcarve.plan.predict import step_traffic as st
+from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes
+from modelcarve.spec.ranks import coords, expert_coords, expert_group_along, group_along
+from modelcarve.spec.support import held_param_dtype
+
+if TYPE_CHECKING:
+    from modelcarve.spec.layout import Layout
+    from modelcarve.spec.model import ModelSpec
+
+LOAD_IMBALANCE = 1.25
+"""The training planner's busiest-rank / mean token factor (plan/train/model.py ``TrainOptions.
+load_imbalance``; restated: plan/predict may not import plan/train; a test holds them equal)."""
+COUNT_BYTES = 8  # the int64 count matrix
+
+
+@dataclass(frozen=True)
+class SplitMessage(st.Message):
+    """An all-to-all of uneven splits: ``sent`` of each call's ``payload`` bytes leave the rank
+    (the comm log's wire: payload minus this rank's own split)."""
+
+    sent: int = 0
+
+    def wire(self) -> float:
+        return float(self.sent * self.calls)
+
+
+def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
+    """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
+    st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
+    problems = []
+    if layout.pp > 1:
+        problems.append("MoE layers under pipeline parallelism")
+    if layout.cp > 1:
+        problems.append("MoE layers under context parallelism")
+    if layout.zero == 3:
+        problems.append("MoE layers under fsdp")
+    if layout.recompute != "none":
+        problems.append("MoE layers under recomputation")
+    if layout.folded:
+        problems.append(f"a folded expert mesh (etp={layout.expert_tp} != tp={layout.tp})")
+    if spec.num_expert_groups > 1 or spec.router_scoring != "softmax":
+        problems.append("group-limited / sigmoid routing")
+    if problems:
+        raise st.NotModelled("not modelled per op: " + ", ".join(problems))
+
+
+def dense_equivalent(spec: "ModelSpec") -> "ModelSpec":
+    """The spec with its MoE fields cleared (for step_traffic's dense checks)."""
+    return dataclasses.replace(spec, num_experts=0, top_k=0, num_shared_experts=0, expert_ffn_size=0, moe_layers=())
+
+
+def moe_layer_tensors(spec: "ModelSpec", layout: "Layout") -> tuple[list[int], list[int]]:
+    """(tensors reduced over dp x cp, expert tensors) of one MoE layer on a rank: a dense layer's
+    attention and norms (step_traffic.layer_tensors without its MLP), the router, shared experts;
+    the local routed experts."""
+    tp, h = layout.tp, spec.hidden_size
+    dense = list(st.layer_tensors(spec, tp))
+    f = spec.ffn_size // tp
+    for size in ([h * f, h * f, f * h] if spec.ffn_kind == "swiglu" else [h * f, f * h]):
+        dense.remove(size)  # the dense MLP's matrices, wherever layer_tensors lists them
+    dense.append(spec.num_experts * h)  # router
+    if spec.num_shared_experts:
+        fs = spec.num_shared_experts * spec.expert_ffn_size // tp
+        dense += [h * fs, h * fs, fs * h]
+    fe = spec.expert_ffn_size // layout.expert_tp
+    n = spec.num_experts // layout.ep
+    return dense, [n * fe * h, n * fe * h, n * h * fe]
+
+
+def _zero_state(local: int, n: int, zero: int, low: bool) -> tuple[list, int, int, int]:
+    """One ZeRO-1/2 bucket of ``local`` elements over ``n`` ranks: (whether it communicates,
+    optimizer bytes, params bytes, grads bytes) as step_traffic's dense rule."""
+    flat = -(-local // n) * n * st.MASTER_BYTES
+    optimizer = 3 * flat // n + 4
+    params = local * (st.LOW_BYTES if low else st.MASTER_BYTES)
+    grads = flat if low else local * st.MASTER_BYTES
+    if zero == 2:
+        grads = flat // n
+    return [flat] if n > 1 else [], optimizer, params, grads
+
+
+def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
+                     routing: dict | None = None) -> st.RankPrediction:
+    """Messages and memory of one rank of an MoE model for one training step (module doc)."""
+    check_moe_supported(spec, layout)
+    if layout.ep > 1 and routing is None:
+        raise st.NotModelled("not modelled per op: expert parallelism without the measured routing "
+                             "(predict_rank(..., routing=...): the all-to-all rows depend on it)")
+    tp, m = layout.tp, layout.num_microbatches
+    nl = spec.num_layers if stage_layers is None else stage_layers
+    moe_ids = [i for i in range(nl) if spec.is_moe_layer(i)]
+    n_moe, n_dense = len(moe_ids), nl - len(moe_ids)
+    act = st.DTYPE_SIZE[layout.param_dtype]
+    tokens = layout.mbs * layout.seq
+    hidden = tokens * spec.hidden_size
+    dense_layer, root = st.layer_tensors(spec, tp), st.root_tensors(spec, tp, True, True)
+    moe_dense, experts = moe_layer_tensors(spec, layout)
+    shared_local = n_dense * sum(dense_layer) + n_moe * sum(moe_dense) + sum(root)
+    expert_local = n_moe * sum(experts)
+    n_tensors = n_dense * len(dense_layer) + n_moe * (len(moe_dense) + len(experts)) + len(root)
+
+    dp_group, tp_group = group_along(layout, rank, "dp_cp"), group_along(layout, rank, "tp")
+    ep_split = layout.ep > 1
+    edp_group = expert_group_along(layout, rank, "edp") if ep_split else dp_group
+    msgs: list = []
+    if tp > 1:
+        msgs += st.tp_messages(spec, layout, tp_group, nl, True, True, m, hidden, act, tokens)
+        # the router is replicated over tp: its gradient is a partial sum, all-reduced once per step
+        msgs.append(st.Message("all_reduce", tp_group, "fp32", spec.num_experts * spec.hidden_size * st.MASTER_BYTES, n_moe))
+    if ep_split:
+        msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
+
+    low = held_param_dtype(layout) == "bf16"
+    params = grads = (shared_local + expert_local) * st.MASTER_BYTES
+    optimizer = 2 * (shared_local + expert_local) * st.MASTER_BYTES + 4 * n_tensors
+    buckets = [(shared_local, dp_group)] + ([(expert_local, edp_group)] if ep_split else [])
+    if not ep_split:
+        buckets = [(shared_local + expert_local, dp_group)]
+    if layout.dp * layout.cp > 1:
+        if layout.zero in (1, 2):
+            params = grads = optimizer = 0
+            for local, group in buckets:
+                flats, o, p, g = _zero_state(local, len(group), layout.zero, low)
+                for flat in flats:
+                    msgs += [st.Message("reduce_scatter", group, "fp32", flat), st.Message("all_gather", group, "fp32", flat)]
+                optimizer, params, grads = optimizer + o, params + p, grads + g
+        else:
+            msgs += [st.Message("all_reduce", group, "fp32", local * st.MASTER_BYTES) for local, group in buckets
+                     if len(group) > 1]
+        msgs.append(st.Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp
+    msgs.append(st.Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
+    acts = moe_rank_activation_bytes(spec, layout, rank, nl, routing)
+    fused = st.activation_bytes(spec, layout, nl, True, True)
+    memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
+                  comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
+    if ep_split:
+        memory["all_to_all_apriori"] = apriori_all_to_all_bytes(spec, layout, n_moe * m)
+    return st.RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def dispatch_bytes(layout: "Layout") -> tuple[int, int]:
+    """Bytes of one element of (the dispatched rows, the combined rows): the MoE block's input
+    (the residual stream's norm output: fp32, or bf16 where parameters are held in bf16) and the
+    experts' output (the compute dtype under autocast)."""
+    c = st.DTYPE_SIZE[layout.param_dtype]
+    resid = 2 if held_param_dtype(layout) == "bf16" else 4
+    return resid, c
+
+
+def ep_splits(layout: "Layout", rank: int, routing: dict, call: int) -> tuple[list[int], list[int], int]:
+    """(send_splits, recv_splits, this rank's EP index) of dispatcher call ``call``: row ``j`` of
+    this rank's ``[ep, E/ep]`` count matrix goes to EP rank ``j``; EP rank ``j`` sends this rank the
+    counts of its own experts from its matrix."""
+    members = expert_group_along(layout, rank, "ep")
+    me = members.index(rank)
+    counts = routing[rank][call]
+    local = len(counts) // layout.ep
+    send = [sum(counts[j * local:(j + 1) * local]) for j in range(layout.ep)]
+    recv = [sum(routing[peer][call][me * local:(me + 1) * local]) for peer in members]
+    return send, recv, me
+
+
+def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, calls: int) -> list:
+    """The EP all-to-alls of one step given the measured routing (module doc): per call the count
+    exchange, dispatch and combine forward, and both reversed in backward."""
+    group = expert_group_along(layout, rank, "ep")
+    if len(routing[rank]) != calls:
+        raise st.NotModelled(f"not modelled per op: {len(routing[rank])} recorded dispatches, {calls} expected")
+    xd, yd = dispatch_bytes(layout)
+    names = {2: "bf16", 4: "fp32"}
+    h = spec.hidden_size
+    count = spec.num_experts * COUNT_BYTES
+    out: list = [st.Message("all_to_all", group, "int64", count, calls)]
+    for call in range(calls):
+        send, recv, me = ep_splits(layout, rank, routing, call)
+        s, r = sum(send), sum(recv)
+        for rows, own, size in ((s, send[me], xd), (r, recv[me], yd),   # forward: dispatch, combine
+                                (s, send[me], yd), (r, recv[me], xd)):  # backward: combine's, dispatch's
+            out.append(SplitMessage("all_to_all", group, names[size], rows * h * size, 1, (rows - own) * h * size))
+    return [mm for mm in out if mm.payload]
+
+
+def apriori_all_to_all_bytes(spec: "ModelSpec", layout: "Layout", calls: int) -> float:
+    """All-to-all payload of a step at uniform routing times ``LOAD_IMBALANCE`` (reported only):
+    per call ``T k`` rows dispatched and combined, forward and backward, plus the counts."""
+    xd, yd = dispatch_bytes(layout)
+    rows = layout.mbs * layout.seq * spec.top_k * LOAD_IMBALANCE
+    return calls * (2 * rows * spec.hidden_size * (xd + yd) + spec.num_experts * COUNT_BYTES)
