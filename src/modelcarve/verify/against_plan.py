@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
+from modelcarve.plan.predict.moe_traffic import forecast_rank
+from modelcarve.plan.predict.step_traffic import NotModelled
 from modelcarve.runtime.distributed import collectives
 from modelcarve.runtime.measure.memory_report import SavedActivations, held_grads, optimizer_bytes, param_bytes
 
@@ -72,7 +73,7 @@ class AgainstPlan:
         measured = measured_bytes(self.events)
         routing = gather_routing(self.routing) if self.spec.is_moe and self.layout.ep > 1 else None
         try:
-            pred = predict_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers(), routing=routing)
+            pred = forecast_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers(), routing=routing)
             why = "not modelled: the per-op model predicts no figure for this quantity"
         except NotModelled as exc:
             pred, why = None, str(exc)

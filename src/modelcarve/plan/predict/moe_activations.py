@@ -1,15 +1,74 @@
-"""Bytes the eager runtime saves for backward in the MoE blocks of one rank (plan/predict/activations.py's terms for the rest)."""
+"""Bytes the eager runtime saves for backward in one rank's MoE blocks (plan/predict/activations.py for the rest).
+
+Per MoE layer and micro-batch of ``T = mbs x seq`` tokens (``b`` sequences), ``S = T k`` the
+(token, choice) rows this rank's router sends and ``R`` the rows its experts receive (``S``
+without expert parallelism; under EP the measured routing's, moe_traffic.ep_splits), ``c`` the
+compute dtype's bytes, ``F`` the expert ffn size over etp (= tp here), what runtime/model/moe.py and
+runtime/parallel/expert.py save, tensor by tensor (checked with saved_tensors_hooks on tiny-moe):
+
+* router (fp32, autocast off): its input ``4 T H`` (a view of the block's input of another shape,
+  so a distinct saved tensor), the softmax scores ``4 T E``, the top-k indices ``8 T k``, the
+  renormalisation's weights ``4 T k`` and their sum ``4 T``; the aux loss's per-sequence load ``4 b E``;
+* grouping by expert: the gather index ``8 S`` (``order // k``) and the scatter index ``8 S``
+  (``index_copy``), and under EP the regrouping index ``8 R`` of the received rows;
+* the experts (GroupedExperts, per expert on its rows): the rows ``c R H``, the gate and up
+  projections, the SiLU output and their product ``4 c R F``, the experts' output ``c R H``
+  (kept by the regrouping ``index_copy``);
+* the combine: the rows back ``c S H`` (EP: the all-to-all's output, kept by ``index_copy``;
+  without EP that is the experts' output already counted, ``R = S``), its ``[T, k, H]`` view ``c S H``
+  and the routing weights ``c T k``.
+
+The dense part of an MoE layer (norms, attention) is activations.py's ``layer_terms`` without its
+MLP terms. Peak: the largest micro-batch (no pipeline: one micro-batch in flight; micro-batches
+differ by their routing). fp32 only (bf16: None, not modelled).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from modelcarve.plan.predict.activations import FP32, INDEX, layer_terms, residual_bytes, stage_terms
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
     from modelcarve.spec.model import ModelSpec
 
 
-def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", rank: int, layers: int,
-                              routing: dict | None) -> float | None:
-    """Peak saved-for-backward bytes of one rank of an MoE model (None: not modelled)."""
-    return None
+def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, ep_split: bool) -> dict[str, float]:
+    """Saved bytes of one MoE block and micro-batch on one rank (module doc)."""
+    c = FP32
+    h, E, k = spec.hidden_size, spec.num_experts, spec.top_k
+    f = spec.expert_ffn_size // layout.expert_tp
+    S, R = T * k, received
+    out = {
+        "router": FP32 * T * h + FP32 * T * E + INDEX * T * k + FP32 * T * k + FP32 * T,
+        "aux_load": FP32 * layout.mbs * E,
+        "indices": 2 * INDEX * S + (INDEX * R if ep_split else 0),
+        "expert_rows": c * R * h,
+        "experts": 4 * c * R * f,
+        "expert_out": c * R * h,
+        "combine": (c * S * h if ep_split else 0) + c * S * h + c * T * k,
+    }
+    if spec.num_shared_experts:  # a SwiGLU MLP on the block's input, split over tp like the dense one
+        fs = spec.num_shared_experts * spec.expert_ffn_size / layout.tp
+        out["shared"] = c * T * h + 4 * c * T * fs
+    return out
+
+
+def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int,
+                              received: list[list[int]] | None) -> float | None:
+    """Peak saved-for-backward bytes of one rank of an MoE model (``received[mb][i]``: the rows
+    the experts of this rank received in the ``i``-th MoE layer of micro-batch ``mb``; None
+    without EP); None where not modelled (bf16)."""
+    if layout.param_dtype != "fp32":
+        return None
+    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, FP32, r)
+    attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
+    moe_ids = [i for i in range(layers) if spec.is_moe_layer(i)]
+    fixed = (layers - len(moe_ids)) * sum(dense.values()) + len(moe_ids) * attention
+    fixed += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, FP32, True, True, r).values())
+    ep_split = layout.ep > 1
+    per_mb = received if received is not None else [[T * spec.top_k] * len(moe_ids)] * layout.num_microbatches
+    return float(max(fixed + sum(sum(moe_block_terms(spec, layout, T, R, ep_split).values()) for R in mb)
+                     for mb in per_mb))

@@ -1,6 +1,8 @@
 """The per-op forecast of one rank of a mixture-of-experts model (expert parallelism included).
 
-``step_traffic.predict_rank`` hands an MoE model here (``predict_moe_rank``); the attention, the
+``forecast_rank`` is step_traffic's ``predict_rank`` for any model: an MoE model goes to
+``predict_moe_rank`` (step_traffic still raises NotModelled for one, so nothing silently takes
+the dense formulas for it), every other to step_traffic. For an MoE model the attention, the
 norms, the embedding and head, tensor parallelism and the scalars are step_traffic's own formulas,
 the MoE blocks are this module's. What the runtime does (runtime/model/moe.py,
 runtime/parallel/expert.py, data_parallel.py, zero_optimizer.py), with ``E`` experts, ``k`` the
@@ -25,7 +27,7 @@ the expert mesh (spec/ranks.py), on one rank:
   batch, then layer), recorded by verify/against_plan.py. Beside it, ``all_to_all_apriori``:
   the same bytes at uniform routing (``T k / ep`` rows to each EP rank) times the planner's load-
   imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
-* activations: plan/predict/moe_activations.py.
+* activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing).
 
 Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP,
 recomputation, a folded expert mesh (etp != tp), group-limited routing, sigmoid routers.
@@ -61,6 +63,15 @@ class SplitMessage(st.Message):
 
     def wire(self) -> float:
         return float(self.sent * self.calls)
+
+
+def forecast_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
+                  routing: dict | None = None) -> st.RankPrediction:
+    """``step_traffic.predict_rank``, or ``predict_moe_rank`` for an MoE model (``routing``: the
+    measured dispatcher counts, needed under expert parallelism)."""
+    if spec.is_moe:
+        return predict_moe_rank(spec, layout, rank, stage_layers=stage_layers, routing=routing)
+    return st.predict_rank(spec, layout, rank, stage_layers=stage_layers)
 
 
 def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
@@ -168,7 +179,10 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                      if len(group) > 1]
         msgs.append(st.Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp
     msgs.append(st.Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    acts = moe_rank_activation_bytes(spec, layout, rank, nl, routing)
+    received = None
+    if ep_split:
+        received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
+    acts = moe_rank_activation_bytes(spec, layout, nl, received)
     fused = st.activation_bytes(spec, layout, nl, True, True)
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))

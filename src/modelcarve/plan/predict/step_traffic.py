@@ -182,14 +182,8 @@ def tied_group(spec: "ModelSpec", layout: "Layout", rank: int) -> tuple | None:
 
 
 # --- the prediction -------------------------------------------------------------------------
-def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
-                 routing: dict | None = None) -> RankPrediction:
-    """Messages and memory of one rank for one training step (see the module doc; an MoE model:
-    plan/predict/moe_traffic.py, given the measured ``routing`` under expert parallelism)."""
-    if spec.is_moe:
-        from modelcarve.plan.predict.moe_traffic import predict_moe_rank
-
-        return predict_moe_rank(spec, layout, rank, stage_layers=stage_layers, routing=routing)
+def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None) -> RankPrediction:
+    """Messages and memory of one rank for one training step (see the module doc)."""
     _check_supported(spec, layout)
     c = coords(layout, rank)
     stage, tp = c["pp"], layout.tp
