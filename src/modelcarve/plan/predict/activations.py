@@ -73,7 +73,7 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     heads = spec.num_heads / tp
     casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2)
     kv = max(spec.num_kv_heads // tp, 1) if ring else heads
-    return {
+    terms = {
         "norms": 2 * _norm(T, h, rep, resid),
         "attn_input": casts_attn * c * T * h,
         "qkv": c * T * (heads + 2 * kv) * hd,
@@ -82,6 +82,12 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
         "mlp_input": casts_mlp * c * T * h,
         "mlp": 4 * c * T * f / tp,
     }
+    if spec.qk_norm:
+        # Qwen3's per-head RMSNorm of q and of k (before rotary, kv heads not yet expanded):
+        # each saves its fp32 input, the fp32 inverse RMS per head and row, its output in the compute dtype
+        kvl = max(spec.num_kv_heads // tp, 1)
+        terms["qk_norm"] = (FP32 + c) * T * (heads + kvl) * hd + FP32 * T * (heads + kvl)
+    return terms
 
 
 def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, first: bool, last: bool,

@@ -119,8 +119,8 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("MoE layers")
     if spec.attention_kind != "gqa":
         problems.append(f"{spec.attention_kind} attention")
-    if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm or spec.position_kind != "rope":
-        problems.append("biases / qk-norm / learned positions")
+    if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.position_kind != "rope":
+        problems.append("biases / learned positions")
     if layout.ep > 1:
         problems.append("expert parallelism")
     if layout.cp > 1 and layout.recompute != "none":
@@ -141,6 +141,8 @@ def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
     f = spec.ffn_size // tp
     tensors += [h * f, h * f, f * h] if spec.ffn_kind == "swiglu" else [h * f, f * h]
     tensors += [h] * spec.layer_norms  # replicated norm weights
+    if spec.qk_norm:  # Qwen3's per-head RMSNorm of q and k: one head_dim weight each, replicated
+        tensors += [hd, hd]
     return tensors
 
 
@@ -201,7 +203,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp_cp", "tp", "pp"))
 
     if tp > 1:
-        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens)
+        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens, rank)
     if layout.cp > 1:
         msgs += ring_sends(spec, layout, rank, nl, m, tokens)
     if layout.pp > 1:
@@ -289,7 +291,7 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
 
 
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
-                hidden: int, act: int, tokens: int | None = None) -> list[Message]:
+                hidden: int, act: int, tokens: int | None = None, rank: int | None = None) -> list[Message]:
     """Tensor-parallel messages of one step on one rank (see the module doc)."""
     dt, region = layout.param_dtype, hidden * act
     f32 = hidden * 4
@@ -307,6 +309,16 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
     if layout.sp:  # the replicated norm weights' gradients, once per step
         norms = nl * spec.layer_norms + int(last)
         out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
+    if spec.qk_norm:  # q_norm / k_norm are replicated over tp, sp or not: their gradients, once per step
+        out.append(Message("all_reduce", group, "fp32", spec.head_dim * MASTER_BYTES, 2 * nl))
+    kv, t = spec.num_kv_heads, len(group)
+    if kv < t:
+        # fewer kv heads than TP ranks: each kv head's wk / wv are replicated over the t / kv ranks
+        # that use it (runtime/parallel/tensor.py kv_replica_groups), their gradients summed there
+        r = t // kv
+        me = group.index(rank) if rank is not None else 0
+        replicas = tuple(group[(me // r) * r:(me // r + 1) * r])
+        out.append(Message("all_reduce", replicas, "fp32", spec.hidden_size * spec.head_dim * MASTER_BYTES, 2 * nl))
     if last:  # vocab-parallel cross entropy: max, sum of exponentials, target logit
         rows = tokens if tokens is not None else layout.mbs * layout.seq
         out.append(Message("all_reduce", group, "fp32", rows * 4, 3 * m))
