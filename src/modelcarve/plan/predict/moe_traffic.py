@@ -29,8 +29,10 @@ the expert mesh (spec/ranks.py), on one rank:
   imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
 * activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing).
 
-Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP,
-recomputation, a folded expert mesh (etp != tp), group-limited routing, sigmoid routers.
+Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP (also
+ZeRO-1/2 with dp_shard),
+recomputation, a folded expert mesh (etp != tp), group-limited routing, sigmoid routers; MoE
+activations in bf16 (moe_activations.py).
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("MoE layers under pipeline parallelism")
     if layout.cp > 1:
         problems.append("MoE layers under context parallelism")
-    if layout.zero == 3:
-        problems.append("MoE layers under fsdp")
+    if layout.zero == 3 or layout.dp_shard:
+        problems.append("MoE layers under fsdp / hsdp")
     if layout.recompute != "none":
         problems.append("MoE layers under recomputation")
     if layout.folded:
