@@ -12,8 +12,8 @@ plan/predict/step_traffic.py's prediction beside the measured one:
 * ``params``, ``grads``, ``optimizer``, ``comm_buffers`` equal to the byte; ``activations``
   within 10% (plan/predict/activations.py against the peak saved-for-backward bytes), and
   ``activations_fused`` (plan/cost/activations.py's production-stack figure) beside it, not judged;
-* a quantity the per-op model does not cover (MoE/EP, CP, MLA, hsdp, interleaved schedules,
-  recomputed activations, ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
+* a quantity the per-op model does not cover (MoE/EP, MLA, biases, ring attention or FSDP
+  under some schedules, recomputed activations, ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
   ``model`` row says why. Such a row is NOT a pass: ``unjudged(rows)`` lists the reasons,
   ``passed`` is False while there is one, and ``verify --against-plan`` exits 2 with the reason
   (commands/run.py). Only ``activations_fused`` and ``payload/wire:send_meta`` are reported
