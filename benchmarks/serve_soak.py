@@ -180,8 +180,17 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--layout", default="tp=2,param_dtype=fp32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in the server's environment (e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY=64); repeatable")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_soak.json"))
     args = p.parse_args()
+    env = {}
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            p.error(f"--env takes NAME=VALUE, got {item!r}")
+        env[name] = value
+    os.environ.update(env)  # the server (and its ranks) inherit it
 
     import torch
     import transformers
@@ -211,7 +220,7 @@ def main() -> int:
     loads = [s["load_1m"] for s in result["samples"]]
     report = {
         "benchmark": "serve_soak", "layout": args.layout, "requests": args.requests, "warmup": args.warmup,
-        "abort_fraction": args.abort_fraction, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "abort_fraction": args.abort_fraction, "env": env, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         **result, "growth": growth, "max_growth": max(g["growth"] for g in growth.values()),
         "server_exit_code": code, "load_1m_max": max(loads), "quiet": max(loads) <= 1.5,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

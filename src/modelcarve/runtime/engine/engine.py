@@ -96,6 +96,8 @@ class EngineConfig:
     weight_dtype: str | None = None
     kv_dtype: str | None = None
     seed: int = 0
+    step_buckets: bool = True
+    """Run each step at a bucketed shape (step_plan.StepShape): bounded native caches, same tokens."""
     timeout_s: float = 120.0
     quiet: bool = True
 
@@ -174,7 +176,7 @@ class Engine:
         self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
         self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
                                   block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
-                                  max_num_seqs=cfg.max_num_seqs)
+                                  max_num_seqs=cfg.max_num_seqs, buckets=cfg.step_buckets)
         self.spec = self.runner.spec
         self.is_driver = self.runner.rank == 0
         self.tokenizer = None

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, install
-from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
+from modelcarve.runtime.engine.step_plan import (DUMMY_ITEM, StepItem, StepPlan, bucket, step_tokens,
+                                                 top_and_chosen)
 from modelcarve.spec.errors import LayoutError
 
 
@@ -131,7 +132,8 @@ class ModelRunner:
     """This rank's part of the model and its KV cache (see module doc)."""
 
     def __init__(self, model: str, layout, *, dtype: str, weight_dtype: str, kv_dtype: str, block_size: int = 16,
-                 kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64):
+                 kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64,
+                 buckets: bool = True):
         from modelcarve.runtime.build import build_chunks
 
         self.layout, self.block_size, self.kv_dtype = layout, block_size, kv_dtype
@@ -181,6 +183,9 @@ class ModelRunner:
                               f"of at least {2 * block_size * self.bytes_per_token}")
         self.cache = KVCache(chunk, blocks, block_size, kv_dtype, self.dtype, self.device)
         install(chunk, self.cache)
+        # MoE with a per-sequence expert capacity: padding tokens would take real tokens' places
+        self.buckets = buckets and not any(getattr(m, "capacity_factor", None) for m in chunk.modules())
+        """Forwards run at bucketed shapes (step_plan.StepShape), not each step's own."""
         self.plan_bytes = 0
         self.logit_bytes = 0
         self.microbatches = 0
@@ -288,10 +293,12 @@ class ModelRunner:
         from modelcarve.runtime.parallel.tensor import full_vocab_logits
 
         chunk = self.chunk
-        ctx = StepContext([(it.start, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device)
+        ctx = StepContext([(it.start, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device,
+                          self.buckets)
         positions = ctx.positions
         if h is None:
-            ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.device)[None]
+            ids = [t for it in items for t in it.token_ids] + [0] * (ctx.num_tokens - ctx.real_tokens)
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
             h = chunk.tok_embeddings(ids)
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
@@ -308,8 +315,11 @@ class ModelRunner:
             if it.sample:
                 rows.append(t - 1)
         packed = self._prompt_logprobs(h, items)
+        n = len(rows)
+        if self.buckets and rows:  # the head at a bucketed row count too (a repeated row, cut off below)
+            rows += [rows[-1]] * (bucket(n) - n)
         h = chunk.norm(h[:, rows])
-        return full_vocab_logits(chunk.output(h), chunk)[0].float(), packed
+        return full_vocab_logits(chunk.output(h), chunk)[0, :n].float(), packed
 
     def launch(self, plan: StepPlan) -> tuple[list, list]:
         """This rank's compute and sends for ``plan``: (sends still pending as (work, tensor) pairs,
@@ -325,7 +335,7 @@ class ModelRunner:
             if self.first:
                 h = None
             else:
-                t = sum(len(it.token_ids) for it in mb)
+                t = step_tokens(mb, self.buckets)
                 h = torch.empty(1, t, self.spec.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(h, self.layout.rank_of(pp=self.pp_rank - 1, dp=self.dp_rank, tp=self.tp_rank))
             start = time.monotonic()

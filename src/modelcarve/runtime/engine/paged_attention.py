@@ -2,7 +2,7 @@
 
 A step's tokens (from several sequences: prefill chunks and single decode tokens) run through
 the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
-describes the packing: per sequence its queries (``q_len`` tokens at positions
+describes the packing (padded to a ``step_plan.StepShape`` when bucketed): per sequence its queries (``q_len`` tokens at positions
 ``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
 cache once this step's k/v are written), the slot of every new token, and every sequence's
 block table padded to the longest with block 0 (``block_index``). It is built with a few tensor
@@ -31,26 +31,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from modelcarve.runtime.engine.step_plan import StepShape
+
 
 class StepContext:
-    """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table)."""
+    """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table);
+    ``buckets``: run at the padded ``step_plan.StepShape`` (real rows first, padding after)."""
 
-    def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu"):
+    def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu", buckets: bool = False):
         bs = block_size
+        real = sum(q for _, q, _ in seqs)
+        need_blocks = -(-max(s + q for s, q, _ in seqs) // bs)
+        shape = StepShape.of([q for _, q, _ in seqs], need_blocks, buckets)
+        # padding sequences: one-token ones at position 0 (decode), else empty ones
+        seqs = list(seqs) + [(0, 1 if shape.queries == 1 else 0, [])] * (shape.seqs - len(seqs))
         n = len(seqs)
         starts = [s for s, _, _ in seqs]
         q_lens = [q for _, q, _ in seqs]
         ctx = [s + q for s, q in zip(starts, q_lens)]
-        l_max, q_max = max(ctx), max(q_lens)
-        nb = -(-l_max // bs)
+        l_max, q_max = max(ctx), shape.queries
+        nb = shape.blocks
         rows = []
         for (_, _, table), c in zip(seqs, ctx):
-            need = -(-c // bs)
-            rows.append(table[:need] + [0] * (nb - need))
+            row = table[:-(-c // bs)]  # a padding sequence's is empty: block 0
+            rows.append(row + [0] * (nb - len(row)))
         tables = torch.tensor(rows, dtype=torch.long, device=device)             # [n, nb]
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
         self.decode = q_max == 1
-        self.num_tokens = t = sum(q_lens)
+        self.num_tokens = t = shape.tokens
+        self.real_tokens = real
         if self.decode:  # one query per sequence: token i is sequence i
             self.positions = start_t
             slots = tables.gather(1, (start_t // bs)[:, None])[:, 0] * bs + start_t % bs
@@ -60,8 +69,12 @@ class StepContext:
             q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
             offsets = torch.cumsum(q_len_t, 0) - q_len_t
             seq_of = torch.repeat_interleave(torch.arange(n, device=device), q_len_t)
-            self.positions = start_t[seq_of] + torch.arange(t, device=device) - offsets[seq_of]
-            slots = tables[seq_of, self.positions // bs] * bs + self.positions % bs
+            positions = start_t[seq_of] + torch.arange(real, device=device) - offsets[seq_of]
+            slots = tables[seq_of, positions // bs] * bs + positions % bs
+            if t > real:  # padding tokens: position 0, the scratch slot 0 (block 0); no attention
+                positions = torch.cat([positions, positions.new_zeros(t - real)])
+                slots = torch.cat([slots, slots.new_zeros(t - real)])
+            self.positions = positions
             j = torch.arange(q_max, device=device)[None]
             self.q_valid = j < q_len_t[:, None]
             self.q_index = torch.where(self.q_valid, offsets[:, None] + j, 0)
@@ -69,10 +82,10 @@ class StepContext:
         self.slot_mapping = slots
         self.block_index = tables.view(-1)
         self.num_seqs = n
-        # one sequence: its keys are the (contiguous) prefix of the gathered blocks
-        self.key_len = l_max if n == 1 else nb * bs
+        # one sequence, unbucketed: its keys are the (contiguous) prefix of the gathered blocks
+        self.key_len = l_max if n == 1 and not buckets else nb * bs
         self.k_pos = torch.arange(self.key_len, device=device)
-        self.decode_one = n == 1 and t == 1
+        self.decode_one = n == 1 and t == 1 and self.key_len == l_max
         self._masks: dict = {}
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -103,7 +116,10 @@ class StepContext:
         """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
         if self.decode:
             return out[:, :, 0].transpose(0, 1)[None]
-        return out.permute(0, 2, 1, 3)[self.q_valid].permute(1, 0, 2).unsqueeze(0)
+        out = out.permute(0, 2, 1, 3)[self.q_valid]                              # [real, heads, d]
+        if self.num_tokens > self.real_tokens:  # padding tokens' rows: zeros
+            out = torch.cat([out, out.new_zeros(self.num_tokens - self.real_tokens, *out.shape[1:])])
+        return out.permute(1, 0, 2).unsqueeze(0)
 
 
 def _attend(q, k, v, mask, scale):
