@@ -97,7 +97,7 @@ class EngineConfig:
     kv_dtype: str | None = None
     seed: int = 0
     step_buckets: bool = True
-    """Run each step at a bucketed shape (step_plan.StepShape): bounded native caches, same tokens."""
+    """Run each step at a bucketed shape (paged_attention.StepShape): bounded native caches, same tokens."""
     timeout_s: float = 120.0
     quiet: bool = True
 
@@ -161,7 +161,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig):
         from modelcarve.runtime.checkpoint.hf_load import is_checkpoint, model_spec
-        from modelcarve.runtime.engine.model_runner import ModelRunner
+        from modelcarve.runtime.engine.model_runner import ModelRunner, RecordRing
 
         self.cfg = cfg
         layout, weight, kv = resolve_layout(cfg.layout, cfg.dtype)
@@ -202,7 +202,7 @@ class Engine:
         self._inflight: deque = deque()  # (scheduled, plan, pending sends, launch time), oldest first
         self._max_in_flight = 0
         self._plans = self._calls = 0
-        self._flights: deque = deque(maxlen=65536)
+        self._flights = RecordRing(("mb", "step", "launched", "retired"), ("launched", "retired"))
 
     # --- requests -------------------------------------------------------------------------
     @property
@@ -336,7 +336,7 @@ class Engine:
         launched = time.monotonic()
         results = self.runner.execute(plan)
         self._steps += 1
-        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        self._flights.append(plan.index, plan.step, launched, time.monotonic())
         return outputs + self._absorb(scheduled, plan, results)
 
     def _take_aborts(self, busy=frozenset()) -> list[RequestOutput]:
@@ -393,7 +393,7 @@ class Engine:
         results = self.runner.collect(plan)
         self.runner.wait(sends)
         self._steps += 1
-        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        self._flights.append(plan.index, plan.step, launched, time.monotonic())
         return outputs + self._absorb(scheduled, plan, results)
 
     def _absorb(self, scheduled, plan: StepPlan, results) -> list[RequestOutput]:

@@ -2,8 +2,8 @@
 
 A step's tokens (from several sequences: prefill chunks and single decode tokens) run through
 the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
-describes the packing (padded to a ``step_plan.StepShape`` when bucketed): per sequence its queries (``q_len`` tokens at positions
-``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
+describes the packing (padded to a ``StepShape`` when bucketed, below): per sequence its queries
+(``q_len`` tokens at positions ``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
 cache once this step's k/v are written), the slot of every new token, and every sequence's
 block table padded to the longest with block 0 (``block_index``). It is built with a few tensor
 operations per step (no per-position Python lists).
@@ -14,7 +14,7 @@ file only calls it instead of its own core attention):
 1. writes the new tokens' k/v (MLA: normalised latent and rotated k_rot) into their slots;
 2. gathers each sequence's context from the cache ``[n, L, ...]`` as whole blocks (one
    ``index_select`` of block-sized rows per stored tensor and layer; ``L`` = the longest context
-   rounded up to a block, or exactly the context for a single sequence), and its queries
+   rounded up to a block, or -- unbucketed -- exactly the context for a single sequence), and its queries
    ``[n, Q, ...]`` (a decode-only step, one query per sequence, needs no gather: a view);
 3. runs ``scaled_dot_product_attention`` with a boolean mask per sequence: key ``j`` is visible to a
    query at position ``p`` when ``j <= p`` and, for a sliding-window layer, ``j > p - window``
@@ -22,21 +22,68 @@ file only calls it instead of its own core attention):
    padded queries see key 0 only, and are dropped;
 4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
 
+Step shapes (``bucket`` / ``StepShape``; ``StepContext(..., buckets=True)``, the engine's default):
+a step runs with its sizes padded to a fixed set (1, 2, 4, 8, 16, 32, then 48, 64, 96, 128, 192,
+...: powers of two and, from 32, the 1.5x between them), so
+the native kernels' per-shape caches (oneDNN's primitives, the allocator's sizes) see a bounded set
+of shapes however long the server runs -- what CUDA-graph capture sizes do for vLLM. Padded are
+the packed token count (extra tokens at position 0 write the scratch slot 0 of block 0, which no
+request owns, and skip attention; a decode step pads with one-token sequences instead), the
+sequences (empty ones), the longest chunk (queries that see key 0 only), the block-table width
+(block 0, keys masked) and the rows through the LM head (a repeated row). Padding comes after
+every real row and is dropped before anything returns: a request's tokens do not change.
+
 MLA recomputes the keys and values of the whole context from the cached latent (``wkv_b``),
 the same (non-absorbed) arithmetic the reference model does.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from modelcarve.runtime.engine.step_plan import StepShape
+BUCKET_FINE = 32
+"""Up to here the buckets are the powers of two; above, also 1.5x each power of two."""
+
+
+def bucket(n: int) -> int:
+    """The smallest step size >= ``n`` in the fixed set (see module doc); ``bucket(0) == 0``."""
+    if n < 0:
+        raise ValueError(f"a step size must be >= 0, got {n}")
+    p = 1
+    while p < n:
+        p *= 2
+    return p * 3 // 4 if p > BUCKET_FINE and n <= p * 3 // 4 else (p if n else 0)
+
+
+class StepShape(NamedTuple):
+    """One forward's padded sizes (``StepShape.of``); equal to the real ones when not bucketed."""
+
+    tokens: int
+    """Rows of the packed batch (the linears' M)."""
+    seqs: int
+    """Sequences of the attention (a decode step: ``== tokens``)."""
+    queries: int
+    """Query rows per sequence (1 in a decode step)."""
+    blocks: int
+    """Block-table width (keys: ``blocks x block_size``)."""
+
+    @classmethod
+    def of(cls, q_lens: list[int], ctx_blocks: int, buckets: bool = True) -> "StepShape":
+        """For sequences of ``q_lens`` new tokens whose longest context spans ``ctx_blocks`` blocks."""
+        n, t, q = len(q_lens), sum(q_lens), max(q_lens)
+        if not buckets:
+            return cls(t, n, q, ctx_blocks)
+        if q == 1:  # decode: one token per sequence, the padding too
+            return cls(bucket(n), bucket(n), 1, bucket(ctx_blocks))
+        return cls(bucket(t), bucket(n), bucket(q), bucket(ctx_blocks))
 
 
 class StepContext:
     """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table);
-    ``buckets``: run at the padded ``step_plan.StepShape`` (real rows first, padding after)."""
+    ``buckets``: run at the padded ``StepShape`` (real rows first, padding after)."""
 
     def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu", buckets: bool = False):
         bs = block_size

@@ -14,16 +14,6 @@ With pipeline parallelism (pp > 1) one plan is one micro-batch (per replica) and
 flight at once: rank 0 sends each plan point to point (``ModelRunner.send_plan``) instead of a
 broadcast, so a stage busy with an earlier plan never holds the next one up.
 
-Step shapes (``bucket`` / ``StepShape``): a step runs with its sizes padded to a fixed set (1, 2, 4,
-8, 16, 32, then 48, 64, 96, 128, 192, ...: powers of two and, from 32, the 1.5x between them), so
-the native kernels' per-shape caches (oneDNN's primitives, the allocator's sizes) see a bounded set
-of shapes however long the server runs -- what CUDA-graph capture sizes do for vLLM. Padded are
-the packed token count (extra tokens at position 0 write the scratch slot 0 of block 0, which no
-request owns, and skip attention; a decode step pads with one-token sequences instead), the
-sequences (empty ones), the longest chunk (queries that see key 0 only), the block-table width
-(block 0, keys masked) and the rows through the LM head (a repeated row). Padding comes after
-every real row and is dropped before anything returns: a request's tokens do not change.
-
 What comes back for the logprob rows is packed here too (``top_and_chosen`` / ``unpack_tops``: a
 row's target logprob and top-k as ``1 + 2k`` floats), shared by the runner and the sampler.
 """
@@ -81,51 +71,6 @@ class StepPlan:
     def __bool__(self) -> bool:
         """Whether any replica has work (an empty plan is the idle heartbeat)."""
         return any(self.replicas)
-
-
-BUCKET_FINE = 32
-"""Up to here the buckets are the powers of two; above, also 1.5x each power of two."""
-
-
-def bucket(n: int) -> int:
-    """The smallest step size >= ``n`` in the fixed set (see module doc); ``bucket(0) == 0``."""
-    if n < 0:
-        raise ValueError(f"a step size must be >= 0, got {n}")
-    p = 1
-    while p < n:
-        p *= 2
-    return p * 3 // 4 if p > BUCKET_FINE and n <= p * 3 // 4 else (p if n else 0)
-
-
-class StepShape(NamedTuple):
-    """One forward's padded sizes (``StepShape.of``); equal to the real ones when not bucketed."""
-
-    tokens: int
-    """Rows of the packed batch (the linears' M)."""
-    seqs: int
-    """Sequences of the attention (a decode step: ``== tokens``)."""
-    queries: int
-    """Query rows per sequence (1 in a decode step)."""
-    blocks: int
-    """Block-table width (keys: ``blocks x block_size``)."""
-
-    @classmethod
-    def of(cls, q_lens: list[int], ctx_blocks: int, buckets: bool = True) -> "StepShape":
-        """For sequences of ``q_lens`` new tokens whose longest context spans ``ctx_blocks`` blocks."""
-        n, t, q = len(q_lens), sum(q_lens), max(q_lens)
-        if not buckets:
-            return cls(t, n, q, ctx_blocks)
-        if q == 1:  # decode: one token per sequence, the padding too
-            return cls(bucket(n), bucket(n), 1, bucket(ctx_blocks))
-        return cls(bucket(t), bucket(n), bucket(q), bucket(ctx_blocks))
-
-
-def step_tokens(items: list[StepItem], buckets: bool = True) -> int:
-    """Rows of the packed batch ``items`` run as (a later stage's receive size)."""
-    q_lens = [len(it.token_ids) for it in items]
-    if not buckets:
-        return sum(q_lens)
-    return bucket(len(q_lens)) if max(q_lens) == 1 else bucket(sum(q_lens))
 
 
 def prompt_logprob_rows(seq, start: int, count: int) -> int:
