@@ -8,9 +8,10 @@ Four real gloo ranks (one pipeline stage each), a tiny 4-layer llama the test sa
 * the micro-batches in flight never share a request (checked after every step), and up to four
   are in flight at once (``stats().max_in_flight``);
 * the engine's own step records show the pipeline: rank 0 launches micro-batch k+1 in a later
-  ``step()`` than k and before k's logits are back (``flights``), and at some moment three
-  different micro-batches are inside three different stages' forwards together (``forwards`` of
-  the four ranks, one ``time.monotonic`` clock on one machine);
+  ``step()`` than k and before k's logits are back (``flights``), stage 0 starts k+1 before the
+  last stage ends k, and when the last stage ends k, often two or three later micro-batches have
+  already entered stage 0 (``forwards`` of the four ranks, one ``time.monotonic`` clock on one
+  machine: a pipeline four deep, not the two-deep one pp=2 shows);
 * every KV block is free at the end and every rank process has exited (``run_distributed`` joins
   or kills them; checked below).
 """
@@ -76,16 +77,10 @@ def _worker(path, prompts):
     return out
 
 
-def _three_stages_at_once(forwards: list[dict]) -> bool:
-    """Whether some instant lies inside forwards of three different stages on three different
-    micro-batches (the start of one forward, inside two others)."""
-    for f in forwards:
-        t = f["start"]
-        inside = {(g["pp"], g["mb"]) for g in forwards if g["start"] <= t < g["end"]}
-        stages = {pp for pp, _ in inside}
-        if len(stages) >= 3 and len({mb for _, mb in inside}) >= 3:
-            return True
-    return False
+def _depths(first: dict, last: dict) -> list[int]:
+    """Per micro-batch k, how many micro-batches were inside the pipeline when the last stage ended
+    k: k itself and every later one stage 0 had already started (its forwards' start times)."""
+    return [1 + sum(1 for j in first if j > k and first[j]["start"] < last[k]["end"]) for k in sorted(last)]
 
 
 def test_pp4_inflight_across_steps(case):
@@ -112,5 +107,6 @@ def test_pp4_inflight_across_steps(case):
     overlap = [k for k in sorted(stage[0]) if k + 1 in stage[0] and stage[0][k + 1]["step"] > stage[0][k]["step"]
                and stage[0][k + 1]["start"] < stage[-1][k]["end"]]
     assert len(overlap) > len(flights) // 4, (len(overlap), len(flights))
-    forwards = [r for records in stage for r in records.values()]
-    assert _three_stages_at_once(forwards), "never three stages on three micro-batches at once"
+    # deeper than pp=2 can be: up to pp micro-batches inside the four stages at once
+    depths = _depths(stage[0], stage[-1])
+    assert max(depths) == PP and sum(d >= 3 for d in depths) > len(depths) // 4, depths
