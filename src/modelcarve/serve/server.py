@@ -147,9 +147,7 @@ def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dt
             f.write(str(os.getpid()))
         os.replace(pidfile + ".tmp", pidfile)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    warm = engine.warmup
-    sys.stderr.write(f"modelcarve: engine ready on {world} rank(s) in {time.perf_counter() - t0:.1f} s "
-                     f"(warm-up: {warm['forwards']} step shapes in {warm['seconds']:.1f} s)\n")
+    sys.stderr.write(f"modelcarve: engine ready on {world} rank(s) in {time.perf_counter() - t0:.1f} s\n")
     run_http(engine, model=model, layout=layout_name or str(layout), host=host, port=port, served_model_name=served_model_name,
              api_key=api_key, max_queue=max_queue, drain_timeout=drain_timeout, world_size=world, log_level=log_level)
 

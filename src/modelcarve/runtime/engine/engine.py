@@ -98,8 +98,6 @@ class EngineConfig:
     seed: int = 0
     step_buckets: bool = True
     """Run each step at a bucketed shape (paged_attention.StepShape): bounded native caches, same tokens."""
-    warm_up: bool = True
-    """With ``step_buckets``: run one forward per token bucket at start (``warmup`` in ``stats``)."""
     timeout_s: float = 120.0
     quiet: bool = True
 
@@ -180,10 +178,6 @@ class Engine:
                                   block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
                                   max_num_seqs=cfg.max_num_seqs, buckets=cfg.step_buckets)
         self.spec = self.runner.spec
-        t0 = time.perf_counter()
-        shapes = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs) if cfg.warm_up else 0
-        self.warmup = dict(forwards=shapes, seconds=round(time.perf_counter() - t0, 3))
-        """The start-up warm-up: forwards run (one per token bucket) and the time it took."""
         self.is_driver = self.runner.rank == 0
         self.tokenizer = None
         eos: tuple = ()

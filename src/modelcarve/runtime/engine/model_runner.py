@@ -417,31 +417,6 @@ class ModelRunner:
         for work, _ in pending:
             work.wait()
 
-    def warm_up(self, max_tokens: int, max_seqs: int) -> int:
-        """Collective (every rank, at start): run one forward at each bucketed token count a step can
-        have -- decode steps of 1, 2, 4, .. ``max_seqs`` sequences (the LM head at as many rows)
-        and prefill steps of 2 .. ``bucket(max_tokens)`` tokens -- so the kernels' per-shape setup
-        (oneDNN primitives) is done before the first request rather than as new shapes turn up.
-        The tokens write only the scratch block 0; nothing is kept, nor counted in ``records`` or the
-        byte and forward counts. Returns the number of forwards."""
-        if not self.buckets:
-            return 0
-        plans, n = [], 1
-        while n <= bucket(max_seqs):
-            plans.append([StepItem([0], 0, [0], True)] * n)
-            n = bucket(n + 1)
-        t = 2
-        while t <= bucket(max_tokens):
-            sizes = [self.block_size] * (t // self.block_size) + ([t % self.block_size] if t % self.block_size else [])
-            plans.append([StepItem([0] * size, 0, [0], False) for size in sizes])
-            t = bucket(t + 1)
-        counts = self.microbatches, self.plan_bytes, self.logit_bytes
-        for k, items in enumerate(plans):
-            self.execute(StepPlan([items] * self.layout.dp, index=-1 - k))
-        self.microbatches, self.plan_bytes, self.logit_bytes = counts  # not steps: not in records or stats
-        self.records.count = 0
-        return len(plans)
-
     def execute(self, plan: StepPlan) -> list[list[tuple]] | None:
         """Run this rank's share of ``plan`` and wait for it; rank 0 returns ``collect``'s results."""
         pending, here = self.launch(plan)
