@@ -21,15 +21,16 @@ waiting request and no KV block in use. The 1-minute load average is recorded pe
 run; above 1.5 the result is marked ``"quiet": false`` (memory does not depend on the load; the
 wall time does). Results: ``benchmarks/results/serve_soak.json``.
 
-What the growth is (measured 2026-12-05, tiny llama, tp=2): no request leaks. The ranks grow
-+41 MiB (+9.5% / +10.9%) over 2,000 requests after a 200-request warm-up, aborted streams or not
-(--abort-fraction 0 grows the same per request), most of it in the first 400 requests and then in
-rare steps. Replaying the *same* 1,600 requests a second and third time in one engine grows it by
-0 KiB, and Python's object count and tracemalloc's heap stay flat: the memory is held per distinct
-step shape (packed token count x sequences x context blocks) by the native kernels' caches
-(oneDNN's primitive cache is half of it: ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 halves the growth and
-doubles the step time), bounded, not returned by malloc_trim. Bounding the number of step shapes
-(bucketed token counts, as CUDA-graph capture sizes do) is the fix that remains.
+What the growth was (measured 2026-12-05, tiny llama, tp=2): no request leaks. The ranks grew
++41 MiB (+9.5% / +10.9%) over 2,000 requests after a 200-request warm-up, most of it in the first
+400 requests: memory held per distinct step shape (packed token count x sequences x context
+blocks) by the native kernels' caches (oneDNN's primitive cache about half of it). The engine now
+runs every step at a bucketed shape (runtime/engine/paged_attention.py ``StepShape``): that alone
+took it to +1.6% / +1.3%, what was left being a steady ~2 KiB a request of step records (a deque
+of 65536 dicts per rank, now a preallocated ring): with both, +0.28% / +0.12% (+0.18% / +0.09% in
+an earlier run). A start-up forward per token bucket (vLLM's capture sizes) did not lower it
+further (+0.27% / +0.09%, ~11 MiB more per rank) and was left out; ``--env
+ONEDNN_PRIMITIVE_CACHE_CAPACITY=64`` (a bounded primitive cache) made it worse (+0.83% / +0.76%).
 """
 
 from __future__ import annotations
@@ -180,8 +181,17 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--layout", default="tp=2,param_dtype=fp32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in the server's environment (e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY=64); repeatable")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serve_soak.json"))
     args = p.parse_args()
+    env = {}
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            p.error(f"--env takes NAME=VALUE, got {item!r}")
+        env[name] = value
+    os.environ.update(env)  # the server (and its ranks) inherit it
 
     import torch
     import transformers
@@ -211,7 +221,7 @@ def main() -> int:
     loads = [s["load_1m"] for s in result["samples"]]
     report = {
         "benchmark": "serve_soak", "layout": args.layout, "requests": args.requests, "warmup": args.warmup,
-        "abort_fraction": args.abort_fraction, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "abort_fraction": args.abort_fraction, "env": env, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         **result, "growth": growth, "max_growth": max(g["growth"] for g in growth.values()),
         "server_exit_code": code, "load_1m_max": max(loads), "quiet": max(loads) <= 1.5,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -51,7 +51,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE, MLA, ep, cp under recomputation, hsdp, FSDP with tp or pp,
+this model does not cover (MoE, MLA, ep, cp under recomputation, FSDP under zero-bubble,
 biases; the zero-bubble schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
 """
 
@@ -65,7 +65,8 @@ from modelcarve.plan.cost.activations import layer_activation_bytes
 from modelcarve.plan.predict.activations import interleaved_activation_bytes, rank_activation_bytes, residual_bytes
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
-from modelcarve.spec.stages import rank_layers, rank_stage_ids
+from modelcarve.plan.predict.timeline import action_order
+from modelcarve.spec.stages import rank_layers, rank_stage_ids, stage_counts
 from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
@@ -125,10 +126,8 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("expert parallelism")
     if layout.cp > 1 and layout.recompute != "none":
         problems.append("ring attention under recomputation")
-    if layout.dp_shard:
-        problems.append("hsdp")
-    if layout.zero == 3 and (layout.tp > 1 or layout.pp > 1):
-        problems.append("fsdp together with tp or pp")
+    if layout.zero == 3 and layout.pp > 1 and layout.schedule == "zero-bubble":
+        problems.append("fsdp under the zero-bubble schedule")
     if problems:
         raise NotModelled("not modelled per op: " + ", ".join(problems))
 
@@ -216,12 +215,20 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     optimizer = 2 * local * MASTER_BYTES + 4 * n_tensors
     low = held_param_dtype(layout) == "bf16"  # the runtime's precision policy (spec/support.py)
     if layout.dp * layout.cp > 1:
-        n = layout.dp * layout.cp
+        # HSDP (dp_shard < dp): ZeRO state sharded over a shard group of n ranks inside dp x cp, the
+        # reduced gradients then summed over the replicas (runtime/distributed/mesh.py merged_mesh:
+        # (replicate, shard) with shard innermost)
+        n, dp_group, replicas = shard_groups(layout, rank, dp_group)
         if layout.zero == 3:
-            unit_l, unit_r = sum(layer) * MASTER_BYTES, sum(root) * MASTER_BYTES
-            gathers = [Message("all_gather", dp_group, "fp32", unit_l, 2 * nl * m), Message("all_gather", dp_group, "fp32", unit_r, m)]
-            msgs += gathers + [Message("reduce_scatter", dp_group, "fp32", unit_l, nl * m),
-                               Message("reduce_scatter", dp_group, "fp32", unit_r, m)]
+            unit_l = sum(layer) * MASTER_BYTES
+            for unit_r, layers, gather_l, gather_r, reduces in fsdp_units(spec, layout, rank, nl):
+                msgs += [Message("all_gather", dp_group, "fp32", unit_l, gather_l * layers),
+                         Message("all_gather", dp_group, "fp32", unit_r, gather_r),
+                         Message("reduce_scatter", dp_group, "fp32", unit_l, reduces * layers),
+                         Message("reduce_scatter", dp_group, "fp32", unit_r, reduces)]
+                if replicas:  # FSDP2's HSDP: each reduce-scattered shard all-reduced over the replicas
+                    msgs += [Message("all_reduce", replicas, "fp32", unit_l // n, reduces * layers),
+                             Message("all_reduce", replicas, "fp32", unit_r // n, reduces)]
             params = grads = local * MASTER_BYTES // n
             optimizer = 2 * local * MASTER_BYTES // n + 4 * n_tensors
         elif layout.zero in (1, 2):
@@ -235,6 +242,8 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             # p.grad), which ZeRO-1 keeps whole (padded) and ZeRO-2 reduces to its range.
             flat = -(-local // n) * n * MASTER_BYTES
             msgs += [Message("reduce_scatter", dp_group, "fp32", flat), Message("all_gather", dp_group, "fp32", flat)]
+            if replicas:  # zero_optimizer._reduce_owned: the owned range summed over the replicas
+                msgs.append(Message("all_reduce", replicas, "fp32", flat // n))
             optimizer = 3 * flat // n + 4
             if low:
                 params = local * LOW_BYTES
@@ -243,7 +252,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
                 grads = flat // n
         else:
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
-        msgs.append(Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp (every stage)
+        msgs.append(Message("all_reduce", group_along(layout, rank, "dp_cp"), "fp32", 4))  # the loss, over dp x cp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
     if layout.pp > 1 and layout.virtual_stages > 1:
         acts = interleaved_activation_bytes(spec, layout, stage)
@@ -253,6 +262,57 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     return RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[tuple[int, int, int, int, int]]:
+    """Per FSDP2-wrapped model chunk of this rank: (root unit bytes — embedding / final norm / head
+    the chunk holds —, its decoder layers, all-gathers per layer, all-gathers of the root unit,
+    reduce-scatters of each unit) in one step.
+
+    Without a pipeline the trainer runs each micro-batch's forward and backward in turn, FSDP2
+    reshards every layer after its forward and its backward and reduce-scatters every backward:
+    2m gathers per layer, m of the root (FSDP2 keeps the root unsharded from forward to backward),
+    m reduce-scatters. Under torch.distributed.pipelining the stage asks FSDP2 to keep the
+    parameters unsharded after every backward but the last and to reduce-scatter only after the
+    last; layers still reshard after each forward and the root stays unsharded from its first
+    forward to the last backward. So a layer is gathered by each action of the schedule's order
+    (plan/predict/timeline.py ``action_order``) that finds it sharded, the root once, and every
+    unit is reduce-scattered once per step."""
+    m = layout.num_microbatches
+    if layout.pp == 1:
+        root = sum(root_tensors(spec, layout.tp, True, True)) * MASTER_BYTES
+        return [(root, nl, 2 * m, m, m)]
+    p, v = layout.pp, layout.virtual_stages
+    last_stage = p * v - 1
+    counts = stage_counts(spec.num_layers, p, v)
+    order = action_order(layout.schedule, p, m, v, coords(layout, rank)["pp"])
+    out = []
+    for stage in rank_stage_ids(p, v, coords(layout, rank)["pp"]):
+        acts = [kind for kind, st, _mb in order if st == stage]
+        backs, sharded, gathers = acts.count("B"), True, 0
+        for kind in acts:
+            if sharded:
+                gathers += 1
+            if kind == "B":
+                backs -= 1
+                sharded = backs == 0  # resharded after the last backward only
+            else:
+                sharded = True  # resharded after every forward
+        root = sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES
+        out.append((root, counts[stage], gathers, 1, 1))
+    return out
+
+
+def shard_groups(layout: "Layout", rank: int, dp_cp: tuple) -> tuple[int, tuple, tuple | None]:
+    """(shard size, this rank's shard group, its replica group or None) of the ZeRO / FSDP state
+    over the ``dp x cp`` group ``dp_cp``: the whole group, or with HSDP (``dp_shard < dp``) blocks of
+    ``dp_shard x cp`` consecutive members, replicated across the blocks."""
+    n = len(dp_cp)
+    if not layout.dp_shard or layout.dp_shard >= layout.dp:
+        return n, dp_cp, None
+    size = layout.dp_shard * layout.cp
+    i = dp_cp.index(rank)
+    return size, dp_cp[(i // size) * size:(i // size + 1) * size], dp_cp[i % size::size]
 
 
 def pipeline_sends(layout: "Layout", rank: int, payload: int) -> list[Message]:

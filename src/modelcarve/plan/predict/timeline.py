@@ -125,6 +125,12 @@ def _deps(act: tuple, stages: int) -> list[tuple]:
     return [("B", stage, mb)]
 
 
+def action_order(schedule: str, p: int, m: int, v: int, r: int) -> list[tuple]:
+    """Pipeline rank ``r``'s compute actions ``(kind, stage, micro-batch)`` in the order it issues
+    them (the module doc's orders; zero-bubble's B is its input-gradient step I, W not listed)."""
+    return _order(schedule, p, m, v, r)
+
+
 def _order(schedule: str, p: int, m: int, v: int, r: int) -> list[tuple]:
     if schedule == "gpipe":
         return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]

@@ -96,6 +96,8 @@ class EngineConfig:
     weight_dtype: str | None = None
     kv_dtype: str | None = None
     seed: int = 0
+    step_buckets: bool = True
+    """Run each step at a bucketed shape (paged_attention.StepShape): bounded native caches, same tokens."""
     timeout_s: float = 120.0
     quiet: bool = True
 
@@ -159,7 +161,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig):
         from modelcarve.runtime.checkpoint.hf_load import is_checkpoint, model_spec
-        from modelcarve.runtime.engine.model_runner import ModelRunner
+        from modelcarve.runtime.engine.model_runner import ModelRunner, RecordRing
 
         self.cfg = cfg
         layout, weight, kv = resolve_layout(cfg.layout, cfg.dtype)
@@ -174,7 +176,7 @@ class Engine:
         self.layout, self.weight_dtype, self.kv_dtype = layout, weight, kv
         self.runner = ModelRunner(cfg.model, layout, dtype=layout.param_dtype, weight_dtype=weight, kv_dtype=kv,
                                   block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, seed=cfg.seed,
-                                  max_num_seqs=cfg.max_num_seqs)
+                                  max_num_seqs=cfg.max_num_seqs, buckets=cfg.step_buckets)
         self.spec = self.runner.spec
         self.is_driver = self.runner.rank == 0
         self.tokenizer = None
@@ -200,7 +202,7 @@ class Engine:
         self._inflight: deque = deque()  # (scheduled, plan, pending sends, launch time), oldest first
         self._max_in_flight = 0
         self._plans = self._calls = 0
-        self._flights: deque = deque(maxlen=65536)
+        self._flights = RecordRing(("mb", "step", "launched", "retired"), ("launched", "retired"))
 
     # --- requests -------------------------------------------------------------------------
     @property
@@ -334,7 +336,7 @@ class Engine:
         launched = time.monotonic()
         results = self.runner.execute(plan)
         self._steps += 1
-        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        self._flights.append(plan.index, plan.step, launched, time.monotonic())
         return outputs + self._absorb(scheduled, plan, results)
 
     def _take_aborts(self, busy=frozenset()) -> list[RequestOutput]:
@@ -391,7 +393,7 @@ class Engine:
         results = self.runner.collect(plan)
         self.runner.wait(sends)
         self._steps += 1
-        self._flights.append(dict(mb=plan.index, step=plan.step, launched=launched, retired=time.monotonic()))
+        self._flights.append(plan.index, plan.step, launched, time.monotonic())
         return outputs + self._absorb(scheduled, plan, results)
 
     def _absorb(self, scheduled, plan: StepPlan, results) -> list[RequestOutput]:

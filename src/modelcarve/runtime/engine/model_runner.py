@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import math
 import pickle
+from array import array
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
-from modelcarve.runtime.engine.paged_attention import StepContext, install
+from modelcarve.runtime.engine.paged_attention import StepContext, StepShape, bucket, install
 from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
 from modelcarve.spec.errors import LayoutError
 
@@ -74,8 +74,35 @@ class PackedLinear(torch.nn.Module):
 PLAN_TAG = 7
 """The point-to-point tag of plans (pp > 1), apart from the hidden states' and logits' tag 0."""
 
-RECORDS = 65536
+RECORDS = 16384
 """Step records kept per rank (the oldest are dropped)."""
+
+
+class RecordRing:
+    """The last ``size`` records of the numbers ``fields`` (ints, but the ``times``), held in one
+    float array allocated at start: no object per record, so the memory of a server that runs for
+    days stays flat. Iterating gives dicts (with ``constant`` added to each), oldest first."""
+
+    def __init__(self, fields: tuple[str, ...], times: tuple[str, ...], size: int = RECORDS, **constant):
+        self.fields, self.times, self.size, self.constant = fields, set(times), size, constant
+        self.data = array("d", bytes(8 * len(fields) * size))
+        self.count = 0
+
+    def append(self, *values: float) -> None:
+        at = (self.count % self.size) * len(self.fields)
+        for i, value in enumerate(values):
+            self.data[at + i] = value
+        self.count += 1
+
+    def __len__(self) -> int:
+        return min(self.count, self.size)
+
+    def __iter__(self):
+        width = len(self.fields)
+        for k in range(self.count - len(self), self.count):
+            at = (k % self.size) * width
+            yield self.constant | {f: (v if f in self.times else int(v))
+                                   for f, v in zip(self.fields, self.data[at:at + width])}
 
 LOGPROB_ROWS = 256
 """Prompt-logprob rows go through the head this many at a time (bounds the [rows, V] fp32 logits)."""
@@ -131,7 +158,8 @@ class ModelRunner:
     """This rank's part of the model and its KV cache (see module doc)."""
 
     def __init__(self, model: str, layout, *, dtype: str, weight_dtype: str, kv_dtype: str, block_size: int = 16,
-                 kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64):
+                 kv_cache_bytes: float | None = None, seed: int = 0, max_num_seqs: int = 64,
+                 buckets: bool = True):
         from modelcarve.runtime.build import build_chunks
 
         self.layout, self.block_size, self.kv_dtype = layout, block_size, kv_dtype
@@ -181,13 +209,17 @@ class ModelRunner:
                               f"of at least {2 * block_size * self.bytes_per_token}")
         self.cache = KVCache(chunk, blocks, block_size, kv_dtype, self.dtype, self.device)
         install(chunk, self.cache)
+        # MoE with a per-sequence expert capacity: padding tokens would take real tokens' places
+        self.buckets = buckets and not any(getattr(m, "capacity_factor", None) for m in chunk.modules())
+        """Forwards run at bucketed shapes (paged_attention.StepShape), not each step's own."""
         self.plan_bytes = 0
         self.logit_bytes = 0
         self.microbatches = 0
         """Forwards this rank ran."""
         self.pipelined = layout.pp > 1 and self.world > 1
         """One plan is one micro-batch and the engine keeps several in flight (``send_plan``)."""
-        self.records: deque = deque(maxlen=RECORDS)
+        self.records = RecordRing(("mb", "sub", "step", "start", "end"), ("start", "end"), rank=self.rank,
+                                  pp=self.pp_rank, tp=self.tp_rank, dp=self.dp_rank)
         """The step records: per forward, dict(mb, sub, step, rank, pp, tp, dp, start, end)."""
 
     def output_rank(self, replica: int) -> int:
@@ -288,10 +320,12 @@ class ModelRunner:
         from modelcarve.runtime.parallel.tensor import full_vocab_logits
 
         chunk = self.chunk
-        ctx = StepContext([(it.start, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device)
+        ctx = StepContext([(it.start, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device,
+                          self.buckets)
         positions = ctx.positions
         if h is None:
-            ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long, device=self.device)[None]
+            ids = [t for it in items for t in it.token_ids] + [0] * (ctx.num_tokens - ctx.real_tokens)
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)[None]
             h = chunk.tok_embeddings(ids)
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
@@ -308,8 +342,11 @@ class ModelRunner:
             if it.sample:
                 rows.append(t - 1)
         packed = self._prompt_logprobs(h, items)
+        n = len(rows)
+        if self.buckets and rows:  # the head at a bucketed row count too (a repeated row, cut off below)
+            rows += [rows[-1]] * (bucket(n) - n)
         h = chunk.norm(h[:, rows])
-        return full_vocab_logits(chunk.output(h), chunk)[0].float(), packed
+        return full_vocab_logits(chunk.output(h), chunk)[0, :n].float(), packed
 
     def launch(self, plan: StepPlan) -> tuple[list, list]:
         """This rank's compute and sends for ``plan``: (sends still pending as (work, tensor) pairs,
@@ -325,13 +362,12 @@ class ModelRunner:
             if self.first:
                 h = None
             else:
-                t = sum(len(it.token_ids) for it in mb)
+                t = StepShape.of([len(it.token_ids) for it in mb], 0, self.buckets).tokens
                 h = torch.empty(1, t, self.spec.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(h, self.layout.rank_of(pp=self.pp_rank - 1, dp=self.dp_rank, tp=self.tp_rank))
             start = time.monotonic()
             out = self._forward(mb, h)
-            self.records.append(dict(mb=plan.index, sub=j, step=plan.step, rank=self.rank, pp=self.pp_rank,
-                                     tp=self.tp_rank, dp=self.dp_rank, start=start, end=time.monotonic()))
+            self.records.append(plan.index, j, plan.step, start, time.monotonic())
             self.microbatches += 1
             if not self.last:
                 after = self.layout.rank_of(pp=self.pp_rank + 1, dp=self.dp_rank, tp=self.tp_rank)

@@ -2,8 +2,8 @@
 
 A step's tokens (from several sequences: prefill chunks and single decode tokens) run through
 the model packed as one batch row ``[1, T, H]`` with their absolute positions. ``StepContext``
-describes the packing: per sequence its queries (``q_len`` tokens at positions
-``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
+describes the packing (padded to a ``StepShape`` when bucketed, below): per sequence its queries
+(``q_len`` tokens at positions ``start .. start + q_len - 1``) and its context (``ctx_len = start + q_len`` tokens, all in the
 cache once this step's k/v are written), the slot of every new token, and every sequence's
 block table padded to the longest with block 0 (``block_index``). It is built with a few tensor
 operations per step (no per-position Python lists).
@@ -14,7 +14,7 @@ file only calls it instead of its own core attention):
 1. writes the new tokens' k/v (MLA: normalised latent and rotated k_rot) into their slots;
 2. gathers each sequence's context from the cache ``[n, L, ...]`` as whole blocks (one
    ``index_select`` of block-sized rows per stored tensor and layer; ``L`` = the longest context
-   rounded up to a block, or exactly the context for a single sequence), and its queries
+   rounded up to a block, or -- unbucketed -- exactly the context for a single sequence), and its queries
    ``[n, Q, ...]`` (a decode-only step, one query per sequence, needs no gather: a view);
 3. runs ``scaled_dot_product_attention`` with a boolean mask per sequence: key ``j`` is visible to a
    query at position ``p`` when ``j <= p`` and, for a sliding-window layer, ``j > p - window``
@@ -22,35 +22,91 @@ file only calls it instead of its own core attention):
    padded queries see key 0 only, and are dropped;
 4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
 
+Step shapes (``bucket`` / ``StepShape``; ``StepContext(..., buckets=True)``, the engine's default):
+a step runs with its sizes padded to a fixed set (1, 2, 4, 8, 16, 32, then 48, 64, 96, 128, 192,
+...: powers of two and, from 32, the 1.5x between them), so
+the native kernels' per-shape caches (oneDNN's primitives, the allocator's sizes) see a bounded set
+of shapes however long the server runs -- what CUDA-graph capture sizes do for vLLM. Padded are
+the packed token count (extra tokens at position 0 write the scratch slot 0 of block 0, which no
+request owns, and skip attention; a decode step pads with one-token sequences instead), the
+sequences (empty ones), the longest chunk (queries that see key 0 only), the block-table width
+(block 0, keys masked) and the rows through the LM head (a repeated row). Padding comes after
+every real row and is dropped before anything returns: a request's tokens do not change.
+
 MLA recomputes the keys and values of the whole context from the cached latent (``wkv_b``),
 the same (non-absorbed) arithmetic the reference model does.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+BUCKET_FINE = 32
+"""Up to here the buckets are the powers of two; above, also 1.5x each power of two."""
+
+
+def bucket(n: int) -> int:
+    """The smallest step size >= ``n`` in the fixed set (see module doc); ``bucket(0) == 0``."""
+    if n < 0:
+        raise ValueError(f"a step size must be >= 0, got {n}")
+    p = 1
+    while p < n:
+        p *= 2
+    return p * 3 // 4 if p > BUCKET_FINE and n <= p * 3 // 4 else (p if n else 0)
+
+
+class StepShape(NamedTuple):
+    """One forward's padded sizes (``StepShape.of``); equal to the real ones when not bucketed."""
+
+    tokens: int
+    """Rows of the packed batch (the linears' M)."""
+    seqs: int
+    """Sequences of the attention (a decode step: ``== tokens``)."""
+    queries: int
+    """Query rows per sequence (1 in a decode step)."""
+    blocks: int
+    """Block-table width (keys: ``blocks x block_size``)."""
+
+    @classmethod
+    def of(cls, q_lens: list[int], ctx_blocks: int, buckets: bool = True) -> "StepShape":
+        """For sequences of ``q_lens`` new tokens whose longest context spans ``ctx_blocks`` blocks."""
+        n, t, q = len(q_lens), sum(q_lens), max(q_lens)
+        if not buckets:
+            return cls(t, n, q, ctx_blocks)
+        if q == 1:  # decode: one token per sequence, the padding too
+            return cls(bucket(n), bucket(n), 1, bucket(ctx_blocks))
+        return cls(bucket(t), bucket(n), bucket(q), bucket(ctx_blocks))
+
 
 class StepContext:
-    """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table)."""
+    """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table);
+    ``buckets``: run at the padded ``StepShape`` (real rows first, padding after)."""
 
-    def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu"):
+    def __init__(self, seqs: list[tuple[int, int, list[int]]], block_size: int, device="cpu", buckets: bool = False):
         bs = block_size
+        real = sum(q for _, q, _ in seqs)
+        need_blocks = -(-max(s + q for s, q, _ in seqs) // bs)
+        shape = StepShape.of([q for _, q, _ in seqs], need_blocks, buckets)
+        # padding sequences: one-token ones at position 0 (decode), else empty ones
+        seqs = list(seqs) + [(0, 1 if shape.queries == 1 else 0, [])] * (shape.seqs - len(seqs))
         n = len(seqs)
         starts = [s for s, _, _ in seqs]
         q_lens = [q for _, q, _ in seqs]
         ctx = [s + q for s, q in zip(starts, q_lens)]
-        l_max, q_max = max(ctx), max(q_lens)
-        nb = -(-l_max // bs)
+        l_max, q_max = max(ctx), shape.queries
+        nb = shape.blocks
         rows = []
         for (_, _, table), c in zip(seqs, ctx):
-            need = -(-c // bs)
-            rows.append(table[:need] + [0] * (nb - need))
+            row = table[:-(-c // bs)]  # a padding sequence's is empty: block 0
+            rows.append(row + [0] * (nb - len(row)))
         tables = torch.tensor(rows, dtype=torch.long, device=device)             # [n, nb]
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
         self.decode = q_max == 1
-        self.num_tokens = t = sum(q_lens)
+        self.num_tokens = t = shape.tokens
+        self.real_tokens = real
         if self.decode:  # one query per sequence: token i is sequence i
             self.positions = start_t
             slots = tables.gather(1, (start_t // bs)[:, None])[:, 0] * bs + start_t % bs
@@ -60,8 +116,12 @@ class StepContext:
             q_len_t = torch.tensor(q_lens, dtype=torch.long, device=device)
             offsets = torch.cumsum(q_len_t, 0) - q_len_t
             seq_of = torch.repeat_interleave(torch.arange(n, device=device), q_len_t)
-            self.positions = start_t[seq_of] + torch.arange(t, device=device) - offsets[seq_of]
-            slots = tables[seq_of, self.positions // bs] * bs + self.positions % bs
+            positions = start_t[seq_of] + torch.arange(real, device=device) - offsets[seq_of]
+            slots = tables[seq_of, positions // bs] * bs + positions % bs
+            if t > real:  # padding tokens: position 0, the scratch slot 0 (block 0); no attention
+                positions = torch.cat([positions, positions.new_zeros(t - real)])
+                slots = torch.cat([slots, slots.new_zeros(t - real)])
+            self.positions = positions
             j = torch.arange(q_max, device=device)[None]
             self.q_valid = j < q_len_t[:, None]
             self.q_index = torch.where(self.q_valid, offsets[:, None] + j, 0)
@@ -69,10 +129,10 @@ class StepContext:
         self.slot_mapping = slots
         self.block_index = tables.view(-1)
         self.num_seqs = n
-        # one sequence: its keys are the (contiguous) prefix of the gathered blocks
-        self.key_len = l_max if n == 1 else nb * bs
+        # one sequence, unbucketed: its keys are the (contiguous) prefix of the gathered blocks
+        self.key_len = l_max if n == 1 and not buckets else nb * bs
         self.k_pos = torch.arange(self.key_len, device=device)
-        self.decode_one = n == 1 and t == 1
+        self.decode_one = n == 1 and t == 1 and self.key_len == l_max
         self._masks: dict = {}
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -103,7 +163,10 @@ class StepContext:
         """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
         if self.decode:
             return out[:, :, 0].transpose(0, 1)[None]
-        return out.permute(0, 2, 1, 3)[self.q_valid].permute(1, 0, 2).unsqueeze(0)
+        out = out.permute(0, 2, 1, 3)[self.q_valid]                              # [real, heads, d]
+        if self.num_tokens > self.real_tokens:  # padding tokens' rows: zeros
+            out = torch.cat([out, out.new_zeros(self.num_tokens - self.real_tokens, *out.shape[1:])])
+        return out.permute(1, 0, 2).unsqueeze(0)
 
 
 def _attend(q, k, v, mask, scale):
