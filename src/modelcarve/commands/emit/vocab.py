@@ -181,6 +181,10 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
 def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str, list[str]]:
     """``(layout text in our words, notes)`` for ``text`` in ``engine``'s words (see the module doc)."""
     text = text.strip()
+    if engine == "deepspeed":  # a config file, not flags: its own reader
+        from modelcarve.commands.emit.deepspeed_vocab import read_deepspeed
+
+        return read_deepspeed(text, devices)
     if text.startswith("--"):
         return _flags(engine, text, devices)
     return _words(engine, text)
