@@ -82,6 +82,9 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
         "mlp_input": casts_mlp * c * T * h,
         "mlp": 4 * c * T * f / tp,
     }
+    if spec.attention_kind == "mla":
+        del terms["qkv"], terms["attn_out"]
+        terms.update(mla_terms(spec, T, seq, tp, c, resid))
     if spec.qk_norm:
         # Qwen3's per-head RMSNorm of q and of k (before rotary, kv heads not yet expanded):
         # each saves its fp32 input, the fp32 inverse RMS per head and row, its output in the compute dtype
@@ -90,11 +93,31 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     return terms
 
 
+def mla_terms(spec: "ModelSpec", T: float, seq: int, tp: int, c: int, resid: int = FP32) -> dict[str, float]:
+    """Saved bytes of MLA attention (runtime/model/transformer.py ``MLAttention``) for one layer and
+    micro-batch on one TP rank (fp32, checked tensor by tensor with saved_tensors_hooks): the q
+    latent's RMSNorm (its input, inverse RMS, output) and the q up projection's input (with a q
+    latent); the kv down projection's whole output (the norm's input is a view of it, the rope key
+    beside the latent), the kv norm's inverse RMS and output and the kv up projection's input; the
+    attention core on the math path (``F.scaled_dot_product_attention`` has no fused CPU kernel
+    for a value head narrower than the query head): q and k (rope part appended), the ``s x s``
+    softmax per head, and v as a view of the whole kv up projection output. The output
+    projection's input is ``proj_input`` (``layer_terms``)."""
+    n, rq, rkv, rope = spec.num_heads / tp, spec.q_lora_rank or 0, spec.kv_lora_rank, spec.qk_rope_head_dim
+    nope, dv = spec.qk_head_dim - rope, spec.attn_v_head_dim
+    out = {}
+    if rq:
+        out["q_latent"] = _norm(T, rq, 1, resid) + c * T * rq
+    out["kv_latent"] = FP32 * T * (rkv + rope) + FP32 * T + resid * T * rkv + c * T * rkv
+    out["attn_core"] = 2 * c * T * n * spec.qk_head_dim + c * n * T * seq + c * T * n * (nope + dv)
+    return out
+
+
 def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, first: bool, last: bool,
                 resid: int = FP32) -> dict[str, float]:
     """Once per stage and micro-batch: rotary tables, token ids, final norm, head input, logits, loss."""
     rep = tp if sp else 1
-    out = {"rope": 2 * FP32 * seq * spec.head_dim}
+    out = {"rope": 2 * FP32 * seq * (spec.qk_rope_head_dim if spec.attention_kind == "mla" else spec.head_dim)}
     if first:
         out["token_ids"] = INDEX * T
     if last:
@@ -109,8 +132,10 @@ def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
 def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, first: bool, last: bool,
                           in_flight: int = 1) -> float | None:
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
-    if layout.recompute != "none" or spec.is_moe or spec.attention_kind != "gqa" or spec.ffn_kind != "swiglu":
+    if layout.recompute != "none" or spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
         return None
+    if spec.attention_kind == "mla" and (layout.param_dtype != "fp32" or layout.cp > 1):
+        return None  # MLA's saved tensors are checked in fp32 without context parallelism only
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32

@@ -51,7 +51,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE, MLA, ep, cp under recomputation, FSDP under zero-bubble,
+this model does not cover (MoE (moe_traffic.py), MLA in bf16, cp under recomputation, FSDP under zero-bubble,
 biases; the zero-bubble schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
 """
 
@@ -118,7 +118,7 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
     problems = []
     if spec.is_moe:
         problems.append("MoE layers")
-    if spec.attention_kind != "gqa":
+    if spec.attention_kind not in ("gqa", "mla"):
         problems.append(f"{spec.attention_kind} attention")
     if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.position_kind != "rope":
         problems.append("biases / learned positions")
@@ -132,11 +132,30 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         raise NotModelled("not modelled per op: " + ", ".join(problems))
 
 
+def mla_replicated(spec: "ModelSpec") -> list[int]:
+    """Element counts of the MLA tensors every TP rank holds whole (runtime/parallel/tensor.py's
+    ``replicated_partial``): the q down projection and its norm (with a q latent), the kv down
+    projection (latent + the shared rope key) and its norm."""
+    h, rq, rkv = spec.hidden_size, spec.q_lora_rank or 0, spec.kv_lora_rank
+    out = [rq * h, rq] if rq else []
+    return out + [(rkv + spec.qk_rope_head_dim) * h, rkv]
+
+
+def _attention_tensors(spec: "ModelSpec", tp: int) -> list[int]:
+    h, hd, nh = spec.hidden_size, spec.head_dim, spec.num_heads
+    if spec.attention_kind == "mla":  # q (or its up projection) and kv_b column-split, wo row-split
+        q_in = spec.q_lora_rank or h
+        return [nh * spec.qk_head_dim * q_in // tp, *mla_replicated(spec),
+                nh * (spec.qk_head_dim - spec.qk_rope_head_dim + spec.attn_v_head_dim) * spec.kv_lora_rank // tp,
+                h * nh * spec.attn_v_head_dim // tp]
+    kvl = max(spec.num_kv_heads / tp, 1.0)
+    return [h * nh * hd // tp, int(h * hd * kvl), int(h * hd * kvl), nh * hd * h // tp]
+
+
 def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
     """Element counts of one dense decoder layer's parameter tensors on a TP rank."""
     h, hd = spec.hidden_size, spec.head_dim
-    kvl = max(spec.num_kv_heads / tp, 1.0)
-    tensors = [h * spec.num_heads * hd // tp, int(h * hd * kvl), int(h * hd * kvl), spec.num_heads * hd * h // tp]
+    tensors = _attention_tensors(spec, tp)
     f = spec.ffn_size // tp
     tensors += [h * f, h * f, f * h] if spec.ffn_kind == "swiglu" else [h * f, f * h]
     tensors += [h] * spec.layer_norms  # replicated norm weights
@@ -372,7 +391,9 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
     if spec.qk_norm:  # q_norm / k_norm are replicated over tp, sp or not: their gradients, once per step
         out.append(Message("all_reduce", group, "fp32", spec.head_dim * MASTER_BYTES, 2 * nl))
     kv, t = spec.num_kv_heads, len(group)
-    if kv < t:
+    if spec.attention_kind == "mla":  # the replicated down projections and norms: partial sums, once per step
+        out += [Message("all_reduce", group, "fp32", n * MASTER_BYTES, nl) for n in mla_replicated(spec)]
+    elif kv < t:
         # fewer kv heads than TP ranks: each kv head's wk / wv are replicated over the t / kv ranks
         # that use it (runtime/parallel/tensor.py kv_replica_groups), their gradients summed there
         r = t // kv
