@@ -11,9 +11,10 @@ is reported, never judged. Expert gradients are summed over the expert-data-para
 ZeRO-1/2 keep one bucket per reduction group (dp x cp, expert-dp), each padded to its group.
 
 Activations (plan/predict/moe_activations.py: the router's tensors, the grouping indices, the
-experts over the rows this rank's experts received, the combine) hold within 10%: the measured
+experts over the rows this rank's experts received, the combine) hold within 10%: in fp32 the measured
 difference is 32 bytes per MoE layer (the aux loss's load, counted but shared) plus activations.py's
-28 bytes of boolean masks under tp, far below it.
+28 bytes of boolean masks under tp, far below it; in bf16 (autocast, and bf16-held parameters) within
+1.1%.
 
 Not modelled (the check FAILS, exit 2 through the CLI): a folded expert mesh (etp != tp) and MoE
 layers under recomputation, pipeline or context parallelism, FSDP.
@@ -38,6 +39,11 @@ CASES_2 = [
     (Q3, f"tp=2,gbs=2,{FP32}"),  # expert TP = TP: F split, the router's gradient summed over tp
     ("tiny-moe", f"dp=2,ep=2,zero=2,gbs=4,{FP32}"),
     ("tiny-moe", f"tp=2,sp,gbs=2,{FP32}"),
+    # bf16: autocast over fp32 parameters (the MoE block's combine stays fp32, so its forward tp
+    # reduction carries fp32), and bf16-held parameters with fp32 masters (ZeRO-1)
+    ("tiny-moe", "dp=2,ep=2,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
+    ("tiny-moe", "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16"),
+    ("tiny-moe", "dp=2,ep=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16"),
 ]
 UNMODELLED_2 = [
     (Q3, f"tp=2,ep=2,etp=1,gbs=2,{FP32}", "folded expert mesh"),
@@ -128,7 +134,7 @@ def test_ep_bytes_follow_the_routing(reports2):
 
 def test_activations_modelled_close(reports2, reports4):
     """The eager MoE terms are exact up to 32 bytes per MoE layer (+28 bytes of masks under tp)."""
-    for report in reports2[: len(CASES_2)] + reports4:
+    for report in [r for (_m, layout), r in zip(CASES_2, reports2) if "fp32" in layout] + reports4:
         for r in report["against_plan"]:
             if r["quantity"] == "activations":
                 assert 0 <= r["predicted"] - r["measured"] <= 32 * 4 + 28, (report["layout"], r)

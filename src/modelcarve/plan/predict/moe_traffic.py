@@ -27,11 +27,12 @@ the expert mesh (spec/ranks.py), on one rank:
   batch, then layer), recorded by verify/against_plan.py. Beside it, ``all_to_all_apriori``:
   the same bytes at uniform routing (``T k / ep`` rows to each EP rank) times the planner's load-
   imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
-* activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing).
+* activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing);
+* under bf16 autocast the block's combined output is fp32, so its forward tp reduction carries fp32.
 
 Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP (also
 ZeRO-1/2 with dp_shard),
-recomputation, a folded expert mesh (etp != tp); MoE activations in bf16 (moe_activations.py).
+recomputation, a folded expert mesh (etp != tp); MoE activations with bf16-held parameters (moe_activations.py).
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -159,6 +160,11 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         msgs += st.tp_messages(spec, layout, tp_group, nl, True, True, m, hidden, act, tokens)
         # the router is replicated over tp: its gradient is a partial sum, all-reduced once per step
         msgs.append(st.Message("all_reduce", tp_group, "fp32", spec.num_experts * spec.hidden_size * st.MASTER_BYTES, n_moe))
+        if act < st.MASTER_BYTES:
+            # the MoE block combines its experts' outputs in fp32 (moe.py), so under autocast its forward
+            # output reaches the tp reduction in fp32: each such message carries 4 bytes a value, not 2
+            op = "reduce_scatter" if layout.sp else "all_reduce"
+            msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
     if ep_split:
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
 

@@ -58,6 +58,10 @@ _VIEWS = {"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackwa
           "ExpandBackward0", "AliasBackward0", "ReshapeAliasBackward0"}
 
 
+_PARAM_PIECES = _VIEWS | {"SelectBackward0", "SliceBackward0", "UnbindBackward0", "SplitBackward0",
+                          "SplitWithSizesBackward0"}
+
+
 def weight_cast(t: torch.Tensor) -> bool:
     """An autocast copy of a parameter (through views): a ``_to_copy`` whose input is a leaf that
     accumulates a gradient. Told by its autograd history, not by its shape."""
@@ -67,6 +71,9 @@ def weight_cast(t: torch.Tensor) -> bool:
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
         return False
     source = fn.next_functions[0][0]
+    # a piece of a parameter (an MoE layer's expert ``w1[e]``: select / slice / unbind of the stacked weight)
+    while source is not None and type(source).__name__ in _PARAM_PIECES and source.next_functions:
+        source = source.next_functions[0][0]
     return source is not None and type(source).__name__ == "AccumulateGrad"
 
 
