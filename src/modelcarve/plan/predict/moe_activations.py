@@ -80,6 +80,8 @@ def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int,
     fixed = (layers - len(moe_ids)) * sum(dense.values()) + len(moe_ids) * attention
     fixed += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, True, True, r).values())
     ep_split = layout.ep > 1
-    per_mb = received if received is not None else [[T * spec.top_k] * len(moe_ids)] * layout.num_microbatches
-    return float(max(fixed + sum(sum(moe_block_terms(spec, layout, T, R, ep_split).values()) for R in mb)
+    # a folded expert mesh leaves the MoE blocks whole on each TP rank, which routes its slice of the sequence
+    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
+    per_mb = received if received is not None else [[T_moe * spec.top_k] * len(moe_ids)] * layout.num_microbatches
+    return float(max(fixed + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in mb)
                      for mb in per_mb))

@@ -28,11 +28,15 @@ the expert mesh (spec/ranks.py), on one rank:
   the same bytes at uniform routing (``T k / ep`` rows to each EP rank) times the planner's load-
   imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
 * activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing);
-* under bf16 autocast the block's combined output is fp32, so its forward tp reduction carries fp32.
+* under bf16 autocast the block's combined output is fp32, so its forward tp reduction carries fp32;
+* a folded expert mesh (etp != tp, expert.py ``_apply_folded``): the MoE blocks are not split over
+  tp (their two row/column reductions per micro-batch go, ``tp_messages(mlp_layers=...)``), every
+  non-expert MoE parameter (router, shared experts) is a partial sum over tp, each TP rank routes
+  ``T / tp`` tokens, and without sp the block all-gathers its output and its input's gradient.
 
 Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP (also
 ZeRO-1/2 with dp_shard),
-recomputation, a folded expert mesh (etp != tp); MoE activations with bf16-held parameters (moe_activations.py).
+recomputation.
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -91,8 +95,6 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("MoE layers under fsdp / hsdp")
     if layout.recompute != "none":
         problems.append("MoE layers under recomputation")
-    if layout.folded:
-        problems.append(f"a folded expert mesh (etp={layout.expert_tp} != tp={layout.tp})")
     if problems:
         raise st.NotModelled("not modelled per op: " + ", ".join(problems))
 
@@ -113,7 +115,7 @@ def moe_layer_tensors(spec: "ModelSpec", layout: "Layout") -> tuple[list[int], l
         dense.remove(size)  # the dense MLP's matrices, wherever layer_tensors lists them
     dense.append(spec.num_experts * h)  # router
     if spec.num_shared_experts:
-        fs = spec.num_shared_experts * spec.expert_ffn_size // tp
+        fs = spec.num_shared_experts * spec.expert_ffn_size // (1 if layout.folded else tp)  # folded: whole
         dense += [h * fs, h * fs, fs * h]
     fe = spec.expert_ffn_size // layout.expert_tp
     n = spec.num_experts // layout.ep
@@ -156,15 +158,27 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     ep_split = layout.ep > 1
     edp_group = expert_group_along(layout, rank, "edp") if ep_split else dp_group
     msgs: list = []
+    folded = layout.folded and tp > 1
     if tp > 1:
-        msgs += st.tp_messages(spec, layout, tp_group, nl, True, True, m, hidden, act, tokens)
+        msgs += st.tp_messages(spec, layout, tp_group, nl, True, True, m, hidden, act, tokens,
+                               mlp_layers=n_dense if folded else None)
         # the router is replicated over tp: its gradient is a partial sum, all-reduced once per step
         msgs.append(st.Message("all_reduce", tp_group, "fp32", spec.num_experts * spec.hidden_size * st.MASTER_BYTES, n_moe))
-        if act < st.MASTER_BYTES:
-            # the MoE block combines its experts' outputs in fp32 (moe.py), so under autocast its forward
-            # output reaches the tp reduction in fp32: each such message carries 4 bytes a value, not 2
-            op = "reduce_scatter" if layout.sp else "all_reduce"
-            msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
+    if folded:
+        # the MoE blocks stay whole on every TP rank, which routes only its slice of the sequence
+        # (expert.py _apply_folded): their shared experts' gradients are partial sums over tp too, and
+        # without sp the block all-gathers its output (forward) and its input's gradient (backward)
+        if spec.num_shared_experts:
+            fs, h = spec.num_shared_experts * spec.expert_ffn_size, spec.hidden_size
+            msgs += [st.Message("all_reduce", tp_group, "fp32", n * st.MASTER_BYTES, n_moe) for n in (h * fs, h * fs, fs * h)]
+        if not layout.sp:
+            r = 2 if held_param_dtype(layout) == "bf16" else st.MASTER_BYTES
+            msgs.append(st.Message("all_gather", tp_group, "bf16" if r == 2 else "fp32", hidden * r, 2 * n_moe * m))
+    if tp > 1 and not folded and act < st.MASTER_BYTES:
+        # the MoE block combines its experts' outputs in fp32 (moe.py), so under autocast its forward
+        # output reaches the tp reduction in fp32: each such message carries 4 bytes a value, not 2
+        op = "reduce_scatter" if layout.sp else "all_reduce"
+        msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
     if ep_split:
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
 

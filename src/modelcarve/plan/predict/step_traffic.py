@@ -370,20 +370,24 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
 
 
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
-                hidden: int, act: int, tokens: int | None = None, rank: int | None = None) -> list[Message]:
-    """Tensor-parallel messages of one step on one rank (see the module doc)."""
+                hidden: int, act: int, tokens: int | None = None, rank: int | None = None,
+                mlp_layers: int | None = None) -> list[Message]:
+    """Tensor-parallel messages of one step on one rank (see the module doc); ``mlp_layers``: the
+    layers whose MLP is split over tp (default all ``nl``; a folded expert mesh leaves its MoE
+    blocks whole, moe_traffic.py)."""
     dt, region = layout.param_dtype, hidden * act
     f32 = hidden * 4
+    blocks = nl + (nl if mlp_layers is None else mlp_layers)  # tp-split attention and MLP blocks
     # per micro-batch: forward, each layer's row-parallel outputs (compute dtype) and the
     # embedding's output (fp32); under sp also the gathered norm outputs and the head's input
     # (fp32); backward, every gradient in the compute dtype (runtime/parallel/tensor.py carries them so)
     if layout.sp:
-        out = [Message("all_gather", group, "fp32", f32, (2 * nl + int(last)) * m),
-               Message("all_gather", group, dt, region, (2 * nl + int(first)) * m),
-               Message("reduce_scatter", group, dt, region, (4 * nl + int(last)) * m),
+        out = [Message("all_gather", group, "fp32", f32, (blocks + int(last)) * m),
+               Message("all_gather", group, dt, region, (blocks + int(first)) * m),
+               Message("reduce_scatter", group, dt, region, (2 * blocks + int(last)) * m),
                Message("reduce_scatter", group, "fp32", f32, int(first) * m)]
     else:
-        out = [Message("all_reduce", group, dt, region, (4 * nl + int(last)) * m),
+        out = [Message("all_reduce", group, dt, region, (2 * blocks + int(last)) * m),
                Message("all_reduce", group, "fp32", f32, int(first) * m)]
     if layout.sp:  # the replicated norm weights' gradients, once per step
         norms = nl * spec.layer_norms + int(last)
