@@ -92,6 +92,9 @@ class LayoutCosts:
     step_s: float = 0.0
     """Fixed seconds of every engine step (decode round or prefill chunk), once per step, not per
     stage: ``serve_rates.engine_step_s`` (the probed host overhead and the plan broadcast)."""
+    seq_host_s: float = 0.0
+    """Host seconds per sequence per engine step, a floor under the stage step
+    (``serve_rates.ENGINE_SEQ_HOST_S``; 0 on a probed device, whose measured host costs stand instead)."""
     prefill_s: float = -1.0
     """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
     prefill_token_s: float = -1.0
@@ -153,7 +156,8 @@ def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_l
                  imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "") -> LayoutCosts:
     """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
     caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``)."""
-    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype)
+    key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype,
+           serve_rates.ENGINE_SEQ_HOST_S)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
@@ -215,6 +219,9 @@ def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_l
     ctx.comm_lines = mesh.comm_lines
     ctx.fixed_s = mesh.fixed_s
     ctx.step_s = mesh.step_s
+    # Host work is per executor: an MoE model is served with attention DP (TensorRT-LLM's MoE llm_options,
+    # perf-overview.md: enable_attention_dp), so each of the tp ranks' executors holds batch / tp sequences.
+    ctx.seq_host_s = 0.0 if serve_rates.achieved(device) else serve_rates.ENGINE_SEQ_HOST_S / (tp if model.is_moe else 1)
     ctx.mesh = mesh
     ctx.prefill_s = ctx.prefill_token_s = -1.0
     if len(_CTX) > 100_000:

@@ -41,6 +41,20 @@ shapes; ``serve_calibration.fit_fp4_fraction``: 0.49, rms log error 0.08; it mul
 fraction, so it was refitted from 0.54 when the training calibration moved that from 0.675 to 0.75: the
 product, what the rows see, is unchanged); every other FP4 row is a check."""
 
+ENGINE_SEQ_HOST_S = 45.11e-3 / 1536
+"""Host seconds the serving engine spends per sequence in flight per engine step (its executor loop:
+scheduling, input preparation, sampler update, stop checks and response handling, one Python pass
+over every live request), a floor under the decode step, not added to it: with an overlap
+scheduler (TensorRT-LLM's PyTorch backend, on by default; vLLM V1's async scheduling) the host
+prepares step n+1 while the GPU runs step n, so a round takes ``max(GPU step, this x batch)``.
+It binds only where the GPU does little per sequence: a small-active-parameter model (Qwen3-30B-A3B,
+3.3B active) at batches of hundreds to thousands on one GPU. Published size: TensorRT-LLM PR #10273
+(https://github.com/NVIDIA/TensorRT-LLM/pull/10273, GB200, attention-DP rank at max_batch_size 1536,
+1k/1k max throughput): "average per iteration host_step_time is 45.11 ms", 29 us per sequence per
+step on a Grace CPU; taken as published (45.11 ms / 1536 = 29.4 us), not fitted. Per executor: an MoE
+model runs attention DP (layout_costs: divided by tp). It brings TensorRT-LLM's Qwen3-30B-A3B short rows
+(data/serving_published.csv) within ~20%; its long-context and prefill-heavy rows stay high (not modelled)."""
+
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}
 

@@ -152,7 +152,8 @@ def _stage_step(c: LayoutCosts, b: int, detail: bool = False):
                 if best is None or t < best:
                     best = t
             step += count * (best if best > floor else floor) + extra[0] + extra[1] * b
-        return step
+        host = c.seq_host_s * b
+        return step if step > host else host
     comm_s = {}
     straggler = 0.0
     for axis, count, pieces, floor, extra in c.comm_lines:
@@ -167,11 +168,14 @@ def _stage_step(c: LayoutCosts, b: int, detail: bool = False):
     roof = step - sum(comm_s.values()) - c.fixed_s
     attn_mem = b * kv_seq_bytes(f, c.mean_ctx) / c.hbm
     attn_cmp = b * c.mean_ctx * c.attn_flops_per_ctx / c.attn_peak
+    # The engine's per-sequence host work is overlapped with the GPU step: it shows only where it is longer.
+    host = c.seq_host_s * b - step if c.seq_host_s * b > step else 0.0
     parts = {
         "roofline": roof, "memory": gemm_mem + attn_mem + b * c.k_elem, "compute": gemm_cmp + attn_cmp,
         "overhead": c.fixed_s, "tp": comm_s.get("tp", 0.0), "ep": comm_s.get("ep", 0.0), "pp": comm_s.get("pp", 0.0),
-        "ep_straggler": straggler,
+        "host": host, "ep_straggler": straggler,
     }
+    step += host
     act = b * h * ACT_BYTES
     sent = {
         "tp": 2 * f.stage_layers * comm.ring_all_reduce_bytes(act, c.tp)
@@ -242,6 +246,10 @@ def _step_slope(c: LayoutCosts, b: int) -> tuple[float, float, float, float, flo
             grows += c.experts_all * tail * (1.0 - c.expert_miss ** c.ep) / c.hbm
     else:
         grows = c.k_attn_elem + cmp_slope + comm_grows if b < TILE else -1.0
+    host = c.seq_host_s * b
+    if host > step:
+        # The host floor binds (see _stage_step): the step is host x b, growing by exactly seq_host_s.
+        return host, c.seq_host_s, host, c.seq_host_s, c.seq_host_s
     return step, slope, step + other, other_slope, grows
 
 
@@ -345,7 +353,8 @@ def _serve_time(c: LayoutCosts, batch: int) -> ServeTime:
     # The largest share of the step names what bounds it; "overhead" is the fixed per-layer
     # cost (kernel launches and gaps) that dominates when each device has little to do.
     roof_kind = "memory" if parts["memory"] >= parts["compute"] else "compute"
-    shares = {roof_kind: parts["roofline"], "communication": parts["tp"] + parts["ep"] + parts["pp"], "overhead": parts["overhead"]}
+    shares = {roof_kind: parts["roofline"], "communication": parts["tp"] + parts["ep"] + parts["pp"],
+              "overhead": parts["overhead"] + parts["host"]}
     bound = max(shares, key=shares.get)
     round_parts = {k: v * slots for k, v in parts.items()}
     round_parts["step"] = c.step_s  # once per round (engine step), not per stage
