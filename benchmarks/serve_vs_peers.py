@@ -51,8 +51,9 @@ Metrics per side, workload and dtype (medians over rounds):
   recorded too (different summation orders legitimately flip near-ties there).
 
 Load: the 1-minute load average before, after and at the start of each round; if it is above
-``QUIET_LOAD`` (1.5) at the start, the run is refused unless ``--force``, and the JSON says
-``quiet: false`` ("not quiet") -- figures from such a run are only comparable within the run.
+``QUIET_LOAD`` (1.5) at the start, the run is refused unless ``--force``; if it is above it at the
+start or at any round, the JSON says ``quiet: false`` ("not quiet", with a ``note``) -- figures
+from such a run are only comparable within the run, best through the ``paired`` ratios.
 """
 
 from __future__ import annotations
@@ -354,6 +355,10 @@ def main() -> None:
                         runs.setdefault((dt, name, side), []).append(procs[side, dt].run(name))
             print(f"round {r + 1}/{rounds} done (load {loads[-1]:.2f})", file=sys.stderr, flush=True)
         result["load_1min_per_round"] = loads
+        if max(loads, default=0) > QUIET_LOAD:  # the load rose during the run: not quiet either
+            result["quiet"] = quiet = False
+            result["note"] = (f"not quiet: 1-minute load {load_before[0]:.2f} at the start, up to {max(loads):.2f} "
+                              f"during the rounds (> {QUIET_LOAD})")
         bw = copy_bandwidth()
         result["copy_bandwidth_bytes_s"] = bw
         for dt in dtypes:
