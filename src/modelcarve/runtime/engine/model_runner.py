@@ -53,25 +53,22 @@ from modelcarve.spec.errors import LayoutError
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight reordered once, at load,
     into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
-    ``torch.ops.mkldnn._linear_pointwise``. fp32: a step of 2+ rows runs the packed copy (measured
-    here ~1.2-1.4x faster than the BLAS sgemm of ``F.linear`` at the 2..16 rows of decode steps),
-    one row keeps ``F.linear`` (BLAS gemv, ~25% faster than oneDNN at one row; and fp32 greedy
-    tokens stay those of before). bf16: every row count runs the packed copy -- ``F.linear`` in bf16
-    reorders the weight for oneDNN on every call (measured here ~1.8-2.7x slower at 1..4 rows,
-    ~1.5x at 16, on an avx512_bf16 CPU without AMX). Same ``x W^T + b`` up to summation order
-    (fp32 accumulation both ways; bf16 output rounding)."""
+    ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
+    thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x
+    faster than the BLAS sgemm of ``F.linear``; fp32 batch-1 TPOT 25.3 -> 15.1 ms against BLAS gemv
+    at one row (an isolated one-row gemv whose weight stays in cache looks as fast, but in the
+    model the weights stream from memory, and the packed layout streams faster); bf16: ``F.linear``
+    reorders the weight for oneDNN on every call, ~1.8-2.7x slower at 1..4 rows, ~1.5x at 16 (an
+    avx512_bf16 CPU without AMX). Same ``x W^T + b`` up to summation order (fp32 accumulation both
+    ways; bf16 output rounding)."""
 
     def __init__(self, lin: torch.nn.Linear):
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
         self.out_features, self.in_features = lin.weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
-        self.gemv_rows = 1 if lin.weight.dtype == torch.float32 else 0
-        """Row counts up to this run ``F.linear`` (fp32: one row; bf16: none)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.gemv_rows * self.in_features:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
                                                "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
