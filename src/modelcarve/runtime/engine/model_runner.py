@@ -3,8 +3,8 @@
 ``ModelRunner(model, layout, ...)`` on every rank: loads the weights (a checkpoint slice by slice,
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
-(runtime/engine/quant.py) -- or, for fp32 weights on CPU, gives the layers' and the head's linears a
-oneDNN-packed copy for multi-row steps (``PackedLinear``, when it fits in a quarter of free
+(runtime/engine/quant.py) -- or, for fp32 / bf16 weights on CPU, gives the layers' and the head's
+linears a oneDNN-packed copy made once at load (``PackedLinear``, when it fits in a quarter of free
 memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
 minimum over ranks) and installs paged attention (paged_attention.py).
 
@@ -51,11 +51,16 @@ from modelcarve.spec.errors import LayoutError
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` (fp32, CPU) with a second copy of its weight reordered into oneDNN's blocked
-    layout (``torch.ops.mkldnn._reorder_linear_weight``): a step of 2+ rows runs
-    ``torch.ops.mkldnn._linear_pointwise`` (measured here ~1.2-1.4x faster than the BLAS sgemm of
-    ``F.linear`` at the 2..16 rows of decode steps), one row keeps ``F.linear`` (BLAS gemv, ~25%
-    faster than oneDNN at one row). Same ``x W^T + b`` up to summation order (~1e-6 relative)."""
+    """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight reordered once, at load,
+    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
+    ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
+    thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x
+    faster than the BLAS sgemm of ``F.linear``; fp32 batch-1 TPOT 25.3 -> 15.1 ms against BLAS gemv
+    at one row (an isolated one-row gemv whose weight stays in cache looks as fast, but in the
+    model the weights stream from memory, and the packed layout streams faster); bf16: ``F.linear``
+    reorders the weight for oneDNN on every call, ~1.8-2.7x slower at 1..4 rows, ~1.5x at 16 (an
+    avx512_bf16 CPU without AMX). Same ``x W^T + b`` up to summation order (fp32 accumulation both
+    ways; bf16 output rounding)."""
 
     def __init__(self, lin: torch.nn.Linear):
         super().__init__()
@@ -64,11 +69,18 @@ class PackedLinear(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
                                                "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def packable_dtypes() -> tuple:
+    """The weight dtypes ``prepack_linears`` packs here: fp32 with oneDNN, bf16 too where oneDNN
+    has bf16 kernels for this CPU (avx512bw/vl/dq or AMX; ``_is_mkldnn_bf16_supported``)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 PLAN_TAG = 7
@@ -111,25 +123,27 @@ PACK_FRACTION = 0.25
 """The packed copies are made only when they take at most this share of free memory."""
 
 
-def _packable(mod) -> bool:
+def _packable(mod, dtypes: tuple) -> bool:
     return (type(mod) is torch.nn.Linear and type(mod.weight) is torch.nn.Parameter
-            and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu")
+            and mod.weight.dtype in dtypes and mod.weight.device.type == "cpu")
 
 
 def prepack_linears(chunk, free_bytes: int) -> int:
-    """Give the plain fp32 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers kept)
-    and the LM head a oneDNN-packed copy (``PackedLinear``) when those copies fit in
-    ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    """Give the plain fp32 / bf16 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers
+    kept) and the LM head a oneDNN-packed copy (``PackedLinear``) when those copies fit in
+    ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN (bf16:
+    without its bf16 kernels, ``packable_dtypes``)."""
+    dtypes = packable_dtypes()
+    if not dtypes:
         return 0
     found = []  # (owner module, attribute, linear)
     for block in chunk.layers.values():
         for part in (block.attention, block.feed_forward):
             for name, mod in part.named_modules():
-                if name and "router" not in name.split(".") and _packable(mod):
+                if name and "router" not in name.split(".") and _packable(mod, dtypes):
                     owner, _, leaf = name.rpartition(".")
                     found.append((part.get_submodule(owner) if owner else part, leaf, mod))
-    if getattr(chunk, "output", None) is not None and _packable(chunk.output):
+    if getattr(chunk, "output", None) is not None and _packable(chunk.output, dtypes):
         found.append((chunk, "output", chunk.output))
     if sum(mod.weight.nbytes for *_, mod in found) > PACK_FRACTION * free_bytes:
         return 0
@@ -184,7 +198,7 @@ class ModelRunner:
 
             quantize_model(chunk, weight_dtype, _int4_group(chunk) if weight_dtype == "int4" else 128)
         self.device = next(chunk.parameters()).device
-        if weight_dtype == "fp32" and self.dtype == torch.float32 and self.device.type == "cpu":
+        if DTYPES.get(weight_dtype) == self.dtype and self.dtype in packable_dtypes() and self.device.type == "cpu":
             prepack_linears(chunk, free_memory_bytes(self.device))
         self.chunk = chunk
         at = layout.coords(self.rank)  # the one rank order (spec/ranks.py)
