@@ -40,7 +40,7 @@ def test_single_device_equals_transformers(ckpts, name):
 
     path, prompts, refs = ckpts[name]
     engine = _engine(path)
-    # the multi-row steps run through the oneDNN-packed linears (fp32 on CPU), so they are what is compared
+    # every step (single-row decode steps too) runs through the oneDNN-packed linears on CPU, so they are what is compared
     assert any(isinstance(m, PackedLinear) for m in engine.runner.chunk.modules())
     assert drive(engine, prompts, greedy()) == refs
 

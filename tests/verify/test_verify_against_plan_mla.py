@@ -14,7 +14,7 @@ What plan/predict/step_traffic.py and plan/predict/activations.py model for it:
   a layer at these shapes, not found).
 
 The same checks on a tiny DeepSeek-V3 with its MoE layers (one dense first layer, sigmoid group-limited
-routing, shared experts; plan/predict/moe_traffic.py given the measured routing): dp, dp x ep, tp.
+routing, shared experts; plan/predict/moe_traffic.py given the measured routing): dp, dp x ep, tp, pp.
 MLA in bf16 is not modelled: checked below to fail the check with the reason (no silent pass).
 """
 
@@ -36,7 +36,8 @@ CASES = [
     f"tp=2,sp,gbs=2,{FP32}",
     f"pp=2,gbs=4,schedule=1f1b,{FP32}",
 ]
-MOE_CASES = [f"dp=2,gbs=4,{FP32}", f"dp=2,ep=2,gbs=4,{FP32}", f"tp=2,gbs=2,{FP32}"]
+MOE_CASES = [f"dp=2,gbs=4,{FP32}", f"dp=2,ep=2,gbs=4,{FP32}", f"tp=2,gbs=2,{FP32}",
+             f"pp=2,gbs=4,schedule=1f1b,{FP32}"]  # pp: the dense first layer on stage 0, the MoE layer on 1
 UNMODELLED = "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16"
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
             intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=8,

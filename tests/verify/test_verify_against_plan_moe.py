@@ -16,8 +16,8 @@ difference is 32 bytes per MoE layer (the aux loss's load, counted but shared) p
 28 bytes of boolean masks under tp, far below it; in bf16 (autocast, and bf16-held parameters) within
 1.1%.
 
-Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation, pipeline or
-context parallelism, FSDP.
+Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation, an interleaved
+pipeline, context parallelism, FSDP.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ CASES_2 = [
     (Q3, f"tp=2,ep=2,etp=1,gbs=2,{FP32}"),
     ("tiny-moe", f"tp=2,sp,ep=2,etp=1,gbs=2,{FP32}"),
     ("tiny-moe", "tp=2,ep=2,etp=1,gbs=2,seq=16,mbs=1,param_dtype=bf16"),
+    # pipelines: each stage its own layers (spec/stages.py), sends, the loss broadcast; the activations
+    # of the micro-batches in flight (1F1B: pp - stage of them; GPipe: all), each with its own routing
+    ("tiny-moe", f"pp=2,gbs=4,schedule=1f1b,{FP32}"),
+    ("tiny-moe", f"pp=2,gbs=8,schedule=gpipe,{FP32}"),
 ]
 UNMODELLED_2 = [
     (Q3, f"dp=2,ep=2,gbs=4,recompute=full,{FP32}", "MoE layers under recomputation"),
@@ -59,6 +63,7 @@ CASES_4 = [
     (Q3, f"tp=2,sp,dp=2,ep=2,zero=2,gbs=4,{FP32}"),
     ("tiny-moe", f"dp=4,ep=2,gbs=4,{FP32}"),  # edp = 2: expert gradients all-reduced over it
     ("tiny-moe", f"dp=4,ep=2,zero=1,gbs=8,{FP32}"),
+    ("tiny-moe", f"pp=2,dp=2,ep=2,gbs=8,schedule=1f1b,{FP32}"),
 ]
 
 
@@ -137,8 +142,11 @@ def test_ep_bytes_follow_the_routing(reports2):
 
 
 def test_activations_modelled_close(reports2, reports4):
-    """The eager MoE terms are exact up to 32 bytes per MoE layer (+28 bytes of masks under tp)."""
-    for report in [r for (_m, layout), r in zip(CASES_2, reports2) if "fp32" in layout] + reports4:
+    """The eager MoE terms are exact up to 32 bytes per MoE layer (+28 bytes of masks under tp), one
+    micro-batch in flight (fp32, no pipeline; under one the terms of each micro-batch in flight add a
+    few bytes more, 0.02-0.03%, held by the 10% check above)."""
+    cases = [(c, r) for c, r in zip(CASES_2, reports2) if "fp32" in c[1]] + list(zip(CASES_4, reports4))
+    for report in [r for (_m, layout), r in cases if "pp=" not in layout]:
         for r in report["against_plan"]:
             if r["quantity"] == "activations":
                 assert 0 <= r["predicted"] - r["measured"] <= 32 * 4 + 28, (report["layout"], r)

@@ -63,11 +63,14 @@ def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, 
     return out
 
 
-def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int,
-                              received: list[list[int]] | None) -> float | None:
-    """Peak saved-for-backward bytes of one rank of an MoE model (``received[mb][i]``: the rows
-    the experts of this rank received in the ``i``-th MoE layer of micro-batch ``mb``; None
-    without EP); None where not modelled (bf16)."""
+def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list[int], layers: int,
+                              received: list[list[int]] | None, first: bool = True, last: bool = True,
+                              in_flight: int = 1) -> float | None:
+    """Peak saved-for-backward bytes of one rank of an MoE model holding ``layers`` layers, the MoE
+    ones ``moe_ids`` (``received[mb][i]``: the rows the experts of this rank received in its ``i``-th
+    MoE layer of micro-batch ``mb``; None without EP), ``first`` / ``last`` pipeline stage, with
+    ``in_flight`` micro-batches held at the peak (a pipeline schedule's; the peak is the largest run
+    of that many consecutive micro-batches, as 1F1B and GPipe hold them); None where not modelled."""
     if layout.param_dtype not in ("fp32", "bf16"):
         return None  # checked: fp32, bf16 autocast over fp32 parameters, bf16-held parameters
     if spec.attention_kind == "mla" and layout.param_dtype != "fp32":
@@ -76,12 +79,13 @@ def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int,
     c = 2 if layout.param_dtype == "bf16" else FP32
     dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
     attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
-    moe_ids = [i for i in range(layers) if spec.is_moe_layer(i)]
     fixed = (layers - len(moe_ids)) * sum(dense.values()) + len(moe_ids) * attention
-    fixed += sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, True, True, r).values())
+    stage = sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
     ep_split = layout.ep > 1
     # a folded expert mesh leaves the MoE blocks whole on each TP rank, which routes its slice of the sequence
     T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
     per_mb = received if received is not None else [[T_moe * spec.top_k] * len(moe_ids)] * layout.num_microbatches
-    return float(max(fixed + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in mb)
-                     for mb in per_mb))
+    one = [fixed + stage + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in mb)
+           for mb in per_mb]
+    k = max(1, min(in_flight, len(one)))
+    return float(max(sum(one[i:i + k]) for i in range(len(one) - k + 1)))

@@ -34,9 +34,10 @@ the expert mesh (spec/ranks.py), on one rank:
   non-expert MoE parameter (router, shared experts) is a partial sum over tp, each TP rank routes
   ``T / tp`` tokens, and without sp the block all-gathers its output and its input's gradient.
 
-Not covered (``NotModelled``): pipeline or context parallelism with MoE layers, FSDP / HSDP (also
-ZeRO-1/2 with dp_shard),
-recomputation.
+Pipelines (v = 1): each rank its stage's layers (spec/stages.py ``rank_layer_ids``, dense first
+layers where they fall), step_traffic's sends, loss broadcast and tied-embedding sum, and the
+activations of the micro-batches in flight. Not covered (``NotModelled``): an interleaved pipeline
+or context parallelism with MoE layers, FSDP / HSDP (also ZeRO-1/2 with dp_shard), recomputation.
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.predict import step_traffic as st
 from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes
 from modelcarve.spec.ranks import coords, expert_coords, expert_group_along, group_along
+from modelcarve.spec.stages import rank_layer_ids
 from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
@@ -87,8 +89,8 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
     st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
     problems = []
-    if layout.pp > 1:
-        problems.append("MoE layers under pipeline parallelism")
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        problems.append("MoE layers under an interleaved pipeline")
     if layout.cp > 1:
         problems.append("MoE layers under context parallelism")
     if layout.zero == 3 or layout.dp_shard:
@@ -142,13 +144,19 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         raise st.NotModelled("not modelled per op: expert parallelism without the measured routing "
                              "(predict_rank(..., routing=...): the all-to-all rows depend on it)")
     tp, m = layout.tp, layout.num_microbatches
-    nl = spec.num_layers if stage_layers is None else stage_layers
-    moe_ids = [i for i in range(nl) if spec.is_moe_layer(i)]
+    stage = coords(layout, rank)["pp"]
+    first, last = stage == 0, stage == layout.pp - 1
+    ids = rank_layer_ids(spec.num_layers, layout.pp, layout.virtual_stages)[stage]  # spec/stages.py: the runtime's split
+    if stage_layers is not None and stage_layers != len(ids):
+        raise st.NotModelled(f"not modelled per op: the runtime holds {stage_layers} layers on pipeline rank {stage}, "
+                             f"spec/stages.py {len(ids)}")
+    nl = len(ids)
+    moe_ids = [i for i in ids if spec.is_moe_layer(i)]
     n_moe, n_dense = len(moe_ids), nl - len(moe_ids)
     act = st.DTYPE_SIZE[layout.param_dtype]
     tokens = layout.mbs * layout.seq
     hidden = tokens * spec.hidden_size
-    dense_layer, root = st.layer_tensors(spec, tp), st.root_tensors(spec, tp, True, True)
+    dense_layer, root = st.layer_tensors(spec, tp), st.root_tensors(spec, tp, first, last)
     moe_dense, experts = moe_layer_tensors(spec, layout)
     shared_local = n_dense * sum(dense_layer) + n_moe * sum(moe_dense) + sum(root)
     expert_local = n_moe * sum(experts)
@@ -160,7 +168,7 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     msgs: list = []
     folded = layout.folded and tp > 1
     if tp > 1:
-        msgs += st.tp_messages(spec, layout, tp_group, nl, True, True, m, hidden, act, tokens,
+        msgs += st.tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens,
                                mlp_layers=n_dense if folded else None)
         # the router is replicated over tp: its gradient is a partial sum, all-reduced once per step
         msgs.append(st.Message("all_reduce", tp_group, "fp32", spec.num_experts * spec.hidden_size * st.MASTER_BYTES, n_moe))
@@ -181,6 +189,13 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
     if ep_split:
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
+    if layout.pp > 1:  # step_traffic's: the stage's sends, the loss broadcast, the tied embedding's sum
+        msgs += st.pipeline_sends(layout, rank, hidden * 4)
+        msgs.append(st.Message("broadcast", group_along(layout, rank, "pp"), "fp32", 4))
+        tied = st.tied_group(spec, layout, rank)
+        if tied is not None:
+            msgs.append(st.Message("all_reduce", tied, "fp32",
+                                   spec.hidden_size * (st.padded_vocab(spec.vocab_size, tp) // tp) * st.MASTER_BYTES))
 
     low = held_param_dtype(layout) == "bf16"
     params = grads = (shared_local + expert_local) * st.MASTER_BYTES
@@ -204,8 +219,8 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     received = None
     if ep_split:
         received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
-    acts = moe_rank_activation_bytes(spec, layout, nl, received)
-    fused = st.activation_bytes(spec, layout, nl, True, True)
+    acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage))
+    fused = st.activation_bytes(spec, layout, nl, first, last, in_flight=st._in_flight(layout, stage))
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     if ep_split:
