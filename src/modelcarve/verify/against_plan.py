@@ -59,6 +59,9 @@ class AgainstPlan:
         self.events += log.events
         self.mem["activations"] = acts.peak
         self.mem["grads"] = held_grads(self.trainer.chunks, self.trainer.optimizer)
+        runner = getattr(self.trainer, "runner", None)
+        if runner is not None and not hasattr(self, "order"):  # the schedule's executed actions, first step
+            self.order = [(a.kind, a.stage, a.microbatch) for a in runner.actions]
         return loss
 
     def optimizer_step(self):
@@ -78,7 +81,8 @@ class AgainstPlan:
         measured = measured_bytes(self.events)
         routing = gather_routing(self.routing) if self.spec.is_moe and self.layout.ep > 1 else None
         try:
-            pred = forecast_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers(), routing=routing)
+            pred = forecast_rank(self.spec, self.layout, rank, stage_layers=self.stage_layers(), routing=routing,
+                                 order=getattr(self, "order", None))
             why = "not modelled: the per-op model predicts no figure for this quantity"
         except NotModelled as exc:
             pred, why = None, str(exc)

@@ -77,12 +77,13 @@ class SplitMessage(st.Message):
 
 
 def forecast_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
-                  routing: dict | None = None) -> st.RankPrediction:
+                  routing: dict | None = None, order: list | None = None) -> st.RankPrediction:
     """``step_traffic.predict_rank``, or ``predict_moe_rank`` for an MoE model (``routing``: the
-    measured dispatcher counts, needed under expert parallelism)."""
+    measured dispatcher counts, needed under expert parallelism; ``order``: the pipeline schedule's
+    executed actions, which the zero-bubble schedule's activations need)."""
     if spec.is_moe:
         return predict_moe_rank(spec, layout, rank, stage_layers=stage_layers, routing=routing)
-    return st.predict_rank(spec, layout, rank, stage_layers=stage_layers)
+    return st.predict_rank(spec, layout, rank, stage_layers=stage_layers, order=order)
 
 
 def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:

@@ -62,7 +62,8 @@ from typing import TYPE_CHECKING
 
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.activations import layer_activation_bytes
-from modelcarve.plan.predict.activations import interleaved_activation_bytes, rank_activation_bytes, residual_bytes
+from modelcarve.plan.predict.activations import (interleaved_activation_bytes, rank_activation_bytes, residual_bytes,
+                                                 zero_bubble_activation_bytes)
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
 from modelcarve.plan.predict.timeline import action_order
@@ -202,8 +203,11 @@ def tied_group(spec: "ModelSpec", layout: "Layout", rank: int) -> tuple | None:
 
 
 # --- the prediction -------------------------------------------------------------------------
-def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None) -> RankPrediction:
-    """Messages and memory of one rank for one training step (see the module doc)."""
+def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
+                 order: list | None = None) -> RankPrediction:
+    """Messages and memory of one rank for one training step (see the module doc); ``order``: the
+    rank's executed pipeline actions ``(kind, stage, micro-batch)``, for the zero-bubble schedule's
+    activations (``zero_bubble_activation_bytes``)."""
     _check_supported(spec, layout)
     c = coords(layout, rank)
     stage, tp = c["pp"], layout.tp
@@ -273,7 +277,9 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
             msgs.append(Message("all_reduce", dp_group, "fp32", local * MASTER_BYTES))
         msgs.append(Message("all_reduce", group_along(layout, rank, "dp_cp"), "fp32", 4))  # the loss, over dp x cp (every stage)
     msgs.append(Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    if layout.pp > 1 and layout.virtual_stages > 1:
+    if layout.pp > 1 and layout.schedule == "zero-bubble":
+        acts = zero_bubble_activation_bytes(spec, layout, order) if order else None
+    elif layout.pp > 1 and layout.virtual_stages > 1:
         acts = interleaved_activation_bytes(spec, layout, stage)
     else:
         acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
