@@ -10,12 +10,14 @@ What plan/predict/step_traffic.py and plan/predict/activations.py model for it:
 * activations (``mla_terms``): the latents' norms and the up projections' inputs, the whole kv
   down projection (the latent's norm reads a view of it), and the attention core on the math path
   (q, k, the ``s x s`` softmax per head, v as a view of the kv up projection) — the CPU fused
-  kernel needs equal query and value head sizes. Held within 10% (measured 1.2-1.4% low: 768 bytes
-  a layer at these shapes, not found).
+  kernel needs equal query and value head sizes. Held within 10%: fp32 2.9% low (1,792 bytes a layer
+  at these shapes, outside the attention module, not found), bf16 exact (autocast) and within 0.3%
+  (bf16-held parameters).
 
 The same checks on a tiny DeepSeek-V3 with its MoE layers (one dense first layer, sigmoid group-limited
 routing, shared experts; plan/predict/moe_traffic.py given the measured routing): dp, dp x ep, tp, pp.
-MLA in bf16 is not modelled: checked below to fail the check with the reason (no silent pass).
+MLA under context parallelism is not modelled: checked below to fail the check with the reason
+(no silent pass).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ CASES = [
 ]
 MOE_CASES = [f"dp=2,gbs=4,{FP32}", f"dp=2,ep=2,gbs=4,{FP32}", f"tp=2,gbs=2,{FP32}",
              f"pp=2,gbs=4,schedule=1f1b,{FP32}"]  # pp: the dense first layer on stage 0, the MoE layer on 1
-UNMODELLED = "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16"
+UNMODELLED = f"cp=2,gbs=2,{FP32}"
+BF16 = ["dp=2,gbs=4,seq=16,mbs=1,param_dtype=bf16", "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16",
+        "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16"]
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
             intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=8,
             num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
@@ -75,12 +79,12 @@ def _worker(jobs):
 def reports(tmp_path_factory):
     dense = _save(tmp_path_factory.mktemp("mla") / "ckpt", first_k_dense_replace=2)
     moe = _save(tmp_path_factory.mktemp("dsv3") / "ckpt", first_k_dense_replace=1)
-    jobs = [(dense, c) for c in CASES] + [(moe, c) for c in MOE_CASES] + [(dense, UNMODELLED)]
+    jobs = [(dense, c) for c in CASES + BF16] + [(moe, c) for c in MOE_CASES] + [(dense, UNMODELLED)]
     return run_distributed(_worker, 2, jobs, timeout=600)[0]
 
 
 def test_every_row_judged_bytes_exact_activations_within_ten_percent(reports):
-    for layout, report in zip(CASES + MOE_CASES, reports):
+    for layout, report in zip(CASES + BF16 + MOE_CASES, reports):
         rows = report["against_plan"]
         unjudged = [r for r in rows if r["ok"] is None and r["why"] != "reported only"]
         assert not unjudged, (layout, unjudged)
@@ -122,6 +126,6 @@ def test_unmodelled_is_not_a_pass(reports):
 
 
 def test_deepseek_moe_has_a_dense_first_layer_and_ep_traffic(reports):
-    report = reports[len(CASES) + MOE_CASES.index(f"dp=2,ep=2,gbs=4,{FP32}")]
+    report = reports[len(CASES) + len(BF16) + MOE_CASES.index(f"dp=2,ep=2,gbs=4,{FP32}")]
     a2a = [r for r in report["against_plan"] if r["quantity"] == "payload:all_to_all" and r["ok"]]
     assert a2a and all(r["measured"] > 0 for r in a2a)  # one MoE layer's dispatches, judged to the byte

@@ -73,12 +73,14 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     heads = spec.num_heads / tp
     casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2)
     kv = max(spec.num_kv_heads // tp, 1) if ring else heads
+    if spec.attention_kind == "mla" and casts_attn == 3:
+        casts_attn = 2  # autocast casts the input once for each down projection (q and kv), not three times
     terms = {
         "norms": 2 * _norm(T, h, rep, resid),
         "attn_input": casts_attn * c * T * h,
         "qkv": c * T * (heads + 2 * kv) * hd,
         "attn_out": c * T * heads * hd + FP32 * T * heads,  # fused SDPA: output + log-sum-exp, no scores
-        "proj_input": c * T * heads * hd,
+        "proj_input": c * T * heads * spec.attn_v_head_dim,
         "mlp_input": casts_mlp * c * T * h,
         "mlp": 4 * c * T * f / tp,
     }
@@ -95,7 +97,7 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
 
 def mla_terms(spec: "ModelSpec", T: float, seq: int, tp: int, c: int, resid: int = FP32) -> dict[str, float]:
     """Saved bytes of MLA attention (runtime/model/transformer.py ``MLAttention``) for one layer and
-    micro-batch on one TP rank (fp32, checked tensor by tensor with saved_tensors_hooks): the q
+    micro-batch on one TP rank (fp32 and bf16, checked tensor by tensor with saved_tensors_hooks): the q
     latent's RMSNorm (its input, inverse RMS, output) and the q up projection's input (with a q
     latent); the kv down projection's whole output (the norm's input is a view of it, the rope key
     beside the latent), the kv norm's inverse RMS and output and the kv up projection's input; the
@@ -106,10 +108,17 @@ def mla_terms(spec: "ModelSpec", T: float, seq: int, tp: int, c: int, resid: int
     n, rq, rkv, rope = spec.num_heads / tp, spec.q_lora_rank or 0, spec.kv_lora_rank, spec.qk_rope_head_dim
     nope, dv = spec.qk_head_dim - rope, spec.attn_v_head_dim
     out = {}
+    # each latent norm's output keeps its input's dtype: the projection's output, in the compute dtype
     if rq:
-        out["q_latent"] = _norm(T, rq, 1, resid) + c * T * rq
-    out["kv_latent"] = FP32 * T * (rkv + rope) + FP32 * T + resid * T * rkv + c * T * rkv
-    out["attn_core"] = 2 * c * T * n * spec.qk_head_dim + c * n * T * seq + c * T * n * (nope + dv)
+        out["q_latent"] = (FP32 + c) * T * rq + FP32 * T + c * T * rq
+    if c == FP32:  # the norm's input is a view of the whole kv down projection output (latent + rope key)
+        out["kv_latent"] = FP32 * T * (rkv + rope) + FP32 * T + 2 * FP32 * T * rkv
+    else:  # its fp32 upcast is a copy of the latent alone
+        out["kv_latent"] = FP32 * T * rkv + FP32 * T + 2 * c * T * rkv
+    if c == FP32:
+        out["attn_core"] = 2 * FP32 * T * n * spec.qk_head_dim + FP32 * n * T * seq + FP32 * T * n * (nope + dv)
+    else:  # the math path upcasts bf16 to fp32: its own v copy and a second fp32 s x s tensor per head
+        out["attn_core"] = 2 * FP32 * T * n * spec.qk_head_dim + 2 * FP32 * n * T * seq + FP32 * T * n * dv
     return out
 
 
@@ -134,8 +143,8 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
     if layout.recompute != "none" or spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
         return None
-    if spec.attention_kind == "mla" and (layout.param_dtype != "fp32" or layout.cp > 1):
-        return None  # MLA's saved tensors are checked in fp32 without context parallelism only
+    if spec.attention_kind == "mla" and layout.cp > 1:
+        return None  # MLA's saved tensors are checked without context parallelism only
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32

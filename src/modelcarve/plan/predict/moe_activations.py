@@ -73,8 +73,6 @@ def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list
     of that many consecutive micro-batches, as 1F1B and GPipe hold them); None where not modelled."""
     if layout.param_dtype not in ("fp32", "bf16"):
         return None  # checked: fp32, bf16 autocast over fp32 parameters, bf16-held parameters
-    if spec.attention_kind == "mla" and layout.param_dtype != "fp32":
-        return None  # MLA's saved tensors are checked in fp32 only (activations.py)
     T, r = layout.mbs * layout.seq, residual_bytes(layout)
     c = 2 if layout.param_dtype == "bf16" else FP32
     dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
