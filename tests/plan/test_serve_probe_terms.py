@@ -112,3 +112,20 @@ def test_probe_served_fit_and_request_path():
     # and it reads back as a cluster file
     cluster = cluster_from_dict(cluster_dict(probe), "probed")
     assert cluster.device.request_overhead_s == pytest.approx(3.8e-3)
+
+
+def test_link_latency_is_the_served_engines_all_reduce_between_layers():
+    """Served per-layer cost 0.15 ms at tp=1 and 3.25 ms at tp=2: two all-reduces per layer, so one
+    costs (3.25 - 0.15) / 2 = 1.55 ms, over the ring's 2(n - 1) = 2 steps: latency_s = 0.775 ms (not
+    the back-to-back gloo loop's 0.1 ms)."""
+    served = overhead_from_steps(0.5e-3, 1.55e-3, 1, 8)
+    tp = overhead_from_steps(5.7e-3, 5.7e-3 + 7 * 3.25e-3, 1, 8)
+    tp.update(tp=2, engine_all_reduce_s=(tp["layer_overhead_s"] - served["layer_overhead_s"]) / 2)
+    assert tp["engine_all_reduce_s"] == pytest.approx(1.55e-3)
+    served.update(request_overhead_s=3e-3, tp=tp)
+    probe = dict(ranks=2, threads_per_rank=1, host="h", gemm_flops=dict(fp32=2e11, bf16=1e11), gemv_bytes_per_s=1e10,
+                 links=dict(all_reduce=dict(latency_s=1e-4, bus_bytes_per_s=1e9)), served=served)
+    link = cluster_dict(probe)["intra_link"]
+    assert link["latency_s"] == pytest.approx(0.775e-3)
+    del served["tp"]
+    assert cluster_dict(probe)["intra_link"]["latency_s"] == pytest.approx(1e-4)

@@ -37,7 +37,13 @@ uvicorn on 127.0.0.1, one streaming request at a time, as ``bench-serve`` sends 
 TPOT a client sees is the served decode step ``t(L)``, fitted the same way, and the median TTFT of
 the 1-layer model less its step is ``request_overhead_s``: a request's own path (HTTP read,
 admission, waking the engine thread, the first token's delivery and SSE write). The cluster file
-takes the served figures (the bare engine's stay in ``--json`` beside them).
+takes the served figures (the bare engine's stay in ``--json`` beside them). The two models are
+served at tp = ``--probe-ranks`` as well (torchrun, as ``serve`` starts them): each layer then adds
+two all-reduces, so ``(layer(tp) - layer(1)) / 2`` is one all-reduce as the engine pays it between
+layers, ranks computing in between and the server's threads running (~25x a back-to-back gloo
+all-reduce on a loaded 2-core machine: a rank that has lost its core holds the other up); the
+link's ``latency_s`` is that over the ring's ``2(n - 1)`` steps (the gloo loop's figure stays in
+``--json``).
 
 The cluster file has one node of ``--probe-ranks`` devices. Its device says what was measured in a
 form the planner uses as it is:
@@ -50,7 +56,8 @@ form the planner uses as it is:
   and ``layer_overhead_s``); ``request_overhead_s``: the request path, added once to TTFT
   (plan/serve/rates.py ``request_overhead_s``).
 
-The link: ``latency_s`` is the gloo alpha (latency per ring step of an 8-byte all-reduce), and
+The link: ``latency_s`` is the served engine's all-reduce per ring step (above; without it the
+gloo alpha: latency per ring step of an 8-byte all-reduce), and
 ``bytes_per_s`` is the measured all-reduce bus bandwidth (the beta) divided by
 ``plan.comm.INTRA_EFFICIENCY`` (the planner multiplies a link's nominal figure by it, so it
 predicts what was measured). The per-collective figures (all-to-all, send/recv) are in ``--json``.
@@ -195,7 +202,7 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
                 p.join()
     probe = summarise(list(results.values()), ranks, threads)
     probe["engine"] = engine_overhead(threads)
-    probe["served"] = served_overhead(threads)
+    probe["served"] = served_overhead(threads, ranks)
     return probe
 
 
@@ -248,24 +255,37 @@ def engine_overhead(threads: int) -> dict:
     return overhead_from_steps(t1, t2, l1, l2)
 
 
-def _serve_tiny(config: str, port: int, threads: int) -> None:
-    """A spawned process: ``modelcarve serve`` of ``config`` at tp=1 (one rank runs in the serving
-    process, as ``commands/serve.py`` runs it), real uvicorn on 127.0.0.1:``port``."""
-    import torch
+def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
+    """A spawned process: ``modelcarve serve`` of ``config`` at ``tp`` (fp32), real uvicorn on
+    127.0.0.1:``port``, started as ``commands/serve.py`` starts it: one rank in this process, more
+    through torchrun (``serve.server`` on every rank; the first signal goes to rank 0, which drains)."""
+    import json
+    import tempfile
 
-    from modelcarve.serve.server import serve_worker
+    import torch
 
     torch.set_num_threads(threads)
     quiet = os.open(os.devnull, os.O_WRONLY)  # its banner and drain notes would land in --json's stdout
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)
-    serve_worker(model=config, layout="tp=1,param_dtype=fp32", port=port, served_model_name="probe",
-                 kv_cache_bytes=4 << 20)
+    payload = dict(model=config, layout=f"tp={tp},param_dtype=fp32", port=port, served_model_name="probe",
+                   kv_cache_bytes=4 << 20)
+    if tp == 1:
+        from modelcarve.serve.server import serve_worker
+
+        serve_worker(**payload)
+        return
+    from modelcarve.commands.launching.torchrun import Torchrun, launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        payload["pidfile"] = pidfile = os.path.join(tmp, "rank0.pid")
+        launch(Torchrun(nproc_per_node=tp), "modelcarve.serve.server", ["serve", json.dumps(payload)], timeout_s=120,
+               rank0_pidfile=pidfile, stop_within_s=30)
 
 
-def _served_times(config: str, threads: int) -> tuple[float, float]:
+def _served_times(config: str, threads: int, tp: int = 1) -> tuple[float, float]:
     """(median TTFT, median TPOT) seconds a streaming client sees from ``modelcarve serve`` of
-    ``config`` (tp=1, fp32, real uvicorn on 127.0.0.1), one request at a time: ``SERVED_PROMPT``
+    ``config`` (``tp`` ranks, fp32, real uvicorn on 127.0.0.1), one request at a time: ``SERVED_PROMPT``
     prompt tokens (a different prompt each time: no prefix-cache hit), ``SERVED_TOKENS`` out."""
     import multiprocessing as mp
 
@@ -275,7 +295,7 @@ def _served_times(config: str, threads: int) -> tuple[float, float]:
     from modelcarve.spec.errors import ModelcarveError
 
     port = free_port()
-    proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(config, port, threads), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(config, port, threads, tp))
     proc.start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -319,24 +339,38 @@ def _served_times(config: str, threads: int) -> tuple[float, float]:
             proc.join()
 
 
-def served_overhead(threads: int) -> dict:
+def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
     """The server's per-step, per-layer and per-request host seconds, from serving the tiny models
     (see module doc): the decode step as served ``t(L)`` = the median TPOT, affine in the layers as
     ``engine_overhead``'s; ``request_overhead_s`` = TTFT(L1) - t(L1): a tiny model's prefill step
     costs what its decode step does (host work; its arithmetic is microseconds), so the rest of its
     TTFT is the request's own path (HTTP read, admission, waking the engine thread, the first
-    token's delivery and SSE write, the client's read)."""
+    token's delivery and SSE write, the client's read).
+
+    With ``tp_ranks`` >= 2 the same two models are served at tp = ``tp_ranks`` too: each layer then
+    adds two all-reduces of one token's hidden state (attention and MLP outputs), so
+    ``engine_all_reduce_s = (layer(tp) - layer(1)) / 2``: an all-reduce as the engine pays it between
+    layers (ranks computing in between, the server's threads running), which a back-to-back gloo
+    loop does not see."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         l1, l2 = ENGINE_LAYERS
-        m1, m2 = _tiny_config(tmp, l1), _tiny_config(tmp, l2)
-        (f1, t1), (f2, t2) = (float("inf"),) * 2, (float("inf"),) * 2
+        models = (_tiny_config(tmp, l1), _tiny_config(tmp, l2))
+        tps = (1, tp_ranks) if tp_ranks >= 2 else (1,)
+        best = {(tp, k): (float("inf"), float("inf")) for tp in tps for k in range(2)}
         for _ in range(2):  # interleaved, the lesser median of each kept (as engine_overhead)
-            a, b = _served_times(m1, threads), _served_times(m2, threads)
-            f1, t1, f2, t2 = min(f1, a[0]), min(t1, a[1]), min(f2, b[0]), min(t2, b[1])
+            for tp in tps:
+                for k, model in enumerate(models):
+                    got = _served_times(model, threads, tp)
+                    best[tp, k] = tuple(min(x, y) for x, y in zip(best[tp, k], got))
+    (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
     fit = overhead_from_steps(t1, t2, l1, l2)
     fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
+    if tp_ranks >= 2:
+        tp_fit = overhead_from_steps(best[tp_ranks, 0][1], best[tp_ranks, 1][1], l1, l2)
+        fit["tp"] = dict(tp_fit, tp=tp_ranks, ttft_s={str(l1): best[tp_ranks, 0][0], str(l2): best[tp_ranks, 1][0]},
+                         engine_all_reduce_s=max((tp_fit["layer_overhead_s"] - fit["layer_overhead_s"]) / 2, 1e-6))
     return fit
 
 
@@ -387,8 +421,13 @@ def cluster_dict(probe: dict) -> dict:
     source = (f"measured by modelcarve hardware --probe on {probe['host']} at {when}: {probe['ranks']} ranks x "
               f"{probe['threads_per_rank']} thread(s)")
     ar = probe["links"]["all_reduce"]
-    link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY),
-                latency_s=float(ar["latency_s"]), source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}")
+    latency, said = float(ar["latency_s"]), "gloo all-reduce latency per ring step"
+    served_tp = (probe.get("served") or {}).get("tp")
+    if served_tp:  # the all-reduce as the served engine pays it between layers, per ring step 2(n - 1)
+        latency = float(served_tp["engine_all_reduce_s"] / (2 * (served_tp["tp"] - 1)))
+        said = f"latency per ring step of the served tp={served_tp['tp']} engine's all-reduce between layers"
+    link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY), latency_s=latency,
+                source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}; {said}")
     flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
     flops.setdefault("tf32", flops["fp32"])
     device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
@@ -438,6 +477,9 @@ def run_probe(args) -> int:
     if "engine" in probe:
         t.add_row("engine step, fixed host cost", f"{probe['engine']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("engine step, host cost per layer", f"{probe['engine']['layer_overhead_s'] * 1e3:,.3f} ms")
+    if "tp" in probe.get("served", {}):
+        t.add_row(f"served tp={probe['served']['tp']['tp']} all-reduce between layers",
+                  f"{probe['served']['tp']['engine_all_reduce_s'] * 1e6:,.1f} us")
     if "served" in probe:
         t.add_row("served step, fixed host cost", f"{probe['served']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("served step, host cost per layer", f"{probe['served']['layer_overhead_s'] * 1e3:,.3f} ms")
