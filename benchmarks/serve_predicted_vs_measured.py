@@ -13,7 +13,17 @@ For a random-weight llama-shaped checkpoint (hidden 768, 12 layers, 12 heads, 20
    --output-len O --rate R --json`` predicts TTFT (with queueing, plan/serve/queue.py, where the
    estimate has ``--rate``; without it the unloaded TTFT) and TPOT for the same workload.
 
-Measured figures are bench-serve's means (client clock); ratios are predicted / measured.
+Measured figures are bench-serve's medians (p50, client clock: TTFT = send -> first token, TPOT =
+(e2e - TTFT) / (tokens - 1) per request); ratios are predicted / measured p50, for both goals
+(``serve-latency`` and ``serve-throughput``: at a rate both cost the batch the rate sustains). Each row
+records the 1-minute load average when it finished; a row, and the run, is ``not quiet`` above
+``QUIET_LOAD`` (1.5): its timings are the neighbours' as much as the server's.
+
+Each row also sets bench-serve's TTFT beside the server's own ``/metrics`` histograms (the same
+requests: sum and count deltas around the run, so means): the server's span (request read -> first
+token handed to the client, its queueing included) lies inside the client's, and the client adds
+only the HTTP path, so ``0 <= client - server <= request_overhead_s`` (the probe's measured request
+path, which also holds admission, so the bound is loose on the high side). Recorded, not asserted.
 Results go to ``benchmarks/results/serve_predicted_vs_measured.json``. Nothing is asserted.
 """
 
@@ -33,6 +43,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 CLI = [sys.executable, "-m", "modelcarve.cli"]
+QUIET_LOAD = 1.5
+"""A 1-minute load average above this marks a row (and the run) not quiet."""
+GOALS = ("serve-latency", "serve-throughput")
 
 
 def build_model(path: Path, quick: bool) -> str:
@@ -109,8 +122,26 @@ def cluster_for(probed: str, world: int, path: Path) -> str:
     return str(path)
 
 
-def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int, output_len: int) -> dict:
-    base = [*CLI, "estimate", "--goal", "serve-latency", "--model", model, "--cluster", cluster, "--layout", layout,
+def server_means(text: str) -> dict:
+    """(sum, count) of the server's TTFT and TPOT histograms in a ``/metrics`` body."""
+    import re
+
+    out = {}
+    for key, name in (("ttft", "time_to_first_token_seconds"), ("tpot", "time_per_output_token_seconds")):
+        got = [re.search(rf"^modelcarve_{name}_{part}\{{[^}}]*\}} (\S+)$", text, re.M) for part in ("sum", "count")]
+        out[key] = tuple(float(g.group(1)) if g else 0.0 for g in got)
+    return out
+
+
+def metrics(url: str) -> dict:
+    import httpx
+
+    return server_means(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int, output_len: int,
+             goal: str = "serve-latency") -> dict:
+    base = [*CLI, "estimate", "--goal", goal, "--model", model, "--cluster", cluster, "--layout", layout,
             "--input-len", str(input_len), "--output-len", str(output_len), "--json"]
     out = subprocess.run(base + ["--rate", str(rate)], env=ENV, cwd=REPO, capture_output=True, text=True)
     queued = True
@@ -123,10 +154,25 @@ def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int,
         return dict(error=(out.stderr or out.stdout)[-500:])
     serve_t = result.get("serve") or {}
     queue = result.get("queue") or {}
-    return dict(ttft_s=queue.get("ttft_s", serve_t.get("ttft_s")), tpot_s=serve_t.get("tpot_s"),
+    return dict(goal=goal, ttft_s=queue.get("ttft_s", serve_t.get("ttft_s")), tpot_s=serve_t.get("tpot_s"),
+                prefill_s=serve_t.get("prefill_s"), batch=serve_t.get("batch"), queue_wait_s=queue.get("wait_s"),
                 weight_dtype=(result.get("layout") or {}).get("weight_dtype"), parts=serve_t.get("decode_parts_s"),
                 unloaded_ttft_s=serve_t.get("ttft_s"), queueing_modelled=queued and bool(queue),
                 utilisation=queue.get("utilisation"), fits=result.get("fits"), reject=result.get("reject_reason"))
+
+
+def server_check(measured: dict, before: dict, after: dict, request_overhead_s: float) -> dict:
+    """bench-serve's mean TTFT against the server's histogram mean over the same requests (see module doc)."""
+    (s0, c0), (s1, c1) = before["ttft"], after["ttft"]
+    if c1 <= c0:
+        return dict(error="no TTFT observations in the server's histogram")
+    server = (s1 - s0) / (c1 - c0)
+    client = measured["ttft_ms"]["mean"] / 1e3
+    (t0, d0), (t1, d1) = before["tpot"], after["tpot"]
+    return dict(client_ttft_mean_s=client, server_ttft_mean_s=server, http_s=client - server,
+                bound_s=[0.0, request_overhead_s], within=0.0 <= client - server <= request_overhead_s,
+                server_tpot_mean_s=(t1 - t0) / (d1 - d0) if d1 > d0 else None,
+                client_tpot_mean_s=measured["tpot_ms"]["mean"] / 1e3, requests=c1 - c0)
 
 
 def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
@@ -136,6 +182,9 @@ def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
         subprocess.run([*CLI, "hardware", "--probe", "--emit", cluster], env=ENV, cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)
         probed = meta["probed"] = Path(cluster).read_text()
+        import yaml
+
+        meta["request_overhead_s"] = float(yaml.safe_load(probed)["device"].get("request_overhead_s", 0.0))
         vocab = 4000 if args.quick else 16000
         for short in args.layouts.split(","):
             # only param_dtype stated: the engine and `estimate --goal serve-*` both default the weight
@@ -152,22 +201,29 @@ def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:
                     e2e = probe["e2e_ms"]["mean"] / 1e3
                     rates = [round(f / e2e, 3) for f in fractions]
                 for rate in rates:
+                    before = metrics(url)
                     measured = bench(url, rate, n, input_len, output_len, vocab)
+                    after = metrics(url)
+                    load = os.getloadavg()[0]
                     world = 2 if short != "tp=1" else 1
                     per_layout = cluster_for(probed, world, Path(tmp) / f"cluster-{world}.yaml")
-                    predicted = estimate(model, per_layout, layout, rate, input_len, output_len)
-                    row = dict(layout=short, rate_rps=rate, measured_ttft_s=measured["ttft_ms"]["mean"] / 1e3,
-                               measured_tpot_s=measured["tpot_ms"]["mean"] / 1e3, measured=measured,
-                               predicted=predicted, load_average=os.getloadavg())
-                    if predicted.get("ttft_s") and predicted.get("tpot_s"):
-                        row["ttft_ratio"] = predicted["ttft_s"] / row["measured_ttft_s"]
-                        row["tpot_ratio"] = predicted["tpot_s"] / row["measured_tpot_s"]
+                    row = dict(layout=short, rate_rps=rate, load_average_1m=load, quiet=load <= QUIET_LOAD,
+                               measured_ttft_p50_s=measured["ttft_ms"]["p50"] / 1e3,
+                               measured_tpot_p50_s=measured["tpot_ms"]["p50"] / 1e3, measured=measured)
+                    row["server_check"] = server_check(measured, before, after, meta.get("request_overhead_s", 0.0))
+                    for goal in GOALS:
+                        predicted = estimate(model, per_layout, layout, rate, input_len, output_len, goal)
+                        row[goal] = predicted
+                        if predicted.get("ttft_s") and predicted.get("tpot_s"):
+                            predicted["ttft_ratio"] = predicted["ttft_s"] / row["measured_ttft_p50_s"]
+                            predicted["tpot_ratio"] = predicted["tpot_s"] / row["measured_tpot_p50_s"]
+                            predicted["within_25pct"] = all(abs(predicted[k] - 1) <= 0.25 for k in ("ttft_ratio", "tpot_ratio"))
                     rows.append(row)
-                    print(f"{short:6} {rate:7.3f} req/s  TTFT measured {row['measured_ttft_s'] * 1e3:8.1f} ms  "
-                          f"predicted {(predicted.get('ttft_s') or 0) * 1e3:8.1f} ms   TPOT measured "
-                          f"{row['measured_tpot_s'] * 1e3:7.1f} ms  predicted {(predicted.get('tpot_s') or 0) * 1e3:7.1f} ms"
-                          f"  load {os.getloadavg()[0]:.1f}",
-                          flush=True)
+                    lat = row["serve-latency"]
+                    print(f"{short:6} {rate:7.3f} req/s  p50 TTFT measured {row['measured_ttft_p50_s'] * 1e3:8.1f} ms  "
+                          f"predicted {(lat.get('ttft_s') or 0) * 1e3:8.1f} ms   p50 TPOT measured "
+                          f"{row['measured_tpot_p50_s'] * 1e3:7.1f} ms  predicted {(lat.get('tpot_s') or 0) * 1e3:7.1f} ms"
+                          f"  load {load:.1f}{'' if row['quiet'] else ' (not quiet)'}", flush=True)
             finally:
                 stop(proc)
 
@@ -190,10 +246,22 @@ def main() -> None:
         _run(args, n, input_len, output_len, fractions, rows, meta)
         complete = True
     finally:  # an interrupted run (timeout, Ctrl-C) still writes the rows it measured
+        loads = [r["load_average_1m"] for r in rows] + [os.getloadavg()[0]]
+        quiet = max(loads) <= QUIET_LOAD
         result = dict(model_params=meta.get("params"), quick=args.quick, complete=complete, num_prompts=n,
-                      input_len=input_len, output_len=output_len, probed_cluster=meta.get("probed"), rows=rows,
-                      machine_load=os.getloadavg(),
-                      note="measured = bench-serve client means; predicted = modelcarve estimate on the probed cluster")
+                      input_len=input_len, output_len=output_len, probed_cluster=meta.get("probed"),
+                      quiet=quiet, quiet_load=QUIET_LOAD, max_load_average_1m=max(loads),
+                      status="quiet" if quiet else f"not quiet: 1-minute load up to {max(loads):.1f} (> {QUIET_LOAD})",
+                      rows=rows, machine_load=os.getloadavg(),
+                      table=[dict(layout=r["layout"], rate_rps=r["rate_rps"], load_1m=round(r["load_average_1m"], 2),
+                                  ttft_p50_ms=round(r["measured_ttft_p50_s"] * 1e3, 2),
+                                  tpot_p50_ms=round(r["measured_tpot_p50_s"] * 1e3, 2),
+                                  **{f"{g.split('-')[1]}_{k}": (round(r[g][k] * (1e3 if k.endswith("_s") else 1), 3)
+                                                                if r[g].get(k) is not None else None)
+                                     for g in GOALS for k in ("ttft_s", "tpot_s", "ttft_ratio", "tpot_ratio")})
+                             for r in rows],
+                      note="measured = bench-serve client p50; predicted = modelcarve estimate on the probed cluster "
+                           "(ratios predicted / measured p50; table: ms)")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -8,10 +8,13 @@
 the way ``run`` and ``serve`` start their ranks) measure at the same time, so the figures are
 what each rank gets while the others work too:
 
-* GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of an ``n x n`` matmul
-  (``n = 512``: the size of a prefill chunk's GEMMs on a ~100M model);
-* weight-streaming rate: bytes over the median time of a GEMV (one row times a 64 MiB fp32
-  matrix, far larger than the caches): what a decode step's weight read achieves;
+* GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of ``n`` rows through an
+  ``n x n`` linear layer as the engine runs it (``n = 512``: the size of a prefill chunk's GEMMs on
+  a ~100M model; fp32 weights in oneDNN's blocked layout, ``model_runner.PackedLinear``, which runs
+  prefill ~2x faster than the BLAS ``torch.mm`` this probe timed before);
+* weight-streaming rate: bytes over the median time of a GEMV as a one-row engine step runs it
+  (``F.linear`` of one row over a 64 MiB fp32 ``[out, in]`` weight, far larger than the caches):
+  what a decode step's weight read achieves;
 * memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
   STREAM's copy counts it; reported, not used by the planner);
 * gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
@@ -27,17 +30,34 @@ the median decode step ``t(L)`` is affine in the layers, ``t(L) = step + L x lay
 tables, the plan, sampling and output bookkeeping (``step``) and one layer's kernel launches and
 Python (``layer``). Measured at run time, so a faster engine gives smaller figures.
 
+The server pays more per step than the bare engine: its uvicorn thread shares the GIL with the
+engine thread, and every step hands its tokens to the event loop and updates the metrics. So the
+same two tiny models are then *served* (``served_overhead``: ``modelcarve serve``, tp=1, real
+uvicorn on 127.0.0.1, one streaming request at a time, as ``bench-serve`` sends them): the median
+TPOT a client sees is the served decode step ``t(L)``, fitted the same way, and the median TTFT of
+the 1-layer model less its step is ``request_overhead_s``: a request's own path (HTTP read,
+admission, waking the engine thread, the first token's delivery and SSE write). The cluster file
+takes the served figures (the bare engine's stay in ``--json`` beside them). The two models are
+served at tp = ``--probe-ranks`` as well (torchrun, as ``serve`` starts them): each layer then adds
+two all-reduces, so ``(layer(tp) - layer(1)) / 2`` is one all-reduce as the engine pays it between
+layers, ranks computing in between and the server's threads running (~25x a back-to-back gloo
+all-reduce on a loaded 2-core machine: a rank that has lost its core holds the other up); the
+link's ``latency_s`` is that over the ring's ``2(n - 1)`` steps (the gloo loop's figure stays in
+``--json``).
+
 The cluster file has one node of ``--probe-ranks`` devices. Its device says what was measured in a
 form the planner uses as it is:
 
 * ``peak_flops``: the achieved GEMM rates, ``hbm_bytes_per_s``: the achieved GEMV weight-streaming
   rate, with ``gemm_efficiency: 1.0``: they are achieved rates, so the serving planner applies none
   of its GPU-fitted efficiency models on top (plan/serve/rates.py ``achieved``);
-* ``step_overhead_s`` and ``layer_overhead_s``: the engine's per-step and per-layer host costs,
-  which the serving planner adds to every engine step (plan/serve/rates.py ``engine_step_s`` and
-  ``layer_overhead_s``).
+* ``step_overhead_s`` and ``layer_overhead_s``: the served engine's per-step and per-layer host
+  costs, which the serving planner adds to every engine step (plan/serve/rates.py ``engine_step_s``
+  and ``layer_overhead_s``); ``request_overhead_s``: the request path, added once to TTFT
+  (plan/serve/rates.py ``request_overhead_s``).
 
-The link: ``latency_s`` is the gloo alpha (latency per ring step of an 8-byte all-reduce), and
+The link: ``latency_s`` is the served engine's all-reduce per ring step (above; without it the
+gloo alpha: latency per ring step of an 8-byte all-reduce), and
 ``bytes_per_s`` is the measured all-reduce bus bandwidth (the beta) divided by
 ``plan.comm.INTRA_EFFICIENCY`` (the planner multiplies a link's nominal figure by it, so it
 predicts what was measured). The per-collective figures (all-to-all, send/recv) are in ``--json``.
@@ -56,6 +76,7 @@ GEMV_ROWS, GEMV_COLS = 4096, 4096
 """The GEMV's matrix: 4096 x 4096 fp32 = 64 MiB, far past any CPU cache."""
 ENGINE_LAYERS = (1, 8)
 ENGINE_DECODE_STEPS = 24
+SERVED_REQUESTS, SERVED_PROMPT, SERVED_TOKENS = 8, 16, 24
 COPY_BYTES = 64 * 2**20
 SMALL_BYTES = 8
 LARGE_BYTES = 16 * 2**20
@@ -74,6 +95,25 @@ def _timed(fn, *, min_s: float = 0.3, min_reps: int = 3, max_reps: int = 200, re
     return statistics.median(times)
 
 
+def _engine_gemm(torch, dtype):
+    """A ``GEMM_N``-row step through a ``GEMM_N x GEMM_N`` linear as the engine runs it: fp32 weights
+    are held in oneDNN's blocked layout (``model_runner.PackedLinear``, ~2x BLAS sgemm's rate here),
+    other dtypes through ``F.linear``."""
+    from modelcarve.runtime.engine.model_runner import PackedLinear
+
+    lin = torch.nn.Linear(GEMM_N, GEMM_N, bias=False).to(dtype)
+    x = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
+    packs = (dtype == torch.float32 and torch.backends.mkldnn.is_available()
+             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # as model_runner.prepack_linears decides
+    layer = PackedLinear(lin) if packs else lin
+
+    def run():
+        with torch.no_grad():
+            layer(x)
+
+    return run
+
+
 def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
@@ -85,13 +125,12 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
         res: dict = dict(rank=rank, gemm_flops={})
         dist.barrier()
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            a = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
-            b = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
-            res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(lambda: torch.mm(a, b))
+            res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(_engine_gemm(torch, dtype))
         dist.barrier()
-        w = torch.randn(GEMV_COLS, GEMV_ROWS)
+        # the engine's one-row step: F.linear over an [out, in] weight (BLAS gemv; model_runner.PackedLinear)
+        w = torch.randn(GEMV_ROWS, GEMV_COLS)
         x = torch.randn(1, GEMV_COLS)
-        res["gemv_bytes_per_s"] = w.numel() * 4 / _timed(lambda: torch.mm(x, w))
+        res["gemv_bytes_per_s"] = w.numel() * 4 / _timed(lambda: torch.nn.functional.linear(x, w))
         del w, x
         dist.barrier()
         src = torch.ones(COPY_BYTES // 4)
@@ -163,6 +202,7 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
                 p.join()
     probe = summarise(list(results.values()), ranks, threads)
     probe["engine"] = engine_overhead(threads)
+    probe["served"] = served_overhead(threads, ranks)
     return probe
 
 
@@ -215,6 +255,125 @@ def engine_overhead(threads: int) -> dict:
     return overhead_from_steps(t1, t2, l1, l2)
 
 
+def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
+    """A spawned process: ``modelcarve serve`` of ``config`` at ``tp`` (fp32), real uvicorn on
+    127.0.0.1:``port``, started as ``commands/serve.py`` starts it: one rank in this process, more
+    through torchrun (``serve.server`` on every rank; the first signal goes to rank 0, which drains)."""
+    import json
+    import tempfile
+
+    import torch
+
+    torch.set_num_threads(threads)
+    quiet = os.open(os.devnull, os.O_WRONLY)  # its banner and drain notes would land in --json's stdout
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    payload = dict(model=config, layout=f"tp={tp},param_dtype=fp32", port=port, served_model_name="probe",
+                   kv_cache_bytes=4 << 20)
+    if tp == 1:
+        from modelcarve.serve.server import serve_worker
+
+        serve_worker(**payload)
+        return
+    from modelcarve.commands.launching.torchrun import Torchrun, launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        payload["pidfile"] = pidfile = os.path.join(tmp, "rank0.pid")
+        launch(Torchrun(nproc_per_node=tp), "modelcarve.serve.server", ["serve", json.dumps(payload)], timeout_s=120,
+               rank0_pidfile=pidfile, stop_within_s=30)
+
+
+def _served_times(config: str, threads: int, tp: int = 1) -> tuple[float, float]:
+    """(median TTFT, median TPOT) seconds a streaming client sees from ``modelcarve serve`` of
+    ``config`` (``tp`` ranks, fp32, real uvicorn on 127.0.0.1), one request at a time: ``SERVED_PROMPT``
+    prompt tokens (a different prompt each time: no prefix-cache hit), ``SERVED_TOKENS`` out."""
+    import multiprocessing as mp
+
+    import httpx
+
+    from modelcarve.commands.launching.torchrun import free_port
+    from modelcarve.spec.errors import ModelcarveError
+
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(config, port, threads, tp))
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if not proc.is_alive():
+                raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {proc.exitcode})")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ModelcarveError("hardware --probe: the probe model's server did not start within 180 s")
+            time.sleep(0.2)
+        ttft, tpot = [], []
+        with httpx.Client(timeout=60) as client:
+            for i in range(SERVED_REQUESTS + 2):  # the first two warm the server up and are dropped
+                body = dict(model="probe", prompt=[1 + (i * SERVED_PROMPT + j) % 500 for j in range(SERVED_PROMPT)],
+                            max_tokens=SERVED_TOKENS, min_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True,
+                            stream=True)
+                start, times = time.perf_counter(), []
+                with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    for line in resp.iter_lines():
+                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                            continue
+                        choices = json.loads(line[5:]).get("choices") or []
+                        if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+                            times.append(time.perf_counter())
+                if len(times) >= 2 and i >= 2:
+                    ttft.append(times[0] - start)
+                    tpot.append((times[-1] - times[0]) / (len(times) - 1))
+        if not tpot:
+            raise ModelcarveError("hardware --probe: the probe model's server streamed no tokens")
+        return statistics.median(ttft), statistics.median(tpot)
+    finally:
+        proc.terminate()  # SIGTERM: the server drains (nothing in flight) and exits
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
+    """The server's per-step, per-layer and per-request host seconds, from serving the tiny models
+    (see module doc): the decode step as served ``t(L)`` = the median TPOT, affine in the layers as
+    ``engine_overhead``'s; ``request_overhead_s`` = TTFT(L1) - t(L1): a tiny model's prefill step
+    costs what its decode step does (host work; its arithmetic is microseconds), so the rest of its
+    TTFT is the request's own path (HTTP read, admission, waking the engine thread, the first
+    token's delivery and SSE write, the client's read).
+
+    With ``tp_ranks`` >= 2 the same two models are served at tp = ``tp_ranks`` too: each layer then
+    adds two all-reduces of one token's hidden state (attention and MLP outputs), so
+    ``engine_all_reduce_s = (layer(tp) - layer(1)) / 2``: an all-reduce as the engine pays it between
+    layers (ranks computing in between, the server's threads running), which a back-to-back gloo
+    loop does not see."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        l1, l2 = ENGINE_LAYERS
+        models = (_tiny_config(tmp, l1), _tiny_config(tmp, l2))
+        tps = (1, tp_ranks) if tp_ranks >= 2 else (1,)
+        best = {(tp, k): (float("inf"), float("inf")) for tp in tps for k in range(2)}
+        for _ in range(2):  # interleaved, the lesser median of each kept (as engine_overhead)
+            for tp in tps:
+                for k, model in enumerate(models):
+                    got = _served_times(model, threads, tp)
+                    best[tp, k] = tuple(min(x, y) for x, y in zip(best[tp, k], got))
+    (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
+    fit = overhead_from_steps(t1, t2, l1, l2)
+    fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
+    if tp_ranks >= 2:
+        tp_fit = overhead_from_steps(best[tp_ranks, 0][1], best[tp_ranks, 1][1], l1, l2)
+        fit["tp"] = dict(tp_fit, tp=tp_ranks, ttft_s={str(l1): best[tp_ranks, 0][0], str(l2): best[tp_ranks, 1][0]},
+                         engine_all_reduce_s=max((tp_fit["layer_overhead_s"] - fit["layer_overhead_s"]) / 2, 1e-6))
+    return fit
+
+
 def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:
     """``t(L) = step + L x layer`` through the two measured points (each term at least 1 us: a
     noisy pair must not give a negative cost)."""
@@ -262,16 +421,23 @@ def cluster_dict(probe: dict) -> dict:
     source = (f"measured by modelcarve hardware --probe on {probe['host']} at {when}: {probe['ranks']} ranks x "
               f"{probe['threads_per_rank']} thread(s)")
     ar = probe["links"]["all_reduce"]
-    link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY),
-                latency_s=float(ar["latency_s"]), source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}")
+    latency, said = float(ar["latency_s"]), "gloo all-reduce latency per ring step"
+    served_tp = (probe.get("served") or {}).get("tp")
+    if served_tp:  # the all-reduce as the served engine pays it between layers, per ring step 2(n - 1)
+        latency = float(served_tp["engine_all_reduce_s"] / (2 * (served_tp["tp"] - 1)))
+        said = f"latency per ring step of the served tp={served_tp['tp']} engine's all-reduce between layers"
+    link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY), latency_s=latency,
+                source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}; {said}")
     flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
     flops.setdefault("tf32", flops["fp32"])
     device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
                   hbm_bytes_per_s=float(probe["gemv_bytes_per_s"]), devices_per_node=probe["ranks"],
                   nics_per_node=1, gemm_efficiency=1.0, source=source)
-    if "engine" in probe:
-        device.update(step_overhead_s=float(probe["engine"]["step_overhead_s"]),
-                      layer_overhead_s=float(probe["engine"]["layer_overhead_s"]))
+    host = probe.get("served") or probe.get("engine")  # what the server pays, else the bare engine
+    if host:
+        device.update(step_overhead_s=float(host["step_overhead_s"]), layer_overhead_s=float(host["layer_overhead_s"]))
+        if "request_overhead_s" in host:
+            device.update(request_overhead_s=float(host["request_overhead_s"]))
     return dict(nodes=1, devices_per_node=probe["ranks"], device=device, intra_link=link, inter_link=dict(link),
                 nics_per_node=1)
 
@@ -311,6 +477,13 @@ def run_probe(args) -> int:
     if "engine" in probe:
         t.add_row("engine step, fixed host cost", f"{probe['engine']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("engine step, host cost per layer", f"{probe['engine']['layer_overhead_s'] * 1e3:,.3f} ms")
+    if "tp" in probe.get("served", {}):
+        t.add_row(f"served tp={probe['served']['tp']['tp']} all-reduce between layers",
+                  f"{probe['served']['tp']['engine_all_reduce_s'] * 1e6:,.1f} us")
+    if "served" in probe:
+        t.add_row("served step, fixed host cost", f"{probe['served']['step_overhead_s'] * 1e3:,.2f} ms")
+        t.add_row("served step, host cost per layer", f"{probe['served']['layer_overhead_s'] * 1e3:,.3f} ms")
+        t.add_row("served request path (HTTP, admission, delivery)", f"{probe['served']['request_overhead_s'] * 1e3:,.2f} ms")
     for op, v in probe["links"].items():
         t.add_row(f"gloo {op.replace('_', '-')}: latency per step", f"{v['latency_s'] * 1e6:,.1f} us")
         t.add_row(f"gloo {op.replace('_', '-')}: bus bandwidth ({probe['large_bytes'] >> 20} MiB)",

@@ -61,6 +61,8 @@ DEVICE_FIELDS = {
     "usd_per_hour": Field("number", "what one device-hour costs you, US dollars (plan/estimate --price overrides; "
                                     "0 = the catalogue's list price)", 0, 1e6),
     "layer_overhead_s": Field("number", "measured host seconds per layer per engine step; 0 = the GPU-fitted constant", 0, 1.0),
+    "request_overhead_s": Field("number", "measured host seconds a served request's path adds to TTFT (hardware --probe)",
+                                0, 10.0),
     "source": Field("string", "where the figures come from"),
 }
 LINK_FIELDS = {

@@ -78,6 +78,9 @@ class DeviceSpec:
     layer_overhead_s: float = 0.0
     """Host seconds per layer per engine step, measured by ``hardware --probe``; 0 = the planner's
     GPU-fitted ``serve_rates.LAYER_OVERHEAD_S``."""
+    request_overhead_s: float = 0.0
+    """Host seconds a served request's own path adds to its TTFT (HTTP read, admission, the first
+    token's delivery), measured by ``hardware --probe`` on a served tiny model; 0 for catalogue devices."""
     source: str = ""
 
     def flops(self, dtype: str) -> float:

@@ -137,6 +137,12 @@ class _Mesh:
     its efficiency-by-rows memo)."""
     prefills: dict
     """(compute dtype, weight bytes read per chunk) -> (prefill_s, prefill_token_s)."""
+    head_read: float = 0.0
+    """Bytes the LM head adds to a step's weight read beyond ``weights_bytes - embed_bytes`` (a tied
+    head's GEMV over the embedding table, ``ShardFacts.tied_head_bytes``), and whether a prefill runs
+    the head on each prompt's last row only (``head_last_row``): both measured-engine terms, on
+    probed devices (``serve_rates.achieved``) only -- the GPU-fitted constants were fitted without them."""
+    head_last_row: bool = False
 
 
 _MESH: dict[tuple, _Mesh] = {}
@@ -205,7 +211,7 @@ def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_l
     ctx.imbalance = imbalance
     ctx.mean_ctx = mesh.mean_ctx
     ctx.attn_flops_per_ctx = mesh.attn_flops_per_ctx
-    ctx.weights_fixed = f.weights_bytes - f.embed_bytes - experts_all
+    ctx.weights_fixed = f.weights_bytes - f.embed_bytes + mesh.head_read - experts_all
     ctx.experts_all = experts_all
     ctx.n_gemm = mesh.n_gemm
     ctx.k_gemm = k_gemm
@@ -266,6 +272,8 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         prefill_parts=(),
         gemm={},
         prefills={},
+        head_read=f.tied_head_bytes if serve_rates.achieved(device) else 0.0,
+        head_last_row=serve_rates.achieved(device),
     )
     mesh.comm_lines = _comm_lines(model, cluster, mesh, tp, pp, ep, dp, f, imbalance)
     batch_tokens = max(input_len, PREFILL_CHUNK)
@@ -328,6 +336,8 @@ def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens:
     # Per-token FLOPs on one device of a stage (causal attention: half the prompt on average).
     attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
     per_tok = 2.0 * f.matmul_params_per_token + attn
+    if mesh.head_last_row:  # the LM head runs one row per prompt (its last token, which samples)
+        per_tok += 2.0 * f.head_matmul_params * (1.0 / prompt_len - 1.0)
     if f.stage_moe_layers:
         per_tok += 2.0 * m.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
     act = chunk * h * ACT_BYTES

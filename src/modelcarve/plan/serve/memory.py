@@ -144,6 +144,13 @@ class ShardFacts:
     (every GEMM reads its input and writes its output; fused norm + residual read and write
     the hidden state three times; the SwiGLU activation reads 2 x ffn and writes ffn):
     ``(10 h + 2 q + 2 kv + 6 ffn) x 2 bytes`` per layer, ffn/q/kv per TP rank."""
+    head_matmul_params: float = 0.0
+    """Of ``matmul_params_per_token``, the LM head's (``vocab x hidden / tp`` on the last stage, else 0):
+    a prefill runs only each prompt's last row through it (the row that samples)."""
+    tied_head_bytes: float = 0.0
+    """Bytes the LM head reads per decode step that ``weights_bytes`` does not hold as a head: a tied
+    head (one stage) is the embedding table, counted once as ``embed_bytes``, yet every step's
+    logits read it whole as a GEMV (``vocab x hidden / tp`` elements); 0 otherwise."""
 
 
 _FACTS: dict[tuple, tuple] = {}
@@ -332,6 +339,8 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     facts.act_bytes_per_token = ACT_BYTES * c.act_elems
     facts.logits_bytes_per_seq = 4.0 * model.vocab_size / tp
     facts.act_traffic_per_token = ACT_BYTES * (count * c.traffic_fixed + 6 * ((count - n_moe) * c.ffn_traffic + n_moe * c.moe_ffn_traffic))
+    facts.head_matmul_params = c.head_p if last else 0.0
+    facts.tied_head_bytes = pb * c.head_p if (last and model.tied_embeddings and pp == 1) else 0.0
     return facts
 
 

@@ -83,6 +83,13 @@ def layer_overhead_s(device) -> float:
     return device.layer_overhead_s if getattr(device, "layer_overhead_s", 0.0) > 0.0 else LAYER_OVERHEAD_S
 
 
+def request_overhead_s(device) -> float:
+    """Seconds a served request's own path adds to its TTFT once (HTTP read, admission, waking the
+    engine thread, the first token's delivery and SSE write): the probed ``DeviceSpec.request_overhead_s``
+    (``hardware --probe`` serves a tiny model: its TTFT less its step); 0 on catalogue devices."""
+    return getattr(device, "request_overhead_s", 0.0)
+
+
 def engine_step_s(cluster: ClusterSpec, tp: int, pp: int, dp: int) -> float:
     """Fixed seconds every engine step costs once, whatever its size (0 on catalogue devices, whose
     fitted per-layer constant carries it):

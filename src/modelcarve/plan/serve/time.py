@@ -26,12 +26,17 @@ The model (all per device, the fullest pipeline stage):
 * **Pipeline**: ``B`` sequences split into ``m = min(pp, B)`` micro-batches; one decode round
   (every sequence advances one token) takes ``max(m, pp)`` stage steps, so with fewer than
   ``pp`` micro-batches in flight the stages idle (bubble ``1 - m/pp``).
-* **Prefill** of a prompt is compute-bound: forward FLOPs (causal attention) over the device's
+* **Weights read** per decode step on a probed device include the LM head's GEMV over a tied
+  embedding table (held once, as the embedding, but every step's logits read it whole).
+* **Prefill** of a prompt is compute-bound: forward FLOPs (causal attention; on a probed device the
+  LM head on the prompt's last row only, the one that samples) over the device's
   achievable GEMM rate (``plan.efficiency``), not below one read of the weights per chunk, plus
-  its TP/EP/PP traffic. Stages run one after another for a single prompt; with EP the prompt's
+  its TP/EP/PP traffic (on a probed CPU device the weight read and the arithmetic add: one core
+  does both). Stages run one after another for a single prompt; with EP the prompt's
   expert work is costed as if its own rank did it (right in steady state, when every rank
   prefills its own requests; pessimistic for a lone prompt).
-* **TTFT** = the prompt's prefill, plus one decode round of the running batch when other
+* **TTFT** = the prompt's prefill (on a probed device after the server's measured request path,
+  ``DeviceSpec.request_overhead_s``: HTTP read, admission, the first token's delivery), plus one decode round of the running batch when other
   requests are in flight (continuous batching admits a request at the next step; queueing
   under overload is not modelled).
 * **TPOT** as a user sees it under continuous batching: the decode round plus the other
@@ -70,7 +75,7 @@ from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import TILE
 from modelcarve.plan.serve.layout_costs import LayoutCosts, layout_costs, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
 from modelcarve.plan.serve.memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes
-from modelcarve.plan.serve.rates import _decode_gemm_efficiency, gemm_efficiency, prefill_hbm_efficiency
+from modelcarve.plan.serve.rates import _decode_gemm_efficiency, achieved, gemm_efficiency, prefill_hbm_efficiency, request_overhead_s
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
 
@@ -84,7 +89,7 @@ class ServeTime:
     batch: int
     """Sequences in flight per attention group (tp x pp devices)."""
     prefill_s: float
-    """One prompt's prefill, alone."""
+    """One prompt's prefill, alone (on a probed device from its arrival: the request path included)."""
     ttft_s: float
     decode_step_s: float
     """One decode round: every sequence of the batch advances one token (no prefills)."""
@@ -266,12 +271,15 @@ def _prefill_from(c: LayoutCosts, part: tuple, eff: float) -> float:
     tokens, _, chunks, per_tok, comm_s, hops = part
     f = c.f
     compute_s = tokens * per_tok / (c.peak * eff)
-    read_s = chunks * (f.weights_bytes - f.embed_bytes) / (c.device.hbm_bytes_per_s * prefill_hbm_efficiency(c.device))
+    read_s = chunks * (f.weights_bytes - f.embed_bytes + c.mesh.head_read) / (c.device.hbm_bytes_per_s * prefill_hbm_efficiency(c.device))
     # A probed device's host overheads are paid by every engine step, prefill chunks included: per
     # layer per chunk on each stage, and the step's own fixed cost once per chunk. (The GPU-fitted
     # per-layer constant is fitted to decode and is not charged here: catalogue devices unchanged.)
     layers_s = chunks * c.fixed_s if c.device.layer_overhead_s > 0.0 else 0.0
-    stage = max(compute_s, read_s) + comm_s + layers_s
+    # A probed (CPU) device's core both streams a chunk's weights in and does its arithmetic, so the
+    # two add (hardware --probe: a 16-128-row GEMM through a 64 MiB weight takes about their sum);
+    # a GPU overlaps them (the roofline's max).
+    stage = (compute_s + read_s if achieved(c.device) else max(compute_s, read_s)) + comm_s + layers_s
     return c.pp * stage + hops + chunks * c.step_s
 
 
@@ -300,7 +308,7 @@ def _ensure_prefill(c: LayoutCosts) -> None:
     if c.prefill_s < 0:
         # The KV dtype plays no part: both KV variants of a weight dtype share their prefills.
         mesh = c.mesh
-        shared = (c.compute_dtype, c.f.weights_bytes - c.f.embed_bytes)
+        shared = (c.compute_dtype, c.f.weights_bytes - c.f.embed_bytes + mesh.head_read)
         held = mesh.prefills.get(shared)
         if held is not None:
             c.prefill_s, c.prefill_token_s = held
@@ -310,7 +318,8 @@ def _ensure_prefill(c: LayoutCosts) -> None:
         eff = c.effs.get(alone[1])
         if eff is None:
             eff = c.effs[alone[1]] = _decode_gemm_efficiency(c, alone[1])
-        c.prefill_s = _prefill_from(c, alone, eff)
+        # A lone prompt's TTFT path: the server's request overhead (probed devices), then its prefill.
+        c.prefill_s = request_overhead_s(c.device) + _prefill_from(c, alone, eff)
         eff = c.effs.get(batched[1])
         if eff is None:
             eff = c.effs[batched[1]] = _decode_gemm_efficiency(c, batched[1])
