@@ -192,12 +192,13 @@ class ProfileMixin:
         logits_bytes = head[3]
         d_a, d_w, m_a, m_w = dense["act_bytes"], dense["work_bytes"], moe["act_bytes"], moe["work_bytes"]
         rows = []
+        off = self._offload
         stages = self._stage_params.get((tp, pp, ep, etp, v)) or self.stage_params(tp, pp, ep, etp, v)
         for kind, index, n_moe, _pd, _pe, _layer, _lin, nls in stages:
             n_dense = nls - n_moe
             last = kind == "last" or kind == "only"
             act_bytes = d_a * n_dense + m_a * n_moe
-            if self._offload:
+            if off:
                 compute_s = dense["compute_s"] * n_dense + moe["compute_s"] * n_moe + (head[2] if last else 0.0)
                 act_bytes = self._offloaded(act_bytes, nls, compute_s, pp)[0]
             work_bytes = d_w if d_w >= (m_w if n_moe else 0.0) else (m_w if n_moe else 0.0)  # as _build_screen_profile
