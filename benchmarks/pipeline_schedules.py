@@ -69,7 +69,7 @@ def measure(model_name, cases, seq, steps):
             start = time.perf_counter()
             runner.step(tokens, targets)
             elapsed = time.perf_counter() - start
-            for chunk in chunks:
+            for chunk in runner.chunks:
                 chunk.zero_grad(set_to_none=True)
             if step:  # the first step is warm-up (shape inference, allocator)
                 step_s.append(elapsed)

@@ -39,7 +39,7 @@ def measure(model_name, cases, seq, steps):
         steps_recs = []
         for step in range(steps + 1):
             runner.step(tokens, targets)
-            for chunk in chunks:
+            for chunk in runner.chunks:
                 chunk.zero_grad(set_to_none=True)
             recs = gather_records(local_records(runner), runner)
             if step:
