@@ -249,7 +249,7 @@ def schema_text() -> str:
         for key, field in fields.items():
             kind = {"int": "integer", "flops": "mapping"}.get(field.kind, field.kind)
             span = f" {_range(field)}" if field.kind in ("int", "number") else ""
-            lines.append(f"    {key:<17}{kind}{span}: {field.doc}")
+            lines.append(f"    {key:<19}{kind}{span}: {field.doc}")
         lines.append("")
     lines += [
         "  Numbers may be strings of a number (YAML 1.1 reads 4.0e12 as a string; it is read as 4e12).",
