@@ -51,8 +51,9 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE (moe_traffic.py), MLA in bf16, cp under recomputation, FSDP under zero-bubble,
-biases; the zero-bubble schedule's activations): the verify table marks those quantities as unpredicted instead of guessing.
+this model does not cover (MoE: moe_traffic.py; MLA under cp, cp under recomputation, FSDP under zero-bubble,
+biases; activations under recomputation and on zero-bubble's last stage): the verify table marks those
+quantities as unpredicted instead of guessing.
 """
 
 from __future__ import annotations
