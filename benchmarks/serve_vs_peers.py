@@ -72,8 +72,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET_LOAD = 1.5
-CONFIG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-6)
+# the ~110M llama of generate_vs_transformers.py, and its copy-bandwidth probe (one definition each)
+from generate_vs_transformers import CONFIG, copy_bandwidth  # noqa: E402 - benchmarks/ is on sys.path
 SIDES = ("ours", "vllm", "hf")
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -219,21 +219,6 @@ class Side:
             self.proc.kill()
 
 
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    import torch
-
-    torch.set_num_threads(1)
-    src = torch.randn(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
-
-
 def workloads(quick: bool) -> dict:
     import torch
 
@@ -359,6 +344,9 @@ def main() -> None:
             result["quiet"] = quiet = False
             result["note"] = (f"not quiet: 1-minute load {load_before[0]:.2f} at the start, up to {max(loads):.2f} "
                               f"during the rounds (> {QUIET_LOAD})")
+        import torch
+
+        torch.set_num_threads(1)
         bw = copy_bandwidth()
         result["copy_bandwidth_bytes_s"] = bw
         for dt in dtypes:
