@@ -44,6 +44,16 @@ def test_summary_follows_plan_comm_conventions():
     probe["engine"] = overhead_from_steps(3e-3, 10e-3, 1, 8)
     device = cluster_dict(probe)["device"]
     assert device["layer_overhead_s"] == pytest.approx(1e-3) and device["step_overhead_s"] == pytest.approx(2e-3)
+    assert "pipeline_action_s" not in device  # no rank measured a pipeline gap
+
+
+def test_pipeline_action_is_the_median_gap_over_the_ranks():
+    # the first rank's forward gaps and the last rank's backward gaps, pooled: median of 5 values
+    ranks = [_rank(r, 6e-4, 0.03) for r in range(2)]
+    ranks[0]["pipeline_gaps"], ranks[1]["pipeline_gaps"] = [1e-4, 3e-4, 9e-3], [2e-4, 4e-4]
+    probe = summarise(ranks, ranks=2, threads=1)
+    assert probe["pipeline_action_s"] == pytest.approx(3e-4)
+    assert cluster_dict(probe)["device"]["pipeline_action_s"] == pytest.approx(3e-4)
 
 
 def test_engine_overhead_is_the_affine_fit_of_two_step_times():
@@ -69,6 +79,7 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert cluster.intra_link.bytes_per_s > 0 and cluster.intra_link.latency_s > 0
     assert cluster.device.gemm_efficiency == 1.0
     assert cluster.device.step_overhead_s > 0 and cluster.device.layer_overhead_s > 0
+    assert cluster.device.pipeline_action_s > 0  # the runtime's own pp=2 GPipe on the two ranks
 
 
 def test_serve_refuses_a_port_in_use_before_any_rank():

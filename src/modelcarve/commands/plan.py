@@ -153,7 +153,7 @@ def _estimate(args) -> int:
         result["read_as"] = notes
     from modelcarve.commands.timeline import draw_estimate
 
-    draw_estimate(getattr(args, "timeline", None), layout)
+    draw_estimate(getattr(args, "timeline", None), layout, model, cluster)
     from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, [result], serving=False)

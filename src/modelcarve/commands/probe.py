@@ -51,6 +51,9 @@ form the planner uses as it is:
 * ``peak_flops``: the achieved GEMM rates, ``hbm_bytes_per_s``: the achieved GEMV weight-streaming
   rate, with ``gemm_efficiency: 1.0``: they are achieved rates, so the serving planner applies none
   of its GPU-fitted efficiency models on top (plan/serve/rates.py ``achieved``);
+* ``pipeline_action_s``: the pipeline schedule's host time per action, measured with the
+  runtime's own GPipe schedule on a tiny llama (commands/probe_pipeline.py), which the pipeline
+  timeline model adds after every action (plan/train/pipeline_costs.py);
 * ``step_overhead_s`` and ``layer_overhead_s``: the served engine's per-step and per-layer host
   costs, which the serving planner adds to every engine step (plan/serve/rates.py ``engine_step_s``
   and ``layer_overhead_s``); ``request_overhead_s``: the request path, added once to TTFT
@@ -161,6 +164,9 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
             comm[f"{label}_bytes"] = n * 4
             dist.barrier()
         res["comm"] = comm
+        from modelcarve.commands.probe_pipeline import action_gaps
+
+        res["pipeline_gaps"] = action_gaps(world)
         out.put((rank, "ok", res))
     except BaseException as err:  # noqa: BLE001 - reported by the parent in one line
         out.put((rank, "error", f"{type(err).__name__}: {err}"))
@@ -383,6 +389,8 @@ def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:
 
 
 def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
+    from modelcarve.commands.probe_pipeline import action_s
+
     med = statistics.median
     gemm = {d: med(r["gemm_flops"][d] for r in per_rank) for d in per_rank[0]["gemm_flops"]}
     comm = {k: med(r["comm"][k] for r in per_rank if k in r["comm"]) for k in per_rank[0]["comm"]}
@@ -399,7 +407,8 @@ def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
     return dict(ranks=ranks, threads_per_rank=threads, host=platform.node(), cpu=platform.processor() or platform.machine(),
                 gemm_flops=gemm, gemm_n=GEMM_N, copy_bytes_per_s=med(r["copy_bytes_per_s"] for r in per_rank),
                 gemv_bytes_per_s=med(r.get("gemv_bytes_per_s", r["copy_bytes_per_s"]) for r in per_rank),
-                copy_bytes=COPY_BYTES, links=links, large_bytes=int(comm["large_bytes"]), small_bytes=int(comm["small_bytes"]))
+                copy_bytes=COPY_BYTES, links=links, large_bytes=int(comm["large_bytes"]), small_bytes=int(comm["small_bytes"]),
+                pipeline_action_s=action_s([r.get("pipeline_gaps", []) for r in per_rank]))
 
 
 def _mem_total() -> int:
@@ -433,6 +442,8 @@ def cluster_dict(probe: dict) -> dict:
     device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
                   hbm_bytes_per_s=float(probe["gemv_bytes_per_s"]), devices_per_node=probe["ranks"],
                   nics_per_node=1, gemm_efficiency=1.0, source=source)
+    if probe.get("pipeline_action_s"):
+        device.update(pipeline_action_s=float(probe["pipeline_action_s"]))
     host = probe.get("served") or probe.get("engine")  # what the server pays, else the bare engine
     if host:
         device.update(step_overhead_s=float(host["step_overhead_s"]), layer_overhead_s=float(host["layer_overhead_s"]))

@@ -5,7 +5,9 @@
 
 ``run``: rank 0 draws its pipeline's last unmeasured step (runtime/measure/timeline.py's records) above
 the planner's model of the same layout (plan/predict/timeline.py), each with its bubble and plan/cost/schedule.py's
-predicted one in the title. ``estimate``: the planner's model alone.
+predicted one in the title; that model has no cluster, so its stages are alike (F = 1, B = 2 units).
+``estimate``: the planner's model alone, in seconds on the cluster: every stage's own forward and
+backward, the sends and the host time per action (plan/train/pipeline_costs.py).
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ def check(path: str | None, layout) -> dict:
     return dict(timeline=True)
 
 
-def model_panel(layout) -> tuple:
+def model_panel(layout, model=None, cluster=None) -> tuple:
+    """The planner's timeline panel: priced on ``cluster`` when given, else in units."""
     from modelcarve.plan.cost.schedule import bubble_fraction
     from modelcarve.plan.predict.timeline import model_records
 
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    predicted = bubble_fraction(layout.schedule, p, m, v)
+    if model is not None and cluster is not None:
+        from modelcarve.plan.train.pipeline_costs import schedule_costs
+
+        records = model_records(layout.schedule, p, m, v, **schedule_costs(model, cluster, layout))
+        return (f"planner's model ({layout.schedule}, each stage's F and B on {cluster.device.name}, sends, host)",
+                records, "s", predicted)
     records = model_records(layout.schedule, p, m, v)
-    return (f"planner's model ({layout.schedule}, F=1, B=2, no comm)", records, "units of one stage's forward",
-            bubble_fraction(layout.schedule, p, m, v))
+    return (f"planner's model ({layout.schedule}, F=1, B=2, no comm)", records, "units of one stage's forward", predicted)
 
 
 def draw_run(path: str | None, layout, report_path: str) -> None:
@@ -54,11 +63,11 @@ def draw_run(path: str | None, layout, report_path: str) -> None:
     plot_timeline(panels, path, title=title)
 
 
-def draw_estimate(path: str | None, layout) -> None:
+def draw_estimate(path: str | None, layout, model=None, cluster=None) -> None:
     if not path:
         return
     from modelcarve.report.timeline import plot_timeline
 
     check(path, layout)
-    plot_timeline([model_panel(layout)], path,
+    plot_timeline([model_panel(layout, model, cluster)], path,
                   title=f"{layout.short()} schedule={layout.schedule} pp={layout.pp} m={layout.num_microbatches}")

@@ -63,6 +63,8 @@ DEVICE_FIELDS = {
     "layer_overhead_s": Field("number", "measured host seconds per layer per engine step; 0 = the GPU-fitted constant", 0, 1.0),
     "request_overhead_s": Field("number", "measured host seconds a served request's path adds to TTFT (hardware --probe)",
                                 0, 10.0),
+    "pipeline_action_s": Field("number", "measured host seconds a pipeline rank spends per schedule action "
+                                         "(hardware --probe)", 0, 1.0),
     "source": Field("string", "where the figures come from"),
 }
 LINK_FIELDS = {

@@ -81,6 +81,10 @@ class DeviceSpec:
     request_overhead_s: float = 0.0
     """Host seconds a served request's own path adds to its TTFT (HTTP read, admission, the first
     token's delivery), measured by ``hardware --probe`` on a served tiny model; 0 for catalogue devices."""
+    pipeline_action_s: float = 0.0
+    """Host seconds a pipeline rank spends after each schedule action before the next (its sends
+    posted, the schedule's bookkeeping), measured by ``hardware --probe`` with the runtime's own
+    pipeline; 0 for catalogue GPUs (the host enqueues ahead of the stream)."""
     source: str = ""
 
     def flops(self, dtype: str) -> float:

@@ -64,18 +64,35 @@ def complete_comms(records: list[dict]) -> list[dict]:
     return out
 
 
-def model_records(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0) -> list[dict]:
+def model_records(schedule: str, p: int, m: int, v: int = 1, f=1.0, b=2.0, *, i_share=None,
+                  host_s: float = 0.0, send_s: float = 0.0) -> list[dict]:
     """The planner's timeline of one step of ``schedule`` on ``p`` ranks with ``m`` micro-batches
-    (``v`` chunks per rank for interleaved-1f1b), a forward of a whole stage taking ``f`` and its
-    backward ``b`` time units (a chunk: ``f/v``, ``b/v``; I and W half of B each)."""
+    (``v`` chunks per rank for interleaved-1f1b).
+
+    Durations: ``f`` / ``b`` a number, the forward / backward of a whole pipeline rank (a chunk
+    takes ``f/v``, ``b/v``: every stage alike), or a sequence of ``p*v`` per-stage times (stage
+    ``s`` on rank ``s % p``; the first stage holds the embedding, the last the head and loss, so
+    they differ: ``stage_durations`` gives the planner's). Zero-bubble splits B into I (input
+    gradient) and W (weight gradient): ``i_share[s]`` of stage ``s``'s B is I (default half:
+    ``dX = dY W^T`` and ``dW = X^T dY`` are GEMMs of equal size). ``host_s``: a rank's host time
+    after each action before it can start the next (posting the action's sends, the schedule's
+    bookkeeping); ``send_s``: from an action's end to its output being usable on the next rank
+    (the point-to-point message). Both count as idle, as in the measured timeline."""
     if p < 1 or m < 1:
         raise ValueError(f"a pipeline needs p >= 1 and m >= 1 micro-batches, not p={p}, m={m}")
     v = v if schedule == "interleaved-1f1b" else 1
     if schedule == "interleaved-1f1b" and m % p:
         raise ValueError(f"interleaved-1f1b needs micro-batches a multiple of pp: m={m}, p={p}")
-    dur = {"F": f / v, "B": b / v, "I": b / 2 / v, "W": b / 2 / v}
-    orders = [_order(schedule, p, m, v, r) for r in range(p)]
     stages = p * v
+    fs = _per_stage(f, stages, v, "f")
+    bs = _per_stage(b, stages, v, "b")
+    shares = _per_stage(0.5 if i_share is None else i_share, stages, 1, "i_share")
+    dur = {("F", s): fs[s] for s in range(stages)}
+    for s in range(stages):
+        dur["B", s] = bs[s]
+        dur["I", s] = bs[s] * shares[s]
+        dur["W", s] = bs[s] * (1.0 - shares[s])
+    orders = [_order(schedule, p, m, v, r) for r in range(p)]
     done: dict[tuple, float] = {}
     free, pos = [0.0] * p, [0] * p
     pending_w: list[list[tuple]] = [[] for _ in range(p)]
@@ -83,12 +100,15 @@ def model_records(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: 
 
     def run(rank: int, act: tuple, start: float) -> None:
         kind, stage, mb = act
-        end = start + dur[kind]
+        end = start + dur[kind, stage]
         done[("B" if kind == "I" else kind, stage, mb)] = end
         out.append(dict(rank=rank, stage=stage, mb=mb, kind=kind, start=start, end=end))
-        free[rank] = end
+        free[rank] = end + host_s
         if kind == "I":
             pending_w[rank].append(("W", stage, mb))
+
+    def ready_at(rank: int, dep: tuple) -> float:
+        return done[dep] + (send_s if dep[1] % p != rank else 0.0)
 
     while any(pos[r] < len(orders[r]) or pending_w[r] for r in range(p)):
         progressed = False
@@ -97,7 +117,7 @@ def model_records(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: 
                 act = orders[rank][pos[rank]]
                 deps = _deps(act, stages)
                 ready = all(d in done for d in deps)
-                at = max([free[rank]] + [done[d] for d in deps if d in done])
+                at = max([free[rank]] + [ready_at(rank, d) for d in deps if d in done])
                 if pending_w[rank] and (not ready or at > free[rank]):
                     run(rank, pending_w[rank].pop(0), free[rank])  # W fills the wait
                 elif ready:
@@ -114,6 +134,17 @@ def model_records(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: 
         if not progressed:
             raise ValueError(f"schedule {schedule} with p={p}, m={m}, v={v} deadlocks in the model")
     return out
+
+
+def _per_stage(value, stages: int, v: int, name: str) -> list[float]:
+    """``value`` per stage: a number (a whole rank's, so each of its ``v`` chunks gets ``1/v``) or a
+    sequence of one per stage."""
+    if isinstance(value, (int, float)):
+        return [float(value) / v] * stages
+    values = [float(x) for x in value]
+    if len(values) != stages:
+        raise ValueError(f"{name} has {len(values)} per-stage values; the pipeline has {stages} stages")
+    return values
 
 
 def _deps(act: tuple, stages: int) -> list[tuple]:
