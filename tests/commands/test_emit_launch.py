@@ -382,3 +382,57 @@ def test_plan_engine_ranks_only_what_the_engine_expresses(capsys):
     assert not can_express("torchtitan", Layout.from_dict(plain[0]["layout"]), serving=False)  # the filter did work
     scores = [item["time"]["step_s"] if "time" in item and "step_s" in item["time"] else None for item in kept["layouts"]]
     assert scores == sorted(scores) or None in scores
+
+
+def test_redundant_experts_reach_vllm_and_sglang_own_parsers(tmp_path, capsys, vllm_python):
+    """A wide-EP layout with EPLB (DeepSeek-V3, 256 + 32 redundant experts over EP72) emits vLLM's
+    ``--enable-eplb --eplb-config '{"num_redundant_experts": 32}'`` and SGLang's
+    ``--ep-num-redundant-experts 32 --enable-eplb``, read back by each engine's own parser; an
+    engine whose table writes no such flag refuses in one line."""
+    layout = "tp=1,dp=72,ep=72,redundant_experts=32,weight_dtype=fp8"
+    argvs = {}
+    for engine in ("vllm", "sglang"):
+        out = tmp_path / engine
+        assert main(["estimate", "--goal", "serve-throughput", "--model", "deepseek-v3", "--cluster", "9x8xH100",
+                     "--layout", layout, "--batch", "64", "--emit-launch", engine, "--out", str(out), "--json"]) in (0, 1)
+        capsys.readouterr()
+        argvs[engine] = _commands(out / "launch.sh")[0]
+    script = (
+        "import json, sys\n"
+        "from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "p = FlexibleArgumentParser(); AsyncEngineArgs.add_cli_args(p)\n"
+        "e = EngineArgs.from_cli_args(p.parse_args(json.loads(sys.argv[1])))\n"
+        "print('RESULT' + json.dumps(dict(eplb=e.enable_eplb, r=e.eplb_config.num_redundant_experts,\n"
+        "    ep=e.enable_expert_parallel, dp=e.data_parallel_size)))\n"
+    )
+    cmd = argvs["vllm"]
+    run = subprocess.run([str(vllm_python), "-c", script, json.dumps(["--model", cmd[2], *cmd[3:]])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.split("RESULT", 1)[1]) == {"eplb": True, "r": 32, "ep": True, "dp": 72}
+
+    from hf_tiny import save_hf
+
+    python, why = engine_python("sglang")
+    if python is None:
+        pytest.skip(why)
+    ckpt = tmp_path / "tiny"
+    save_hf("LlamaConfig", "LlamaForCausalLM", ckpt, max_position_embeddings=4096)
+    argv = argvs["sglang"][3:]
+    argv[argv.index("--model-path") + 1] = str(ckpt)
+    script = (
+        "import json, sys\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "a = prepare_server_args(json.loads(sys.argv[1]))\n"
+        "print('RESULT' + json.dumps(dict(r=a.ep_num_redundant_experts, eplb=a.enable_eplb, ep=a.ep_size)))\n"
+    )
+    run = subprocess.run([str(python), "-c", script, json.dumps(argv)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.split("RESULT", 1)[1]) == {"r": 32, "eplb": True, "ep": 72}
+
+    capsys.readouterr()  # the tiny checkpoint's progress bar
+    assert main(["estimate", "--goal", "serve-throughput", "--model", "deepseek-v3", "--cluster", "9x8xH100",
+                 "--layout", layout, "--emit-launch", "trtllm", "--out", str(tmp_path / "trt")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "no redundant experts (EPLB)" in err and "not redundant_experts=32" in err and "\n" not in err

@@ -142,3 +142,34 @@ def test_moe_parallel_folding_and_precision_fields():
         Layout.parse("param_dtype=mxfp8").validate(LLAMA8, parse_cluster("H100"))
     with pytest.raises(LayoutError, match="'\\+'-joined list of modules"):
         Layout.parse("recompute=attn")
+
+
+def test_redundant_experts_round_trip_and_label():
+    # R=0: to_dict, JSON and the short label are what they were before the field existed.
+    plain = Layout.parse("tp=1,dp=64,ep=64")
+    assert "redundant_experts" not in plain.to_dict() and "redundant" not in plain.to_json()
+    assert plain.short() == "DP64-EP64"
+    eplb = Layout.parse("tp=1,dp=72,ep=72,redundant_experts=32")
+    assert Layout.parse("dp=72,ep=72,eplb=32") == eplb == Layout.parse("dp=72,ep=72,num_redundant_experts=32")
+    assert eplb.to_dict()["redundant_experts"] == 32 and eplb.short() == "DP72-EP72-EPLB32"
+    assert Layout.parse(eplb.to_json()) == eplb and Layout.from_dict(json.loads(eplb.to_json())) == eplb
+    assert (eplb.physical_experts(256), eplb.experts_per_rank(256)) == (288, 4)
+
+
+def test_redundant_experts_let_ep_divide_experts_plus_replicas():
+    deepseek = get_model("deepseek-v3")  # 256 routed experts
+    Layout.parse("dp=72,ep=72,redundant_experts=32").validate(deepseek, world_size=72)  # 288 / 72 = 4
+    with pytest.raises(LayoutError) as err:
+        Layout.parse("dp=72,ep=72,redundant_experts=31").validate(deepseek, world_size=72)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "ep=72 does not divide 256 + 31 = 287 physical experts" in message
+    assert "valid redundant_experts: 32, 104, 176, 248" in message
+    with pytest.raises(LayoutError, match=r"does not divide 256 experts; .*redundant_experts=32 \(EPLB\)"):
+        Layout.parse("dp=72,ep=72").validate(deepseek, world_size=72)
+    with pytest.raises(LayoutError, match="needs expert parallelism"):
+        Layout.parse("dp=8,redundant_experts=8")
+    with pytest.raises(LayoutError, match=r"exceeds the model's 256 experts .*valid: 0..256"):
+        Layout.parse("dp=64,ep=64,redundant_experts=320").validate(deepseek, world_size=64)
+    with pytest.raises(LayoutError, match="must be 0"):
+        Layout.parse("dp=8,ep=8,redundant_experts=-1")

@@ -20,6 +20,13 @@ EP over the 32 ranks of a stage. ``etp`` (expert tensor parallelism) defaults to
 divide ``tp x cp x dp`` and ``edp = tp x cp x dp / (etp x ep)``. ETP is innermost in the expert
 mesh (neighbouring ranks), then EP, then EDP.
 
+Redundant experts (EPLB, DeepSeek's Expert Parallelism Load Balancer, as vLLM and SGLang serve
+DeepSeek with wide EP): ``redundant_experts=R`` (short ``eplb=R``) adds R replicas of the busiest
+routed experts, so each MoE layer holds ``E + R`` physical experts (256 + 32 = 288 for DeepSeek-V3)
+and every EP rank holds ``(E + R) / ep`` of them: ``ep`` must divide ``E + R`` instead of ``E``
+(``ep=72`` with 288). 0 (the default) is plain EP, and then the field is left out of
+``to_dict`` and ``short`` so existing layouts read and print as before.
+
 Precision: ``param_dtype=fp8`` (alias ``precision=fp8``) runs the linear layers' GEMMs in FP8 as
 Transformer Engine does (``fp8_scaling`` delayed or current, per-tensor scales), ``mxfp8`` with
 MX block scales (1 x 32, Blackwell); weights stay bf16 with fp32 master weights and Adam state,
@@ -115,6 +122,11 @@ class Layout:
     """Expert-parallel degree, folded into dp x cp, or over tp x cp x dp with etp (see module doc)."""
     etp: int = 0
     """Expert tensor-parallel degree; 0: tp when ep divides dp x cp, else 1 (MoE parallel folding)."""
+    redundant_experts: int = 0
+    """Redundant expert replicas per MoE layer (EPLB): ``E + R`` physical experts, ``(E + R) / ep``
+    per EP rank. vLLM: ``--enable-eplb --eplb-config '{"num_redundant_experts": R}'`` (older
+    releases: ``--num-redundant-experts``); SGLang: ``--ep-num-redundant-experts R``. Needs ep > 1;
+    0 is plain EP and is omitted from ``to_dict`` / ``short``."""
     sp: bool = False
     """Sequence parallelism for the norm/dropout regions of a TP group (needs tp > 1)."""
     zero: int = 0
@@ -212,14 +224,27 @@ class Layout:
             hsdp = self.zero == 3 and self.dp_shard and self.dp_shard < self.dp
             parts.append(f"HSDP{self.dp // self.dp_shard}x{self.dp_shard}" if hsdp else f"Z{self.zero}")
         if self.ep > 1:
-            parts.append(f"EP{self.ep}" + (f"-ETP{self.expert_tp}" if self.folded else ""))
+            parts.append(f"EP{self.ep}" + (f"-ETP{self.expert_tp}" if self.folded else "")
+                         + (f"-EPLB{self.redundant_experts}" if self.redundant_experts else ""))
         if self.param_dtype in ("fp8", "mxfp8"):
             parts.append(self.param_dtype.upper())
         return "-".join(parts)
 
     # --- serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, except ``redundant_experts`` when 0 (plain EP reads as it always has)."""
+        out = dataclasses.asdict(self)
+        if not self.redundant_experts:
+            del out["redundant_experts"]
+        return out
+
+    def physical_experts(self, num_experts: int) -> int:
+        """Routed experts held per MoE layer over the EP group: ``num_experts + redundant_experts``."""
+        return num_experts + self.redundant_experts if num_experts else 0
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        """Routed experts (replicas included) each EP rank holds: ``(E + R) / ep``."""
+        return self.physical_experts(num_experts) // self.ep
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -291,6 +316,8 @@ class Layout:
                 key = "param_dtype"
             if key in ("expert_tp", "expert_tensor_parallel"):
                 key = "etp"
+            if key in ("eplb", "num_redundant_experts", "ep_num_redundant_experts", "redundant"):
+                key = "redundant_experts"
             if key in values:
                 raise LayoutError(f"layout key {key!r} given twice")
             values[key] = value
@@ -311,12 +338,17 @@ class Layout:
             value = getattr(self, name)
             if value < 1:
                 raise LayoutError(f"{name}={value} must be at least 1")
-        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "virtual_stages", "dp_shard", "mbs", "gbs", "seq"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "redundant_experts", "virtual_stages", "dp_shard", "mbs", "gbs", "seq"):
             limit = _LIMITS.get(name, 2**20)
             if getattr(self, name) > limit:
                 raise LayoutError(f"{name}={getattr(self, name)} is above the accepted {limit:,}")
         if self.etp < 0:
             raise LayoutError(f"etp={self.etp} must be at least 1 (or 0 for the default)")
+        if self.redundant_experts < 0:
+            raise LayoutError(f"redundant_experts={self.redundant_experts} must be 0 (plain EP) or more")
+        if self.redundant_experts and self.ep == 1:
+            raise LayoutError(f"redundant_experts={self.redundant_experts} needs expert parallelism (ep > 1): "
+                              f"replicas balance the EP ranks; set ep or drop redundant_experts")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
@@ -401,11 +433,7 @@ class Layout:
             if not model.is_moe:
                 problems.append(f"ep={self.ep} but {model.name} has no experts; use ep=1")
             else:
-                if model.num_experts % self.ep:
-                    problems.append(
-                        f"ep={self.ep} does not divide {model.num_experts} experts; valid ep: "
-                        f"{_fmt(_divisors(model.num_experts))}"
-                    )
+                problems += _expert_problems(self.ep, self.redundant_experts, model.num_experts)
                 etp, ranks = self.expert_tp, self.tp * self.cp * self.dp
                 if ranks % (etp * self.ep) and self.tp == 1:
                     problems.append(
@@ -434,6 +462,26 @@ class Layout:
             problems += self._precision_problems(cluster)
         if problems:
             raise LayoutError("; ".join(problems))
+
+
+def _expert_problems(ep: int, redundant: int, experts: int) -> list[str]:
+    """The one rule for how routed experts split over ``ep`` ranks: ``ep`` divides ``E + R``
+    (``E`` experts, ``R`` redundant replicas, EPLB), and ``R`` is at most ``E`` (beyond one replica
+    of every expert, a larger ``ep`` or plain expert-data parallelism does the same)."""
+    if redundant > experts:
+        return [f"redundant_experts={redundant} exceeds the model's {experts} experts (at most one extra replica "
+                f"each); valid: 0..{experts}, with ep dividing {experts} + redundant_experts"]
+    total = experts + redundant
+    if total % ep == 0:
+        return []
+    if redundant == 0:
+        fixes = [r for r in range(1, experts + 1) if (experts + r) % ep == 0][:4]
+        hint = f"; or keep ep={ep} with redundant_experts={fixes[0]} (EPLB)" if fixes else ""
+        return [f"ep={ep} does not divide {experts} experts; valid ep: {_fmt(_divisors(experts))}{hint}"]
+    fixes = [r for r in range(0, experts + 1) if (experts + r) % ep == 0][:4]
+    valid_r = f"with ep={ep} valid redundant_experts: {_fmt(fixes)}" if fixes else f"no redundant_experts fits ep={ep}"
+    return [f"ep={ep} does not divide {experts} + {redundant} = {total} physical experts ({experts} experts + "
+            f"redundant_experts={redundant}); {valid_r}; or ep in {_fmt(_divisors(total))}"]
 
 
 def _blackwell(name: str) -> bool:

@@ -65,6 +65,8 @@ def context(layout: Layout, model=None, *, serving: bool = False, max_batch: int
         fp8=layout.param_dtype in ("fp8", "mxfp8"),
         fp8_recipe="mxfp8" if layout.param_dtype == "mxfp8" else layout.fp8_scaling,
         moe=bool(model is not None and model.is_moe) or layout.ep > 1,
+        redundant_experts=layout.redundant_experts,
+        eplb_config=json.dumps({"num_redundant_experts": layout.redundant_experts}) if layout.redundant_experts else None,
         serving=serving,
         max_batch=max_batch,
         one=1,

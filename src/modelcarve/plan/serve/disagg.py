@@ -60,9 +60,9 @@ def _unit_devices(layout: Layout) -> int:
 def _ctx(model, cluster, layout: Layout, opts):
     ed = served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
     f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                    expert_dtype=ed)
+                    expert_dtype=ed, redundant_experts=layout.redundant_experts)
     c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.ep, layout.weight_dtype, layout.kv_dtype,
-                 opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed)
+                 opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed, redundant_experts=layout.redundant_experts)
     return f, c
 
 

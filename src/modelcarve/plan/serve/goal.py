@@ -101,9 +101,9 @@ def _layout_dict(layout: Layout) -> dict:
     """``layout.to_dict()`` (``dataclasses.asdict``) without asdict's recursive deep copy, which
     is a fifth of the cost of evaluating a serving layout in full; the same dict while every
     Layout field is a plain scalar (otherwise asdict itself)."""
-    if not _FLAT_LAYOUT:
+    if not _FLAT_LAYOUT or layout.redundant_experts:
         return layout.to_dict()
-    return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
+    return {name: getattr(layout, name) for name in _LAYOUT_FIELDS if name != "redundant_experts"}
 
 
 def _name(layout: Layout, expert_dtype: str = "") -> str:
@@ -150,7 +150,7 @@ class _ServeGoal:
         request rate the ServeTime is at the sustained batch with the queue wait in its TTFT."""
         ed = _expert_dtype(model, layout, opts)
         f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                        expert_dtype=ed)
+                        expert_dtype=ed, redundant_experts=layout.redundant_experts)
         memory_bytes = cluster.device.memory_bytes
         ctx_len = opts.context
         mem = memory_from_facts(f, memory_bytes, batch=1, context=ctx_len)
@@ -163,7 +163,7 @@ class _ServeGoal:
             )
             return None, mem, FIT, reason, None
         c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
-                         expert_dtype=ed)
+                         expert_dtype=ed, redundant_experts=layout.redundant_experts)
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
@@ -246,7 +246,7 @@ class _ServeGoal:
         def screen(layout: Layout, floor: float | None = None):
             ed = served_expert_dtype(model, layout.weight_dtype, released)
             f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                            expert_dtype=ed)
+                            expert_dtype=ed, redundant_experts=layout.redundant_experts)
             fit = max_sequences(f, memory_bytes, ctx_len)
             fixed = opts.batch or (1 if latency else None)
             # Rejections carry a short reason: the search evaluates the best rejected candidate
@@ -257,7 +257,7 @@ class _ServeGoal:
                 need = memory_from_facts(f, memory_bytes, batch=fixed or 1, context=ctx_len)
                 return -1e6 - need.total_bytes / need.budget_bytes, FIT, f"{_name(layout)}: {FIT}"
             c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
-                             expert_dtype=ed)
+                             expert_dtype=ed, redundant_experts=layout.redundant_experts)
             if rate is not None:
                 # At a request rate: the sustained batch, its TPOT, TTFT with the queue wait.
                 top_b = opts.batch or (fit if fit < opts.max_batch else opts.max_batch)
@@ -391,6 +391,8 @@ class _ServeGoal:
                 f"adding {info['straggler_s_per_round'] * 1e3:.2f} ms of all-to-all to each decode round "
                 f"(--load-imbalance sets it; the runtime measures the real per-expert counts)"
             )
+        if layout.redundant_experts and model.is_moe:
+            out.append(_eplb_note(model, layout, opts.load_imbalance))
         if t.bubble > 0:
             out.append(
                 f"pp={layout.pp} with {t.batch} sequence(s) in flight: stages sit idle {t.bubble:.0%} of each decode round; "
@@ -423,6 +425,17 @@ class _ServeGoal:
                 f"(--weight-dtypes bf16,fp8 keeps the search to near-lossless weights)"
             )
         return out
+
+
+def _eplb_note(model, layout: Layout, imbalance: float) -> str:
+    """What a layout's redundant experts (EPLB) are priced at, and what is not modelled."""
+    physical = layout.physical_experts(model.num_experts)
+    return (
+        f"EPLB: {layout.redundant_experts} redundant experts, {physical} physical experts per MoE layer, "
+        f"{physical // layout.ep} per EP rank ({physical} / {layout.ep}) priced in memory and in expert weights read; "
+        f"the busiest rank's load stays --load-imbalance {imbalance:g} (not derived from the replicas: set it to the "
+        f"balance the deployment's EPLB reaches)"
+    )
 
 
 SERVE_LATENCY = _ServeGoal(

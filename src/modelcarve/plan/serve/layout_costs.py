@@ -159,16 +159,31 @@ def clear_caches() -> None:
 
 
 def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
-                 imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "") -> LayoutCosts:
+                 imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "",
+                 redundant_experts: int = 0) -> LayoutCosts:
     """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
-    caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``)."""
+    caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``;
+    ``redundant_experts``: EPLB replicas, ``Layout.redundant_experts``).
+
+    Redundant experts are priced in what they change for certain: each rank holds and reads
+    ``(E + R) / ep`` experts (memory, and the expert weights a decode step reads, with routing
+    spread uniformly over the ``E + R`` physical experts: ``expert_miss = 1 - top_k / (E + R)``),
+    while every token still goes to ``top_k`` experts (the all-to-all bytes do not change).
+    What EPLB is for, a lower load on the busiest rank, is NOT modelled from R: no published
+    figure gives the busiest-rank factor as a function of the replicas in text (the SGLang team's
+    large-scale EP blog, 2025-05-05, plots simulated "balancedness", mean over max tokens per GPU,
+    with and without EPLB only as a figure; its table gives prefill at 50,302 tokens/s per node with
+    the default expert placement vs 59,337 with simulated perfect EPLB, an end-to-end figure, not
+    an imbalance). ``imbalance`` (``--load-imbalance``) stays as given: set it to the balance the
+    deployment's EPLB reaches (vLLM logs it with ``log_balancedness``)."""
     key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype,
-           serve_rates.ENGINE_SEQ_HOST_S)
+           serve_rates.ENGINE_SEQ_HOST_S, redundant_experts)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     if f is None:
-        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype)
+        f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype,
+                        redundant_experts=redundant_experts)
     mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
     gemm = mesh.gemm.get(weight_dtype)
@@ -242,7 +257,7 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
     constants (the calibration refits them)."""
     key = (id(model), id(cluster), tp, pp, ep, dp, input_len, output_len, imbalance, f.stage_layers,
            f.stage_moe_layers, f.matmul_params_per_token, f.act_traffic_per_token,
-           serve_rates.DECODE_HBM_EFFICIENCY, serve_rates.LAYER_OVERHEAD_S, serve_rates.ALLREDUCE_FLOOR_S)
+           serve_rates.DECODE_HBM_EFFICIENCY, serve_rates.LAYER_OVERHEAD_S, serve_rates.ALLREDUCE_FLOOR_S, f.physical_experts)
     held = _MESH.get(key)
     if held is not None and held[0] is model and held[1] is cluster:
         return held[2]
@@ -265,7 +280,8 @@ def _mesh(model, cluster, tp, pp, ep, dp, f: ShardFacts, input_len, output_len, 
         k_gemm=2.0 * f.matmul_params_per_token,
         k_gemm_experts=2.0 * model.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers,
         k_elem=f.act_traffic_per_token / hbm,
-        expert_miss=1.0 - model.top_k / model.num_experts if model.num_experts else 1.0,
+        # routing spread uniformly over the E + R physical experts (R: EPLB's redundant replicas)
+        expert_miss=1.0 - model.top_k / (f.physical_experts or model.num_experts) if model.num_experts else 1.0,
         fixed_s=f.stage_layers * serve_rates.layer_overhead_s(device),
         step_s=serve_rates.engine_step_s(cluster, tp, pp, dp),
         comm_lines=(),

@@ -16,7 +16,9 @@ Per device (the heaviest pipeline stage):
   except what cannot be split: GQA k/v projections are replicated when ``tp > kv heads``, and
   MLA's down-projections (q_a, kv_a) are replicated on every TP rank. Routed experts are split
   ``ep`` ways (whole experts) and then ``tp`` ways (each expert's matrices); shared experts only
-  ``tp`` ways. The embedding and head are vocabulary-parallel over ``tp``, on the first and last
+  ``tp`` ways. With redundant experts (EPLB, ``Layout.redundant_experts = R``) the layer holds
+  ``E + R`` physical experts and each EP rank ``(E + R) / ep`` of them (DeepSeek-V3 with 32
+  redundant over EP72: 288 / 72 = 4 per rank, as many as 256 / 64 without). The embedding and head are vocabulary-parallel over ``tp``, on the first and last
   stage.
 * KV cache per token: ``layers on the stage x elems per layer per rank x kv dtype bytes``;
   GQA holds ``max(1, kv_heads / tp)`` heads of k and v per rank, MLA holds the whole
@@ -114,6 +116,7 @@ class ShardFacts:
     shared_moe_bytes: float
     """One MoE layer's non-routed weights on one device (attention, router, shared experts, norms)."""
     experts_per_rank: int
+    """Routed experts (redundant replicas included) on one EP rank: ``(E + R) / ep``."""
     stage_layers: int
     """Layers on the fullest stage."""
     stage_moe_layers: int
@@ -147,6 +150,8 @@ class ShardFacts:
     head_matmul_params: float = 0.0
     """Of ``matmul_params_per_token``, the LM head's (``vocab x hidden / tp`` on the last stage, else 0):
     a prefill runs only each prompt's last row through it (the row that samples)."""
+    physical_experts: int = 0
+    """Routed experts per MoE layer over the EP group, redundant replicas included (``E + R``)."""
     tied_head_bytes: float = 0.0
     """Bytes the LM head reads per decode step that ``weights_bytes`` does not hold as a head: a tied
     head (one stage) is the embedding table, counted once as ``embed_bytes``, yet every step's
@@ -157,17 +162,19 @@ _FACTS: dict[tuple, tuple] = {}
 
 
 def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                expert_dtype: str = "") -> ShardFacts:
+                expert_dtype: str = "", redundant_experts: int = 0) -> ShardFacts:
     """``expert_dtype``: the routed experts' dtype when not ``weight_dtype`` (gpt-oss's released
-    MXFP4 experts: ``released_expert_dtype``); "" for all layer matrices in ``weight_dtype``."""
+    MXFP4 experts: ``released_expert_dtype``); "" for all layer matrices in ``weight_dtype``.
+    ``redundant_experts``: EPLB replicas (``Layout.redundant_experts``), each EP rank holding
+    ``(E + R) / ep`` routed experts."""
     # Keyed by object identity, with the model kept in the entry so the id cannot be reused.
-    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype, expert_dtype)
+    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype, expert_dtype, redundant_experts)
     held = _FACTS.get(key)
     if held is None or held[0] is not model:
         if len(_FACTS) > 100_000:
             _FACTS.clear()
         held = _FACTS[key] = (model, _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                                                    expert_dtype=expert_dtype))
+                                                    expert_dtype=expert_dtype, redundant_experts=redundant_experts))
     return held[1]
 
 
@@ -270,11 +277,12 @@ def _stage_kinds(model: ModelSpec, pp: int) -> tuple:
 _WEIGHTS: dict[tuple, tuple] = {}
 
 
-def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str, expert_dtype: str = "") -> tuple:
+def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str, expert_dtype: str = "",
+                 redundant_experts: int = 0) -> tuple:
     """What ``_compute_facts`` needs that does not depend on the KV dtype, memoised (the search
     asks for both KV dtypes of every weight dtype): the TP counts, per-layer bytes, and each
     distinct stage's weights (routed experts in ``expert_dtype`` when given)."""
-    key = (id(model), tp, pp, ep, weight_dtype, expert_dtype)
+    key = (id(model), tp, pp, ep, weight_dtype, expert_dtype, redundant_experts)
     held = _WEIGHTS.get(key)
     if held is not None and held[0] is model:
         return held[1]
@@ -286,7 +294,8 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str,
     shared_expert = q * c.expert_q + pb * c.expert_p
     qe = weight_format(expert_dtype).bytes_per_param(model.hidden_size) if expert_dtype else q
     expert = qe * c.expert_q + pb * c.expert_p  # a routed expert
-    experts_per_rank = model.num_experts // ep if model.is_moe else 0
+    # EPLB: the E + R physical experts (R redundant replicas) split whole over the ep ranks
+    experts_per_rank = (model.num_experts + redundant_experts) // ep if model.is_moe else 0
     shared_moe = q * c.attn_q + small + pb * c.router_p + model.num_shared_experts * shared_expert
     moe_layer = shared_moe + experts_per_rank * expert
     embed = pb * c.embed_p
@@ -304,8 +313,10 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str,
     return side
 
 
-def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str, expert_dtype: str = "") -> ShardFacts:
-    c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(model, tp, pp, ep, weight_dtype, expert_dtype)
+def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str, expert_dtype: str = "",
+                   redundant_experts: int = 0) -> ShardFacts:
+    c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(
+        model, tp, pp, ep, weight_dtype, expert_dtype, redundant_experts)
     kv_layer = c.kv_elem * kv_bytes(kv_dtype)
 
     best = None
@@ -327,6 +338,7 @@ def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype:
     facts.expert_bytes = expert
     facts.shared_moe_bytes = shared_moe
     facts.experts_per_rank = experts_per_rank
+    facts.physical_experts = model.num_experts + redundant_experts if model.is_moe else 0
     facts.stage_layers = count
     facts.stage_moe_layers = n_moe
     facts.head_bytes = extra
@@ -378,9 +390,11 @@ def serve_memory(
     prefill_chunk: int = PREFILL_CHUNK,
     memory_fraction: float = MEMORY_FRACTION,
     expert_dtype: str = "",
+    redundant_experts: int = 0,
 ) -> ServeMemory:
     """Memory of the fullest device for ``batch`` sequences of ``context`` tokens each."""
-    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype)
+    f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype,
+                    redundant_experts=redundant_experts)
     return memory_from_facts(f, memory_bytes, batch=batch, context=context, prefill_chunk=prefill_chunk, memory_fraction=memory_fraction)
 
 

@@ -54,12 +54,12 @@ def pareto_front(model, cluster, **options) -> dict:
     for layout in SERVE_THROUGHPUT.candidates(model, cluster, **options):
         ed = served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
         f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
-                        expert_dtype=ed)
+                        expert_dtype=ed, redundant_experts=layout.redundant_experts)
         fit = min(max_sequences(f, memory, opts.context), opts.max_batch)
         if fit < 1:
             continue
         c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
-                     opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed)
+                     opts.input_len, opts.output_len, opts.load_imbalance, f, expert_dtype=ed, redundant_experts=layout.redundant_experts)
         experts = f" (experts {ed})" if ed else ""
         for b in _batches(fit):
             _, tpot, ttft, group = _rates(c, b)

@@ -107,6 +107,11 @@ class TrainGoal:
             if options.get("seq") and options["seq"] != candidate.seq:
                 candidate = candidate.replace(seq=options["seq"])
             candidate.validate(model, cluster)  # also checks the batch divides into micro-batches
+            if candidate.redundant_experts:
+                raise LayoutError(
+                    f"redundant_experts={candidate.redundant_experts}: redundant experts (EPLB) are a serving technique "
+                    f"the training planner does not price; use redundant_experts=0 with ep dividing the experts, or a "
+                    f"serve-* goal")
             options["global_batch"], options["seq"] = candidate.global_batch, candidate.seq
         cost = self.cost_model(model, cluster, **options)
         estimate = cost.estimate(candidate)

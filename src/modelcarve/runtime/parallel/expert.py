@@ -253,6 +253,11 @@ def apply_expert_parallel(chunk: nn.Module, mesh, layout) -> nn.Module:
             raise LayoutError(f"ep={layout.ep} but {chunk.spec.name} has no experts; use ep=1")
         return chunk
     spec = chunk.spec
+    if layout.redundant_experts:
+        raise LayoutError(
+            f"redundant_experts={layout.redundant_experts}: the runtime has no EPLB (replicated experts and the "
+            f"router's replica choice); plan and estimate price it, run and verify need redundant_experts=0"
+        )
     if spec.num_experts % layout.ep:
         raise LayoutError(
             f"ep={layout.ep} does not divide {spec.num_experts} experts; valid ep: "
