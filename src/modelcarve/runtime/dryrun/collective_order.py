@@ -16,7 +16,7 @@ runtime has), and a deterministic balanced MoE routing (``balanced_routing``), s
 sizes of the all-to-alls are known to every rank. Every rank is still played for real, one
 after the other, and every pair is compared.
 
-``hook(rank)`` (tests) is called on each rank after ``parallelize`` and may change what that
+``hook(rank, trainer)`` (tests) is called on each rank after ``parallelize`` and may change what that
 rank issues, e.g. to inject a deliberately mismatched collective.
 """
 

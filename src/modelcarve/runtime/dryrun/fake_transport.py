@@ -44,7 +44,7 @@ import pickle
 
 import torch
 
-from modelcarve.runtime.distributed.collectives import CommLog, Event, axis_of
+from modelcarve.runtime.distributed.collectives import CommLog, Event, axis_of, tier_of
 
 
 class PlayLog(CommLog):
@@ -63,7 +63,7 @@ class PlayLog(CommLog):
     def add_p2p(self, op: str, peer: int, tensors: list) -> None:
         """Record a point-to-point message issued outside the dispatcher's view (the metadata)."""
         self.events.append(Event(op=op, ranks=(self.me, peer), axis=axis_of((self.me, peer), self.layout),
-                                 tier="?", dtype=str(tensors[0].dtype).removeprefix("torch."),
+                                 tier=tier_of([peer], self.per_node, self.me), dtype=str(tensors[0].dtype).removeprefix("torch."),
                                  shapes=tuple(tuple(t.shape) for t in tensors),
                                  payload=sum(t.numel() * t.element_size() for t in tensors),
                                  wire=0.0, peer=peer))
