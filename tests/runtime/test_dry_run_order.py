@@ -107,5 +107,61 @@ def test_layout_dry_run_order():
     with pytest.raises(LayoutError, match=r"ranks 0 and 1 would deadlock: their collective #1 in common differs.*"
                                           r"rank 1: all_reduce over ranks \[0, 1, 2, 3\]"):
         check_layout_order("tiny-llama", layout, hook=_extra_collective_on_rank1)
-    with pytest.raises(LayoutError, match="does not run pipelines"):
-        check_layout_order("tiny-llama", Layout.parse("pp=2,seq=16,gbs=2,mbs=1"))
+
+
+
+def _extra_send_on_rank0(rank, trainer):
+    """A pipeline mismatch: rank 0 (stage 0) sends one activation more than stage 1 receives."""
+    if rank != 0:
+        return
+    import torch
+    import torch.distributed as dist
+
+    step = trainer.forward_backward
+
+    def forward_backward(tokens, targets):
+        dist.send(torch.zeros(1, 16, 64), 1)
+        return step(tokens, targets)
+
+    trainer.forward_backward = forward_backward
+
+
+@pytest.mark.parametrize("layout", [
+    "pp=2,seq=16,gbs=4,mbs=1,schedule=1f1b",
+    "pp=2,tp=2,sp,seq=16,gbs=4,mbs=1,schedule=1f1b",
+    "pp=2,seq=16,gbs=4,mbs=1,schedule=interleaved-1f1b,virtual_stages=2",
+    "pp=2,seq=16,gbs=4,mbs=1,schedule=zero-bubble",
+])
+def test_pipeline_dry_run_order(layout):
+    """Pipelines played rank by rank (fake_transport.py carries torch's stage metadata): every
+    schedule's sends and receives pair and the groups agree; an extra send on rank 0 is refused
+    naming the two ranks, and so is rank 1's extra all-reduce over the world."""
+    from modelcarve.runtime.dryrun.collective_order import check_layout_order, collective_sequences
+    from modelcarve.spec.errors import LayoutError
+    from modelcarve.spec.layout import Layout
+
+    lay = Layout.parse(layout)
+    sequences = collective_sequences("tiny-llama", lay)
+    assert all(any(e[0] == "send" for e in s) and any(e[0] == "recv" for e in s) for s in sequences.values())
+    assert check_layout_order("tiny-llama", lay) > 0
+    with pytest.raises(LayoutError, match=r"rank 0 sends \d+ messages to rank 1 which receives \d+"):
+        check_layout_order("tiny-llama", lay, hook=_extra_send_on_rank0)
+    with pytest.raises(LayoutError, match=r"ranks 0 and 1 would deadlock.*rank 1: all_reduce over ranks \[0, 1"):
+        check_layout_order("tiny-llama", lay, hook=_extra_collective_on_rank1)
+
+
+@pytest.mark.parametrize("layout", ["dp=2,ep=2,seq=16,gbs=4,mbs=1", "tp=2,dp=2,ep=2,sp,seq=16,gbs=4,mbs=1",
+                                    "pp=2,dp=2,ep=2,seq=16,gbs=8,mbs=1"])
+def test_moe_dry_run_order(layout):
+    """MoE layouts under the balanced dry-run routing (fake_transport.balanced_routing): the EP
+    all-to-alls are recorded on every rank and agree; rank 1's extra all-reduce is refused."""
+    from modelcarve.runtime.dryrun.collective_order import check_layout_order, collective_sequences
+    from modelcarve.spec.errors import LayoutError
+    from modelcarve.spec.layout import Layout
+
+    lay = Layout.parse(layout)
+    sequences = collective_sequences("tiny-moe", lay)
+    assert all(sum(e[0] == "all_to_all" for e in s) >= 6 for s in sequences.values())
+    assert check_layout_order("tiny-moe", lay) > 0
+    with pytest.raises(LayoutError, match=r"ranks 0 and 1 would deadlock.*rank 1: all_reduce over ranks \[0, 1"):
+        check_layout_order("tiny-moe", lay, hook=_extra_collective_on_rank1)
