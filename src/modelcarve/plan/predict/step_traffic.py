@@ -32,7 +32,8 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
   the first sends its input gradient back, each to its neighbour stage's rank: a rank of an
   interleaved schedule sends for each of its ``virtual_stages`` chunks (``pipeline_sends``; torch's
-  shape metadata messages are not predicted);
+  shape metadata messages are not predicted); under ``sp`` a stage's output is sequence-sharded, so each
+  tp rank sends its ``1 / tp`` of the tokens;
 * context parallel (ring attention over zig-zag chunks, ``mbs x seq / cp`` tokens a rank): per
   layer and micro-batch ``cp - 1`` K/V blocks sent forward, ``cp - 1`` again in backward and
   ``cp - 1`` fp32 dK/dV accumulators, all to the next rank of the cp ring (``ring_sends``); the
@@ -52,7 +53,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; MLA under cp, cp under recomputation, FSDP under zero-bubble,
-biases; activations under recomputation and on zero-bubble's last stage): the verify table marks those
+biases; activations under recomputation and on zero-bubble's last stage of qk-norm or MLA models): the verify table marks those
 quantities as unpredicted instead of guessing.
 """
 
@@ -230,7 +231,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     if layout.cp > 1:
         msgs += ring_sends(spec, layout, rank, nl, m, tokens)
     if layout.pp > 1:
-        msgs += pipeline_sends(layout, rank, hidden * 4)
+        msgs += pipeline_sends(layout, rank, hidden * 4 // (tp if layout.sp else 1))  # sp: the rank's sequence shard
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
         tied = tied_group(spec, layout, rank)
         if tied is not None:  # the embedding's and the head copy's gradients summed, fp32, once per step
