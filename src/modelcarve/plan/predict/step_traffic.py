@@ -53,7 +53,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; MLA under cp, cp under recomputation, FSDP under zero-bubble,
-biases; activations under recomputation and on zero-bubble's last stage of qk-norm or MLA models): the verify table marks those
+output / MLP biases; activations under recomputation and on zero-bubble's last stage of qk-norm or MLA models): the verify table marks those
 quantities as unpredicted instead of guessing.
 """
 
@@ -123,8 +123,8 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("MoE layers")
     if spec.attention_kind not in ("gqa", "mla"):
         problems.append(f"{spec.attention_kind} attention")
-    if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.position_kind != "rope":
-        problems.append("biases / learned positions")
+    if spec.o_bias or spec.mlp_bias or spec.position_kind != "rope":
+        problems.append("output / MLP biases, learned positions")
     if layout.ep > 1:
         problems.append("expert parallelism")
     if layout.cp > 1 and layout.recompute != "none":
@@ -152,7 +152,10 @@ def _attention_tensors(spec: "ModelSpec", tp: int) -> list[int]:
                 nh * (spec.qk_head_dim - spec.qk_rope_head_dim + spec.attn_v_head_dim) * spec.kv_lora_rank // tp,
                 h * nh * spec.attn_v_head_dim // tp]
     kvl = max(spec.num_kv_heads / tp, 1.0)
-    return [h * nh * hd // tp, int(h * hd * kvl), int(h * hd * kvl), nh * hd * h // tp]
+    out = [h * nh * hd // tp, int(h * hd * kvl), int(h * hd * kvl), nh * hd * h // tp]
+    if spec.qkv_bias:  # Qwen2's q / k / v biases, split with their projections' output columns
+        out += [nh * hd // tp, int(hd * kvl), int(hd * kvl)]
+    return out
 
 
 def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
@@ -412,6 +415,8 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
         me = group.index(rank) if rank is not None else 0
         replicas = tuple(group[(me // r) * r:(me // r + 1) * r])
         out.append(Message("all_reduce", replicas, "fp32", spec.hidden_size * spec.head_dim * MASTER_BYTES, 2 * nl))
+        if spec.qkv_bias:  # and Qwen2's k / v biases with them
+            out.append(Message("all_reduce", replicas, "fp32", spec.head_dim * MASTER_BYTES, 2 * nl))
     if last:  # vocab-parallel cross entropy: max, sum of exponentials, target logit
         rows = tokens if tokens is not None else layout.mbs * layout.seq
         out.append(Message("all_reduce", group, "fp32", rows * 4, 3 * m))
