@@ -79,21 +79,26 @@ this also carries what the model does not itemise for MoE layers (all-to-all sta
 router top-k / probability kernels, grouped-GEMM padding). The held-out Megatron-Core Mixtral
 8x7B row (468 TFLOP/s) stays within its +-10% test."""
 
-MOE_HOST_S_PER_EXPERT = 2.0e-4
-"""Host seconds to launch one local expert's kernels in one MoE pass (forward, backward or
-recomputed forward) under the dropless all-to-all dispatcher (``TrainOptions.moe_dispatcher =
-'alltoall'``): the per-expert token counts are copied to the host to size the all-to-all and the
-grouped GEMMs, which drains the stream, and the GPU then runs no faster than the host launches
-the rest of the layer (train_layer.py charges max(0, host - GPU) per pass). It matters only where
-the layer's GPU work is small against it: many small local experts and few tokens (Qwen3-30B-A3B
-at micro-batch 1 on B200); Mixtral's one large local expert hides it. HybridEP / DeepEP
-dispatchers ('fused') size their buffers on the device and do not stall. Fitted to the
-Megatron-Bridge 25.11 rows (grid 0-0.3 ms, benchmarks/calibrate_training.py)."""
+MOE_HOST_S_PER_LAUNCH = 5.0e-5
+"""Host seconds per kernel a local expert launches in one MoE pass under the dropless all-to-all
+dispatcher (``TrainOptions.moe_dispatcher = 'alltoall'``). The per-expert token counts are copied
+to the host each pass to size the all-to-all and the grouped GEMMs, which drains the stream; the GPU
+then runs no faster than the host issues the expert kernels that follow: per local expert, each of
+the two expert linears' GEMMs (a forward, a data- and a weight-gradient GEMM backward) and, under
+an FP8 recipe, the quantisation kernels of each GEMM input (plan/train/layer.py
+``expert_launches``). plan/train/layer.py charges max(0, host - GPU) per pass (forward, backward,
+recomputed forward). It matters only where the layer's GPU work is small against it: many small
+local experts and few tokens (Qwen3-30B-A3B: 16 local experts on B200 at micro-batch 1, on H100
+under FP8 current scaling, whose every quantisation is three kernels); Mixtral's one large local
+expert hides it. HybridEP / DeepEP dispatchers ('fused') size their buffers on the device and do not
+stall. Fitted to the Megatron-Bridge 25.11 rows (grid 0-80 us, benchmarks/calibrate_training.py):
+tens of microseconds per eager PyTorch / Transformer Engine op, the order of its Python dispatch."""
 
 
-def moe_host_launch_s(local_experts: float) -> float:
-    """Host launch time of one MoE layer pass after the count synchronisation (see MOE_HOST_S_PER_EXPERT)."""
-    return MOE_HOST_S_PER_EXPERT * local_experts
+def moe_host_launch_s(local_experts: float, launches_per_expert: float) -> float:
+    """Host time of one MoE layer pass after the count synchronisation: ``launches_per_expert``
+    kernels for each of ``local_experts`` (see MOE_HOST_S_PER_LAUNCH)."""
+    return MOE_HOST_S_PER_LAUNCH * launches_per_expert * local_experts
 
 
 PEAK_FRACTION_SOURCE = {

@@ -131,9 +131,11 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
     stall_fwd = stall_bwd = 0.0
     if moe and o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
-        host = efficiency.moe_host_launch_s(m.num_experts / ep)
+        n_fwd, n_bwd = expert_launches(cost._dtype)
+        host_fwd = efficiency.moe_host_launch_s(m.num_experts / ep, n_fwd)
+        host_bwd = efficiency.moe_host_launch_s(m.num_experts / ep, n_bwd)
         moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
-        stall_fwd, stall_bwd = max(0.0, host - moe_fwd), max(0.0, host - 2.0 * moe_fwd)
+        stall_fwd, stall_bwd = max(0.0, host_fwd - moe_fwd), max(0.0, host_bwd - 2.0 * moe_fwd)
     fwd += stall_fwd
     bwd += stall_bwd
     # communication per layer (seconds; bytes each device sends)
@@ -324,6 +326,20 @@ def quantise_bytes(compute: str) -> tuple[float, float]:
     first (5); MXFP8 writes row- and column-wise copies with their 1 x 32 block scales (2 + 2 +
     2/32). 0 for 16/32-bit compute."""
     return {"fp8": (3.0, 3.0), "fp8cs": (5.0, 5.0), "mxfp8": (4.0625, 4.0625)}.get(compute, (0.0, 0.0))
+
+
+def expert_launches(compute: str) -> tuple[int, int]:
+    """Kernels one local expert launches in an MoE forward and in its backward, for compute key
+    ``compute`` (Transformer Engine's GroupedLinear runs each expert's GEMMs one by one): each of
+    the two expert linears (fc1, fc2; fc1 holds gate and up) runs one GEMM forward and two backward
+    (data and weight gradient), and an FP8 recipe quantises each GEMM's input in the forward and
+    its output gradient in the backward per expert, ``quantise_bytes``' casts: one kernel under
+    delayed scaling (the amax is fused into the cast) and MXFP8 (one kernel writes both copies
+    with their block scales), three under current scaling (amax, scale from amax, cast). Weight
+    casts happen once per step and are not counted. bf16: (2, 4); FP8 delayed / MXFP8: (4, 6);
+    FP8 current scaling: (8, 10)."""
+    q = {"fp8": 1, "mxfp8": 1, "fp8cs": 3}.get(compute, 0)
+    return 2 * (1 + q), 2 * (2 + q)
 
 
 def saved_input_bytes(compute: str) -> float:
