@@ -149,6 +149,10 @@ def _estimate(args) -> int:
     if args.emit_launch:  # on the final layout, before any output
         check_launch(args, model, cluster, layout)
     result = goal.evaluate(model, cluster, layout, **options)
+    if result.get("goal") == "train":
+        from modelcarve.plan.train.report import memory_sources
+
+        result["memory"]["sources"] = memory_sources(result, goal.cost_model(model, cluster, **options).options)
     if notes:
         result["read_as"] = notes
     from modelcarve.commands.timeline import draw_estimate

@@ -123,8 +123,11 @@ def estimate_table(result: dict, model, cluster) -> list["Table"]:
     memory = Table(title=f"{title}: memory of the {mem['worst_stage']} stage")
     memory.add_column("part")
     memory.add_column("bytes", justify="right")
+    sources = mem.get("sources") or {}
+    if sources:
+        memory.add_column("rule (source)", overflow="fold", max_width=90)
     for part, nbytes in mem["breakdown"].items():
-        memory.add_row(part.replace("_", " "), _bytes(nbytes))
+        memory.add_row(part.replace("_", " "), _bytes(nbytes), *([sources.get(part, "")] if sources else []))
     if mem.get("offloaded_to_host_bytes"):
         memory.add_row("activations offloaded to host (not on the device)", _bytes(mem["offloaded_to_host_bytes"]))
     verdict = "fits" if result["fits"] else "does NOT fit"

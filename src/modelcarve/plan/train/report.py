@@ -183,3 +183,57 @@ def link_words(name: str) -> str:
     words = {"ib": "InfiniBand", "eth": "Ethernet", "nvlink3": "NVLink 3", "nvlink4": "NVLink 4",
              "nvlink5": "NVLink 5", "pcie4": "PCIe 4", "pcie5": "PCIe 5", "xgmi": "Infinity Fabric"}
     return f"{words.get(kind, kind)} {rest.upper()}".strip() if kind in words else name
+
+
+def memory_sources(result: dict, options) -> dict[str, str]:
+    """For each part of ``result``'s memory breakdown (an estimate of one layout), the rule that sized
+    it and where the rule comes from, in words (``estimate`` prints them beside the bytes). ``options``:
+    the cost model's TrainOptions."""
+    from modelcarve.spec.layout import Layout
+
+    lay = Layout(**result["layout"])
+    p_dt, zero, m = lay.param_dtype, lay.zero, result["memory"]["worst_stage"]
+    shard = {0: "whole", 1: "whole", 2: "whole", 3: "one 1/(dp x cp) shard"}[zero]
+    held = "bf16 parameters (2 B; FP8 recipes keep bf16 weights, Transformer Engine)" if p_dt in ("bf16", "fp8", "mxfp8") \
+        else f"{p_dt} parameters"
+    recompute = {
+        "none": "nothing recomputed",
+        "selective": "recompute=selective read as Megatron-LM's --recompute-granularity selective: the attention core "
+                     "(softmax / flash) is not stored",
+        "full": "recompute=full: each layer keeps its input only (2 s b h, Korthikanti et al. 2022 Sec. 4)",
+        "ops": "recompute=ops read as torchtitan's op-level selective AC: matmul and attention outputs kept, "
+               "element-wise ops recomputed",
+    }.get(lay.recompute, f"recompute={lay.recompute}: the named modules' saved tensors recomputed (Megatron --recompute-modules)")
+    sched = lay.schedule if lay.pp > 1 else "no pipeline"
+    return {
+        "weights": f"{held}, {shard} (ZeRO-3 / FSDP2 shard over dp x cp: Rajbhandari et al. 2020); the {m} stage's "
+                   "layers by the runtime's split (spec/stages.py, Megatron's --account-for-embedding/loss-in-pipeline-split)",
+        "gradients": f"{lay.grad_dtype} gradients of the held parameters"
+                     + (", reduce-scattered to the dp x cp shard (ZeRO-2/3)" if zero >= 2 else ", whole until the reduction"),
+        "optimizer_states": f"Adam: two {lay.optim_dtype} moments + a {lay.optim_dtype} master copy when it differs from the "
+                            f"parameters (12 B a parameter for bf16, Rajbhandari et al. 2020 K=12)"
+                            + (", over the dp x cp shard (Megatron's distributed optimizer / ZeRO-1+)" if zero >= 1 else ""),
+        "zero3_gather_buffers": "ZeRO-3 / FSDP2: one layer's parameters gathered and the next prefetched (2 x param bytes) "
+                                "plus its unsharded gradient before the reduce-scatter (FSDP2's default forward prefetch of "
+                                "one unit, reshard_after_forward)" if zero == 3 else f"none: ZeRO-{zero} keeps whole parameters, nothing to gather",
+        "fp8_weight_cache": "Transformer Engine's FP8 row- and column-wise copies of each linear weight for the step "
+                            "(2 B a linear parameter, MX scales +1/32)" if p_dt in ("fp8", "mxfp8") else f"none: {p_dt} GEMMs keep no FP8 weight copies",
+        "activations": f"saved tensors per layer (plan/cost/activations.py: Korthikanti et al. 2022 Sec. 4 extended to "
+                       f"GQA, SwiGLU, MoE, MLA, flash attention) x layers x micro-batches in flight ({sched}: "
+                       f"plan/cost/schedule.py); {recompute}",
+        "recompute_working_layer": "one layer's full activations rebuilt during its backward" if lay.recompute != "none"
+                                   else "none: nothing is recomputed",
+        "logits": {"materialized": "the last stage's logits: bf16 + the cross entropy's fp32 copy and softmax (10 B a "
+                                   "logit, unfused)",
+                   "fused": "Megatron's fused vocab-parallel cross entropy (--cross-entropy-loss-fusion): bf16 logits, "
+                            "softmax gradient in place (2 B a logit)",
+                   "chunked": f"chunked cross entropy ({options.loss_chunk} tokens a chunk) + the fp32 hidden-state "
+                              "gradient"}.get(options.loss, options.loss) if m in ("last", "only") else "not on this stage",
+        "comm_buffers": "pipeline send / receive buffers (2 per direction), the sequence-parallel gather, MoE dispatch "
+                        "buffers, and two of Megatron's 40 MB gradient buckets in flight",
+        "allocator_fragmentation": f"{options.fragmentation:.0%} of activations and buffers: PyTorch's caching allocator "
+                                   "(expandable segments: 3-10% measured above allocated; fixed segments 20%, fitted to "
+                                   "torchtitan's published Llama 3.1 8B peak)",
+        "reserved_runtime": "CUDA context (600 MiB, nvidia-smi of an idle PyTorch + TE process) + cuBLAS / TE workspaces "
+                            "(256 MiB) + NCCL buffers per communicator (128 MiB: NCCL_BUFFSIZE 4 MiB x 16 channels x 2)",
+    }
