@@ -85,3 +85,28 @@ def test_estimate_accepts_wide_ep_over_72_gpus():
 def test_search_candidates_have_no_redundant_experts_unless_asked():
     cluster = parse_cluster("9x8xH100")
     assert all(not layout.redundant_experts for layout in SERVE_THROUGHPUT.candidates(DEEPSEEK, cluster))
+
+
+def test_search_tries_eplb_layouts_only_when_asked(capsys):
+    """``plan --redundant-experts 32``: the serving search adds, for every ep dividing 256 + 32 = 288
+    (9, 18, 36, 72, ...) but not 256, the layout with 32 replicas (where ep divides 256 replicas would only add memory:
+    the planner does not derive a lower load imbalance from them); without the flag none has any."""
+    import json
+
+    from modelcarve.cli import main
+
+    args = ["plan", "--goal", "serve-throughput", "--model", "deepseek-v3", "--cluster", "9x8xH100", "--input-len", "2000",
+            "--output-len", "1000", "--weight-dtypes", "fp8", "--kv-dtypes", "fp8", "--json", "--top", "20"]
+    assert main(args + ["--redundant-experts", "32"]) == 0
+    with_r = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    without = json.loads(capsys.readouterr().out)
+
+    def layouts(result):
+        return [row["layout"] for row in result["layouts"]]
+
+    eplb = [lay for lay in layouts(with_r) if lay.get("redundant_experts")]
+    assert eplb and all(lay["redundant_experts"] == 32 and 288 % lay["ep"] == 0 and 256 % lay["ep"] for lay in eplb)
+    assert not [lay for lay in layouts(without) if lay.get("redundant_experts")]
+    assert main(args + ["--redundant-experts", "-1"]) == 2
+    assert "redundant" in capsys.readouterr().err

@@ -35,6 +35,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch", type=int, default=None, metavar="N", help="largest batch per replica to consider (default 1024)")
     group.add_argument("--phase", choices=["prefill", "decode"], default=None,
                        help="estimate: cost one phase alone, as a disaggregated prefill or decode unit")
+    group.add_argument("--redundant-experts", type=int, default=None, metavar="R",
+                       help="MoE: also search expert-parallel layouts with R redundant expert replicas (EPLB: vLLM's "
+                            "num_redundant_experts, SGLang's --ep-num-redundant-experts), so ep need only divide experts + R")
     group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
                        help="request rate over the cluster: layouts must sustain it, TPOT is that of the batch it keeps in flight "
                             "(Little's law), TTFT adds the queue wait (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
@@ -44,7 +47,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_options_from_args(args: argparse.Namespace) -> dict:
     keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance",
-            "rate")
+            "rate", "redundant_experts")
     return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
 
 

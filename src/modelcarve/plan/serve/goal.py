@@ -135,11 +135,17 @@ class _ServeGoal:
                 if pp > model.num_layers:
                     continue
                 dp = n // (tp * pp)
-                eps = [1]
+                eps = [(1, 0)]
                 if model.is_moe:
-                    eps += [e for e in divisors(dp) if e > 1 and model.num_experts % e == 0]
-                for ep in eps:
-                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, seq=seq)
+                    for e in divisors(dp):
+                        if e > 1 and model.num_experts % e == 0:
+                            eps.append((e, 0))
+                        elif e > 1 and opts.redundant_experts and (model.num_experts + opts.redundant_experts) % e == 0:
+                            # EPLB lets ep divide experts + R; where ep divides the experts already, replicas
+                            # only add memory here (the load imbalance is not derived from R: layout_costs)
+                            eps.append((e, opts.redundant_experts))
+                for ep, r in eps:
+                    base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, seq=seq, redundant_experts=r)
                     for wd in opts.weight_dtypes:
                         for kd in opts.kv_dtypes:
                             yield _with_dtypes(base, wd, kd)

@@ -40,6 +40,10 @@ class ServeOptions:
     """Size routed experts in the dtype the checkpoint ships them in when that is narrower than
     the weight dtype (gpt-oss: MXFP4; ``memory.released_expert_dtype``): the default, off when the
     user names the weight dtypes (``--weight-dtypes``), which then apply to every matrix."""
+    redundant_experts: int = 0
+    """EPLB replicas the search may add to an expert-parallel layout (``--redundant-experts``): with R > 0
+    it also tries every ep dividing experts + R but not the experts (``Layout.redundant_experts``); 0: only ep
+    dividing the experts."""
     rate_rps: float | None = None
     """Requests/s the cluster is asked to serve (``--rate``); None: each layout at its own batch.
     With a rate, a layout must sustain it, TTFT carries the queue and TPOT is that of the batch
@@ -92,6 +96,7 @@ def serve_options(**options) -> ServeOptions:
         max_batch=num("max_batch", int, 1) or MAX_BATCH,
         load_imbalance=num("load_imbalance", float, 1.0) or MOE_IMBALANCE,
         rate_rps=rate,
+        redundant_experts=num("redundant_experts", int, 0) or 0,
         released_experts=options.get("weight_dtypes") is None,
     )
     from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS
