@@ -10,7 +10,7 @@ every batch would take ``max_b``; tests/plan/test_serve_speed.py checks it again
 
 from __future__ import annotations
 
-from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope
+from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope, round_s as _round_s
 
 _INF = float("inf")
 
@@ -42,12 +42,12 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     out = c.output_len
     per_pp = drain / pp / out  # a sequence's prefill share of each token once pp micro-batches run
     if prefill > ttft_bound:  # even one sequence alone misses the TTFT bound
-        round_s = pp * _step_slope(c, 1)[0] + c.step_s
+        round_s = _round_s(c, 1)
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
     top = -(-max_b // (pp if pp < max_b else max_b))
     lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
     step, slope, other, other_slope, grows = _step_slope(c, top)
-    round_s = pp * step + c.step_s
+    round_s = pp * step + c.step_s if max_b >= pp else _round_s(c, max_b)
     per_seq = drain / (pp if pp < max_b else max_b) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
@@ -100,9 +100,9 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
                 nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
         q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
         step, slope, other, other_slope, grows = _step_slope(c, q)
-        round_s = pp * step + c.step_s
+        round_s = pp * step + c.step_s if q > 1 else _round_s(c, 1)
     if lo == 0:
-        round_s = pp * _step_slope(c, 1)[0] + c.step_s if q != 1 else round_s
+        round_s = _round_s(c, 1)
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
     # Inside band lo every batch shares its round: bisect on the arithmetic alone.
     round_s = lo_round
@@ -110,10 +110,14 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     while b_lo < b_hi:
         mid = (b_lo + b_hi + 1) // 2
         per_seq = drain / (pp if pp < mid else mid) / out
-        if tpot_bound - (round_s + (mid - 1) * per_seq) >= 0 and ttft_bound - (prefill + round_s) >= 0:
+        # band 1 below pp sequences: the round grows with the batch (time.round_s), not shared
+        r = _round_s(c, mid) if lo == 1 and mid < pp else round_s
+        if tpot_bound - (r + (mid - 1) * per_seq) >= 0 and ttft_bound - (prefill + r) >= 0:
             b_lo = mid
         else:
             b_hi = mid - 1
+    if lo == 1 and b_lo < pp:
+        round_s = _round_s(c, b_lo)
     per_seq = drain / (pp if pp < b_lo else b_lo) / out
     ttft = prefill + (round_s if b_lo > 1 else 0.0)
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))

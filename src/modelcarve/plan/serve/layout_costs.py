@@ -99,6 +99,10 @@ class LayoutCosts:
     """One prompt's prefill alone (TTFT without queueing); -1 until first needed."""
     prefill_token_s: float = -1.0
     """Seconds of batched prefill per prompt token through all stages (not pipelined)."""
+    dtypes: tuple = ()
+    """(weight, KV, expert dtype, redundant experts): what ``layout_costs`` was asked, to cost the other stages."""
+    walk_s: float = -1.0
+    """One sequence's decode step through every pipeline stage in turn (time.py ``walk_s``); -1 until needed."""
     mesh: "_Mesh | None" = None
     """The dtype-independent costs this layout shares with its other dtype variants."""
 
@@ -131,7 +135,7 @@ class _Mesh:
     comm_lines: tuple
     prefill_parts: tuple
     """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
-    token, collective seconds, pipeline hop seconds); see ``_prefill_s``."""
+    token, collective seconds, pipeline hop seconds); see time.py ``_prefill_from``."""
     gemm: dict
     """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key and
     its efficiency-by-rows memo)."""
@@ -160,7 +164,7 @@ def clear_caches() -> None:
 
 def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len,
                  imbalance: float = MOE_IMBALANCE, f: ShardFacts | None = None, expert_dtype: str = "",
-                 redundant_experts: int = 0) -> LayoutCosts:
+                 redundant_experts: int = 0, stage: int | None = None) -> LayoutCosts:
     """The batch-independent costs of one layout, memoised (``f``: its ``shard_facts``, when the
     caller has them already; ``expert_dtype``: the routed experts' dtype when not ``weight_dtype``;
     ``redundant_experts``: EPLB replicas, ``Layout.redundant_experts``).
@@ -175,15 +179,18 @@ def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_l
     with and without EPLB only as a figure; its table gives prefill at 50,302 tokens/s per node with
     the default expert placement vs 59,337 with simulated perfect EPLB, an end-to-end figure, not
     an imbalance). ``imbalance`` (``--load-imbalance``) stays as given: set it to the balance the
-    deployment's EPLB reaches (vLLM logs it with ``log_balancedness``)."""
+    deployment's EPLB reaches (vLLM logs it with ``log_balancedness``).
+
+    ``stage``: the costs of that distinct stage kind (serve_memory.stage_kind_counts' order) rather
+    than the fullest stage's; time.py walks a lone sequence through every stage with them."""
     key = (id(model), id(cluster), tp, pp, ep, dp, weight_dtype, kv_dtype, input_len, output_len, imbalance, expert_dtype,
-           serve_rates.ENGINE_SEQ_HOST_S, redundant_experts)
+           serve_rates.ENGINE_SEQ_HOST_S, redundant_experts, stage)
     ctx = _CTX.get(key)
     if ctx is not None and ctx.model is model and ctx.cluster is cluster:
         return ctx
     if f is None:
         f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype,
-                        redundant_experts=redundant_experts)
+                        redundant_experts=redundant_experts, stage=stage)
     mesh = _mesh(model, cluster, tp, pp, ep, dp, f, input_len, output_len, imbalance)
     device = cluster.device
     gemm = mesh.gemm.get(weight_dtype)
@@ -245,6 +252,8 @@ def layout_costs(model, cluster, tp, pp, ep, dp, weight_dtype, kv_dtype, input_l
     ctx.seq_host_s = 0.0 if serve_rates.achieved(device) else serve_rates.ENGINE_SEQ_HOST_S / (tp if model.is_moe else 1)
     ctx.mesh = mesh
     ctx.prefill_s = ctx.prefill_token_s = -1.0
+    ctx.dtypes = (weight_dtype, kv_dtype, expert_dtype, redundant_experts)
+    ctx.walk_s = -1.0
     if len(_CTX) > 100_000:
         _CTX.clear()
     _CTX[key] = ctx
@@ -344,7 +353,7 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
 
 
 def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens: int, prompt_len: int) -> tuple:
-    """The dtype-independent half of ``_prefill_s``: (tokens, chunk, chunks, FLOPs per token,
+    """The dtype-independent half of time.py's ``_prefill_from``: (tokens, chunk, chunks, FLOPs per token,
     collective seconds per stage, pipeline hop seconds)."""
     h = m.hidden_size
     chunk = min(tokens, PREFILL_CHUNK)

@@ -162,20 +162,29 @@ _FACTS: dict[tuple, tuple] = {}
 
 
 def shard_facts(model: ModelSpec, *, tp: int, pp: int = 1, ep: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                expert_dtype: str = "", redundant_experts: int = 0) -> ShardFacts:
+                expert_dtype: str = "", redundant_experts: int = 0, stage: int | None = None) -> ShardFacts:
     """``expert_dtype``: the routed experts' dtype when not ``weight_dtype`` (gpt-oss's released
     MXFP4 experts: ``released_expert_dtype``); "" for all layer matrices in ``weight_dtype``.
     ``redundant_experts``: EPLB replicas (``Layout.redundant_experts``), each EP rank holding
-    ``(E + R) / ep`` routed experts."""
+    ``(E + R) / ep`` routed experts. ``stage``: the facts of that distinct stage kind
+    (``stage_kind_counts``' order) instead of the fullest stage's."""
     # Keyed by object identity, with the model kept in the entry so the id cannot be reused.
-    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype, expert_dtype, redundant_experts)
+    key = (id(model), tp, pp, ep, weight_dtype, kv_dtype, expert_dtype, redundant_experts, stage)
     held = _FACTS.get(key)
     if held is None or held[0] is not model:
         if len(_FACTS) > 100_000:
             _FACTS.clear()
         held = _FACTS[key] = (model, _compute_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                                                    expert_dtype=expert_dtype, redundant_experts=redundant_experts))
+                                                    expert_dtype=expert_dtype, redundant_experts=redundant_experts,
+                                                    stage=stage))
     return held[1]
+
+
+def stage_kind_counts(model: ModelSpec, pp: int) -> tuple[int, ...]:
+    """How many pipeline stages each distinct stage kind (``shard_facts(stage=k)``) stands for."""
+    holdings = rank_holdings(model.num_layers, pp, 1, model._moe_set)
+    found = [(count, n_moe, stage == 0, stage == pp - 1) for stage, (count, n_moe) in enumerate(holdings)]
+    return tuple(found.count(kind) for kind in _stage_kinds(model, pp))
 
 
 def released_expert_dtype(model: ModelSpec, weight_dtype: str) -> str:
@@ -314,13 +323,15 @@ def _weight_side(model: ModelSpec, tp: int, pp: int, ep: int, weight_dtype: str,
 
 
 def _compute_facts(model: ModelSpec, *, tp: int, pp: int, ep: int, weight_dtype: str, kv_dtype: str, expert_dtype: str = "",
-                   redundant_experts: int = 0) -> ShardFacts:
+                   redundant_experts: int = 0, stage: int | None = None) -> ShardFacts:
     c, q, pb, dense_layer, expert, experts_per_rank, shared_moe, embed, stages = _weight_side(
         model, tp, pp, ep, weight_dtype, expert_dtype, redundant_experts)
     kv_layer = c.kv_elem * kv_bytes(kv_dtype)
 
     best = None
-    for weights, count, n_moe, extra, first, last in stages:
+    if stage is not None:
+        best = (0.0,) + stages[stage]
+    for weights, count, n_moe, extra, first, last in (stages if stage is None else ()):
         # The fullest stage bounds memory; ties broken by KV (the part that grows with batch).
         rank = weights + count * kv_layer * 4096
         if best is None or rank > best[0]:

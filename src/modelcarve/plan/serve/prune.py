@@ -15,7 +15,7 @@ candidate of several searches): a pruned search returns exactly what an unpruned
 
 from __future__ import annotations
 
-from modelcarve.plan.serve.time import _stage_step
+from modelcarve.plan.serve.time import round_s, walk_s
 
 _INF = float("inf")
 
@@ -52,7 +52,9 @@ def _round_floor(c, max_b: int) -> tuple[float, float, float]:
     dense weights read; attention and element-wise time, exactly ``k_attn_elem`` per sequence; the
     routed experts read, above its chord; each collective, above an affine lower bound, see
     ``_comm_pieces``; the GEMMs' compute side, left out, only adds), and ``pp`` steps of
-    ``ceil(b / min(pp, b))`` sequences hold at least ``b`` of them. The prefill share is
+    ``ceil(b / min(pp, b))`` sequences hold at least ``b`` of them. Below ``pp`` sequences a round
+    is at least the walk through every stage (time.py ``walk_s``), which can be less than ``pp``
+    fullest steps: ``S0`` is lowered until ``pp S0 + b K`` stays under the walk for ``b < pp``. The prefill share is
     ``drain / min(pp, b)``, at least ``D = drain / pp``."""
     pp = c.pp
     q = -(-max_b // pp)  # the largest micro-batch
@@ -81,6 +83,12 @@ def _round_floor(c, max_b: int) -> tuple[float, float, float]:
         chord = (experts * (1.0 - c.expert_miss ** (q * c.ep)) / c.hbm - one) / (q - 1) if q > 1 else 0.0
         s0 += one - chord
         k += chord
+    if pp > 1 and max_b > 1 and k >= 0.0:
+        # Below pp sequences a token walks the stages (time.round_s): at least walk_s, which may be
+        # under pp S0; so the affine floor must also stay under walk_s up to b = pp - 1.
+        top = walk_s(c) - (min(pp, max_b) - 1) * k
+        if top < pp * s0:
+            s0 = top / pp
     if k < 0.0 or s0 < 0.0:
         k = -1.0
     return s0, k, c.input_len * c.prefill_token_s / pp / c.output_len
@@ -128,7 +136,7 @@ def prune(c, max_b: int, ttft_bound: float, tpot_bound: float, floor: float) -> 
     bounds = _round_floor(c, max_b)
     if group_ceiling(c, max_b, ttft_bound, tpot_bound, bounds) > floor:
         return None
-    round_1 = c.pp * _stage_step(c, 1) + c.step_s  # the search's round at batch 1, the same operations
+    round_1 = round_s(c, 1)  # the search's round at batch 1, the same operations
     if round_1 <= tpot_bound:
         return 0.0
     s0, k, d = bounds

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.efficiency import TILE
 from modelcarve.plan.serve.layout_costs import LayoutCosts, layout_costs, _prefill_fixed, clear_caches  # noqa: F401 - clear_caches: the serving model's
-from modelcarve.plan.serve.memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes
+from modelcarve.plan.serve.memory import ACT_BYTES, MOE_IMBALANCE, kv_seq_bytes, stage_kind_counts
 from modelcarve.plan.serve.rates import _decode_gemm_efficiency, achieved, gemm_efficiency, prefill_hbm_efficiency, request_overhead_s
 from modelcarve.spec.hardware import ClusterSpec
 from modelcarve.spec.model import ModelSpec
@@ -258,16 +258,12 @@ def _step_slope(c: LayoutCosts, b: int) -> tuple[float, float, float, float, flo
     return step, slope, step + other, other_slope, grows
 
 
-def _prefill_s(c: LayoutCosts, tokens: int, prompt_len: int) -> float:
-    """Prefill of ``tokens`` tokens of prompts ``prompt_len`` long, through all stages in turn:
-    compute-bound (FLOPs over the achievable GEMM rate), not below one read of the weights per
-    chunk, plus the stage's TP/EP collectives, then the pipeline hops."""
-    part = _prefill_fixed(c.model, c.mesh, c.tp, c.pp, c.ep, c.f, c.imbalance, tokens, prompt_len)
-    eff = gemm_efficiency(c.device, part[1], c.n_gemm, c.model.hidden_size, c.compute_dtype)
-    return _prefill_from(c, part, eff)
-
-
-def _prefill_from(c: LayoutCosts, part: tuple, eff: float) -> float:
+def _prefill_from(c: LayoutCosts, part: tuple, eff: float, walk: bool | None = True) -> float:
+    """Prefill of ``part`` (one of ``mesh.prefill_parts``: its tokens of prompts of one length)
+    through all stages in turn: compute-bound (FLOPs over the achievable GEMM rate), not below one
+    read of the weights per chunk, plus the stage's TP/EP collectives, then the pipeline hops; each
+    stage kind priced with its own layers and weights (``_stage_costs``). ``walk=None``: one
+    stage's share alone."""
     tokens, _, chunks, per_tok, comm_s, hops = part
     f = c.f
     compute_s = tokens * per_tok / (c.peak * eff)
@@ -280,7 +276,18 @@ def _prefill_from(c: LayoutCosts, part: tuple, eff: float) -> float:
     # two add (hardware --probe: a 16-128-row GEMM through a 64 MiB weight takes about their sum);
     # a GPU overlaps them (the roofline's max).
     stage = (compute_s + read_s if achieved(c.device) else max(compute_s, read_s)) + comm_s + layers_s
-    return c.pp * stage + hops + chunks * c.step_s
+    if walk is None:
+        return stage
+    if c.pp == 1:
+        return stage + hops + chunks * c.step_s
+    # a prompt crosses every stage in turn: each stage kind its own layers, weights and head
+    total = 0.0
+    index = c.mesh.prefill_parts.index(part)
+    for sc, count in _stage_costs(c):
+        sp = sc.mesh.prefill_parts[index]
+        s_eff = eff if sp[1] == part[1] else gemm_efficiency(sc.device, sp[1], sc.n_gemm, sc.model.hidden_size, sc.compute_dtype)
+        total += count * _prefill_from(sc, sp, s_eff, walk=None)
+    return total + hops + chunks * c.step_s
 
 
 def serve_time(
@@ -327,10 +334,39 @@ def _ensure_prefill(c: LayoutCosts) -> None:
         mesh.prefills[shared] = (c.prefill_s, c.prefill_token_s)
 
 
+def _stage_costs(c: LayoutCosts) -> list:
+    """(LayoutCosts of each distinct stage kind, how many stages it stands for) of ``c``'s pipeline."""
+    wd, kd, ed, r = c.dtypes
+    return [(layout_costs(c.model, c.cluster, c.tp, c.pp, c.ep, c.dp, wd, kd, c.input_len, c.output_len, c.imbalance,
+                          expert_dtype=ed, redundant_experts=r, stage=k), count)
+            for k, count in enumerate(stage_kind_counts(c.model, c.pp))]
+
+
+def walk_s(c: LayoutCosts) -> float:
+    """One sequence's decode step through every pipeline stage in turn: the sum of each stage's own
+    step (its layers, its weights: the embedding's stage reads no head, the head's stage reads it
+    once), memoised. With fewer sequences than stages this, not ``pp`` steps of the fullest stage,
+    is what a token waits for."""
+    if c.walk_s < 0.0:
+        c.walk_s = sum(count * _stage_step(sc, 1) for sc, count in _stage_costs(c)) if c.pp > 1 else _stage_step(c, 1)
+    return c.walk_s
+
+
+def round_s(c: LayoutCosts, batch: int) -> float:
+    """One decode round (every sequence of ``batch`` advances a token), seconds. ``m = min(pp, batch)``
+    micro-batches of ``ceil(batch / m)`` sequences: with ``m = pp`` every stage is busy and the
+    round is ``pp`` steps of the fullest stage; with fewer (``batch < pp``, one sequence each) a
+    token walks every stage in turn (``walk_s``), unless the fullest stage's ``m`` steps take longer."""
+    micro = c.pp if c.pp < batch else batch
+    if micro >= c.pp:
+        return c.pp * _stage_step(c, -(-batch // micro)) + c.step_s
+    walk, busiest = walk_s(c), micro * _stage_step(c, 1)
+    return (walk if walk > busiest else busiest) + c.step_s
+
+
 def decode_tpot_s(c: LayoutCosts, batch: int) -> float:
     """TPOT of a user when no other request's prefill interleaves (``batch == 1``): the decode round."""
-    micro = c.pp if c.pp < batch else batch
-    return (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro)) + c.step_s
+    return round_s(c, batch)
 
 
 def _rates(c: LayoutCosts, batch: int) -> tuple[float, float, float, float]:
@@ -344,11 +380,11 @@ def _rates(c: LayoutCosts, batch: int) -> tuple[float, float, float, float]:
     if c.prefill_s < 0:
         _ensure_prefill(c)
     micro = c.pp if c.pp < batch else batch
-    round_s = (micro if micro > c.pp else c.pp) * _stage_step(c, -(-batch // micro)) + c.step_s
+    rnd = round_s(c, batch)
     per_seq = c.input_len * c.prefill_token_s / micro / c.output_len
-    tpot = round_s + (batch - 1) * per_seq
-    ttft = c.prefill_s + (round_s if batch > 1 else 0.0)
-    return round_s, tpot, ttft, batch / (round_s + batch * per_seq)
+    tpot = rnd + (batch - 1) * per_seq
+    ttft = c.prefill_s + (rnd if batch > 1 else 0.0)
+    return rnd, tpot, ttft, batch / (rnd + batch * per_seq)
 
 
 def _serve_time(c: LayoutCosts, batch: int) -> ServeTime:
@@ -366,6 +402,12 @@ def _serve_time(c: LayoutCosts, batch: int) -> ServeTime:
               "overhead": parts["overhead"] + parts["host"]}
     bound = max(shares, key=shares.get)
     round_parts = {k: v * slots for k, v in parts.items()}
+    if micro < c.pp and walk_s(c) > micro * _stage_step(c, 1):
+        # a lone sequence walks the stages: each kind's own parts, as many times as it has stages
+        round_parts = dict.fromkeys(parts, 0.0)
+        for sc, count in _stage_costs(c):
+            for k, v in _stage_step(sc, 1, detail=True)[1].items():
+                round_parts[k] += count * v
     round_parts["step"] = c.step_s  # once per round (engine step), not per stage
     tiers = {"tp": (c.tp, c.tier_tp), "ep": (c.ep, c.tier_ep), "pp": (c.pp, c.tier_pp)}
     comm_info = {
