@@ -64,6 +64,7 @@ CASES_4 = [
     ("tiny-moe", f"dp=4,ep=2,gbs=4,{FP32}"),  # edp = 2: expert gradients all-reduced over it
     ("tiny-moe", f"dp=4,ep=2,zero=1,gbs=8,{FP32}"),
     ("tiny-moe", f"pp=2,dp=2,ep=2,gbs=8,schedule=1f1b,{FP32}"),
+    ("tiny-moe", f"pp=2,tp=2,sp,gbs=4,schedule=1f1b,{FP32}"),  # each tp rank sends its sequence shard on
 ]
 
 

@@ -191,7 +191,7 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     if ep_split:
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
     if layout.pp > 1:  # step_traffic's: the stage's sends, the loss broadcast, the tied embedding's sum
-        msgs += st.pipeline_sends(layout, rank, hidden * 4)
+        msgs += st.pipeline_sends(layout, rank, hidden * 4 // (tp if layout.sp else 1))  # sp: the sequence shard
         msgs.append(st.Message("broadcast", group_along(layout, rank, "pp"), "fp32", 4))
         tied = st.tied_group(spec, layout, rank)
         if tied is not None:
