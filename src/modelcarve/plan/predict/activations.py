@@ -87,6 +87,9 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     if spec.attention_kind == "mla":
         del terms["qkv"], terms["attn_out"]
         terms.update(mla_terms(spec, T, seq, tp, c, resid))
+        if ring:  # ring attention's flash tiles: q, k (rope part appended), v, the output and its log-sum-exp
+            dqk, dv = spec.qk_head_dim, spec.attn_v_head_dim
+            terms["attn_core"] = c * T * heads * (2 * dqk + 2 * dv) + FP32 * T * heads
     if spec.qk_norm:
         # Qwen3's per-head RMSNorm of q and of k (before rotary, kv heads not yet expanded):
         # each saves its fp32 input, the fp32 inverse RMS per head and row, its output in the compute dtype
@@ -143,8 +146,8 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
     if layout.recompute != "none" or spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
         return None
-    if spec.attention_kind == "mla" and layout.cp > 1:
-        return None  # MLA's saved tensors are checked without context parallelism only
+    if spec.attention_kind == "mla" and layout.cp > 1 and layout.param_dtype != "fp32":
+        return None  # MLA under context parallelism is checked in fp32 only
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32

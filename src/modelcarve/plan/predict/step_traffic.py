@@ -374,6 +374,8 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
     peer = rank_of(layout, **(c | {"cp": (c["cp"] + 1) % layout.cp}))
     kv_heads = max(spec.num_kv_heads // layout.tp, 1)
     block = 2 * tokens * kv_heads * spec.head_dim  # K and V elements
+    if spec.attention_kind == "mla":  # every head's K (nope + rope) and V (v_head_dim) travel
+        block = tokens * (spec.num_heads // layout.tp) * (spec.qk_head_dim + spec.attn_v_head_dim)
     hops = nl * m * (layout.cp - 1)
     kv = residual_bytes(layout)
     return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, 2 * hops),
