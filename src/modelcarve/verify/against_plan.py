@@ -17,8 +17,8 @@ plan/predict/step_traffic.py's prediction beside the measured one:
   by ``gather_routing``), and ``payload:all_to_all_apriori`` (uniform routing x the planner's load
   imbalance) is reported beside the measured all-to-all bytes, not judged;
 * a quantity the per-op model does not cover (folded expert meshes, MoE under pp/cp/fsdp/recompute,
-  bf16 MoE activations, MLA, biases, ring attention or FSDP under some schedules, recomputed
-  activations, ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
+  bf16 MoE activations, MLA, biases, ring attention or FSDP under some schedules, recomputation
+  with MLA / q-k norms / an interleaved or zero-bubble pipeline, ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
   ``model`` row says why. Such a row is NOT a pass: ``unjudged(rows)`` lists the reasons,
   ``passed`` is False while there is one, and ``verify --against-plan`` exits 2 with the reason
   (commands/run.py). Only ``activations_fused`` and ``payload/wire:send_meta`` are reported
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from modelcarve.plan.predict.activations import recompute_unchecked
 from modelcarve.plan.predict.moe_traffic import forecast_rank
 from modelcarve.plan.predict.step_traffic import NotModelled
 from modelcarve.runtime.distributed import collectives
@@ -102,8 +103,10 @@ class AgainstPlan:
             if p is not None and m is not None:
                 ok = (p == m) if name in EXACT else abs(p - m) <= ACTIVATION_TOLERANCE * max(m, 1)
             if ok is None and pred is not None and name == "activations":
-                why_here = ("not modelled: saved activations under the zero-bubble schedule" if self.layout.schedule == "zero-bubble"
-                            else "not modelled: saved activations under recomputation / this layer kind")
+                unchecked = recompute_unchecked(self.spec, self.layout)
+                why_here = (f"not modelled: saved activations with {unchecked}" if unchecked
+                            else "not modelled: saved activations under the zero-bubble schedule" if self.layout.schedule == "zero-bubble"
+                            else "not modelled: saved activations of this layer kind")
             else:
                 why_here = why
             out.append(_row(name, "-", "-", rank, p, m, ok, None if ok is not None else why_here))

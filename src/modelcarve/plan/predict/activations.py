@@ -30,9 +30,37 @@ Interleaved 1F1B (``virtual_stages`` v > 1, torch's ``ScheduleInterleaved1F1B``)
 of chunk 0, ``p`` of chunk 1, ... so forward ``k`` runs chunk ``(k // p) % v``, i.e. stage ``r +
 chunk p`` (spec/stages.py), and each counts that stage's own layers and stage terms (checked on
 tiny-llama, pp=2, v=2: rank 0 holds 3 micro-batches of stage 0 and 2 of stage 2, rank 1 2 of
-stage 1 and 1 of the last). Recomputation, MoE/MLA layers and the zero-bubble schedule (its
+stage 1 and 1 of the last). MoE/MLA layers and the zero-bubble schedule (its
 input-gradient step keeps part of each micro-batch's graph for the deferred weight gradients)
-are not covered (``None``).
+are not covered here (``None``; zero-bubble below, given the executed order).
+
+Recomputation (runtime/parallel/recompute.py, non-reentrant ``torch.utils.checkpoint``; measured
+as runtime/measure/memory_report.py describes): a checkpointed region keeps only its inputs from its
+forward to its backward, and re-saves its tensors when the backward reaches it, holding them until
+its backward ends (``recompute_terms``):
+
+* ``full`` (each block): a layer keeps its input, the residual stream ``resid T h / rep``
+  (the rotary ``(cos, sin)`` it is also given are the stage's ``rope`` term, one pair a
+  micro-batch); the recomputed layer re-saves ``layer_terms``, less the first norm's fp32 input
+  where that is the block's input itself (an fp32 residual stream: ``x.float()`` is ``x``);
+* ``selective`` (the attention core): a layer keeps ``layer_terms`` but for the core's saved
+  tensors (``qkv``, ``attn_out``) its inputs: q and k after rotary in the rotary tables' dtype
+  (the residual stream's: ``resid T (nh + kv) hd / t``) and v unexpanded ``c T kv hd / t``; the
+  recomputed core re-saves ``qkv`` and ``attn_out``, less the views it keeps (q where ``c ==
+  resid``; k and v too without GQA expansion).
+
+Peak (``recompute_peak``), of the ``n`` micro-batches in flight each holding ``F1 = layers x kept
++ stage terms``: the larger of the end of the last forward, ``n F1``, and the first backward's
+recomputation of its stage's last layer, ``n F1 - head - freed + recomputed``, where ``head`` is
+the last stage's loss terms (final norm, head input, logits, targets: freed before the first layer's
+backward), ``freed`` what the layer's own backward has freed before the region's (``full``: nothing;
+``selective``: its MLP, MLP input, second norm and output projection's input) and ``recomputed`` the
+region's re-saved tensors. Checked tensor by tensor on one tiny-llama block, seq 16, fp32: ``full``
+keeps 4,096 + 2,048 (input, cos/sin) and peaks in the backward at 4,096 + 2,048 + 128 (token ids) +
+78,208 - 4,096 = 80,384 bytes; ``selective`` peaks at the end of the forward, 8,448 under no
+recomputation (q, k, v 8,192 kept instead of q / expanded k, v / out / lse 16,640).
+Not checked, so ``None``: recomputation with MLA, Qwen3's q/k norms, an interleaved or
+zero-bubble pipeline, or ring attention (context parallel).
 """
 
 from __future__ import annotations
@@ -141,11 +169,68 @@ def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     return out
 
 
+RECOMPUTE_CHECKED = ("none", "full", "selective")
+"""``recompute`` modes ``rank_activation_bytes`` predicts (the runtime's, spec/support.py)."""
+
+
+def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
+    """Why recomputation's saved bytes are not predicted for this layout (module doc), or None."""
+    if layout.recompute == "none":
+        return None
+    if layout.recompute not in RECOMPUTE_CHECKED:
+        return f"recompute={layout.recompute}"
+    if spec.attention_kind != "gqa" or spec.qk_norm:
+        return "MLA or q/k-norm layers under recomputation"
+    if layout.cp > 1:
+        return "ring attention under recomputation"
+    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble"):
+        return "an interleaved or zero-bubble pipeline under recomputation"
+    return None
+
+
+def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, resid: int,
+                    mode: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """One layer and micro-batch under ``mode`` (``full`` / ``selective``; module doc): the bytes it
+    keeps from its forward to its backward, those its own backward frees before the checkpointed
+    region's backward, and those the region's recomputation re-saves (the views it keeps already
+    taken out)."""
+    h, hd = spec.hidden_size, spec.head_dim
+    rep = tp if sp else 1
+    heads, kv = spec.num_heads / tp, max(spec.num_kv_heads // tp, 1)
+    saved = layer_terms(spec, T, seq, tp, sp, c, resid)
+    if mode == "full":
+        shared = FP32 * T * h / rep if resid == FP32 else 0  # the first norm's fp32 input is the block input
+        return {"block_input": resid * T * h / rep}, {}, dict(saved, block_input_shared=-shared)
+    kept = {k: v for k, v in saved.items() if k not in ("qkv", "attn_out")}
+    kept["core_inputs"] = resid * T * (heads + kv) * hd + c * T * kv * hd
+    freed = {"mlp": saved["mlp"], "mlp_input": saved["mlp_input"], "ffn_norm": _norm(T, h, rep, resid),
+             "proj_input": saved["proj_input"]}
+    shared = (c * T * heads * hd if c == resid else 0) + (2 * c * T * kv * hd if kv == heads and c == resid else 0)
+    return kept, freed, {"qkv": saved["qkv"], "attn_out": saved["attn_out"], "core_inputs_shared": -shared}
+
+
+def recompute_peak(spec: "ModelSpec", layout: "Layout", layers: int, first: bool, last: bool, in_flight: int) -> float:
+    """Peak saved bytes of one rank under recomputation (module doc): the end of the last forward or
+    the recomputation of the stage's last layer in the first backward, whichever is larger."""
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    seq, T, r = layout.seq, layout.mbs * layout.seq, residual_bytes(layout)
+    kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute)
+    stage = stage_terms(spec, T, seq, layout.tp, layout.sp, c, first, last, r)
+    held = in_flight * (layers * sum(kept.values()) + sum(stage.values()))
+    head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
+    backward = held - head - sum(freed.values()) + sum(recomputed.values())
+    return float(max(held, backward))
+
+
 def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, first: bool, last: bool,
                           in_flight: int = 1) -> float | None:
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
-    if layout.recompute != "none" or spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
+    if spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
         return None
+    if layout.recompute != "none":
+        if recompute_unchecked(spec, layout) is not None:
+            return None
+        return recompute_peak(spec, layout, layers, first, last, in_flight)
     if spec.attention_kind == "mla" and layout.cp > 1 and layout.param_dtype != "fp32":
         return None  # MLA under context parallelism is checked in fp32 only
     if layout.pp > 1 and layout.schedule == "zero-bubble":
@@ -218,8 +303,8 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     the logits) stays to the step's end.
     Checked on tiny-llama, pp=2, fp32 (tests/verify/test_verify_against_plan.py): exact on both
     ranks (the last stage's remainder is 121,664 bytes a micro-batch). Qwen3's q/k norms and MLA are
-    not broken down this way (None on the last stage)."""
-    if rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
+    not broken down this way (None on the last stage); nor is recomputation (None)."""
+    if layout.recompute != "none" or rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
         return None
     p, v = layout.pp, layout.virtual_stages
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32

@@ -28,7 +28,10 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   input-gradient all-reduce (compute dtype); with ``sp`` each of those becomes an all-gather +
   reduce-scatter pair (the forward all-gathers move the fp32 norm outputs), and the replicated norm weights' gradients are
   all-reduced once per step; the vocab-parallel cross entropy all-reduces three ``mbs x seq``
-  fp32 vectors (max, sum of exponentials, target logit);
+  fp32 vectors (max, sum of exponentials, target logit); under ``recompute=full`` each layer's
+  recomputation repeats its forward messages up to the block's last saved tensor (torch's early
+  stop): the attention output's all-reduce (sp: reduce-scatter and both norm outputs' all-gathers),
+  not the MLP's output one; ``selective`` recomputes no collective;
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
   the first sends its input gradient back, each to its neighbour stage's rank: a rank of an
   interleaved schedule sends for each of its ``virtual_stages`` chunks (``pipeline_sends``; torch's
@@ -53,7 +56,8 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; MLA under cp, cp under recomputation, FSDP under zero-bubble,
-output / MLP biases; activations under recomputation and on zero-bubble's last stage of qk-norm or MLA models): the verify table marks those
+output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and under recomputation
+with MLA, q/k norms or an interleaved / zero-bubble pipeline: activations.py's ``recompute_unchecked``): the verify table marks those
 quantities as unpredicted instead of guessing.
 """
 
@@ -402,6 +406,15 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
     else:
         out = [Message("all_reduce", group, dt, region, (2 * blocks + int(last)) * m),
                Message("all_reduce", group, "fp32", f32, int(first) * m)]
+    if layout.recompute == "full":
+        # each block's forward runs again in the backward, up to the last tensor it saves (torch's
+        # early stop: the MLP's down-projection input), so its forward collectives repeat but the
+        # MLP's output one: the attention output's all-reduce (sp: reduce-scatter) and, under sp,
+        # the two norm outputs' all-gathers
+        if layout.sp:
+            out += [Message("all_gather", group, "fp32", f32, blocks * m), Message("reduce_scatter", group, dt, region, nl * m)]
+        else:
+            out.append(Message("all_reduce", group, dt, region, nl * m))
     if layout.sp:  # the replicated norm weights' gradients, once per step
         norms = nl * spec.layer_norms + int(last)
         out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))

@@ -19,7 +19,16 @@ this rank (local shards: a DTensor counts its local piece):
   through views, of a leaf that accumulates a gradient), never by its shape: a shape rule would
   drop real bf16 activations whose shape equals a weight's (``mbs x seq == hidden``, e.g. 64
   tokens of a 64-wide model) and keep transposed weight copies. Under a pipeline schedule
-  this is the peak over the micro-batches in flight;
+  this is the peak over the micro-batches in flight.
+  Under recomputation (runtime/parallel/recompute.py: non-reentrant ``torch.utils.checkpoint``)
+  a region's own saved tensors never reach these hooks (the checkpoint's are innermost), so each
+  region is measured through the ``measure`` attribute recompute.py leaves on the replaced
+  ``forward`` and ``checkpoint``'s ``context_fn`` (``_Region``): what the checkpoint keeps, its
+  inputs (every tensor of its arguments, also inside tuples such as the rotary ``(cos, sin)``,
+  which the checkpoint's frame holds by reference), counted until the frame dies (after the
+  region's backward); and, during the backward, each tensor the recomputation saves, counted from
+  the recomputation until autograd frees the forward's slot it stands for (after its node ran:
+  a recomputed region's saved tensors live until that region's backward ends);
 * ``comm_buffers``: the largest single collective buffer of the step (collectives.CommLog's
   largest payload: the flat data-parallel gradient bucket, FSDP2's largest all-gather);
 * on CUDA also ``cuda_peak`` (``max_memory_allocated`` over the step).
@@ -28,6 +37,8 @@ Returns ``(step output, {category: bytes})``.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -96,17 +107,22 @@ class SavedActivations:
                     keys.add(key[:2])  # any view of a parameter's storage
         return keys
 
-    def _pack(self, t: torch.Tensor):
+    def _acquire(self, t: torch.Tensor):
+        """Count one saved reference to ``t``'s bytes; its key, or None when it is not an activation."""
         local = _local(t)
         key = _storage_key(local)
         if key is None or key[:2] in self._param_keys() or weight_cast(t):
-            return t
+            return None
         count, size = self._refs.get(key, (0, local.numel() * local.element_size()))
         if count == 0:
             self.live += size
             self.peak = max(self.peak, self.live)
         self._refs[key] = (count + 1, size)
-        return _Held(t, key, self)
+        return key
+
+    def _pack(self, t: torch.Tensor):
+        key = self._acquire(t)
+        return t if key is None else _Held(t, key, self)
 
     @staticmethod
     def _unpack(obj):
@@ -120,14 +136,130 @@ class SavedActivations:
         else:
             self._refs[key] = (count - 1, size)
 
+    def _region(self, forward, args, kwargs):
+        """recompute.py's ``measure`` hook: ``(fn, context_fn)`` for one checkpointed region."""
+        region = _Region(self, args, kwargs)
+
+        def fn(*a, **k):
+            # the checkpoint's frame keeps ``fn`` (in its recomputation closure) as long as it keeps
+            # the region's inputs: ``region`` dies with the frame, and its inputs stop counting then
+            _ = region
+            return forward(*a, **k)
+
+        return fn, region.contexts
+
+    def _regions(self) -> list:
+        """The replaced forwards of the checkpointed modules (runtime/parallel/recompute.py)."""
+        out = []
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                forward = module.__dict__.get("forward")
+                if forward is not None and hasattr(forward, "measure"):
+                    out.append(forward)
+        return out
+
     def __enter__(self):
+        self._checkpointed = self._regions()
+        for forward in self._checkpointed:
+            forward.measure = self._region
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        for forward in self._checkpointed:
+            forward.measure = None
         return False
+
+
+def _tensors(value):
+    """Every tensor in a region's argument (through tuples, lists and dict values)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class _Region:
+    """One checkpointed region seen by ``SavedActivations`` (see the module doc).
+
+    Its inputs count from the call until this object dies with the checkpoint's frame. ``contexts``
+    is ``checkpoint``'s ``context_fn``: inside the region's forward and its recomputation it stacks
+    hooks over the checkpoint's own (read with torch's ``_top_saved_tensors_default_hooks``, only one
+    pair of saved-tensor hooks acts at a time) that pass every pack and unpack through to them. In
+    the forward each saved tensor gets a ``_Slot`` around the checkpoint's holder (the checkpoint
+    keeps no tensor there); the recomputation saves the same tensors in the same order, and the
+    ``k``-th one is counted against slot ``k`` until autograd frees that slot."""
+
+    def __init__(self, owner: SavedActivations, args, kwargs):
+        self.owner = owner
+        self.slots: list = []
+        self.index = 0
+        self.keys = [k for t in _tensors((args, kwargs)) if (k := owner._acquire(t)) is not None]
+
+    def __del__(self):
+        for key in self.keys:
+            self.owner._release(key)
+
+    def contexts(self):
+        return _Stacked(self._forward_pack), _Stacked(self._recompute_pack, self._restart)
+
+    def _forward_pack(self, inner, t):
+        slot = _Slot(inner(t), self.owner)
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    def _restart(self) -> None:
+        self.index = 0
+
+    def _recompute_pack(self, inner, t):
+        k, self.index = self.index, self.index + 1
+        slot = self.slots[k]() if k < len(self.slots) else None
+        if slot is not None and slot.key is None:
+            slot.key = self.owner._acquire(t)
+        return inner(t)  # may end the recomputation early (torch's _StopRecomputationError)
+
+
+class _Stacked:
+    """saved_tensors_hooks over the current pair: ``pack(inner_pack, t)``, unpack passed through
+    (a ``_Slot`` unwrapped)."""
+
+    def __init__(self, pack, enter=None):
+        self.pack, self.enter = pack, enter
+
+    def __enter__(self):
+        if self.enter is not None:
+            self.enter()
+        inner_pack, inner_unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self.pack(inner_pack, t),
+            lambda obj: inner_unpack(obj.inner if isinstance(obj, _Slot) else obj))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._hooks = None  # its hooks hold this object: no cycle may keep the checkpoint's frame alive
+        return False
+
+
+class _Slot:
+    """A tensor a checkpointed region saved in its forward (the checkpoint's holder ``inner``); the
+    bytes its recomputed copy views count (``key``) until autograd frees it."""
+
+    __slots__ = ("inner", "key", "owner", "__weakref__")
+
+    def __init__(self, inner, owner):
+        self.inner, self.key, self.owner = inner, None, owner
+
+    def __del__(self):
+        if self.key is not None:
+            self.owner._release(self.key)
 
 
 class _Held:

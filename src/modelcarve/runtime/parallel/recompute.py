@@ -6,6 +6,12 @@ attention core (``core_attention``: the s^2 part), with ``torch.utils.checkpoint
 not change; ``parallelize`` applies it after TP/EP/CP and before FSDP2, whose hooks then wrap the
 recomputed forward (the parameters are gathered again before the block's backward). Which modes
 the runtime runs is spec/support.py's (``RECOMPUTE_RUNTIME``).
+
+A measurement may look inside the checkpointed regions: the replaced ``forward`` carries a
+``measure`` attribute, None unless a measurement (runtime/measure/memory_report.py's
+``SavedActivations``, which finds the attribute on the chunks' modules: the two packages may not
+import each other) sets it to ``measure(forward, args, kwargs) -> (fn, context_fn)``; the region
+then runs ``fn`` (which calls ``forward``) with that ``context_fn``. Unset, nothing changes.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ def _checkpoint_forward(module: nn.Module) -> None:
     forward = module.forward
 
     def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if recomputed.measure is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        fn, context_fn = recomputed.measure(forward, args, kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
+    recomputed.measure = None
     module.forward = recomputed
 
 
