@@ -16,8 +16,11 @@ difference is 32 bytes per MoE layer (the aux loss's load, counted but shared) p
 28 bytes of boolean masks under tp, far below it; in bf16 (autocast, and bf16-held parameters) within
 1.1%.
 
-Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation, an interleaved
-pipeline, context parallelism, FSDP.
+Pipelines: GPipe and 1F1B (the micro-batches in flight), interleaved 1F1B and zero-bubble (the
+executed actions, each dispatcher call mapped to its (stage, micro-batch) through them).
+
+Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation, context
+parallelism, FSDP.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ CASES_2 = [
     # of the micro-batches in flight (1F1B: pp - stage of them; GPipe: all), each with its own routing
     ("tiny-moe", f"pp=2,gbs=4,schedule=1f1b,{FP32}"),
     ("tiny-moe", f"pp=2,gbs=8,schedule=gpipe,{FP32}"),
+    # multi-chunk schedules: the activations follow the executed actions (each forward its stage's
+    # micro-batch, with the routing of its own dispatcher calls); zero-bubble's last stage keeps the
+    # loss graphs, W freeing only its weight nodes' inputs
+    ("tiny-moe", f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,gbs=4,{FP32}"),
+    ("tiny-moe", f"pp=2,schedule=zero-bubble,gbs=4,{FP32}"),
+    (Q3, f"pp=2,schedule=zero-bubble,gbs=4,{FP32}"),  # q / k norms on the last stage
 ]
 UNMODELLED_2 = [
     (Q3, f"dp=2,ep=2,gbs=4,recompute=full,{FP32}", "MoE layers under recomputation"),
@@ -65,6 +74,8 @@ CASES_4 = [
     ("tiny-moe", f"dp=4,ep=2,zero=1,gbs=8,{FP32}"),
     ("tiny-moe", f"pp=2,dp=2,ep=2,gbs=8,schedule=1f1b,{FP32}"),
     ("tiny-moe", f"pp=2,tp=2,sp,gbs=4,schedule=1f1b,{FP32}"),  # each tp rank sends its sequence shard on
+    ("tiny-moe", f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,dp=2,ep=2,gbs=8,{FP32}"),
+    (Q3, f"pp=2,schedule=zero-bubble,dp=2,ep=2,gbs=8,{FP32}"),
 ]
 
 

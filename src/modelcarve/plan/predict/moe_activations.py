@@ -24,6 +24,15 @@ differ by their routing). fp32, and bf16 autocast over fp32 parameters (``c`` = 
 input projections cast their own bf16 copy of its rows, the experts' output is cast back to fp32,
 the combine stays fp32) and bf16-held parameters (ZeRO-1/2 with bf16, spec/support.held_param_dtype:
 the block is bf16 throughout but for the router); checked within 1.1% on tiny-moe.
+
+Interleaved 1F1B and zero-bubble pipelines (``moe_scheduled_activation_bytes``): each forward action
+of the rank's executed order holds its stage's micro-batch (its layers, MoE ones with their own
+routing, and stage terms) until its backward, or zero-bubble's weight step W; on zero-bubble's last
+stage the loss keeps each micro-batch's graph to the step's end and W frees only its weight nodes'
+saved inputs (``moe_weight_step_frees``: activations.py's dense rule, plus per MoE block the router's
+input, each expert's rows and down projection input, and Qwen3's q / k norms' fp32 normalised
+outputs). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both with dp=2 x ep=2) and
+the tiny Qwen3-MoE (zero-bubble): within 256 bytes of the measured peak in fp32.
 """
 
 from __future__ import annotations
@@ -61,6 +70,82 @@ def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, 
         fs = spec.num_shared_experts * spec.expert_ffn_size / layout.tp
         out["shared"] = 4 * c * T * fs
     return out
+
+
+def moe_held_bytes(spec: "ModelSpec", layout: "Layout", layers: int, n_moe: int, received: list[int] | None,
+                   first: bool, last: bool) -> float:
+    """Saved bytes of one micro-batch on one stage of ``layers`` layers, ``n_moe`` of them MoE
+    (``received[i]``: the rows this rank's experts received in the stage's ``i``-th MoE layer; None
+    without EP)."""
+    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    c = 2 if layout.param_dtype == "bf16" else FP32
+    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
+    attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
+    fixed = (layers - n_moe) * sum(dense.values()) + n_moe * attention
+    stage = sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
+    ep_split = layout.ep > 1
+    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T  # folded: each TP rank routes its slice
+    rows = received if received is not None else [T_moe * spec.top_k] * n_moe
+    return fixed + stage + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in rows)
+
+
+def moe_scheduled_activation_bytes(spec: "ModelSpec", layout: "Layout", order: list, stage_layers: dict[int, tuple[int, int]],
+                                   received: dict | None) -> float | None:
+    """Peak saved-for-backward bytes of one pipeline rank of an interleaved 1F1B or zero-bubble
+    schedule, given its actions ``(kind, stage, micro-batch)`` in executed order (``stage_layers[s]``:
+    (layers, MoE layers) of stage ``s``; ``received[(s, mb)]``: the rows per MoE layer, None without
+    EP). Each forward holds its stage's micro-batch (``moe_held_bytes``) until its backward (B) or, under
+    zero-bubble, its weight step (W), as activations.py's ``interleaved_activation_bytes`` and
+    ``zero_bubble_activation_bytes`` count a dense stage. The last stage of a zero-bubble schedule keeps
+    each micro-batch's loss, and with it part of its graph, to the step's end: not broken down for an
+    MoE layer (None)."""
+    if layout.param_dtype not in ("fp32", "bf16"):
+        return None
+    last_stage = layout.pp * layout.virtual_stages - 1
+    zb = layout.schedule == "zero-bubble"
+    if zb and (spec.attention_kind != "gqa") and any(stage == last_stage for _k, stage, _mb in order):
+        return None  # as activations.py: the last stage's graph not broken down for these layers
+    live, peak = 0.0, 0.0
+    held: dict = {}
+    for kind, stage, mb in order:
+        layers, n_moe = stage_layers[stage]
+        rows = received[(stage, mb)] if received is not None else None
+        if kind == "F":
+            held[(stage, mb)] = moe_held_bytes(spec, layout, layers, n_moe, rows, stage == 0, stage == last_stage)
+            live += held[(stage, mb)]
+            peak = max(peak, live)
+        elif kind == "B" or (kind == "W" and stage != last_stage):
+            live -= held.pop((stage, mb), 0.0)
+        elif kind == "W":
+            live -= moe_weight_step_frees(spec, layout, layers, n_moe, rows)
+        elif kind == "I" and zb and stage == last_stage:
+            live -= INDEX * layout.mbs * layout.seq + FP32
+    return float(peak)
+
+
+def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_moe: int, received: list[int] | None) -> float:
+    """Of one micro-batch's saved bytes on the last stage, those zero-bubble's weight step W frees
+    (activations.py ``weight_step_frees``: the saved inputs of the nodes leading to a weight): the dense
+    layers' and the MoE layers' attention as there; per MoE block the router's input, each expert's
+    rows and its down projection's input ``c R F``, the shared experts' down projection's input."""
+    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    c = 2 if layout.param_dtype == "bf16" else FP32
+    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
+    rep, h = layout.tp if layout.sp else 1, spec.hidden_size
+    attention = dense["attn_input"] + dense["proj_input"] + 2 * r * T * h / rep
+    mlp = dense["mlp_input"] + c * T * spec.ffn_size / layout.tp
+    if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
+        attention += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
+    out = layers * attention + (layers - n_moe) * mlp
+    f = spec.expert_ffn_size // layout.expert_tp
+    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
+    for R in (received if received is not None else [T_moe * spec.top_k] * n_moe):
+        terms = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)
+        out += FP32 * T_moe * h + terms["expert_rows"] + c * R * f
+        if spec.num_shared_experts:
+            out += c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp
+    stage = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, False, True, r)
+    return out + r * T * h / rep + stage["head_input"]
 
 
 def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list[int], layers: int,

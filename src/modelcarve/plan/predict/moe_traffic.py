@@ -24,7 +24,8 @@ the expert mesh (spec/ranks.py), on one rank:
   two reversed; each ``H`` wide in the dtype of the tensor carried. The rows depend on the
   routing, so the prediction is given it: ``routing[global rank]`` = the ``[E]`` rows per global
   expert that rank's router sent, one list per dispatcher call (the runtime's call order: micro-
-  batch, then layer), recorded by verify/against_plan.py. Beside it, ``all_to_all_apriori``:
+  batch, then layer; under a multi-chunk schedule the executed forwards', ``forward_calls``),
+  recorded by verify/against_plan.py. Beside it, ``all_to_all_apriori``:
   the same bytes at uniform routing (``T k / ep`` rows to each EP rank) times the planner's load-
   imbalance factor (``LOAD_IMBALANCE``, plan/train/model.py's ``TrainOptions.load_imbalance``), reported only;
 * activations: plan/predict/moe_activations.py (the rows each MoE layer's experts received, from the routing);
@@ -34,10 +35,15 @@ the expert mesh (spec/ranks.py), on one rank:
   non-expert MoE parameter (router, shared experts) is a partial sum over tp, each TP rank routes
   ``T / tp`` tokens, and without sp the block all-gathers its output and its input's gradient.
 
-Pipelines (v = 1): each rank its stage's layers (spec/stages.py ``rank_layer_ids``, dense first
-layers where they fall), step_traffic's sends, loss broadcast and tied-embedding sum, and the
-activations of the micro-batches in flight. Not covered (``NotModelled``): an interleaved pipeline
-or context parallelism with MoE layers, FSDP / HSDP (also ZeRO-1/2 with dp_shard), recomputation.
+Pipelines: each rank its stages' layers (spec/stages.py ``rank_layer_ids``, dense first layers
+where they fall), step_traffic's sends (every chunk's under an interleaved schedule), loss broadcast
+and tied-embedding sum, and the activations of the micro-batches in flight (GPipe / 1F1B); under an
+interleaved 1F1B or zero-bubble schedule the activations follow the rank's executed actions
+(``order``, recorded by the runtime; else timeline.action_order), each forward holding its own
+stage's micro-batch (moe_activations.moe_scheduled_activation_bytes). The recorded routing is one
+list per dispatcher call in execution order, so a call's (stage, micro-batch) is read off that order
+too (``forward_calls``). Not covered (``NotModelled``): context parallelism with MoE layers, FSDP /
+HSDP (also ZeRO-1/2 with dp_shard), recomputation.
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -50,9 +56,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from modelcarve.plan.predict import step_traffic as st
-from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes
+from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes, moe_scheduled_activation_bytes
+from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.ranks import coords, expert_coords, expert_group_along, group_along
-from modelcarve.spec.stages import rank_layer_ids
+from modelcarve.spec.stages import rank_layer_ids, stage_ranges
 from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
@@ -82,7 +89,7 @@ def forecast_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layer
     measured dispatcher counts, needed under expert parallelism; ``order``: the pipeline schedule's
     executed actions, which the zero-bubble schedule's activations need)."""
     if spec.is_moe:
-        return predict_moe_rank(spec, layout, rank, stage_layers=stage_layers, routing=routing)
+        return predict_moe_rank(spec, layout, rank, stage_layers=stage_layers, routing=routing, order=order)
     return st.predict_rank(spec, layout, rank, stage_layers=stage_layers, order=order)
 
 
@@ -90,8 +97,6 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
     st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
     problems = []
-    if layout.pp > 1 and layout.virtual_stages > 1:
-        problems.append("MoE layers under an interleaved pipeline")
     if layout.cp > 1:
         problems.append("MoE layers under context parallelism")
     if layout.zero == 3 or layout.dp_shard:
@@ -138,7 +143,7 @@ def _zero_state(local: int, n: int, zero: int, low: bool) -> tuple[list, int, in
 
 
 def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers: int | None = None,
-                     routing: dict | None = None) -> st.RankPrediction:
+                     routing: dict | None = None, order: list | None = None) -> st.RankPrediction:
     """Messages and memory of one rank of an MoE model for one training step (module doc)."""
     check_moe_supported(spec, layout)
     if layout.ep > 1 and routing is None:
@@ -217,16 +222,41 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                      if len(group) > 1]
         msgs.append(st.Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp
     msgs.append(st.Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    received = None
-    if ep_split:
-        received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
-    acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage))
+    scheduled = layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble")
+    if scheduled:
+        order = order if order is not None else action_order(layout.schedule, layout.pp, m, layout.virtual_stages, stage)
+        calls = forward_calls(spec, layout, order)
+        received = None
+        if ep_split:
+            received = {key: [sum(ep_splits(layout, rank, routing, call)[1]) for call in ids] for key, ids in calls.items()}
+        ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
+        held = {s: (len(ranges[s]), sum(spec.is_moe_layer(i) for i in ranges[s])) for s in {s for _k, s, _mb in order}}
+        acts = moe_scheduled_activation_bytes(spec, layout, order, held, received)
+    else:
+        received = None
+        if ep_split:
+            received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
+        acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage))
     fused = st.activation_bytes(spec, layout, nl, first, last, in_flight=st._in_flight(layout, stage))
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     if ep_split:
         memory["all_to_all_apriori"] = apriori_all_to_all_bytes(spec, layout, n_moe * m)
     return st.RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def forward_calls(spec: "ModelSpec", layout: "Layout", order: list) -> dict[tuple[int, int], list[int]]:
+    """``{(stage, micro-batch): the dispatcher call indices of its MoE layers}``: the recorded routing
+    is one list per call in execution order, each forward action ``("F", stage, mb)`` of the executed
+    ``order`` calling its stage's MoE layers in turn."""
+    ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
+    out, call = {}, 0
+    for kind, stage, mb in order:
+        if kind == "F":
+            n = sum(spec.is_moe_layer(i) for i in ranges[stage])
+            out[(stage, mb)] = list(range(call, call + n))
+            call += n
+    return out
 
 
 def dispatch_bytes(layout: "Layout") -> tuple[int, int]:
