@@ -19,8 +19,11 @@ difference is 32 bytes per MoE layer (the aux loss's load, counted but shared) p
 Pipelines: GPipe and 1F1B (the micro-batches in flight), interleaved 1F1B and zero-bubble (the
 executed actions, each dispatcher call mapped to its (stage, micro-batch) through them).
 
-Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation, context
-parallelism, FSDP.
+FSDP2 and HSDP: each decoder layer a unit over the dp shard group, under EP each MoE layer's routed
+experts a unit of their own over expert-dp (runtime/parallel/data_parallel.py).
+
+Not modelled (the check FAILS, exit 2 through the CLI): MoE layers under recomputation and under
+context parallelism.
 """
 
 from __future__ import annotations
@@ -62,9 +65,14 @@ CASES_2 = [
     ("tiny-moe", f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,gbs=4,{FP32}"),
     ("tiny-moe", f"pp=2,schedule=zero-bubble,gbs=4,{FP32}"),
     (Q3, f"pp=2,schedule=zero-bubble,gbs=4,{FP32}"),  # q / k norms on the last stage
+    # FSDP2: every decoder layer a unit over dp (the routed experts in it without EP); under EP the
+    # experts a unit of their own over expert-dp (here one rank: never gathered)
+    (Q3, f"dp=2,fsdp,gbs=4,{FP32}"),
+    ("tiny-moe", f"dp=2,ep=2,fsdp,gbs=4,{FP32}"),
 ]
 UNMODELLED_2 = [
     (Q3, f"dp=2,ep=2,gbs=4,recompute=full,{FP32}", "MoE layers under recomputation"),
+    ("tiny-moe", f"cp=2,ep=2,gbs=2,{FP32}", "MoE layers under context parallelism"),
 ]
 # 4 ranks accounted as 2 per node: the tp group inside a node, dp / ep / edp across
 CASES_4 = [
@@ -76,6 +84,9 @@ CASES_4 = [
     ("tiny-moe", f"pp=2,tp=2,sp,gbs=4,schedule=1f1b,{FP32}"),  # each tp rank sends its sequence shard on
     ("tiny-moe", f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,dp=2,ep=2,gbs=8,{FP32}"),
     (Q3, f"pp=2,schedule=zero-bubble,dp=2,ep=2,gbs=8,{FP32}"),
+    ("tiny-moe", f"dp=4,ep=2,fsdp,gbs=4,{FP32}"),  # the experts' unit gathered / reduce-scattered over edp = 2
+    ("tiny-moe", f"dp=4,dp_shard=2,fsdp,gbs=4,{FP32}"),  # HSDP: each unit's shard all-reduced over the replicas
+    ("tiny-moe", f"dp=4,dp_shard=2,ep=2,fsdp,gbs=4,{FP32}"),
 ]
 
 

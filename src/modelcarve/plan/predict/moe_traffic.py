@@ -42,8 +42,9 @@ interleaved 1F1B or zero-bubble schedule the activations follow the rank's execu
 (``order``, recorded by the runtime; else timeline.action_order), each forward holding its own
 stage's micro-batch (moe_activations.moe_scheduled_activation_bytes). The recorded routing is one
 list per dispatcher call in execution order, so a call's (stage, micro-batch) is read off that order
-too (``forward_calls``). Not covered (``NotModelled``): context parallelism with MoE layers, FSDP /
-HSDP (also ZeRO-1/2 with dp_shard), recomputation.
+too (``forward_calls``). FSDP2 / HSDP: ``fsdp_messages`` (the experts their own unit over expert-dp
+under EP). Not covered (``NotModelled``): context parallelism with MoE layers, ZeRO-1/2 with dp_shard,
+recomputation.
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -59,7 +60,7 @@ from modelcarve.plan.predict import step_traffic as st
 from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes, moe_scheduled_activation_bytes
 from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.ranks import coords, expert_coords, expert_group_along, group_along
-from modelcarve.spec.stages import rank_layer_ids, stage_ranges
+from modelcarve.spec.stages import rank_layer_ids, rank_stage_ids, stage_ranges
 from modelcarve.spec.support import held_param_dtype
 
 if TYPE_CHECKING:
@@ -99,8 +100,8 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     problems = []
     if layout.cp > 1:
         problems.append("MoE layers under context parallelism")
-    if layout.zero == 3 or layout.dp_shard:
-        problems.append("MoE layers under fsdp / hsdp")
+    if layout.dp_shard and layout.zero != 3:
+        problems.append("MoE layers under ZeRO-1/2 with dp_shard")
     if layout.recompute != "none":
         problems.append("MoE layers under recomputation")
     if problems:
@@ -210,7 +211,11 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     if not ep_split:
         buckets = [(shared_local + expert_local, dp_group)]
     if layout.dp * layout.cp > 1:
-        if layout.zero in (1, 2):
+        if layout.zero == 3:
+            msgs_f, params, grads, optimizer = fsdp_messages(spec, layout, rank, dp_group, edp_group if ep_split else None,
+                                                             shared_local, expert_local, n_tensors)
+            msgs += msgs_f
+        elif layout.zero in (1, 2):
             params = grads = optimizer = 0
             for local, group in buckets:
                 flats, o, p, g = _zero_state(local, len(group), layout.zero, low)
@@ -243,6 +248,47 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     if ep_split:
         memory["all_to_all_apriori"] = apriori_all_to_all_bytes(spec, layout, n_moe * m)
     return st.RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
+
+
+def fsdp_messages(spec: "ModelSpec", layout: "Layout", rank: int, dp_group: tuple, edp_group: tuple | None,
+                  shared_local: int, expert_local: int, n_tensors: int) -> tuple[list, int, int, int]:
+    """FSDP2 / HSDP of an MoE model (runtime/parallel/data_parallel.py): (messages, params, grads,
+    optimizer bytes). Every decoder layer is a unit over the dp x cp shard group (a MoE layer's
+    attention, norms, router, shared experts, and its routed experts too without EP); under EP each
+    MoE layer's routed experts are a unit of their own over the expert-dp group (all-gathered and
+    reduce-scattered as often as their layer: each micro-batch's forward and backward runs them once),
+    none where expert-dp has one rank. The root unit, the counts per unit and HSDP's replica
+    all-reduces are step_traffic's (``fsdp_units``, ``shard_groups``)."""
+    n, shard, replicas = st.shard_groups(layout, rank, dp_group)
+    ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
+    stages = rank_stage_ids(layout.pp, layout.virtual_stages, coords(layout, rank)["pp"])
+    moe_dense, experts = moe_layer_tensors(spec, layout)
+    dense_layer = st.layer_tensors(spec, layout.tp)
+    e_unit = sum(experts) * st.MASTER_BYTES
+    nl = sum(len(ranges[s]) for s in stages)
+    msgs: list = []
+    for stage, (unit_r, layers, gather_l, gather_r, reduces) in zip(stages, st.fsdp_units(spec, layout, rank, nl)):
+        assert layers == len(ranges[stage])
+        for i in ranges[stage]:
+            moe = spec.is_moe_layer(i)
+            unit = sum(moe_dense if moe else dense_layer) + (sum(experts) if moe and edp_group is None else 0)
+            unit *= st.MASTER_BYTES
+            msgs += [st.Message("all_gather", shard, "fp32", unit, gather_l),
+                     st.Message("reduce_scatter", shard, "fp32", unit, reduces)]
+            if replicas:
+                msgs.append(st.Message("all_reduce", replicas, "fp32", unit // n, reduces))
+            if moe and edp_group is not None and len(edp_group) > 1:
+                msgs += [st.Message("all_gather", edp_group, "fp32", e_unit, gather_l),
+                         st.Message("reduce_scatter", edp_group, "fp32", e_unit, reduces)]
+        msgs += [st.Message("all_gather", shard, "fp32", unit_r, gather_r),
+                 st.Message("reduce_scatter", shard, "fp32", unit_r, reduces)]
+        if replicas:
+            msgs.append(st.Message("all_reduce", replicas, "fp32", unit_r // n, reduces))
+    if edp_group is None:
+        local = (shared_local + expert_local) * st.MASTER_BYTES // n
+    else:
+        local = shared_local * st.MASTER_BYTES // n + expert_local * st.MASTER_BYTES // len(edp_group)
+    return msgs, local, local, 2 * local + 4 * n_tensors
 
 
 def forward_calls(spec: "ModelSpec", layout: "Layout", order: list) -> dict[tuple[int, int], list[int]]:
