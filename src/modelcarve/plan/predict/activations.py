@@ -281,6 +281,8 @@ def weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, last: bo
     h = spec.hidden_size
     per_layer = (terms["attn_input"] + terms["proj_input"] + terms["mlp_input"] + c * T * spec.ffn_size / layout.tp
                  + 2 * r * T * h / rep)
+    if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
+        per_layer += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
     out = layers * per_layer
     if last:
         stage = stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)
@@ -318,7 +320,7 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
         terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
         return counts[stage] * layer + sum(terms.values())
 
-    if (spec.qk_norm or spec.attention_kind != "gqa") and any(stage == last_stage for _kind, stage, _mb in order):
+    if spec.attention_kind != "gqa" and any(stage == last_stage for _kind, stage, _mb in order):
         return None  # see the doc
     live, peak = 0.0, 0.0
     for kind, stage, _mb in order:
