@@ -90,3 +90,21 @@ def test_full_scale_order(case, deviant):
     assert report["collectives"] > layout.world_size * layout.global_batch // (layout.dp * layout.mbs)
     with pytest.raises(LayoutError, match=rf"ranks \d+ and {deviant} would deadlock.*rank {deviant}: all_reduce of float32 \[\[1\]\]"):
         check_layout_order_at_scale(model, layout, cl, hook=_world_all_reduce_first, hook_ranks=(deviant,))
+
+
+def test_cli_dry_run_checks_the_order(tmp_path):
+    """``run --dry-run --cluster --check-order`` checks the order at the full world size before the
+    bytes and reports it (the refusal is rank_programs' LayoutError, exit 2: tested above)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"tp": 2, "dp": 2, "pp": 2, "zero": 1, "gbs": 8, "seq": 64}))
+    out = subprocess.run([sys.executable, "-m", "modelcarve.cli", "run", "--dry-run", "--check-order", "--model",
+                          "tiny-llama", "--layout", str(layout), "--cluster", "8xH100", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    order = json.loads(out.stdout)["order"]
+    assert order["world_size"] == 8 and order["ranks_played"] == [0, 4] and order["collectives"] > 0
