@@ -8,8 +8,11 @@ extra send on rank 0. Then the planner's full-scale layouts (tests/runtime/test_
 Llama-3.1-405B on 2048x8 H100 (16,384 ranks, pp=16 zero-bubble, tp=4+sp, cp=8, 64 micro-batches)
 and DeepSeek-V3 on 256x8 H100 (2,048 ranks, pp=32 zero-bubble, ep=8, cp=4, 960 micro-batches):
 accepted, and refused naming the concrete rank whose program a hook changed. Those play every
-micro-batch of every stage on meta (about 13 s a stage for Llama, 18 s for DeepSeek-V3 on one
-core), so they run when MODELCARVE_FULL_SCALE=1 (tests/conftest.py; reported as skipped otherwise).
+micro-batch of every stage on meta, so they run when MODELCARVE_FULL_SCALE=1 (tests/conftest.py;
+reported as skipped otherwise). Measured on one shared CPU core: Llama 212 s accepted (16 stages,
+about 13 s each), then 11 s for the refusal (the stages' programs are kept; only the hooked rank is
+played). DeepSeek-V3 has not been run to the end: its two dense stages take 25-30 s, each MoE stage
+110-150 s (960 micro-batches, 32 local experts run one by one on meta), about an hour for 32 stages.
 """
 
 from __future__ import annotations
@@ -76,7 +79,10 @@ def _world_all_reduce_first(rank, trainer):
 
 
 @pytest.mark.full_scale
-@pytest.mark.parametrize("case,deviant", [(L405, 5), (DSV3, 77)], ids=["llama-405b-2048x8", "deepseek-v3-256x8"])
+@pytest.mark.parametrize("case,deviant", [
+    pytest.param(L405, 5, marks=pytest.mark.timeout(900)),
+    pytest.param(DSV3, 77, marks=pytest.mark.timeout(5400)),  # not yet run to the end (module doc)
+], ids=["llama-405b-2048x8", "deepseek-v3-256x8"])
 def test_full_scale_order(case, deviant):
     """Accepted at 16,384 / 2,048 ranks; a hook changing one rank's program (rank 5: tp 1 of
     stage 0; rank 77: stage 1, ep 5) is refused before launch, naming it."""
