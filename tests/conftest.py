@@ -6,3 +6,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import os
+
+import pytest
+
+FULL_SCALE = "MODELCARVE_FULL_SCALE"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"full_scale: a check played at a planner layout's full world size that takes "
+                                       f"minutes on one core; runs when {FULL_SCALE}=1, reported as skipped otherwise")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(FULL_SCALE) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"full-scale check of several minutes (rank_programs.py): set {FULL_SCALE}=1 to run it")
+    for item in items:
+        if "full_scale" in item.keywords:
+            item.add_marker(skip)

@@ -46,7 +46,9 @@ def _add_common(p) -> None:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--check-order", action="store_true",
                    help="before launching, play every rank under torch's fake process group and refuse a layout whose "
-                        "ranks would issue collectives in different orders (small dense models, pp=1)")
+                        "ranks would issue collectives in different orders (small models: every rank for real on CPU); "
+                        "with --dry-run --cluster: at the full world size on the meta device, one rank per pipeline "
+                        "stage (runtime/dryrun/rank_programs.py; minutes for a 405B model)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="account traffic as K ranks per node (intra/inter tiers; default: torchrun's local world size)")
     p.add_argument("--node-rank", type=int, default=0)

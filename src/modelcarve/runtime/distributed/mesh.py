@@ -93,10 +93,16 @@ def _options():
     return opts
 
 
+def is_fake() -> bool:
+    """This process runs under torch's ``fake`` process group (runtime/dryrun), for every device
+    type it names (``fake``, or ``cpu:fake,meta:fake`` where meta tensors are played too)."""
+    return {part.split(":")[-1] for part in str(dist.get_backend()).split(",")} == {"fake"}
+
+
 def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A DeviceMesh over every rank, ``arange(world).reshape(shape)`` (spec/ranks.py's order), with our timeout."""
     ranks = torch.arange(dist.get_world_size(), dtype=torch.int).reshape(shape)
-    if dist.get_backend() == "fake":  # runtime/dryrun/collective_order.py: torch's fake process group, no timeout to carry
+    if is_fake():  # runtime/dryrun: torch's fake process group, no timeout to carry
         return DeviceMesh(device_type(), ranks, mesh_dim_names=names)
     override = tuple((backend_name(), _options()) for _ in names)
     return DeviceMesh(device_type(), ranks, mesh_dim_names=names, backend_override=override)

@@ -190,6 +190,19 @@ def balanced_routing(chunks) -> None:
         for mod in chunk.modules():
             if isinstance(mod, MoE):
                 mod.router.forward = _balanced(mod.router, mod.num_experts, mod.top_k)
+                mod.meta_counts = _balanced_counts(mod.num_experts, mod.top_k)
+
+
+def _balanced_counts(num_experts: int, top_k: int):
+    """Rows per expert of the balanced routing of ``tokens`` tokens, on the host (for a meta
+    routing): assignment ``a = t k + j`` goes to ``a mod E``, so expert ``e`` gets
+    ``floor(N / E)`` rows, plus one when ``e < N mod E`` (``N = tokens k``)."""
+    def counts(tokens: int) -> torch.Tensor:
+        n = tokens * top_k
+        host = torch.device("cpu")  # also under a torch.device("meta") context (pipelining's shape inference)
+        return (torch.full((num_experts,), n // num_experts, dtype=torch.int64, device=host)
+                + (torch.arange(num_experts, device=host) < n % num_experts))
+    return counts
 
 
 def _balanced(router, num_experts: int, top_k: int):

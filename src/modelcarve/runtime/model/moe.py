@@ -182,6 +182,10 @@ class MoE(nn.Module):
         self.dispatcher = None
         """None: all experts are here. expert.py installs an all-to-all dispatcher (a callable
         ``(x_sorted, counts [E], experts) -> y_sorted``) when the experts are spread over ranks."""
+        self.meta_counts = None
+        """The full-scale dry run (runtime/dryrun/fake_transport.balanced_routing): a callable
+        ``tokens -> counts [E]`` (host int64) giving the routing's rows per expert when the
+        routing itself is on the ``meta`` device (shapes, no values: no bincount)."""
         self.register_buffer("tokens_per_expert", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
 
@@ -217,7 +221,10 @@ class MoE(nn.Module):
         if keep is not None:
             expert_of = expert_of.masked_fill(~keep.reshape(-1), e)  # dropped: a bin past the last expert
         order = torch.argsort(expert_of, stable=True)
-        counts = torch.bincount(expert_of, minlength=e + 1)[:e]
+        if expert_of.device.type == "meta" and self.meta_counts is not None and keep is None:
+            counts = self.meta_counts(tokens)  # the dry run's routing, counted on the host
+        else:
+            counts = torch.bincount(expert_of, minlength=e + 1)[:e]
         if not in_backward():  # activation recomputation re-runs this forward: count once
             with torch.no_grad():
                 self.tokens_per_expert += counts

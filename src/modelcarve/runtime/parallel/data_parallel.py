@@ -240,4 +240,4 @@ def clip_gradients(chunks: list[nn.Module], max_norm: float, mesh, layout) -> fl
         for g in grads:
             g = g.to_local() if isinstance(g, DTensor) else g
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
-    return float(norm)
+    return float("nan") if norm.device.type == "meta" else float(norm)  # meta: the dry run's shapes-only step

@@ -109,7 +109,7 @@ class AllToAllDispatcher:
         rows = all_to_all(x_sorted, send_splits, recv_splits, self.group)  # grouped by src, then expert
         local_expert = torch.arange(self.num_local, device=recv.device).repeat(self.ep)
         local_expert = local_expert.repeat_interleave(recv.flatten())
-        by_expert = torch.argsort(local_expert, stable=True)
+        by_expert = torch.argsort(local_expert, stable=True).to(rows.device)  # meta rows: the dry run's host counts
         local_counts = recv.sum(0)
         if not in_backward():  # not again when activation recomputation re-runs the forward
             self.received += local_counts.to(self.received.device)
@@ -433,6 +433,10 @@ def moe_step_stats(chunks: list[nn.Module], mesh=None, layout=None, *, bias_rate
                 moe.reset_counts()
                 if moe.dispatcher is not None:
                     moe.dispatcher.received.zero_()
+            if counts.device.type == "meta":  # the full-scale dry run: the collectives, no values
+                stats[fqn] = dict.fromkeys(("tokens_per_expert", "tokens_per_rank", "expert_imbalance",
+                                            "rank_imbalance", "dropped"))
+                continue
             stats[fqn] = {
                 "tokens_per_expert": counts.tolist(),
                 "tokens_per_rank": received.tolist(),

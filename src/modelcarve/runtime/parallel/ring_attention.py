@@ -44,7 +44,10 @@ Tiles are computed by one of two kernels with the same contract (out and log-sum
 dQ, dK, dV backward from the final out and lse): ``math`` writes the formulas above out (any
 device; the reference), ``flash`` calls torch's fused CPU flash-attention kernel
 (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward; several times faster,
-see benchmarks/ring_attention.py). ``auto`` picks flash on CPU.
+see benchmarks/ring_attention.py). ``auto`` picks flash on CPU, and on ``meta`` (the full-scale
+dry run, runtime/dryrun/rank_programs.py: torch's meta kernel of the fused op gives the tile's
+shapes in one op instead of the written-out math's dozen; tiles exchange nothing, so the ring's
+messages are the same with either kernel).
 
 GQA/MQA: K/V travel the ring with their kv heads only; each step expands the received block to
 the query heads and folds dK/dV back by summing over each group. ``d_v`` may differ from
@@ -163,7 +166,7 @@ KERNELS = {"math": (_math_forward, _math_backward), "flash": (_flash_forward, _f
 
 def _kernel(name: str, x: torch.Tensor):
     if name == "auto":
-        fused = x.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        fused = x.device.type in ("cpu", "meta") and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
         name = "flash" if fused else "math"
     if name not in KERNELS:
         raise ValueError(f"ring attention kernel {name!r} is not one of auto, {', '.join(KERNELS)}")
@@ -195,6 +198,15 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _autocast_off(x: torch.Tensor):
+    """Autocast off for ``x``'s device; nothing on ``meta`` (no autocast there: the full-scale dry run)."""
+    if x.device.type == "meta":
+        import contextlib
+
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
 # --- autograd -----------------------------------------------------------------------------
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     """kv heads -> query heads (query head j reads kv head j // groups)."""
@@ -209,7 +221,7 @@ def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, scale: float, kernel: str):
-        with torch.autocast(q.device.type, enabled=False):  # our fp32 math, not autocast's bf16
+        with _autocast_off(q):  # our fp32 math, not autocast's bf16
             return _RingAttention._forward(ctx, q, k, v, ring, scale, kernel)
 
     @staticmethod
@@ -237,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with _autocast_off(grad_out):
             return _RingAttention._backward(ctx, grad_out)
 
     @staticmethod

@@ -90,8 +90,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _carry_dtype(x: torch.Tensor):
     """The dtype a backward message carries: the autocast dtype of the forward (bf16 layouts move
-    bf16 gradients, as Megatron does), None outside autocast (fp32 layouts: the gradient's own)."""
+    bf16 gradients, as Megatron does), None outside autocast (fp32 layouts: the gradient's own).
+    A ``meta`` tensor (the full-scale dry run, runtime/dryrun/rank_programs.py) has no autocast
+    of its own: the host's (the trainer's ``autocast`` of mesh.device_type()) decides."""
     device = x.device.type
+    if device == "meta":
+        from modelcarve.runtime.distributed.mesh import device_type
+
+        device = device_type()
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 

@@ -62,6 +62,9 @@ class TrainConfig:
     """MoE: weight of the load-balancing loss (only its gradient is added; the loss reported is the CE)."""
     moe_bias_rate: float = 0.0
     """MoE: step size of DeepSeek-V3's aux-loss-free router bias update, once per step (0: off)."""
+    dry_run: bool = False
+    """Accept a model on the ``meta`` device (runtime/dryrun/rank_programs.py plays a full-scale
+    step of shapes for its collectives): the loss and gradient norm it reports are then nan."""
 
     def adamw(self) -> dict:
         return dict(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps)
@@ -171,7 +174,7 @@ class Trainer:
             self.runner = self.hooks.pipeline(self.loss_fn)
         self.dp_rank = axis_rank(mesh, "dp")
         self.device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
-        if self.device.type == "meta":
+        if self.device.type == "meta" and not config.dry_run:
             raise ModelcarveError("the model is still on the meta device; load its weights (checkpoint.load_sharded) first")
         self.is_moe = chunks[0].spec.is_moe
         if self.is_moe:
@@ -211,7 +214,7 @@ class Trainer:
             scale_gradients(self.chunks, 1.0 / replicas)
         elif replicas > 1:
             torch.distributed.all_reduce(loss, group=axis_group(self.mesh, "dp_cp"))
-        return float(loss)
+        return _host_float(loss)
 
     def optimizer_step(self) -> float:
         norm = self.hooks.clip_gradients(self.config.max_norm)
@@ -231,6 +234,13 @@ class Trainer:
         """Per MoE layer, since the last call: tokens per expert and per rank, imbalance, drops
         (expert.py: moe_step_stats, collective); applies the router bias update."""
         return self.hooks.moe_stats(bias_rate=self.config.moe_bias_rate)
+
+
+def _host_float(x) -> float:
+    """``float(x)``; nan for a ``meta`` tensor (the dry run's step has shapes, no values)."""
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        return float("nan")
+    return float(x)
 
 
 @torch.no_grad()
