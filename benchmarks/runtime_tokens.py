@@ -45,7 +45,8 @@ def ours(model, layout, steps):
     if result is None:
         return None
     return dict(tokens_per_s=result["tokens_per_s"], losses=[h["loss"] for h in result["history"]],
-                step_tokens_per_s=[round(h["tokens_per_s"]) for h in result["history"]],
+                # steps the trainer does not time (the first, a measured one) carry None
+                step_tokens_per_s=[None if h["tokens_per_s"] is None else round(h["tokens_per_s"]) for h in result["history"]],
                 comm_bytes_per_step=result["memory"][0]["comm_bytes_per_step"],
                 peak_rss_mib=[round(m["peak_rss_bytes"] / 2**20) for m in result["memory"]])
 
