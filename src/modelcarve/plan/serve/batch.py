@@ -10,7 +10,7 @@ every batch would take ``max_b``; tests/plan/test_serve_speed.py checks it again
 
 from __future__ import annotations
 
-from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope, round_s as _round_s
+from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope, round_s as _round_s, walk_s
 
 _INF = float("inf")
 
@@ -47,7 +47,8 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     top = -(-max_b // (pp if pp < max_b else max_b))
     lo, hi, q = 0, top + 1, top  # band lo's first batch meets the bounds (0: none known), hi's does not
     step, slope, other, other_slope, grows = _step_slope(c, top)
-    round_s = pp * step + c.step_s if max_b >= pp else _round_s(c, max_b)
+    walk = walk_s(c) if pp > 1 else 0.0  # no round beats one walk through the stages (time.round_s)
+    round_s = (pp * step if pp * step > walk else walk) + c.step_s if max_b >= pp else _round_s(c, max_b)
     per_seq = drain / (pp if pp < max_b else max_b) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
@@ -65,7 +66,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
             if grows >= 0 and q + 1 < hi:
                 # The next band's round is at least this one's plus what the step surely grows
                 # by (see _step_slope).
-                least = round_s + pp * grows
+                least = pp * (step + grows) + c.step_s
                 if least + q * rise_pp > tpot_over or prefill + least > ttft_over:
                     hi = q + 1
         else:
@@ -100,7 +101,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
                 nq = hi - 1 if aim >= hi else (int(aim) if aim > lo else lo + 1)
         q = nq if lo < nq < hi else (lo + 1 if nq <= lo else hi - 1)
         step, slope, other, other_slope, grows = _step_slope(c, q)
-        round_s = pp * step + c.step_s if q > 1 else _round_s(c, 1)
+        round_s = (pp * step if pp * step > walk else walk) + c.step_s if q > 1 else _round_s(c, 1)
     if lo == 0:
         round_s = _round_s(c, 1)
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))

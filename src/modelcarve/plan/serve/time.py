@@ -356,11 +356,15 @@ def round_s(c: LayoutCosts, batch: int) -> float:
     """One decode round (every sequence of ``batch`` advances a token), seconds. ``m = min(pp, batch)``
     micro-batches of ``ceil(batch / m)`` sequences: with ``m = pp`` every stage is busy and the
     round is ``pp`` steps of the fullest stage; with fewer (``batch < pp``, one sequence each) a
-    token walks every stage in turn (``walk_s``), unless the fullest stage's ``m`` steps take longer."""
+    token walks every stage in turn (``walk_s``), unless the fullest stage's ``m`` steps take longer;
+    never less than the walk."""
     micro = c.pp if c.pp < batch else batch
-    if micro >= c.pp:
-        return c.pp * _stage_step(c, -(-batch // micro)) + c.step_s
-    walk, busiest = walk_s(c), micro * _stage_step(c, 1)
+    if c.pp == 1:
+        return _stage_step(c, batch) + c.step_s
+    # never under the walk: the fullest stage by memory need not be the slowest (a tied head's stage
+    # reads the table the embedding's stage, the fullest, skips), and no round beats one walk
+    busiest = micro * _stage_step(c, -(-batch // micro))
+    walk = walk_s(c)
     return (walk if walk > busiest else busiest) + c.step_s
 
 
