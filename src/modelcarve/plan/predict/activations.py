@@ -250,19 +250,26 @@ def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: i
     if rank_activation_bytes(spec, layout, 1, False, False) is None:
         return None
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    held = stage_held_bytes(spec, layout)
+    n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
+    return sum(held(pp_rank + ((k // p) % v) * p) for k in range(n))
+
+
+def stage_held_bytes(spec: "ModelSpec", layout: "Layout"):
+    """``stage -> bytes`` one micro-batch saves on pipeline stage ``stage`` (of ``pp x virtual_stages``):
+    its own layers (spec/stages.py's split) and stage terms (embedding's, head's)."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq, ring = layout.seq // layout.cp, layout.cp > 1
-    T, last_stage = layout.mbs * seq, p * v - 1
+    T, last_stage = layout.mbs * seq, layout.pp * layout.virtual_stages - 1
     r = residual_bytes(layout)
     layer = sum(layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, ring).values())
-    counts = stage_counts(spec.num_layers, p, v)
-    n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
-    total = 0.0
-    for k in range(n):
-        stage = pp_rank + ((k // p) % v) * p
+    counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
+
+    def held(stage: int) -> float:
         terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
-        total += counts[stage] * layer + sum(terms.values())
-    return total
+        return counts[stage] * layer + sum(terms.values())
+
+    return held
 
 
 def weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, last: bool) -> float:
@@ -274,20 +281,25 @@ def weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, last: bo
     normalised outputs; on the last stage also the final norm's and the head's input. (The loss's own
     saved tensors, the targets and the total weight, go with the input step I: measured per action on
     tiny-llama, I -132 bytes, W -65,536, the rest held to the step's end.)"""
+    attention, mlp, head = weight_step_parts(spec, layout)
+    return layers * (attention + mlp) + (head if last else 0.0)
+
+
+def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float, float]:
+    """``weight_step_frees`` by part, per micro-batch: (a layer's attention side: the projections'
+    inputs and the two norms' outputs, Qwen3's q / k norms' fp32 outputs; a dense MLP's input and
+    down projection input; the last stage's final norm output and head input)."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq = layout.seq // layout.cp
     T, r, rep = layout.mbs * seq, residual_bytes(layout), layout.tp if layout.sp else 1
     terms = layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.cp > 1)
     h = spec.hidden_size
-    per_layer = (terms["attn_input"] + terms["proj_input"] + terms["mlp_input"] + c * T * spec.ffn_size / layout.tp
-                 + 2 * r * T * h / rep)
+    attention = terms["attn_input"] + terms["proj_input"] + 2 * r * T * h / rep
     if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
-        per_layer += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
-    out = layers * per_layer
-    if last:
-        stage = stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)
-        out += r * T * h / rep + stage["head_input"]
-    return out
+        attention += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
+    mlp = terms["mlp_input"] + c * T * spec.ffn_size / layout.tp
+    head = r * T * h / rep + stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)["head_input"]
+    return attention, mlp, head
 
 
 def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: list) -> float | None:
@@ -304,21 +316,18 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     inverse RMS, q / k / v, attention's output and log-sum-exp, the MLP's gate / up / SiLU outputs,
     the logits) stays to the step's end.
     Checked on tiny-llama, pp=2, fp32 (tests/verify/test_verify_against_plan.py): exact on both
-    ranks (the last stage's remainder is 121,664 bytes a micro-batch). Qwen3's q/k norms and MLA are
-    not broken down this way (None on the last stage); nor is recomputation (None)."""
+    ranks (the last stage's remainder is 121,664 bytes a micro-batch); Qwen3 (W also frees its q / k
+    norms' fp32 outputs) exact in fp32. MLA is not broken down this way (None on the last stage); nor
+    is recomputation (None)."""
     if layout.recompute != "none" or rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
         return None
-    p, v = layout.pp, layout.virtual_stages
+    last_stage = layout.pp * layout.virtual_stages - 1
+    counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
+    held = stage_held_bytes(spec, layout)
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
-    seq, ring = layout.seq // layout.cp, layout.cp > 1
-    T, last_stage = layout.mbs * seq, p * v - 1
-    r = residual_bytes(layout)
-    layer = sum(layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, ring).values())
-    counts = stage_counts(spec.num_layers, p, v)
-
-    def held(stage: int) -> float:
-        terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, stage == 0, stage == last_stage, r)
-        return counts[stage] * layer + sum(terms.values())
+    seq = layout.seq // layout.cp
+    targets = stage_terms(spec, layout.mbs * seq, seq, layout.tp, layout.sp, c, last_stage == 0, True,
+                          residual_bytes(layout))["targets"]
 
     if spec.attention_kind != "gqa" and any(stage == last_stage for _kind, stage, _mb in order):
         return None  # see the doc
@@ -332,5 +341,5 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
         elif kind == "W":
             live -= weight_step_frees(spec, layout, counts[stage], True)
         elif kind == "I" and stage == last_stage:
-            live -= stage_terms(spec, T, seq, layout.tp, layout.sp, c, stage == 0, True, r)["targets"]
+            live -= targets
     return peak

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.predict.activations import FP32, INDEX, layer_terms, residual_bytes, stage_terms
+from modelcarve.plan.predict.activations import FP32, INDEX, layer_terms, residual_bytes, stage_terms, weight_step_parts
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -128,14 +128,10 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
     (activations.py ``weight_step_frees``: the saved inputs of the nodes leading to a weight): the dense
     layers' and the MoE layers' attention as there; per MoE block the router's input, each expert's
     rows and its down projection's input ``c R F``, the shared experts' down projection's input."""
-    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    T = layout.mbs * layout.seq
     c = 2 if layout.param_dtype == "bf16" else FP32
-    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
-    rep, h = layout.tp if layout.sp else 1, spec.hidden_size
-    attention = dense["attn_input"] + dense["proj_input"] + 2 * r * T * h / rep
-    mlp = dense["mlp_input"] + c * T * spec.ffn_size / layout.tp
-    if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
-        attention += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
+    h = spec.hidden_size
+    attention, mlp, head = weight_step_parts(spec, layout)
     out = layers * attention + (layers - n_moe) * mlp
     f = spec.expert_ffn_size // layout.expert_tp
     T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
@@ -144,8 +140,7 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
         out += FP32 * T_moe * h + terms["expert_rows"] + c * R * f
         if spec.num_shared_experts:
             out += c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp
-    stage = stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, False, True, r)
-    return out + r * T * h / rep + stage["head_input"]
+    return out + head
 
 
 def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list[int], layers: int,
