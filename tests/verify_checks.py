@@ -21,3 +21,20 @@ def assert_every_row_judged(layout: str, report: dict) -> None:
         if r["quantity"] == "activations":
             assert abs(r["predicted"] - r["measured"]) <= 0.10 * r["measured"], (layout, r)
     assert all(c["passed"] for c in report["checks"]), (layout, [c for c in report["checks"] if not c["passed"]])
+
+
+def against_plan_worker(jobs, per_node=None) -> list:
+    """On every rank of one gloo world (tests/dist.py): ``verify --against-plan`` of each ``(model,
+    layout)`` of ``jobs`` in turn, two steps each, a barrier between; traffic accounted as ``per_node``
+    ranks per node (None: all on one node). One report per job."""
+    import torch.distributed as dist
+
+    from modelcarve.runtime.distributed import collectives
+    from modelcarve.verify.reference import verify_worker
+
+    collectives.configure(per_node)
+    out = []
+    for model, layout in jobs:
+        out.append(verify_worker(model, layout, steps=2, against_plan=True))
+        dist.barrier()
+    return out

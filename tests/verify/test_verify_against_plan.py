@@ -39,6 +39,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
+from verify_checks import against_plan_worker  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 CASES = [
@@ -83,23 +84,13 @@ TIED = ["tp=2,sp,gbs=4,seq=32,mbs=1,param_dtype=fp32", "pp=2,gbs=4,seq=32,mbs=1,
         "pp=2,tp=2,gbs=4,seq=32,mbs=1,param_dtype=fp32", "dp=2,zero=1,gbs=2,seq=64,mbs=1"]
 
 
-def _worker(cases, per_node=None, model="tiny-llama"):
-    import torch.distributed as dist
-
-    from modelcarve.runtime.distributed import collectives
-    from modelcarve.verify.reference import verify_worker
-
-    collectives.configure(per_node)
-    out = []
-    for layout in cases:
-        out.append(verify_worker(model, layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
+def _jobs(cases, model="tiny-llama"):
+    return [(model, c) for c in cases]
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_distributed(_worker, 2, CASES, timeout=600)[0]
+    return run_distributed(against_plan_worker, 2, _jobs(CASES), timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +104,14 @@ def tied_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_reports(tied_checkpoint):
-    two = run_distributed(_worker, 2, [c for c in TIED if "pp=2,tp=2" not in c], None, tied_checkpoint, timeout=600)[0]
-    four = run_distributed(_worker, 4, [c for c in TIED if "pp=2,tp=2" in c], 2, tied_checkpoint, timeout=600)[0]
+    two = run_distributed(against_plan_worker, 2, _jobs([c for c in TIED if "pp=2,tp=2" not in c], tied_checkpoint), timeout=600)[0]
+    four = run_distributed(against_plan_worker, 4, _jobs([c for c in TIED if "pp=2,tp=2" in c], tied_checkpoint), 2, timeout=600)[0]
     return two[:2] + four + two[2:]
 
 
 @pytest.fixture(scope="module")
 def reports4():
-    return run_distributed(_worker, 4, CASES_4, 2, timeout=600)[0]
+    return run_distributed(against_plan_worker, 4, _jobs(CASES_4), 2, timeout=600)[0]
 
 
 def _check_exact(cases, reports):

@@ -31,7 +31,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
-from verify_checks import assert_every_row_judged  # noqa: E402
+from verify_checks import against_plan_worker, assert_every_row_judged  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 CASES = [
@@ -68,24 +68,12 @@ def _save(path, first_k_dense_replace):
     return str(path)
 
 
-def _worker(jobs):
-    import torch.distributed as dist
-
-    from modelcarve.verify.reference import verify_worker
-
-    out = []
-    for model, layout in jobs:
-        out.append(verify_worker(model, layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     dense = _save(tmp_path_factory.mktemp("mla") / "ckpt", first_k_dense_replace=2)
     moe = _save(tmp_path_factory.mktemp("dsv3") / "ckpt", first_k_dense_replace=1)
     jobs = [(dense, c) for c in CASES + BF16] + [(moe, c) for c in MOE_CASES] + [(dense, UNMODELLED)]
-    return run_distributed(_worker, 2, jobs, timeout=600)[0]
+    return run_distributed(against_plan_worker, 2, jobs, timeout=600)[0]
 
 
 def test_every_row_judged_bytes_exact_activations_within_ten_percent(reports):

@@ -35,6 +35,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py, hf_tiny.py
 from dist import run_distributed  # noqa: E402
+from verify_checks import against_plan_worker  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 Q3 = "qwen3_moe"  # replaced by the checkpoint's path in the worker
@@ -90,18 +91,9 @@ CASES_4 = [
 ]
 
 
-def _worker(cases, checkpoint, per_node=None):
-    import torch.distributed as dist
-
-    from modelcarve.runtime.distributed import collectives
-    from modelcarve.verify.reference import verify_worker
-
-    collectives.configure(per_node)
-    out = []
-    for model, layout, *_ in cases:
-        out.append(verify_worker(checkpoint if model == Q3 else model, layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
+def _jobs(cases, checkpoint):
+    """(model, layout) jobs for verify_checks.against_plan_worker: Q3 is the tiny Qwen3-MoE checkpoint."""
+    return [(checkpoint if model == Q3 else model, layout) for model, layout, *_ in cases]
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +108,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reports2(checkpoint):
-    return run_distributed(_worker, 2, CASES_2 + UNMODELLED_2, checkpoint, timeout=600)[0]
+    return run_distributed(against_plan_worker, 2, _jobs(CASES_2 + UNMODELLED_2, checkpoint), timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
 def reports4(checkpoint):
-    return run_distributed(_worker, 4, CASES_4, checkpoint, 2, timeout=600)[0]
+    return run_distributed(against_plan_worker, 4, _jobs(CASES_4, checkpoint), 2, timeout=600)[0]
 
 
 def _check_judged(cases, reports):

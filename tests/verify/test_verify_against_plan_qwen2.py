@@ -19,24 +19,12 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py, hf_tiny.py
 from dist import run_distributed  # noqa: E402
-from verify_checks import assert_every_row_judged  # noqa: E402
+from verify_checks import against_plan_worker, assert_every_row_judged  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 CASES = [f"dp=2,zero=2,gbs=8,{FP32}", f"dp=2,fsdp,gbs=4,{FP32}", f"tp=2,sp,gbs=2,{FP32}", f"pp=2,gbs=4,{FP32}",
          f"cp=2,gbs=2,{FP32}", "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16"]
 CASES_4 = [f"tp=4,gbs=2,{FP32}", "tp=4,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16"]
-
-
-def _worker(cases, model):
-    import torch.distributed as dist
-
-    from modelcarve.verify.reference import verify_worker
-
-    out = []
-    for layout in cases:
-        out.append(verify_worker(model, layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +37,12 @@ def qwen2_ckpt(tmp_path_factory):
 
 
 def test_every_row_judged_with_qkv_biases(qwen2_ckpt):
-    for layout, report in zip(CASES, run_distributed(_worker, 2, CASES, qwen2_ckpt, timeout=600)[0]):
+    for layout, report in zip(CASES, run_distributed(against_plan_worker, 2, [(qwen2_ckpt, c) for c in CASES], timeout=600)[0]):
         assert_every_row_judged(layout, report)
 
 
 def test_replicated_kv_biases_summed_with_their_weights(qwen2_ckpt):
-    reports = run_distributed(_worker, 4, CASES_4, qwen2_ckpt, timeout=600)[0]
+    reports = run_distributed(against_plan_worker, 4, [(qwen2_ckpt, c) for c in CASES_4], timeout=600)[0]
     for layout, report in zip(CASES_4, reports):
         assert_every_row_judged(layout, report)
     rows = [r for r in reports[0]["against_plan"] if r["quantity"] == "payload:all_reduce" and r["axis"] == "tp_sub"]

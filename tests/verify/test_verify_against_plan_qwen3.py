@@ -29,7 +29,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py, hf_tiny.py
 from dist import run_distributed  # noqa: E402
-from verify_checks import assert_every_row_judged  # noqa: E402
+from verify_checks import against_plan_worker, assert_every_row_judged  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 CASES = [
@@ -46,25 +46,13 @@ CASES = [
 ]
 
 
-def _worker(cases, model):
-    import torch.distributed as dist
-
-    from modelcarve.verify.reference import verify_worker
-
-    out = []
-    for layout in cases:
-        out.append(verify_worker(model, layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def qwen3_reports(tmp_path_factory):
     from hf_tiny import save_hf
 
     path = tmp_path_factory.mktemp("qwen3") / "ckpt"
     save_hf("Qwen3Config", "Qwen3ForCausalLM", path, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
-    return run_distributed(_worker, 2, CASES, str(path), timeout=600)[0]
+    return run_distributed(against_plan_worker, 2, [(str(path), c) for c in CASES], timeout=600)[0]
 
 
 def test_every_row_judged_bytes_exact_activations_within_ten_percent(qwen3_reports):

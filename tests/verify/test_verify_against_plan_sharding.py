@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: dist.py
 from dist import run_distributed  # noqa: E402
-from verify_checks import assert_every_row_judged  # noqa: E402
+from verify_checks import against_plan_worker, assert_every_row_judged  # noqa: E402
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 CASES = [
@@ -40,23 +40,9 @@ CASES = [
 GPIPE = f"pp=2,dp=2,fsdp,gbs=8,schedule=gpipe,{FP32}"
 
 
-def _worker(cases, per_node):
-    import torch.distributed as dist
-
-    from modelcarve.runtime.distributed import collectives
-    from modelcarve.verify.reference import verify_worker
-
-    collectives.configure(per_node)
-    out = []
-    for layout in cases:
-        out.append(verify_worker("tiny-llama", layout, steps=2, against_plan=True))
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def reports():
-    return run_distributed(_worker, 4, CASES, 2, timeout=900)[0]
+    return run_distributed(against_plan_worker, 4, [("tiny-llama", c) for c in CASES], 2, timeout=900)[0]
 
 
 def test_every_row_judged_and_bytes_exact(reports):
