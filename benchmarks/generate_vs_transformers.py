@@ -70,13 +70,20 @@ def ours_run(engine, prompts, lengths):
     return wall, first, [o.token_ids for o in outs]
 
 
-def hf_run(hf, prompts, lengths):
+def left_padded(prompts):
+    """(ids, attention mask, longest) of a batch of token-id prompts, left-padded with 0 as
+    decoder-only batching in transformers' ``generate`` needs."""
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as decoder-only batching needs
+    for i, p in enumerate(prompts):
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
+    return ids, mask, longest
+
+
+def hf_run(hf, prompts, lengths):
+    ids, mask, longest = left_padded(prompts)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False, pad_token_id=0)

@@ -73,7 +73,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 QUIET_LOAD = 1.5
 # the ~110M llama of generate_vs_transformers.py, and its copy-bandwidth probe (one definition each)
-from generate_vs_transformers import CONFIG, copy_bandwidth  # noqa: E402 - benchmarks/ is on sys.path
+from generate_vs_transformers import CONFIG, copy_bandwidth, left_padded  # noqa: E402 - benchmarks/ is on sys.path
 SIDES = ("ours", "vllm", "hf")
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -159,12 +159,7 @@ def worker(side: str, spec: dict) -> None:
 
         def run(name, limit=None):
             prompts, lengths = work[name]
-            longest = max(len(p) for p in prompts)
-            ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(prompts):  # left padding, as decoder-only batching needs
-                ids[i, longest - len(p):] = torch.tensor(p)
-                mask[i, longest - len(p):] = 1
+            ids, mask, longest = left_padded(prompts)
             stamp = Stamp()
             new = limit or max(lengths)
             t0 = time.perf_counter()
