@@ -15,7 +15,8 @@ What plan/predict/step_traffic.py and plan/predict/activations.py model for it:
   (bf16-held parameters).
 
 The same checks on a tiny DeepSeek-V3 with its MoE layers (one dense first layer, sigmoid group-limited
-routing, shared experts; plan/predict/moe_traffic.py given the measured routing): dp, dp x ep, tp, pp.
+routing, shared experts; plan/predict/moe_traffic.py given the measured routing): dp, dp x ep, tp, pp,
+cp x ep (activations 0.8% over).
 MLA under context parallelism (fp32): ring attention sends every head's K (nope + rope) and V, and its
 flash tiles save q, k, v, the output and the log-sum-exp (plan/predict/activations.py), cp=2 and
 cp=2 x zero2 judged (activations 0.46% over: the 256 bytes of rotary tables the ring path does not
@@ -44,7 +45,8 @@ CASES = [
     f"cp=2,zero=2,gbs=4,{FP32}",
 ]
 MOE_CASES = [f"dp=2,gbs=4,{FP32}", f"dp=2,ep=2,gbs=4,{FP32}", f"tp=2,gbs=2,{FP32}",
-             f"pp=2,gbs=4,schedule=1f1b,{FP32}"]  # pp: the dense first layer on stage 0, the MoE layer on 1
+             f"pp=2,gbs=4,schedule=1f1b,{FP32}",  # pp: the dense first layer on stage 0, the MoE layer on 1
+             f"cp=2,ep=2,gbs=2,{FP32}"]  # MLA's ring attention, the experts spread over the cp ranks
 UNMODELLED = "cp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16"
 BF16 = ["dp=2,gbs=4,seq=16,mbs=1,param_dtype=bf16", "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16",
         "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16"]

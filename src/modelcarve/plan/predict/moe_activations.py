@@ -33,17 +33,43 @@ saved inputs (``moe_weight_step_frees``: activations.py's dense rule, plus per M
 input, each expert's rows and down projection input, and Qwen3's q / k norms' fp32 normalised
 outputs). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both with dp=2 x ep=2) and
 the tiny Qwen3-MoE (zero-bubble): within 256 bytes of the measured peak in fp32.
+
+Context parallelism: ``T = mbs x seq / cp`` (``rank_tokens``), the attention's ring terms
+(activations.py ``layer_terms(ring=True)``), no aux-loss load (moe.py skips the unused aux loss
+under cp): exact on tiny-moe cp=2 and cp=2 x ep=2 (fp32). Recomputation: ``moe_recompute_peak``
+(activations.py's ``recompute_terms`` with each MoE layer's block terms in place of the MLP's, and
+the micro-batch whose backward recomputes: 1F1B / GPipe run the backwards in order, each with the
+later micro-batches in flight held); within 32 bytes a layer of the measured peak in fp32 (tiny-moe:
+full and selective, dp x ep, tp x sp, pp=2 1F1B).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.predict.activations import FP32, INDEX, layer_terms, residual_bytes, stage_terms, weight_step_parts
+from modelcarve.plan.predict.activations import (FP32, INDEX, layer_terms, recompute_terms, recompute_unchecked, residual_bytes,
+                                                 stage_terms, weight_step_parts)
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
     from modelcarve.spec.model import ModelSpec
+
+
+def rank_tokens(layout: "Layout") -> tuple[int, int, int]:
+    """(``T``: this rank's tokens of a micro-batch, ``s``: its sequence positions, ``T_moe``: the
+    tokens its MoE blocks route): context parallelism gives each rank ``seq / cp`` positions (its
+    zig-zag chunks); a folded expert mesh leaves the MoE blocks whole on each TP rank, which routes
+    its ``1 / tp`` slice of them."""
+    s = layout.seq // layout.cp
+    T = layout.mbs * s
+    return T, s, (T // layout.tp if layout.folded and layout.tp > 1 else T)
+
+
+def dense_layer_terms(spec: "ModelSpec", layout: "Layout") -> dict[str, float]:
+    """activations.py's ``layer_terms`` of one micro-batch on this rank (ring attention's under cp)."""
+    T, s, _ = rank_tokens(layout)
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    return layer_terms(spec, T, s, layout.tp, layout.sp, c, residual_bytes(layout), layout.cp > 1)
 
 
 def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, ep_split: bool) -> dict[str, float]:
@@ -55,7 +81,9 @@ def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, 
     S, R = T * k, received
     out = {
         "router": FP32 * T * h + FP32 * T * E + INDEX * T * k + FP32 * T * k + FP32 * T,
-        "aux_load": FP32 * layout.mbs * E,
+        # the aux loss's per-sequence load; under context parallelism the block skips the aux loss
+        # unless its coefficient is set (moe.py: it would cost a collective), so nothing is saved
+        "aux_load": FP32 * layout.mbs * E if layout.cp == 1 else 0,
         "indices": 2 * INDEX * S + (INDEX * R if ep_split else 0),
         # the rows themselves; under autocast (fp32 block, bf16 compute) each of the two input projections
         # casts its own copy
@@ -77,14 +105,14 @@ def moe_held_bytes(spec: "ModelSpec", layout: "Layout", layers: int, n_moe: int,
     """Saved bytes of one micro-batch on one stage of ``layers`` layers, ``n_moe`` of them MoE
     (``received[i]``: the rows this rank's experts received in the stage's ``i``-th MoE layer; None
     without EP)."""
-    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    T, s, T_moe = rank_tokens(layout)
+    r = residual_bytes(layout)
     c = 2 if layout.param_dtype == "bf16" else FP32
-    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
+    dense = dense_layer_terms(spec, layout)
     attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
     fixed = (layers - n_moe) * sum(dense.values()) + n_moe * attention
-    stage = sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
+    stage = sum(stage_terms(spec, T, s, layout.tp, layout.sp, c, first, last, r).values())
     ep_split = layout.ep > 1
-    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T  # folded: each TP rank routes its slice
     rows = received if received is not None else [T_moe * spec.top_k] * n_moe
     return fixed + stage + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in rows)
 
@@ -99,8 +127,8 @@ def moe_scheduled_activation_bytes(spec: "ModelSpec", layout: "Layout", order: l
     ``zero_bubble_activation_bytes`` count a dense stage. The last stage of a zero-bubble schedule keeps
     each micro-batch's loss, and with it part of its graph, to the step's end: not broken down for an
     MoE layer (None)."""
-    if layout.param_dtype not in ("fp32", "bf16"):
-        return None
+    if layout.param_dtype not in ("fp32", "bf16") or layout.recompute != "none":
+        return None  # recomputation under these schedules: activations.py's recompute_unchecked
     last_stage = layout.pp * layout.virtual_stages - 1
     zb = layout.schedule == "zero-bubble"
     if zb and (spec.attention_kind != "gqa") and any(stage == last_stage for _k, stage, _mb in order):
@@ -128,13 +156,12 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
     (activations.py ``weight_step_frees``: the saved inputs of the nodes leading to a weight): the dense
     layers' and the MoE layers' attention as there; per MoE block the router's input, each expert's
     rows and its down projection's input ``c R F``, the shared experts' down projection's input."""
-    T = layout.mbs * layout.seq
+    _T, _s, T_moe = rank_tokens(layout)
     c = 2 if layout.param_dtype == "bf16" else FP32
     h = spec.hidden_size
     attention, mlp, head = weight_step_parts(spec, layout)
     out = layers * attention + (layers - n_moe) * mlp
     f = spec.expert_ffn_size // layout.expert_tp
-    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
     for R in (received if received is not None else [T_moe * spec.top_k] * n_moe):
         terms = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)
         out += FP32 * T_moe * h + terms["expert_rows"] + c * R * f
@@ -145,25 +172,83 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
 
 def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list[int], layers: int,
                               received: list[list[int]] | None, first: bool = True, last: bool = True,
-                              in_flight: int = 1) -> float | None:
+                              in_flight: int = 1, ids: list[int] | None = None) -> float | None:
     """Peak saved-for-backward bytes of one rank of an MoE model holding ``layers`` layers, the MoE
     ones ``moe_ids`` (``received[mb][i]``: the rows the experts of this rank received in its ``i``-th
     MoE layer of micro-batch ``mb``; None without EP), ``first`` / ``last`` pipeline stage, with
     ``in_flight`` micro-batches held at the peak (a pipeline schedule's; the peak is the largest run
-    of that many consecutive micro-batches, as 1F1B and GPipe hold them); None where not modelled."""
+    of that many consecutive micro-batches, as 1F1B and GPipe hold them); None where not modelled.
+    Under recomputation ``moe_recompute_peak`` (``ids``: the stage's layer ids in order, default
+    the MoE ones last)."""
     if layout.param_dtype not in ("fp32", "bf16"):
         return None  # checked: fp32, bf16 autocast over fp32 parameters, bf16-held parameters
-    T, r = layout.mbs * layout.seq, residual_bytes(layout)
+    T, s, T_moe = rank_tokens(layout)
+    r = residual_bytes(layout)
     c = 2 if layout.param_dtype == "bf16" else FP32
-    dense = layer_terms(spec, T, layout.seq, layout.tp, layout.sp, c, r)
+    dense = dense_layer_terms(spec, layout)
+    stage = stage_terms(spec, T, s, layout.tp, layout.sp, c, first, last, r)
+    ep_split = layout.ep > 1
+    per_mb = received if received is not None else [[T_moe * spec.top_k] * len(moe_ids)] * layout.num_microbatches
+    blocks = [[sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in mb] for mb in per_mb]
+    if ids is None:
+        ids = [-1] * (layers - len(moe_ids)) + list(moe_ids)
+    if layout.recompute != "none":
+        if recompute_unchecked(spec, layout) is not None:
+            return None
+        return moe_recompute_peak(spec, layout, ids, moe_ids, blocks, dense, stage, in_flight)
     attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
     fixed = (layers - len(moe_ids)) * sum(dense.values()) + len(moe_ids) * attention
-    stage = sum(stage_terms(spec, T, layout.seq, layout.tp, layout.sp, c, first, last, r).values())
-    ep_split = layout.ep > 1
-    # a folded expert mesh leaves the MoE blocks whole on each TP rank, which routes its slice of the sequence
-    T_moe = T // layout.tp if layout.folded and layout.tp > 1 else T
-    per_mb = received if received is not None else [[T_moe * spec.top_k] * len(moe_ids)] * layout.num_microbatches
-    one = [fixed + stage + sum(sum(moe_block_terms(spec, layout, T_moe, R, ep_split).values()) for R in mb)
-           for mb in per_mb]
+    one = [fixed + sum(stage.values()) + sum(mb) for mb in blocks]
     k = max(1, min(in_flight, len(one)))
     return float(max(sum(one[i:i + k]) for i in range(len(one) - k + 1)))
+
+
+def moe_recompute_peak(spec: "ModelSpec", layout: "Layout", ids: list[int], moe_ids: list[int], blocks: list[list[float]],
+                       dense: dict[str, float], stage: dict[str, float], in_flight: int) -> float:
+    """Peak saved bytes of one rank of an MoE model under recomputation (activations.py's
+    ``recompute_peak``, layer by layer: an MoE layer's block terms differ by its routing).
+    ``blocks[mb][i]``: the MoE block terms of micro-batch ``mb``'s ``i``-th MoE layer.
+
+    * ``full``: every layer keeps its input from its forward to its backward; the backward reaches
+      the stage's layers last to first, re-running each one's forward (the MoE block's all-to-alls
+      included) and holding what it re-saves (its attention's and its MoE block's terms, less the
+      first norm's fp32 input where that is the block input itself) until its backward ends, when
+      its input goes too. The peak: the last forward's end, or the recomputation of a layer ``i``
+      of the micro-batch whose backward runs, with the stage's head terms and the inputs of the
+      layers above ``i`` gone.
+    * ``selective``: each layer keeps its terms but its attention core's (``qkv``, ``attn_out``),
+      in their place the core's inputs; the backward of the stage's last layer frees its MoE block
+      (or MLP), its ffn norm and its output projection's input before recomputing the core
+      (activations.py ``recompute_terms``; the MoE block is not checkpointed)."""
+    T, s, _ = rank_tokens(layout)
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    r = residual_bytes(layout)
+    kept, freed, recomputed = recompute_terms(spec, T, s, layout.tp, layout.sp, c, r, layout.recompute)
+    head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
+    attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
+    mlp = sum(v for key, v in dense.items() if key.startswith("mlp"))
+    moe_pos = {layer: i for i, layer in enumerate(moe_ids)}
+    if layout.recompute == "full":
+        block_input = sum(kept.values())
+        one = [len(ids) * block_input + sum(stage.values())] * len(blocks)
+    else:
+        # a layer keeps its selective terms, an MoE layer its block's in place of the MLP's
+        one = [sum(stage.values()) + len(ids) * (sum(kept.values()) - mlp) + (len(ids) - len(moe_ids)) * mlp + sum(mb)
+               for mb in blocks]
+    k = max(1, min(in_flight, len(one)))
+    peak = 0.0
+    for i in range(len(one)):  # the backward of micro-batch i (1F1B, GPipe: in order) holds it and up to k - 1 later ones
+        held = sum(one[i:i + k])
+        mb = blocks[i]
+        peak = max(peak, held)
+        if layout.recompute == "full":
+            for j, layer in enumerate(ids):  # the recomputation of the stage's j-th layer
+                terms = attention + (mb[moe_pos[layer]] if layer in moe_pos else mlp)
+                above = (len(ids) - 1 - j) * block_input
+                peak = max(peak, held - head - above + terms + sum(recomputed.values()) - sum(dense.values()))
+        else:
+            layer = ids[-1]
+            own = mb[moe_pos[layer]] if layer in moe_pos else mlp
+            gone = own + sum(freed.values()) - freed["mlp"] - freed["mlp_input"]
+            peak = max(peak, held - head - gone + sum(recomputed.values()))
+    return float(peak)

@@ -43,8 +43,20 @@ interleaved 1F1B or zero-bubble schedule the activations follow the rank's execu
 stage's micro-batch (moe_activations.moe_scheduled_activation_bytes). The recorded routing is one
 list per dispatcher call in execution order, so a call's (stage, micro-batch) is read off that order
 too (``forward_calls``). FSDP2 / HSDP: ``fsdp_messages`` (the experts their own unit over expert-dp
-under EP). Not covered (``NotModelled``): context parallelism with MoE layers, ZeRO-1/2 with dp_shard,
-recomputation.
+under EP). Context parallelism: each rank routes its ``mbs x seq / cp`` zig-zag tokens (the EP group
+is carved from the dp x cp ranks, so the all-to-alls may run over cp), ring attention's sends in every
+layer (step_traffic.ring_sends), the gradients over dp x cp; the aux loss, unused (coefficient 0), is
+skipped by the block under cp (moe.py), so it saves nothing. ZeRO-1/2 with dp_shard (HSDP-style,
+data_parallel.build_optimizer): the dense bucket is padded to and reduce-scattered / all-gathered in
+its ``dp_shard x cp`` shard group, its owned range then all-reduced over the replicas
+(step_traffic.shard_groups); EP's expert bucket stays over expert-dp, unreplicated. Recomputation:
+``recompute=full`` re-runs each block's forward in the backward up to its last saved tensor, past
+the combine, so each EP dispatcher call's count exchange, dispatch and combine run twice (the tp
+messages: step_traffic.tp_messages' rule); ``selective`` recomputes no collective; the activations:
+moe_activations.moe_recompute_peak. Not covered (``NotModelled``): a folded expert mesh (etp != tp)
+under context parallelism or recomputation; activations under recomputation with q / k norms or MLA,
+or an interleaved / zero-bubble pipeline (activations.py ``recompute_unchecked``); ring attention
+under recomputation (step_traffic).
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -98,12 +110,10 @@ def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
     st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
     problems = []
-    if layout.cp > 1:
-        problems.append("MoE layers under context parallelism")
-    if layout.dp_shard and layout.zero != 3:
-        problems.append("MoE layers under ZeRO-1/2 with dp_shard")
-    if layout.recompute != "none":
-        problems.append("MoE layers under recomputation")
+    if layout.folded and layout.tp > 1 and layout.cp > 1:
+        problems.append("a folded expert mesh under context parallelism")
+    if layout.folded and layout.tp > 1 and layout.recompute != "none":
+        problems.append("a folded expert mesh under recomputation")
     if problems:
         raise st.NotModelled("not modelled per op: " + ", ".join(problems))
 
@@ -161,7 +171,7 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     moe_ids = [i for i in ids if spec.is_moe_layer(i)]
     n_moe, n_dense = len(moe_ids), nl - len(moe_ids)
     act = st.DTYPE_SIZE[layout.param_dtype]
-    tokens = layout.mbs * layout.seq
+    tokens = layout.mbs * layout.seq // layout.cp  # this rank's zig-zag chunks of a micro-batch
     hidden = tokens * spec.hidden_size
     dense_layer, root = st.layer_tensors(spec, tp), st.root_tensors(spec, tp, first, last)
     moe_dense, experts = moe_layer_tensors(spec, layout)
@@ -194,6 +204,8 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         # output reaches the tp reduction in fp32: each such message carries 4 bytes a value, not 2
         op = "reduce_scatter" if layout.sp else "all_reduce"
         msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
+    if layout.cp > 1:  # ring attention in every layer, MoE or not (step_traffic's)
+        msgs += st.ring_sends(spec, layout, rank, nl, m, tokens)
     if ep_split:
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
     if layout.pp > 1:  # step_traffic's: the stage's sends, the loss broadcast, the tied embedding's sum
@@ -216,11 +228,21 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                                                              shared_local, expert_local, n_tensors)
             msgs += msgs_f
         elif layout.zero in (1, 2):
+            # data_parallel.build_optimizer: the dense bucket over the dp x cp group or, HSDP-style
+            # (dp_shard < dp), over its shard group, its owned range then all-reduced over the replicas
+            # (step_traffic.shard_groups); EP's expert bucket over expert-dp, never replicated
             params = grads = optimizer = 0
-            for local, group in buckets:
-                flats, o, p, g = _zero_state(local, len(group), layout.zero, low)
+            n, shard, replicas = st.shard_groups(layout, rank, dp_group)
+            for i, (local, group) in enumerate(buckets):
+                if i == 0:
+                    group, size = shard, n
+                else:
+                    size, replicas = len(group), None
+                flats, o, p, g = _zero_state(local, size, layout.zero, low)
                 for flat in flats:
                     msgs += [st.Message("reduce_scatter", group, "fp32", flat), st.Message("all_gather", group, "fp32", flat)]
+                if replicas:
+                    msgs.append(st.Message("all_reduce", replicas, "fp32", -(-local // size) * st.MASTER_BYTES))
                 optimizer, params, grads = optimizer + o, params + p, grads + g
         else:
             msgs += [st.Message("all_reduce", group, "fp32", local * st.MASTER_BYTES) for local, group in buckets
@@ -241,7 +263,8 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         received = None
         if ep_split:
             received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
-        acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage))
+        acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage),
+                                         ids=ids)
     fused = st.activation_bytes(spec, layout, nl, first, last, in_flight=st._in_flight(layout, stage))
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
@@ -337,19 +360,25 @@ def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, c
     names = {2: "bf16", 4: "fp32"}
     h = spec.hidden_size
     count = spec.num_experts * COUNT_BYTES
-    out: list = [st.Message("all_to_all", group, "int64", count, calls)]
+    # recompute=full re-runs each MoE block's forward in the backward up to its last saved tensor (the
+    # combine's product with the routing weights, or the shared experts after it): the count
+    # exchange, the dispatch and the combine again, on the same rows
+    again = 2 if layout.recompute == "full" else 1
+    out: list = [st.Message("all_to_all", group, "int64", count, again * calls)]
     for call in range(calls):
         send, recv, me = ep_splits(layout, rank, routing, call)
         s, r = sum(send), sum(recv)
-        for rows, own, size in ((s, send[me], xd), (r, recv[me], yd),   # forward: dispatch, combine
-                                (s, send[me], yd), (r, recv[me], xd)):  # backward: combine's, dispatch's
+        for rows, own, size in ((s, send[me], xd), (r, recv[me], yd)) * again + (  # forward: dispatch, combine
+                               (s, send[me], yd), (r, recv[me], xd)):  # backward: combine's, dispatch's
             out.append(SplitMessage("all_to_all", group, names[size], rows * h * size, 1, (rows - own) * h * size))
     return [mm for mm in out if mm.payload]
 
 
 def apriori_all_to_all_bytes(spec: "ModelSpec", layout: "Layout", calls: int) -> float:
     """All-to-all payload of a step at uniform routing times ``LOAD_IMBALANCE`` (reported only):
-    per call ``T k`` rows dispatched and combined, forward and backward, plus the counts."""
+    per call ``T k`` rows dispatched and combined, forward and backward (and the forward again
+    under recompute=full), plus the counts (each forward)."""
     xd, yd = dispatch_bytes(layout)
-    rows = layout.mbs * layout.seq * spec.top_k * LOAD_IMBALANCE
-    return calls * (2 * rows * spec.hidden_size * (xd + yd) + spec.num_experts * COUNT_BYTES)
+    rows = layout.mbs * layout.seq // layout.cp * spec.top_k * LOAD_IMBALANCE
+    forwards = 2 if layout.recompute == "full" else 1
+    return calls * ((1 + forwards) * rows * spec.hidden_size * (xd + yd) + forwards * spec.num_experts * COUNT_BYTES)
