@@ -109,6 +109,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
     shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
     _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
+    shared: dict = {None: {}}  # _memory's: per-stage memory in flight by what it reads, and (None) the holdings
     mesh = None
     none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
@@ -175,10 +176,10 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 else:
                     if s_base is None:
                         if upper is not None and vj in upper:
-                            buffers = upper[vj][0]
-                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
-                                                    dtype_s, etp, v)
-                            s_kinds = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                            buffers, most = upper[vj]
+                            s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                growth)]
                         else:
                             lean = leans.get(vj)
                             if lean is None:
@@ -188,8 +189,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             buffers = lean[2]
                             s_kinds = kinds_of.get(vj)
                             if s_kinds is None:
-                                s_kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb,
-                                                                     growth, cost, lean, slots, grown_of)
+                                s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                    growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                         s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
                     base = s_base
                     if top_states + base > capacity:
@@ -288,9 +290,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     if upper is not None:
                         kinds = upper_kinds.get(vj)
                         if kinds is None:
-                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling),
-                                                    etp, v)
-                            kinds = upper_kinds[vj] = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                            kinds = upper_kinds[vj] = _kinds(specs, vj, _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                n_mb, growth), upper[vj][1], pp, n_mb)
                     else:
                         kinds = kinds_of.get(vj)
                         if kinds is None:
@@ -298,8 +300,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             if lean is None:
                                 lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
                                                                        _compute(prec, scaling), etp, v, keep=False)
-                            kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth,
-                                                               cost, lean, slots, grown_of)
+                            kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                n_mb, growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                     states, base = entry[2], entry[3]
                     for grown, n_grown, most in kinds:
                         fits = True
@@ -407,8 +410,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     continue
                 kinds = kinds_of.get(vj)
                 if kinds is None:
-                    kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth, cost, lean,
-                                                       slots, grown_of)
+                    kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v, n_mb,
+                        growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                 highest = None
                 for _grown, _n, most in kinds:
                     if highest is None or most > highest:
@@ -418,15 +422,35 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     return best, rejected, best_rejected, best_family, position
 
 
-def _kinds(specs: list, vj: tuple, rows: list, bound: float | None, pp: int, n_mb: int, growth: float,
-           cost: TrainCostModel | None = None, lean: tuple | None = None, slots: list | None = None,
-           grown_of: dict | None = None) -> list:
+def _kinds(specs: list, vj: tuple, memory: list, bound: float | None, pp: int, n_mb: int,
+           cost: TrainCostModel | None = None, lean: tuple | None = None, slots: list | None = None) -> list:
     """The specs of group ``vj`` by the memory they hold in flight: ``[grown, count, highest
-    bound]`` per distinct per-stage list (each stage's activations in flight and buffers, as
-    peak_bytes sums them, from the stage ``rows``), in order of first appearance. With a
+    bound]`` per distinct per-stage list, ``memory`` (``_memory``'s) with a bound each. With a
     ``bound`` (the recompute shortcut) every spec's bound is that number; else each spec's own,
     from its screen profile ``lean``, filling ``slots`` (step without the DP part, bound, in-flight
-    list) and ``grown_of`` as the per-candidate loop does."""
+    list) as the per-candidate loop does."""
+    if bound is not None:
+        return [(grown, count, bound) for grown, count in memory]
+    kinds = []
+    t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
+    step_base_of = cost.step_base
+    for (_in_flight, _sched, v, ks, count), (grown, _count) in zip(_plan(specs, vj), memory):
+        most = None
+        for k in ks:
+            slot = slots[k]
+            if slot is None:
+                step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
+                slot = slots[k] = (step_base, tokens / step_base, grown)
+            if most is None or slot[1] > most:
+                most = slot[1]
+        kinds.append((grown, count, most))
+    return kinds
+
+
+def _plan(specs: list, vj: tuple) -> list:
+    """The specs of group ``vj`` by the micro-batches they hold in flight: ``(in-flight kind, its
+    first schedule, v, the specs' positions, their number)`` per kind, in order of first appearance
+    (1F1B and zero-bubble hold the same micro-batches), once per shape of a block's specs."""
     plan = _KIND_PLANS.get((id(specs), vj))
     if plan is None or plan[0] is not specs:
         by_kind: dict = {}  # in-flight kind -> (its first schedule, v, the specs' positions)
@@ -436,28 +460,47 @@ def _kinds(specs: list, vj: tuple, rows: list, bound: float | None, pp: int, n_m
                 by_kind.setdefault(in_flight, (sched, v, []))[2].append(k)
         plan = _KIND_PLANS[(id(specs), vj)] = (specs, [(key, sched, v, ks, len(ks))
                                                        for key, (sched, v, ks) in by_kind.items()])
-    kinds = []
-    if bound is None:
-        t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
-        step_base_of = cost.step_base
-    for in_flight, sched, v, ks, count in plan[1]:
-        if bound is None:
-            grown = grown_of.get(in_flight)
-            if grown is None:
-                grown = grown_of[in_flight] = _grown(rows, sched, pp, n_mb, v, growth)
-            most = None
-            for k in ks:
-                slot = slots[k]
-                if slot is None:
-                    step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
-                    slot = slots[k] = (step_base, tokens / step_base, grown)
-                if most is None or slot[1] > most:
-                    most = slot[1]
-        else:
-            grown = _grown(rows, sched, pp, n_mb, v, growth)
-            most = bound
-        kinds.append((grown, count, most))
-    return kinds
+    return plan[1]
+
+
+def _memory(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int, cp: int, pp: int, ep: int,
+            mbs: int, sp: bool, rc: str, dtype: str, etp: int, v: int, n_mb: int, growth: float,
+            rows: list | None = None) -> list:
+    """Per in-flight kind of group ``vj`` (``_plan``'s order): ``(grown, count)``, each stage's
+    activations in flight and buffers as ``peak_bytes`` sums them (``_grown``) from the rows of
+    ``screen_rows(tp, cp, pp, ep, mbs, sp, rc, seq, dtype, etp, v)`` (``rows``: those rows, when
+    the caller has them), and the number of specs holding it.
+
+    Shared in ``shared`` by every block whose rows are the same numbers: the rows read the layers'
+    activation and working bytes (layer.py, kept per tokens ``T = mbs seq / cp``, tp, sp, recompute,
+    dtype and expert TP), the head's logits (per T, tp and dtype) and, of the stage rows, only
+    each one's kind, rank, MoE layers and layers (``_holding``); nothing else of cp, mbs or ep
+    (none at all of ep), unless activations are offloaded (then compute times enter: not shared)."""
+    if cost._offload:
+        if rows is None:
+            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+        return [(_grown(rows, sched, pp, n_mb, kv, growth), count) for _key, sched, kv, _ks, count in _plan(specs, vj)]
+    holdings = shared[None]
+    hkey = (tp, pp, ep, etp, v)
+    hid = holdings.get(hkey)
+    if hid is None:
+        hid = holdings[hkey] = _holding(cost, holdings, tp, pp, ep, etp, v)
+    key = (mbs * cost.seq / cp, tp, sp, rc, dtype, etp, hid, n_mb, id(specs), vj)
+    memory = shared.get(key)
+    if memory is None:
+        if rows is None:
+            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+        memory = shared[key] = [(_grown(rows, sched, pp, n_mb, kv, growth), count)
+                                for _key, sched, kv, _ks, count in _plan(specs, vj)]
+    return memory
+
+
+def _holding(cost: TrainCostModel, holdings: dict, tp: int, pp: int, ep: int, etp: int, v: int) -> int:
+    """A small id of what the memory rows read of ``stage_params(tp, pp, ep, etp, v)``: each stage
+    row's kind, rank, MoE layers and layers (equal ids, equal tuples)."""
+    held = tuple((kind, index, n_moe, nls) for kind, index, n_moe, _pd, _pe, _layer, _lin, nls
+                 in cost.stage_params(tp, pp, ep, etp, v))
+    return holdings.setdefault(("held", held), len(holdings))
 
 
 def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
