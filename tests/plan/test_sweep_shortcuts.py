@@ -50,7 +50,7 @@ def test_shared_memory_in_flight_is_each_blocks_own(case):
     proves equal (same tokens per micro-batch, tp, sp, recompute, dtype, expert TP and stage
     holdings, any cp, mbs and ep): each block's shared lists equal its own screen rows' ``_grown``."""
     from modelcarve.plan.train.space import _grown
-    from modelcarve.plan.train.sweep import _memory, _plan
+    from modelcarve.plan.train.blocks import _memory, _plan
 
     cost, dtype, blocks = _blocks(case, every=1)
     shared: dict = {None: {}}

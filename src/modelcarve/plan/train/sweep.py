@@ -15,19 +15,15 @@ import gc
 import heapq
 from typing import TYPE_CHECKING
 
+from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _settings
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
-from modelcarve.plan.train.space import _compute, _grown, _precisions, inflight_of, layout_blocks
+from modelcarve.plan.train.space import _compute, _precisions, inflight_of, layout_blocks
 from modelcarve.spec.errors import LayoutError
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
     from modelcarve.spec.model import ModelSpec
-
-_KIND_PLANS: dict = {}
-"""(id(specs), (v, precision index)) -> (specs, [(in-flight kind, its first schedule, v, the specs'
-positions, their number)]): ``_kinds``' grouping, once per shape of a block's specs."""
-
 
 def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
     """The search's screening pass (plan/search.py ``_screened``) over every candidate, with
@@ -75,6 +71,13 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       group and only the memory rows (``TrainCostModel.screen_rows``, the screen profile's own
       expressions; the buffers do not read recompute); a setting that is not quiet under it
       makes the block build its own screen profile and bounds, as any other.
+    * Whole blocks (one group): when every ZeRO setting of a block would be quiet, tested in
+      order against the same scores the setting-by-setting loop reads (a quiet setting changes
+      only the counts, so the scores the next one meets are the same), the block's counts are
+      added at once; else the loop decides it setting by setting, as before.
+    * Shared memory rows: a block's per-stage memory in flight (``blocks._memory``) is the same
+      list for every block with the same tokens per micro-batch, tp, sp, recompute, dtype, expert
+      TP, stage holdings and micro-batch count (whatever its cp, mbs and ep), so it is built once.
     """
     # the cyclic collector has nothing to find in the sweep's short-lived tuples and lists, yet
     # would scan them every few hundred allocations: paused for the sweep (no number changes)
@@ -120,6 +123,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             # dp_static(...)}, [family label]): what the memory checks and the family read that no
             # micro-batching changes, for this (tp, cp, pp, dp)
             per_zero: dict = {}
+            summaries: dict = {}  # (ep, etp) -> _settings(...) of the single group
         shape = shapes.get(id(scheds))
         if shape is None or shape[0] is not scheds:
             # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -152,10 +156,68 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # a setting that is not quiet goes the general way
         single = groups[0] if len(groups) == 1 else None
         s_base = s_kinds = None
+        settings = zip(zeros, zl)
         if single is not None:
             vj, (count, (_sched, v, prec, scaling, _vj)) = single
             dtype_s = "fp8cs" if prec == "fp8" and scaling == "current" else prec  # _compute, inlined
-        for (zero, shard), (statics, family) in zip(zeros, zl):
+            # the whole block at once: when every ZeRO setting of it would be quiet in the loop below
+            # (the same tests, against the same scores: a quiet setting changes only the counts), its
+            # counts are added together; else the loop decides setting by setting
+            summary = summaries.get((ep, etp))
+            if summary is None:
+                summary = summaries[(ep, etp)] = _settings(
+                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc)
+            n_closed, closed_best, opens, reserved, bucket = summary
+            quiet = True
+            if n_closed:
+                held = best_rejected.get(STATES_DO_NOT_FIT)
+                quiet = held is not None and closed_best <= held[0]
+            n_act = 0
+            if quiet and opens:
+                if upper is not None and vj in upper:
+                    buffers, most = upper[vj]
+                    s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth)]
+                else:
+                    lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp,
+                                                           v, keep=False)
+                    buffers = lean[2]
+                    s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
+                        lean[1]), None, pp, n_mb, cost, lean, slots)
+                base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                for states, top_states, fam in opens:
+                    if top_states + base > capacity:
+                        if held_act is None or -(top_states + base) > held_act[0]:
+                            quiet = False
+                            break
+                        n_act += count
+                        continue
+                    held_fam = best_family.get(fam) if fam is not None else None
+                    for grown, n_grown, most in s_kinds:
+                        for st, g in zip(states, grown):
+                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                break
+                        else:  # fits
+                            if low is None or most > low or (fam is not None and (
+                                    held_fam is None or most > held_fam[0])):
+                                quiet = False
+                                break
+                            continue
+                        n_act += n_grown
+                        if held_act is None or most > held_act[0]:
+                            quiet = False
+                            break
+                    if not quiet:
+                        break
+            if quiet:
+                if n_closed:
+                    rejected[STATES_DO_NOT_FIT] += n_closed * count
+                if n_act:
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                position += n_spec * len(zeros)
+                settings = ()
+        for (zero, shard), (statics, family) in settings:
             if single is not None:
                 static = statics.get(vj)
                 if static is None:
@@ -420,87 +482,6 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 covered[vj] = (lean[2], highest)
             none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
     return best, rejected, best_rejected, best_family, position
-
-
-def _kinds(specs: list, vj: tuple, memory: list, bound: float | None, pp: int, n_mb: int,
-           cost: TrainCostModel | None = None, lean: tuple | None = None, slots: list | None = None) -> list:
-    """The specs of group ``vj`` by the memory they hold in flight: ``[grown, count, highest
-    bound]`` per distinct per-stage list, ``memory`` (``_memory``'s) with a bound each. With a
-    ``bound`` (the recompute shortcut) every spec's bound is that number; else each spec's own,
-    from its screen profile ``lean``, filling ``slots`` (step without the DP part, bound, in-flight
-    list) as the per-candidate loop does."""
-    if bound is not None:
-        return [(grown, count, bound) for grown, count in memory]
-    kinds = []
-    t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
-    step_base_of = cost.step_base
-    for (_in_flight, _sched, v, ks, count), (grown, _count) in zip(_plan(specs, vj), memory):
-        most = None
-        for k in ks:
-            slot = slots[k]
-            if slot is None:
-                step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
-                slot = slots[k] = (step_base, tokens / step_base, grown)
-            if most is None or slot[1] > most:
-                most = slot[1]
-        kinds.append((grown, count, most))
-    return kinds
-
-
-def _plan(specs: list, vj: tuple) -> list:
-    """The specs of group ``vj`` by the micro-batches they hold in flight: ``(in-flight kind, its
-    first schedule, v, the specs' positions, their number)`` per kind, in order of first appearance
-    (1F1B and zero-bubble hold the same micro-batches), once per shape of a block's specs."""
-    plan = _KIND_PLANS.get((id(specs), vj))
-    if plan is None or plan[0] is not specs:
-        by_kind: dict = {}  # in-flight kind -> (its first schedule, v, the specs' positions)
-        for k, (sched, v, _prec, _scaling, svj) in enumerate(specs):
-            if svj == vj:
-                in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)  # the same micro-batches held
-                by_kind.setdefault(in_flight, (sched, v, []))[2].append(k)
-        plan = _KIND_PLANS[(id(specs), vj)] = (specs, [(key, sched, v, ks, len(ks))
-                                                       for key, (sched, v, ks) in by_kind.items()])
-    return plan[1]
-
-
-def _memory(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int, cp: int, pp: int, ep: int,
-            mbs: int, sp: bool, rc: str, dtype: str, etp: int, v: int, n_mb: int, growth: float,
-            rows: list | None = None) -> list:
-    """Per in-flight kind of group ``vj`` (``_plan``'s order): ``(grown, count)``, each stage's
-    activations in flight and buffers as ``peak_bytes`` sums them (``_grown``) from the rows of
-    ``screen_rows(tp, cp, pp, ep, mbs, sp, rc, seq, dtype, etp, v)`` (``rows``: those rows, when
-    the caller has them), and the number of specs holding it.
-
-    Shared in ``shared`` by every block whose rows are the same numbers: the rows read the layers'
-    activation and working bytes (layer.py, kept per tokens ``T = mbs seq / cp``, tp, sp, recompute,
-    dtype and expert TP), the head's logits (per T, tp and dtype) and, of the stage rows, only
-    each one's kind, rank, MoE layers and layers (``_holding``); nothing else of cp, mbs or ep
-    (none at all of ep), unless activations are offloaded (then compute times enter: not shared)."""
-    if cost._offload:
-        if rows is None:
-            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
-        return [(_grown(rows, sched, pp, n_mb, kv, growth), count) for _key, sched, kv, _ks, count in _plan(specs, vj)]
-    holdings = shared[None]
-    hkey = (tp, pp, ep, etp, v)
-    hid = holdings.get(hkey)
-    if hid is None:
-        hid = holdings[hkey] = _holding(cost, holdings, tp, pp, ep, etp, v)
-    key = (mbs * cost.seq / cp, tp, sp, rc, dtype, etp, hid, n_mb, id(specs), vj)
-    memory = shared.get(key)
-    if memory is None:
-        if rows is None:
-            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
-        memory = shared[key] = [(_grown(rows, sched, pp, n_mb, kv, growth), count)
-                                for _key, sched, kv, _ks, count in _plan(specs, vj)]
-    return memory
-
-
-def _holding(cost: TrainCostModel, holdings: dict, tp: int, pp: int, ep: int, etp: int, v: int) -> int:
-    """A small id of what the memory rows read of ``stage_params(tp, pp, ep, etp, v)``: each stage
-    row's kind, rank, MoE layers and layers (equal ids, equal tuples)."""
-    held = tuple((kind, index, n_moe, nls) for kind, index, n_moe, _pd, _pe, _layer, _lin, nls
-                 in cost.stage_params(tp, pp, ep, etp, v))
-    return holdings.setdefault(("held", held), len(holdings))
 
 
 def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
