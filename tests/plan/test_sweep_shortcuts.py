@@ -102,6 +102,28 @@ def test_recomputation_never_raises_the_tokens_per_s_bound(case):
             assert bound("selective") <= top and bound("full") <= top
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sequence_parallelism_never_lowers_the_tokens_per_s_bound(case):
+    """What the sweep's sequence-parallel shortcut relies on: for the same rest of a recompute="none"
+    layout, the bound ``tokens / step_base`` without SP is at most the one with it; and the buffers
+    it reads alone (``screen_buffers``) are the screen profile's."""
+    cost, dtype, blocks = _blocks(case, every=1)
+    checked = 0
+    for tp, cp, pp, dp, mbs, ep, etp, sp, _rc, _zeros, scheds in blocks[::3]:  # each taken as recompute="none"
+        if sp or tp == 1 or cost.seq % tp:
+            continue
+        for sched, v in scheds:
+            def bound(with_sp):
+                lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, with_sp, "none", cost.seq, dtype, etp, v)
+                t_mb, _rows, buffers, p2p_s, n_mb, tokens = lean[:6]
+                assert buffers == cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, with_sp)[1]
+                return tokens / cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+
+            assert bound(False) <= bound(True)
+            checked += 1
+    assert checked
+
+
 @pytest.mark.parametrize("top", [1, 3])
 def test_sweep_with_a_short_top_gives_the_loops_answer(top, monkeypatch):
     """A short top leaves fewer settings quiet: more of them take the exact way."""

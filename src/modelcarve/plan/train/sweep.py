@@ -75,6 +75,15 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       order against the same scores the setting-by-setting loop reads (a quiet setting changes
       only the counts, so the scores the next one meets are the same), the block's counts are
       added at once; else the loop decides it setting by setting, as before.
+    * Sequence parallelism: a recompute="none" block without SP is followed (after its
+      recomputing blocks) by the same block with SP, and each of its candidates' bound is at most
+      that block's candidate's of the same schedule: SP divides the element-wise bytes (norms,
+      residuals, the quantised inputs) by tp and the pipeline send by tp or leaves it, and changes
+      no GEMM, collective or recomputation term, so the stage times, ``t_mb`` and ``step_base``
+      are no smaller without it (floating point as above). Such a block (one group, no offload)
+      builds the SP block's screen profile and bounds first (kept for that block) and tries the
+      whole-block test with them and its own memory (``screen_buffers``, ``_memory``); if that test
+      fails, the block builds its own, as any other. Its recomputing blocks take the same bound.
     * Shared memory rows: a block's per-stage memory in flight (``blocks._memory``) is the same
       list for every block with the same tokens per micro-batch, tp, sp, recompute, dtype, expert
       TP, stage holdings and micro-batch count (whatever its cp, mbs and ep), so it is built once.
@@ -124,6 +133,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             # micro-batching changes, for this (tp, cp, pp, dp)
             per_zero: dict = {}
             summaries: dict = {}  # (ep, etp) -> _settings(...) of the single group
+            ahead: dict = {}  # (mbs, ep, etp, vj) -> the sp=True "none" block's (screen profile, slots, kinds)
         shape = shapes.get(id(scheds))
         if shape is None or shape[0] is not scheds:
             # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -155,7 +165,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
         # a setting that is not quiet goes the general way
         single = groups[0] if len(groups) == 1 else None
-        s_base = s_kinds = None
+        s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound) from the sp=True block
         settings = zip(zeros, zl)
         if single is not None:
             vj, (count, (_sched, v, prec, scaling, _vj)) = single
@@ -174,19 +184,40 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 quiet = held is not None and closed_best <= held[0]
             n_act = 0
             if quiet and opens:
+                seq = cost.seq
                 if upper is not None and vj in upper:
                     buffers, most = upper[vj]
                     s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
                         cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth)]
+                elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
+                    # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
+                    # sp=True block that follows, built now and kept for it, bound this block's
+                    lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, True, rc, cost.seq, dtype_s, etp, v,
+                                               keep=False)
+                    slots_sp = [None] * n_spec
+                    kinds_sp = _kinds(specs, vj, _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc, dtype_s, etp, v, n_mb, growth,
+                        lean[1]), None, pp, n_mb, cost, lean, slots_sp)
+                    ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp)
+                    buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp)[1]
+                    s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(_memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth), kinds_sp)]
+                    borrowed = (buffers, max(kind[2] for kind in kinds_sp))
                 else:
-                    lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp,
-                                                           v, keep=False)
+                    kept = ahead.pop((mbs, ep, etp, vj), None) if rc == "none" and sp else None
+                    if kept is not None:  # built by the sp=False block before: the same numbers
+                        lean, slots, s_kinds = kept
+                        leans[vj], kinds_of[vj] = lean, s_kinds
+                    else:
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s,
+                                                               etp, v, keep=False)
+                        s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                            cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
+                            lean[1]), None, pp, n_mb, cost, lean, slots)
                     buffers = lean[2]
-                    s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
-                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
-                        lean[1]), None, pp, n_mb, cost, lean, slots)
                 base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
-                for states, top_states, fam in opens:
+                for states, top_states, fam, i, n_before in opens:
+                    n_act_before = n_act
                     if top_states + base > capacity:
                         if held_act is None or -(top_states + base) > held_act[0]:
                             quiet = False
@@ -209,6 +240,15 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             quiet = False
                             break
                     if not quiet:
+                        # the settings before this one were quiet: counted; the loop takes it from here
+                        if n_before:
+                            rejected[STATES_DO_NOT_FIT] += n_before * count
+                        if n_act_before:
+                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act_before
+                        position += n_spec * i
+                        settings = zip(zeros[i:], zl[i:])
+                        if borrowed is not None:  # the loop takes this block's own bounds
+                            s_base = s_kinds = borrowed = None
                         break
             if quiet:
                 if n_closed:
@@ -469,6 +509,8 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
                 lean = leans.get(vj)
                 if lean is None:
+                    if borrowed is not None:  # a bound of this block's candidates, so of those recomputing
+                        covered[vj] = borrowed
                     continue
                 kinds = kinds_of.get(vj)
                 if kinds is None:
