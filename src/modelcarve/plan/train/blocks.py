@@ -25,13 +25,16 @@ def _settings(cost: TrainCostModel, goal, model, cluster, zeros: list, zl: list,
               cp: int, pp: int, dp: int, ep: int, etp: int, mbs: int, sp: bool, rc: str) -> tuple:
     """What the single-group test of a block reads of each ZeRO setting of the mesh, filling the
     sweep's ``statics`` and ``family`` of each (``zl``) as its loop does: ``(settings over the
-    states floor, the highest of their scores, [(states per stage, the largest, family label)] of
-    the others in order, the runtime reserve, the gradient buckets)`` (the last two read no ZeRO)."""
+    states floor, the highest of their scores, [(states per stage, the largest, family label, its
+    position among the settings, the settings over the floor before it)] of the others in order, the
+    runtime reserve, the gradient buckets, the chain)`` (the reserve and buckets read no ZeRO). The
+    chain: those others again, by their largest stage, when each one's states are no larger than
+    the next one's at every stage; else None."""
     sched, v, prec, scaling, _vj = spec
     capacity = cost.capacity
     n_closed, closed_best, opens = 0, None, []
     reserved = bucket = None
-    for (zero, shard), (statics, family) in zip(zeros, zl):
+    for i, ((zero, shard), (statics, family)) in enumerate(zip(zeros, zl)):
         static = statics.get(vj)
         if static is None:
             floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
@@ -47,8 +50,13 @@ def _settings(cost: TrainCostModel, goal, model, cluster, zeros: list, zl: list,
             if closed_best is None or -floor > closed_best:
                 closed_best = -floor
         else:
-            opens.append((states, top_states, family[0]))
-    return n_closed, closed_best, opens, reserved, bucket
+            opens.append((states, top_states, family[0], i, n_closed))
+    chain = sorted(opens, key=lambda o: o[1])
+    for (low, *_), (high, *_) in zip(chain, chain[1:]):
+        if any(a > b for a, b in zip(low, high)):
+            chain = None
+            break
+    return n_closed, closed_best, opens, reserved, bucket, chain
 
 
 def _kinds(specs: list, vj: tuple, memory: list, bound: float | None, pp: int, n_mb: int,

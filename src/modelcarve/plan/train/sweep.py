@@ -74,7 +74,11 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
     * Whole blocks (one group): when every ZeRO setting of a block would be quiet, tested in
       order against the same scores the setting-by-setting loop reads (a quiet setting changes
       only the counts, so the scores the next one meets are the same), the block's counts are
-      added at once; else the loop decides it setting by setting, as before.
+      added at once; else the loop decides it setting by setting, as before. When the open
+      settings' states form a chain (each no larger than the next at every stage,
+      ``blocks._settings``), each memory sum is no smaller along it (``x <= y`` implies
+      ``x + z <= y + z``), so the settings whose largest stage overflows on its own are a suffix
+      and those whose candidates of one in-flight kind fit a prefix: only its edges are tested.
     * Sequence parallelism: a recompute="none" block without SP is followed (after its
       recomputing blocks) by the same block with SP, and each of its candidates' bound is at most
       that block's candidate's of the same schedule: SP divides the element-wise bytes (norms,
@@ -177,7 +181,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             if summary is None:
                 summary = summaries[(ep, etp)] = _settings(
                     cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc)
-            n_closed, closed_best, opens, reserved, bucket = summary
+            n_closed, closed_best, opens, reserved, bucket, chain = summary
             quiet = True
             if n_closed:
                 held = best_rejected.get(STATES_DO_NOT_FIT)
@@ -216,6 +220,47 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             lean[1]), None, pp, n_mb, cost, lean, slots)
                     buffers = lean[2]
                 base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                if chain is not None:
+                    # the open settings' states rise stage by stage along the chain (blocks._settings), so
+                    # in floating point each test's sum does too: those over capacity on their own are a
+                    # suffix, those whose candidates of a kind fit a prefix; only the edges are tested
+                    n_open = j0 = len(chain)
+                    while j0 and chain[j0 - 1][1] + base > capacity:
+                        j0 -= 1
+                    if j0 < n_open:  # the highest score among them is the first's
+                        if held_act is None or -(chain[j0][1] + base) > held_act[0]:
+                            quiet = False
+                        n_act += (n_open - j0) * count
+                    for grown, n_grown, most in s_kinds if quiet else ():
+                        lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            for st, g in zip(chain[mid][0], grown):
+                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                    hi = mid
+                                    break
+                            else:
+                                lo = mid + 1
+                        if lo:  # some fit
+                            if low is None or most > low:
+                                quiet = False
+                                break
+                            for _states, _top, fam, _i, _n in chain[:lo]:
+                                if fam is not None:
+                                    held_fam = best_family.get(fam)
+                                    if held_fam is None or most > held_fam[0]:
+                                        quiet = False
+                                        break
+                            if not quiet:
+                                break
+                        if lo < j0:  # some do not
+                            if held_act is None or most > held_act[0]:
+                                quiet = False
+                                break
+                            n_act += n_grown * (j0 - lo)
+                    if not quiet and borrowed is not None:  # the loop below takes this block's own bounds
+                        s_base = s_kinds = borrowed = None
+                    opens = ()
                 for states, top_states, fam, i, n_before in opens:
                     n_act_before = n_act
                     if top_states + base > capacity:
