@@ -53,7 +53,7 @@ def test_shared_memory_in_flight_is_each_blocks_own(case):
     from modelcarve.plan.train.blocks import _memory, _plan
 
     cost, dtype, blocks = _blocks(case, every=1)
-    shared: dict = {None: {}}
+    shared: dict = {}
     specs_of: dict = {}
     hits = 0
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, _zeros, scheds in blocks:

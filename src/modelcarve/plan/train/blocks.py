@@ -117,11 +117,10 @@ def _memory(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int,
         if rows is None:
             rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
         return [(_grown(rows, sched, pp, n_mb, kv, growth), count) for _key, sched, kv, _ks, count in _plan(specs, vj)]
-    holdings = shared[None]
     hkey = (tp, pp, ep, etp, v)
-    hid = holdings.get(hkey)
+    hid = shared.get(hkey)  # the holdings' id, kept beside the lists (keys of another length)
     if hid is None:
-        hid = holdings[hkey] = _holding(cost, holdings, tp, pp, ep, etp, v)
+        hid = shared[hkey] = _holding(cost, shared, tp, pp, ep, etp, v)
     key = (mbs * cost.seq / cp, tp, sp, rc, dtype, etp, hid, n_mb, id(specs), vj)
     memory = shared.get(key)
     if memory is None:
@@ -132,9 +131,9 @@ def _memory(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int,
     return memory
 
 
-def _holding(cost: TrainCostModel, holdings: dict, tp: int, pp: int, ep: int, etp: int, v: int) -> int:
+def _holding(cost: TrainCostModel, shared: dict, tp: int, pp: int, ep: int, etp: int, v: int) -> int:
     """A small id of what the memory rows read of ``stage_params(tp, pp, ep, etp, v)``: each stage
-    row's kind, rank, MoE layers and layers (equal ids, equal tuples)."""
+    row's kind, rank, MoE layers and layers (equal ids, equal tuples), kept in ``shared``."""
     held = tuple((kind, index, n_moe, nls) for kind, index, n_moe, _pd, _pe, _layer, _lin, nls
                  in cost.stage_params(tp, pp, ep, etp, v))
-    return holdings.setdefault(("held", held), len(holdings))
+    return shared.setdefault(("held", held), len(shared))

@@ -125,7 +125,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
     shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
     _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
-    shared: dict = {None: {}}  # _memory's: per-stage memory in flight by what it reads, and (None) the holdings
+    shared: dict = {}  # _memory's: per-stage memory in flight by what it reads, and the stage holdings' ids
     mesh = None
     none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
