@@ -156,11 +156,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # and buffers (as peak_bytes sums them); built when first needed
         slots: list = [None] * n_spec
         leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
-        grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
         kinds_of: dict = {}  # (v, precision index) -> _kinds(...): the specs by memory in flight, with bounds
         # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
         upper = none_info[1] if rc != "none" and none_info[0] == (tp, cp, pp, mbs, ep, etp, sp) else None
-        upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
         zl = per_zero.get((ep, etp))
         if zl is None:
             zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
@@ -302,6 +300,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
                 position += n_spec * len(zeros)
                 settings = ()
+        if settings:  # not counted as a whole: what the setting-by-setting loop keeps per block
+            grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
+            upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
         for (zero, shard), (statics, family) in settings:
             if single is not None:
                 static = statics.get(vj)
