@@ -45,6 +45,32 @@ def test_screen_rows_are_the_screen_profiles_rows(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_shared_memory_in_flight_is_each_blocks_own(case):
+    """The sweep's ``_memory`` shares the per-stage memory in flight between blocks whose rows it
+    proves equal (same tokens per micro-batch, tp, sp, recompute, dtype, expert TP and stage
+    holdings, any cp, mbs and ep): each block's shared lists equal its own screen rows' ``_grown``."""
+    from modelcarve.plan.train.space import _grown
+    from modelcarve.plan.train.blocks import _memory, _plan
+
+    cost, dtype, blocks = _blocks(case, every=1)
+    shared: dict = {}
+    specs_of: dict = {}
+    hits = 0
+    for tp, cp, pp, dp, mbs, ep, etp, sp, rc, _zeros, scheds in blocks:
+        specs = specs_of.setdefault(id(scheds), (scheds, [(sched, v, dtype, "delayed", (v, 0)) for sched, v in scheds]))[1]
+        n_mb = cost.options.global_batch // (mbs * dp)
+        for vj in dict.fromkeys(spec[4] for spec in specs):
+            v = vj[0]
+            size = len(shared)
+            memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype, etp, v, n_mb, cost._growth)
+            hits += len(shared) == size
+            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+            own = [(_grown(rows, sched, pp, n_mb, kv, cost._growth), count) for _k, sched, kv, _ks, count in _plan(specs, vj)]
+            assert memory == own
+    assert hits  # the sharing is exercised
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_shared_layer_base_gives_the_same_layer(case):
     cost, dtype, blocks = _blocks(case, every=29)
     cost._dtype = dtype
@@ -74,6 +100,28 @@ def test_recomputation_never_raises_the_tokens_per_s_bound(case):
 
             top = bound("none")
             assert bound("selective") <= top and bound("full") <= top
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sequence_parallelism_never_lowers_the_tokens_per_s_bound(case):
+    """What the sweep's sequence-parallel shortcut relies on: for the same rest of a recompute="none"
+    layout, the bound ``tokens / step_base`` without SP is at most the one with it; and the buffers
+    it reads alone (``screen_buffers``) are the screen profile's."""
+    cost, dtype, blocks = _blocks(case, every=1)
+    checked = 0
+    for tp, cp, pp, dp, mbs, ep, etp, sp, _rc, _zeros, scheds in blocks[::3]:  # each taken as recompute="none"
+        if sp or tp == 1 or cost.seq % tp:
+            continue
+        for sched, v in scheds:
+            def bound(with_sp):
+                lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, with_sp, "none", cost.seq, dtype, etp, v)
+                t_mb, _rows, buffers, p2p_s, n_mb, tokens = lean[:6]
+                assert buffers == cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, with_sp)[1]
+                return tokens / cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+
+            assert bound(False) <= bound(True)
+            checked += 1
+    assert checked
 
 
 @pytest.mark.parametrize("top", [1, 3])

@@ -145,10 +145,7 @@ class ProfileMixin:
             t = compute_s + tp_s + cp_s + ep_s
             if t > t_mb:  # the first slowest, as max() picks it
                 t_mb, slow = t, i
-        act = 2.0 * T * h
-        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
-        buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
-            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+        p2p_bytes, buffers = self.screen_buffers(T, tp, pp, ep, sp)
         if pp > 1:
             tier = self._tiers.get((pp, dp * cp * tp))
             p2p_s = comm.p2p_s(p2p_bytes, tier if tier is not None else self.tier(pp, dp * cp * tp))
@@ -156,6 +153,18 @@ class ProfileMixin:
             p2p_s = 0.0
         gbs = o.global_batch or mbs * dp
         return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
+
+    def screen_buffers(self, T: float, tp: int, pp: int, ep: int, sp: bool) -> tuple[float, float]:
+        """(bytes of one pipeline send, the ``buffers`` of ``screen_profile``) for micro-batches of ``T``
+        tokens per device (``mbs seq / cp``): the send and receive buffers, SP's gathered input and
+        the MoE dispatch buffers of one micro-batch."""
+        m, o = self.model, self.options
+        h = m.hidden_size
+        act = 2.0 * T * h
+        p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
+        buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
+            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+        return p2p_bytes, buffers
 
     def _head(self, T: float, tp: int, hkey: tuple) -> tuple:
         """(forward s, loss s, forward + backward + loss s, logits bytes) of the LM head + loss (last

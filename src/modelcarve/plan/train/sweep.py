@@ -15,19 +15,15 @@ import gc
 import heapq
 from typing import TYPE_CHECKING
 
+from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _settings
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
-from modelcarve.plan.train.space import _compute, _grown, _precisions, inflight_of, layout_blocks
+from modelcarve.plan.train.space import _compute, _precisions, inflight_of, layout_blocks
 from modelcarve.spec.errors import LayoutError
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
     from modelcarve.spec.model import ModelSpec
-
-_KIND_PLANS: dict = {}
-"""(id(specs), (v, precision index)) -> (specs, [(in-flight kind, its first schedule, v, the specs'
-positions, their number)]): ``_kinds``' grouping, once per shape of a block's specs."""
-
 
 def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options) -> tuple:
     """The search's screening pass (plan/search.py ``_screened``) over every candidate, with
@@ -75,6 +71,26 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       group and only the memory rows (``TrainCostModel.screen_rows``, the screen profile's own
       expressions; the buffers do not read recompute); a setting that is not quiet under it
       makes the block build its own screen profile and bounds, as any other.
+    * Whole blocks (one group): when every ZeRO setting of a block would be quiet, tested in
+      order against the same scores the setting-by-setting loop reads (a quiet setting changes
+      only the counts, so the scores the next one meets are the same), the block's counts are
+      added at once; else the loop decides it setting by setting, as before. When the open
+      settings' states form a chain (each no larger than the next at every stage,
+      ``blocks._settings``), each memory sum is no smaller along it (``x <= y`` implies
+      ``x + z <= y + z``), so the settings whose largest stage overflows on its own are a suffix
+      and those whose candidates of one in-flight kind fit a prefix: only its edges are tested.
+    * Sequence parallelism: a recompute="none" block without SP is followed (after its
+      recomputing blocks) by the same block with SP, and each of its candidates' bound is at most
+      that block's candidate's of the same schedule: SP divides the element-wise bytes (norms,
+      residuals, the quantised inputs) by tp and the pipeline send by tp or leaves it, and changes
+      no GEMM, collective or recomputation term, so the stage times, ``t_mb`` and ``step_base``
+      are no smaller without it (floating point as above). Such a block (one group, no offload)
+      builds the SP block's screen profile and bounds first (kept for that block) and tries the
+      whole-block test with them and its own memory (``screen_buffers``, ``_memory``); if that test
+      fails, the block builds its own, as any other. Its recomputing blocks take the same bound.
+    * Shared memory rows: a block's per-stage memory in flight (``blocks._memory``) is the same
+      list for every block with the same tokens per micro-batch, tp, sp, recompute, dtype, expert
+      TP, stage holdings and micro-batch count (whatever its cp, mbs and ep), so it is built once.
     """
     # the cyclic collector has nothing to find in the sweep's short-lived tuples and lists, yet
     # would scan them every few hundred allocations: paused for the sweep (no number changes)
@@ -109,6 +125,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
     shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
     _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
+    shared: dict = {}  # _memory's: per-stage memory in flight by what it reads, and the stage holdings' ids
     mesh = None
     none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
@@ -119,6 +136,8 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             # dp_static(...)}, [family label]): what the memory checks and the family read that no
             # micro-batching changes, for this (tp, cp, pp, dp)
             per_zero: dict = {}
+            summaries: dict = {}  # (ep, etp) -> _settings(...) of the single group
+            ahead: dict = {}  # (mbs, ep, etp, vj) -> the sp=True "none" block's (screen profile, slots, kinds)
         shape = shapes.get(id(scheds))
         if shape is None or shape[0] is not scheds:
             # specs: (schedule, v, precision, scaling, (v, precision index)) in the candidates' order;
@@ -137,11 +156,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # and buffers (as peak_bytes sums them); built when first needed
         slots: list = [None] * n_spec
         leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
-        grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
         kinds_of: dict = {}  # (v, precision index) -> _kinds(...): the specs by memory in flight, with bounds
         # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
         upper = none_info[1] if rc != "none" and none_info[0] == (tp, cp, pp, mbs, ep, etp, sp) else None
-        upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
         zl = per_zero.get((ep, etp))
         if zl is None:
             zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
@@ -150,11 +167,143 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
         # a setting that is not quiet goes the general way
         single = groups[0] if len(groups) == 1 else None
-        s_base = s_kinds = None
+        s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound) from the sp=True block
+        settings = zip(zeros, zl)
         if single is not None:
             vj, (count, (_sched, v, prec, scaling, _vj)) = single
             dtype_s = "fp8cs" if prec == "fp8" and scaling == "current" else prec  # _compute, inlined
-        for (zero, shard), (statics, family) in zip(zeros, zl):
+            # the whole block at once: when every ZeRO setting of it would be quiet in the loop below
+            # (the same tests, against the same scores: a quiet setting changes only the counts), its
+            # counts are added together; else the loop decides setting by setting
+            summary = summaries.get((ep, etp))
+            if summary is None:
+                summary = summaries[(ep, etp)] = _settings(
+                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc)
+            n_closed, closed_best, opens, reserved, bucket, chain = summary
+            quiet = True
+            if n_closed:
+                held = best_rejected.get(STATES_DO_NOT_FIT)
+                quiet = held is not None and closed_best <= held[0]
+            n_act = 0
+            if quiet and opens:
+                seq = cost.seq
+                if upper is not None and vj in upper:
+                    buffers, most = upper[vj]
+                    s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth)]
+                elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
+                    # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
+                    # sp=True block that follows, built now and kept for it, bound this block's
+                    lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, True, rc, cost.seq, dtype_s, etp, v,
+                                               keep=False)
+                    slots_sp = [None] * n_spec
+                    kinds_sp = _kinds(specs, vj, _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc, dtype_s, etp, v, n_mb, growth,
+                        lean[1]), None, pp, n_mb, cost, lean, slots_sp)
+                    ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp)
+                    buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp)[1]
+                    s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(_memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth), kinds_sp)]
+                    borrowed = (buffers, max(kind[2] for kind in kinds_sp))
+                else:
+                    kept = ahead.pop((mbs, ep, etp, vj), None) if rc == "none" and sp else None
+                    if kept is not None:  # built by the sp=False block before: the same numbers
+                        lean, slots, s_kinds = kept
+                        leans[vj], kinds_of[vj] = lean, s_kinds
+                    else:
+                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s,
+                                                               etp, v, keep=False)
+                        s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                            cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
+                            lean[1]), None, pp, n_mb, cost, lean, slots)
+                    buffers = lean[2]
+                base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                if chain is not None:
+                    # the open settings' states rise stage by stage along the chain (blocks._settings), so
+                    # in floating point each test's sum does too: those over capacity on their own are a
+                    # suffix, those whose candidates of a kind fit a prefix; only the edges are tested
+                    n_open = j0 = len(chain)
+                    while j0 and chain[j0 - 1][1] + base > capacity:
+                        j0 -= 1
+                    if j0 < n_open:  # the highest score among them is the first's
+                        if held_act is None or -(chain[j0][1] + base) > held_act[0]:
+                            quiet = False
+                        n_act += (n_open - j0) * count
+                    for grown, n_grown, most in s_kinds if quiet else ():
+                        lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            for st, g in zip(chain[mid][0], grown):
+                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                    hi = mid
+                                    break
+                            else:
+                                lo = mid + 1
+                        if lo:  # some fit
+                            if low is None or most > low:
+                                quiet = False
+                                break
+                            for _states, _top, fam, _i, _n in chain[:lo]:
+                                if fam is not None:
+                                    held_fam = best_family.get(fam)
+                                    if held_fam is None or most > held_fam[0]:
+                                        quiet = False
+                                        break
+                            if not quiet:
+                                break
+                        if lo < j0:  # some do not
+                            if held_act is None or most > held_act[0]:
+                                quiet = False
+                                break
+                            n_act += n_grown * (j0 - lo)
+                    if not quiet and borrowed is not None:  # the loop below takes this block's own bounds
+                        s_base = s_kinds = borrowed = None
+                    opens = ()
+                for states, top_states, fam, i, n_before in opens:
+                    n_act_before = n_act
+                    if top_states + base > capacity:
+                        if held_act is None or -(top_states + base) > held_act[0]:
+                            quiet = False
+                            break
+                        n_act += count
+                        continue
+                    held_fam = best_family.get(fam) if fam is not None else None
+                    for grown, n_grown, most in s_kinds:
+                        for st, g in zip(states, grown):
+                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                break
+                        else:  # fits
+                            if low is None or most > low or (fam is not None and (
+                                    held_fam is None or most > held_fam[0])):
+                                quiet = False
+                                break
+                            continue
+                        n_act += n_grown
+                        if held_act is None or most > held_act[0]:
+                            quiet = False
+                            break
+                    if not quiet:
+                        # the settings before this one were quiet: counted; the loop takes it from here
+                        if n_before:
+                            rejected[STATES_DO_NOT_FIT] += n_before * count
+                        if n_act_before:
+                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act_before
+                        position += n_spec * i
+                        settings = zip(zeros[i:], zl[i:])
+                        if borrowed is not None:  # the loop takes this block's own bounds
+                            s_base = s_kinds = borrowed = None
+                        break
+            if quiet:
+                if n_closed:
+                    rejected[STATES_DO_NOT_FIT] += n_closed * count
+                if n_act:
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                position += n_spec * len(zeros)
+                settings = ()
+        if settings:  # not counted as a whole: what the setting-by-setting loop keeps per block
+            grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
+            upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
+        for (zero, shard), (statics, family) in settings:
             if single is not None:
                 static = statics.get(vj)
                 if static is None:
@@ -175,10 +324,10 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 else:
                     if s_base is None:
                         if upper is not None and vj in upper:
-                            buffers = upper[vj][0]
-                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq,
-                                                    dtype_s, etp, v)
-                            s_kinds = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                            buffers, most = upper[vj]
+                            s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                growth)]
                         else:
                             lean = leans.get(vj)
                             if lean is None:
@@ -188,8 +337,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             buffers = lean[2]
                             s_kinds = kinds_of.get(vj)
                             if s_kinds is None:
-                                s_kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb,
-                                                                     growth, cost, lean, slots, grown_of)
+                                s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                    growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                         s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
                     base = s_base
                     if top_states + base > capacity:
@@ -288,9 +438,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     if upper is not None:
                         kinds = upper_kinds.get(vj)
                         if kinds is None:
-                            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, _compute(prec, scaling),
-                                                    etp, v)
-                            kinds = upper_kinds[vj] = _kinds(specs, vj, rows, upper[vj][1], pp, n_mb, growth)
+                            kinds = upper_kinds[vj] = _kinds(specs, vj, _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                n_mb, growth), upper[vj][1], pp, n_mb)
                     else:
                         kinds = kinds_of.get(vj)
                         if kinds is None:
@@ -298,8 +448,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             if lean is None:
                                 lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
                                                                        _compute(prec, scaling), etp, v, keep=False)
-                            kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth,
-                                                               cost, lean, slots, grown_of)
+                            kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                n_mb, growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                     states, base = entry[2], entry[3]
                     for grown, n_grown, most in kinds:
                         fits = True
@@ -404,11 +555,14 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
                 lean = leans.get(vj)
                 if lean is None:
+                    if borrowed is not None:  # a bound of this block's candidates, so of those recomputing
+                        covered[vj] = borrowed
                     continue
                 kinds = kinds_of.get(vj)
                 if kinds is None:
-                    kinds = kinds_of[vj] = _kinds(specs, vj, lean[1], None, pp, n_mb, growth, cost, lean,
-                                                       slots, grown_of)
+                    kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v, n_mb,
+                        growth, lean[1]), None, pp, n_mb, cost, lean, slots)
                 highest = None
                 for _grown, _n, most in kinds:
                     if highest is None or most > highest:
@@ -416,48 +570,6 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 covered[vj] = (lean[2], highest)
             none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
     return best, rejected, best_rejected, best_family, position
-
-
-def _kinds(specs: list, vj: tuple, rows: list, bound: float | None, pp: int, n_mb: int, growth: float,
-           cost: TrainCostModel | None = None, lean: tuple | None = None, slots: list | None = None,
-           grown_of: dict | None = None) -> list:
-    """The specs of group ``vj`` by the memory they hold in flight: ``[grown, count, highest
-    bound]`` per distinct per-stage list (each stage's activations in flight and buffers, as
-    peak_bytes sums them, from the stage ``rows``), in order of first appearance. With a
-    ``bound`` (the recompute shortcut) every spec's bound is that number; else each spec's own,
-    from its screen profile ``lean``, filling ``slots`` (step without the DP part, bound, in-flight
-    list) and ``grown_of`` as the per-candidate loop does."""
-    plan = _KIND_PLANS.get((id(specs), vj))
-    if plan is None or plan[0] is not specs:
-        by_kind: dict = {}  # in-flight kind -> (its first schedule, v, the specs' positions)
-        for k, (sched, v, _prec, _scaling, svj) in enumerate(specs):
-            if svj == vj:
-                in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)  # the same micro-batches held
-                by_kind.setdefault(in_flight, (sched, v, []))[2].append(k)
-        plan = _KIND_PLANS[(id(specs), vj)] = (specs, [(key, sched, v, ks, len(ks))
-                                                       for key, (sched, v, ks) in by_kind.items()])
-    kinds = []
-    if bound is None:
-        t_mb, _rows, _buffers, p2p_s, _n, tokens = lean[:6]
-        step_base_of = cost.step_base
-    for in_flight, sched, v, ks, count in plan[1]:
-        if bound is None:
-            grown = grown_of.get(in_flight)
-            if grown is None:
-                grown = grown_of[in_flight] = _grown(rows, sched, pp, n_mb, v, growth)
-            most = None
-            for k in ks:
-                slot = slots[k]
-                if slot is None:
-                    step_base = step_base_of(t_mb, p2p_s, specs[k][0], pp, n_mb, v)[3]
-                    slot = slots[k] = (step_base, tokens / step_base, grown)
-                if most is None or slot[1] > most:
-                    most = slot[1]
-        else:
-            grown = _grown(rows, sched, pp, n_mb, v, growth)
-            most = bound
-        kinds.append((grown, count, most))
-    return kinds
 
 
 def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
