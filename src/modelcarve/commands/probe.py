@@ -289,60 +289,83 @@ def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
                rank0_pidfile=pidfile, stop_within_s=30)
 
 
-def _served_times(config: str, threads: int, tp: int = 1) -> tuple[float, float]:
-    """(median TTFT, median TPOT) seconds a streaming client sees from ``modelcarve serve`` of
-    ``config`` (``tp`` ranks, fp32, real uvicorn on 127.0.0.1), one request at a time: ``SERVED_PROMPT``
-    prompt tokens (a different prompt each time: no prefix-cache hit), ``SERVED_TOKENS`` out."""
-    import multiprocessing as mp
+class _Served:
+    """``modelcarve serve`` of ``config`` (``tp`` ranks, fp32, real uvicorn on 127.0.0.1) in a spawned
+    process, up from ``__enter__`` (health answered) until ``__exit__`` (SIGTERM: it drains, nothing in
+    flight, and exits); ``times()`` measures it."""
 
-    import httpx
+    def __init__(self, config: str, threads: int, tp: int = 1):
+        self.config, self.threads, self.tp = config, threads, tp
+        self.proc, self.url, self.sent = None, None, 0
 
-    from modelcarve.commands.launching.torchrun import free_port
-    from modelcarve.spec.errors import ModelcarveError
+    def __enter__(self) -> "_Served":
+        import multiprocessing as mp
 
-    port = free_port()
-    proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(config, port, threads, tp))
-    proc.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if not proc.is_alive():
-                raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {proc.exitcode})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ModelcarveError("hardware --probe: the probe model's server did not start within 180 s")
-            time.sleep(0.2)
+        import httpx
+
+        from modelcarve.commands.launching.torchrun import free_port
+        from modelcarve.spec.errors import ModelcarveError
+
+        port = free_port()
+        self.proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(self.config, port, self.threads, self.tp))
+        self.proc.start()
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                if not self.proc.is_alive():
+                    raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {self.proc.exitcode})")
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ModelcarveError("hardware --probe: the probe model's server did not start within 180 s")
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()  # SIGTERM: the server drains (nothing in flight) and exits
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.proc = None
+
+    def times(self, warm: int) -> tuple[float, float]:
+        """(median TTFT, median TPOT) seconds a streaming client sees, one request at a time:
+        ``SERVED_PROMPT`` prompt tokens (a different prompt each time, over the server's life: no
+        prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped."""
+        import httpx
+
+        from modelcarve.spec.errors import ModelcarveError
+
         ttft, tpot = [], []
         with httpx.Client(timeout=60) as client:
-            for i in range(SERVED_REQUESTS + 2):  # the first two warm the server up and are dropped
-                body = dict(model="probe", prompt=[1 + (i * SERVED_PROMPT + j) % 500 for j in range(SERVED_PROMPT)],
+            for i in range(SERVED_REQUESTS + warm):
+                k, self.sent = self.sent, self.sent + 1
+                body = dict(model="probe", prompt=[1 + (k * SERVED_PROMPT + j) % 500 for j in range(SERVED_PROMPT)],
                             max_tokens=SERVED_TOKENS, min_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True,
                             stream=True)
                 start, times = time.perf_counter(), []
-                with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
                     for line in resp.iter_lines():
                         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                             continue
                         choices = json.loads(line[5:]).get("choices") or []
                         if choices and (choices[0].get("text") or choices[0].get("token_ids")):
                             times.append(time.perf_counter())
-                if len(times) >= 2 and i >= 2:
+                if len(times) >= 2 and i >= warm:
                     ttft.append(times[0] - start)
                     tpot.append((times[-1] - times[0]) / (len(times) - 1))
         if not tpot:
             raise ModelcarveError("hardware --probe: the probe model's server streamed no tokens")
         return statistics.median(ttft), statistics.median(tpot)
-    finally:
-        proc.terminate()  # SIGTERM: the server drains (nothing in flight) and exits
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
@@ -358,18 +381,22 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
     ``engine_all_reduce_s = (layer(tp) - layer(1)) / 2``: an all-reduce as the engine pays it between
     layers (ranks computing in between, the server's threads running), which a back-to-back gloo
     loop does not see."""
+    import contextlib
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         l1, l2 = ENGINE_LAYERS
         models = (_tiny_config(tmp, l1), _tiny_config(tmp, l2))
         tps = (1, tp_ranks) if tp_ranks >= 2 else (1,)
-        best = {(tp, k): (float("inf"), float("inf")) for tp in tps for k in range(2)}
-        for _ in range(2):  # interleaved, the lesser median of each kept (as engine_overhead)
-            for tp in tps:
-                for k, model in enumerate(models):
-                    got = _served_times(model, threads, tp)
-                    best[tp, k] = tuple(min(x, y) for x, y in zip(best[tp, k], got))
+        # Every server started once and kept up (idle ones cost nothing but tp's heartbeat step a
+        # second); two passes over them, interleaved, the lesser median of each kept (as
+        # engine_overhead): a neighbour's burst lands in one pass, not in both.
+        up = {(tp, k): servers.enter_context(_Served(model, threads, tp)) for tp in tps for k, model in enumerate(models)}
+        best = {key: (float("inf"), float("inf")) for key in up}
+        for attempt in range(2):
+            for key, server in up.items():
+                got = server.times(warm=2 if attempt == 0 else 1)
+                best[key] = tuple(min(x, y) for x, y in zip(best[key], got))
     (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
     fit = overhead_from_steps(t1, t2, l1, l2)
     fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
