@@ -30,9 +30,15 @@ Interleaved 1F1B (``virtual_stages`` v > 1, torch's ``ScheduleInterleaved1F1B``)
 of chunk 0, ``p`` of chunk 1, ... so forward ``k`` runs chunk ``(k // p) % v``, i.e. stage ``r +
 chunk p`` (spec/stages.py), and each counts that stage's own layers and stage terms (checked on
 tiny-llama, pp=2, v=2: rank 0 holds 3 micro-batches of stage 0 and 2 of stage 2, rank 1 2 of
-stage 1 and 1 of the last). MoE/MLA layers and the zero-bubble schedule (its
-input-gradient step keeps part of each micro-batch's graph for the deferred weight gradients)
-are not covered here (``None``; zero-bubble below, given the executed order).
+stage 1 and 1 of the last). MoE layers go to moe_activations.py; the zero-bubble schedule (its
+input-gradient step keeps part of each micro-batch's graph for the deferred weight gradients) is
+``zero_bubble_activation_bytes``, given the executed order.
+
+Context parallelism (``ring``): ring attention (runtime/parallel/ring_attention.py, autocast off
+inside) saves q and k as it gets them, rotated, so in the rotary tables' dtype (the residual
+stream's: fp32 under autocast), v unexpanded in the compute dtype (MLA: a view of the whole kv up
+projection), its fp32 accumulator output and fp32 log-sum-exp; the same in fp32, exact on tiny-llama
+and the tiny Qwen3-MoE in bf16, MLA 0.57% over in bf16 (the rotary tables the ring path does not keep).
 
 Recomputation (runtime/parallel/recompute.py, non-reentrant ``torch.utils.checkpoint``; measured
 as runtime/measure/memory_report.py describes): a checkpointed region keeps only its inputs from its
@@ -115,9 +121,16 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     if spec.attention_kind == "mla":
         del terms["qkv"], terms["attn_out"]
         terms.update(mla_terms(spec, T, seq, tp, c, resid))
-        if ring:  # ring attention's flash tiles: q, k (rope part appended), v, the output and its log-sum-exp
-            dqk, dv = spec.qk_head_dim, spec.attn_v_head_dim
-            terms["attn_core"] = c * T * heads * (2 * dqk + 2 * dv) + FP32 * T * heads
+        if ring:  # ring attention's saved q, k (rope part appended), v, output and log-sum-exp (ring_terms)
+            dqk, nope, dv = spec.qk_head_dim, spec.qk_head_dim - spec.qk_rope_head_dim, spec.attn_v_head_dim
+            terms["attn_core"] = (resid * T * heads * 2 * dqk + c * T * heads * (nope + dv)
+                                  + FP32 * T * heads * dv + FP32 * T * heads)
+    elif ring:
+        # ring attention (runtime/parallel/ring_attention.py, autocast off inside) saves q and k as it
+        # gets them, rotated: in the rotary tables' dtype, the residual stream's (fp32 under autocast);
+        # v unexpanded in the compute dtype; its fp32 accumulator output and fp32 log-sum-exp
+        terms["qkv"] = resid * T * (heads + kv) * hd + c * T * kv * hd
+        terms["attn_out"] = FP32 * T * heads * hd + FP32 * T * heads
     if spec.qk_norm:
         # Qwen3's per-head RMSNorm of q and of k (before rotary, kv heads not yet expanded):
         # each saves its fp32 input, the fp32 inverse RMS per head and row, its output in the compute dtype
@@ -231,8 +244,6 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
         if recompute_unchecked(spec, layout) is not None:
             return None
         return recompute_peak(spec, layout, layers, first, last, in_flight)
-    if spec.attention_kind == "mla" and layout.cp > 1 and layout.param_dtype != "fp32":
-        return None  # MLA under context parallelism is checked in fp32 only
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         return None
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
@@ -297,6 +308,10 @@ def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float
     attention = terms["attn_input"] + terms["proj_input"] + 2 * r * T * h / rep
     if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
         attention += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
+    if spec.attention_kind == "mla":
+        # each latent norm's normalised output (the latent's dtype, the down projection's: c), saved by its
+        # product with the weight, and the up projection's input (c), both whole on every TP rank
+        attention += 2 * c * T * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
     mlp = terms["mlp_input"] + c * T * spec.ffn_size / layout.tp
     head = r * T * h / rep + stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)["head_input"]
     return attention, mlp, head
@@ -317,8 +332,9 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     the logits) stays to the step's end.
     Checked on tiny-llama, pp=2, fp32 (tests/verify/test_verify_against_plan.py): exact on both
     ranks (the last stage's remainder is 121,664 bytes a micro-batch); Qwen3 (W also frees its q / k
-    norms' fp32 outputs) exact in fp32. MLA is not broken down this way (None on the last stage); nor
-    is recomputation (None)."""
+    norms' fp32 outputs) exact in fp32; MLA (W also frees each latent norm's normalised output and
+    each up projection's input) 1.7% low in fp32 on the tiny DeepSeek-V3, 0.7% in bf16. Recomputation
+    is not modelled (None)."""
     if layout.recompute != "none" or rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
         return None
     last_stage = layout.pp * layout.virtual_stages - 1
@@ -329,8 +345,6 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     targets = stage_terms(spec, layout.mbs * seq, seq, layout.tp, layout.sp, c, last_stage == 0, True,
                           residual_bytes(layout))["targets"]
 
-    if spec.attention_kind != "gqa" and any(stage == last_stage for _kind, stage, _mb in order):
-        return None  # see the doc
     live, peak = 0.0, 0.0
     for kind, stage, _mb in order:
         if kind == "F":

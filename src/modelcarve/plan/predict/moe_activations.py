@@ -29,10 +29,12 @@ Interleaved 1F1B and zero-bubble pipelines (``moe_scheduled_activation_bytes``):
 of the rank's executed order holds its stage's micro-batch (its layers, MoE ones with their own
 routing, and stage terms) until its backward, or zero-bubble's weight step W; on zero-bubble's last
 stage the loss keeps each micro-batch's graph to the step's end and W frees only its weight nodes'
-saved inputs (``moe_weight_step_frees``: activations.py's dense rule, plus per MoE block the router's
-input, each expert's rows and down projection input, and Qwen3's q / k norms' fp32 normalised
-outputs). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both with dp=2 x ep=2) and
-the tiny Qwen3-MoE (zero-bubble): within 256 bytes of the measured peak in fp32.
+saved inputs (``moe_weight_step_frees``: activations.py's dense rule, MLA's latents included, plus
+per MoE block the router's input, each expert's rows and down projection input, and Qwen3's q / k
+norms' fp32 normalised outputs). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both
+with dp=2 x ep=2) and the tiny Qwen3-MoE (zero-bubble; four layers: interleaved): within 256 bytes of
+the measured peak in fp32; the tiny DeepSeek-V3 (MLA, dense first layer) up to 3.2% low in fp32 (MLA's
+unfound 1,792 bytes a layer, activations.py), 2.3% in bf16.
 
 Context parallelism: ``T = mbs x seq / cp`` (``rank_tokens``), the attention's ring terms
 (activations.py ``layer_terms(ring=True)``), no aux-loss load (moe.py skips the unused aux loss
@@ -125,14 +127,12 @@ def moe_scheduled_activation_bytes(spec: "ModelSpec", layout: "Layout", order: l
     EP). Each forward holds its stage's micro-batch (``moe_held_bytes``) until its backward (B) or, under
     zero-bubble, its weight step (W), as activations.py's ``interleaved_activation_bytes`` and
     ``zero_bubble_activation_bytes`` count a dense stage. The last stage of a zero-bubble schedule keeps
-    each micro-batch's loss, and with it part of its graph, to the step's end: not broken down for an
-    MoE layer (None)."""
+    each micro-batch's loss, and with it part of its graph, to the step's end; its weight steps free
+    ``moe_weight_step_frees``."""
     if layout.param_dtype not in ("fp32", "bf16") or layout.recompute != "none":
         return None  # recomputation under these schedules: activations.py's recompute_unchecked
     last_stage = layout.pp * layout.virtual_stages - 1
     zb = layout.schedule == "zero-bubble"
-    if zb and (spec.attention_kind != "gqa") and any(stage == last_stage for _k, stage, _mb in order):
-        return None  # as activations.py: the last stage's graph not broken down for these layers
     live, peak = 0.0, 0.0
     held: dict = {}
     for kind, stage, mb in order:
