@@ -83,6 +83,22 @@ CASES_2 = [
     # included; the layers keep their inputs, the recomputed one its attention and MoE block terms
     ("tiny-moe", f"tp=2,sp,gbs=2,recompute=full,{FP32}"),  # the attention's tp messages again
 ]
+BF16 = "seq=16,mbs=1,param_dtype=bf16"
+Q3_4L = "qwen3_moe_4_layers"  # the same checkpoint with four layers: pp=2 x virtual_stages=2
+CASES_2 += [
+    # the tiny Qwen3-MoE in bf16 (autocast; ZeRO-2 holds bf16 parameters); cp's ring attention saves
+    # q / k rotated in the rotary tables' dtype (fp32 under autocast) and its fp32 accumulator output
+    (Q3, f"dp=2,ep=2,gbs=4,{BF16}"),
+    (Q3, f"tp=2,sp,gbs=2,{BF16}"),
+    (Q3, f"dp=2,ep=2,zero=2,gbs=4,{BF16}"),
+    (Q3, f"cp=2,ep=2,gbs=2,{BF16}"),
+    (Q3, f"pp=2,schedule=zero-bubble,gbs=4,{BF16}"),
+    (Q3, f"tp=2,ep=2,etp=1,gbs=2,{BF16}"),
+    (Q3, f"dp=2,fsdp,gbs=4,{BF16}"),
+    (Q3, f"cp=2,gbs=2,{FP32}"),
+    (Q3, f"pp=2,gbs=8,schedule=gpipe,{FP32}"),
+    (Q3_4L, f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,gbs=4,{FP32}"),
+]
 UNMODELLED_2 = [
     # Qwen3-MoE's q / k norms under recomputation: their saved tensors are not broken down (activations.py)
     (Q3, f"dp=2,ep=2,gbs=4,recompute=full,{FP32}", "q/k-norm layers under recomputation"),
@@ -108,22 +124,30 @@ CASES_4 = [
     # 1F1B: the backward of each micro-batch recomputes its layers with the later ones in flight held
     ("tiny-moe", f"pp=2,dp=2,ep=2,recompute=full,schedule=1f1b,gbs=4,{FP32}"),
     ("tiny-moe", f"tp=2,dp=2,ep=2,recompute=selective,zero=2,gbs=4,{FP32}"),
+    (Q3, f"dp=4,dp_shard=2,fsdp,gbs=4,{FP32}"),  # HSDP
+    (Q3, f"dp=4,dp_shard=2,ep=2,fsdp,gbs=4,{BF16}"),
+    (Q3, f"pp=2,tp=2,sp,gbs=4,schedule=1f1b,{FP32}"),
+    (Q3_4L, f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,dp=2,ep=2,gbs=8,{FP32}"),
 ]
 
 
 def _jobs(cases, checkpoint):
-    """(model, layout) jobs for verify_checks.against_plan_worker: Q3 is the tiny Qwen3-MoE checkpoint."""
-    return [(checkpoint if model == Q3 else model, layout) for model, layout, *_ in cases]
+    """(model, layout) jobs for verify_checks.against_plan_worker: Q3 / Q3_4L are the tiny Qwen3-MoE
+    checkpoints (``checkpoint``: {Q3: path, Q3_4L: path})."""
+    return [(checkpoint.get(model, model), layout) for model, layout, *_ in cases]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from hf_tiny import save_hf
 
-    path = tmp_path_factory.mktemp("qwen3moe") / "ckpt"
-    save_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", path, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    return str(path)
+    out = {}
+    for name, layers in ((Q3, 2), (Q3_4L, 4)):
+        path = tmp_path_factory.mktemp("qwen3moe") / "ckpt"
+        save_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", path, num_experts=4, num_experts_per_tok=2, num_hidden_layers=layers,
+                moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        out[name] = str(path)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +204,7 @@ def test_activations_modelled_close(reports2, reports4):
     """The eager MoE terms are exact up to 32 bytes per MoE layer (+28 bytes of masks under tp), one
     micro-batch in flight (fp32, no pipeline; under one the terms of each micro-batch in flight add a
     few bytes more, 0.02-0.03%, held by the 10% check above)."""
-    cases = [(c, r) for c, r in zip(CASES_2, reports2) if "fp32" in c[1]] + list(zip(CASES_4, reports4))
+    cases = [(c, r) for c, r in zip(CASES_2 + CASES_4, reports2[: len(CASES_2)] + reports4) if "fp32" in c[1]]
     # cp=2 x tp=2 measures 12 bytes more than predicted (0.007%): held by the 10% check only
     for report in [r for (_m, layout), r in cases if "pp=" not in layout and "cp=2,tp=2" not in layout]:
         for r in report["against_plan"]:
