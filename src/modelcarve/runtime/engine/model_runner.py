@@ -223,6 +223,12 @@ class ModelRunner:
                               f"of at least {2 * block_size * self.bytes_per_token}")
         self.cache = KVCache(chunk, blocks, block_size, kv_dtype, self.dtype, self.device)
         install(chunk, self.cache)
+        from modelcarve.runtime.engine.fused import RopeTable, fuse_blocks
+
+        self.blocks = fuse_blocks(chunk)
+        """Per layer: engine/fused.py's ``FusedBlock`` where the layer qualifies, else the module."""
+        self.rope_table = RopeTable.make(chunk, self.dtype, self.device)
+        """cos/sin rows made once (None: computed per step, e.g. dynamic rope)."""
         # MoE with a per-sequence expert capacity: padding tokens would take real tokens' places
         self.buckets = buckets and not any(getattr(m, "capacity_factor", None) for m in chunk.modules())
         """Forwards run at bucketed shapes (paged_attention.StepShape), not each step's own."""
@@ -344,8 +350,9 @@ class ModelRunner:
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
         self.cache.ctx = ctx
-        rope = chunk.rope(positions, h.dtype)
-        for layer in chunk.layers.values():
+        rope = self.rope_table(positions) if self.rope_table is not None and h.dtype == self.dtype \
+            else chunk.rope(positions, h.dtype)
+        for layer in self.blocks:
             h = layer(h, rope)
         self.cache.ctx = None
         if not self.last:

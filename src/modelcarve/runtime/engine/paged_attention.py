@@ -159,6 +159,21 @@ class StepContext:
             return x[0].transpose(0, 1)[:, :, None]
         return x[0].transpose(0, 1)[self.q_index].permute(0, 2, 1, 3)
 
+    def queries_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, heads, d] packed rows -> [n, heads, Q, d] per sequence."""
+        if self.decode:
+            return q[:, :, None]
+        return q[self.q_index].permute(0, 2, 1, 3)
+
+    def pack_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """[n, heads, Q, d] -> [T, heads * d] (valid queries, packed order; padding rows zero)."""
+        if self.decode:
+            return out[:, :, 0].reshape(out.shape[0], -1)
+        out = out.permute(0, 2, 1, 3)[self.q_valid]                              # [real, heads, d]
+        if self.num_tokens > self.real_tokens:
+            out = torch.cat([out, out.new_zeros(self.num_tokens - self.real_tokens, *out.shape[1:])])
+        return out.reshape(out.shape[0], -1)
+
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
         if self.decode:
@@ -202,6 +217,17 @@ class PagedGQA:
         values = ctx.keys(self.store, "v").permute(0, 2, 1, 3)
         out = _attend(ctx.queries(q), keys, values, ctx.mask(self.window), self.scale)
         return ctx.pack(out)
+
+    def packed(self, q, k, v):
+        """The same on packed rows (engine/fused.py): q [T, heads, d], k/v [T, kv_heads, d] ->
+        [T, heads * d]."""
+        ctx = self.cache.ctx
+        self.store.write("k", ctx.slot_mapping, k)
+        self.store.write("v", ctx.slot_mapping, v)
+        keys = ctx.keys(self.store, "k").permute(0, 2, 1, 3)
+        values = ctx.keys(self.store, "v").permute(0, 2, 1, 3)
+        out = _attend(ctx.queries_rows(q), keys, values, ctx.mask(self.window), self.scale)
+        return ctx.pack_rows(out)
 
 
 class PagedMLA:
