@@ -44,6 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from modelcarve.runtime.engine.quant import KV_KINDS as KV_QUANT
+
 BUCKET_FINE = 32
 """Up to here the buckets are the powers of two; above, also 1.5x each power of two."""
 
@@ -130,6 +132,11 @@ class StepContext:
         self.slot_mapping = slots
         self.block_index = tables.view(-1)
         self.num_seqs = n
+        first = rows[0][0]
+        used = -(-ctx[0] // bs)
+        self.run = first if n == 1 and rows[0][:used] == list(range(first, first + used)) else None
+        """One sequence whose blocks are consecutive from block ``run``: its keys are a view of the
+        store (``keys``), no gather; the padding blocks after its own (keys masked) are the next ones."""
         # one sequence, unbucketed: its keys are the (contiguous) prefix of the gathered blocks
         self.key_len = l_max if n == 1 and not buckets else nb * bs
         self.k_pos = torch.arange(self.key_len, device=device)
@@ -154,6 +161,12 @@ class StepContext:
 
     def keys(self, store, name: str) -> torch.Tensor:
         """[n, L, ...] the context of every sequence from ``store`` (one gather of whole blocks)."""
+        if self.run is not None and store.kind not in KV_QUANT:
+            data = store.data[name]
+            bs = store.block_size
+            if (self.run * bs + self.key_len) <= data.shape[0]:
+                out = data[self.run * bs:self.run * bs + self.key_len][None]
+                return out if out.dtype == store.dtype else out.to(store.dtype)
         out = store.gather_blocks(name, self.block_index, self.num_seqs)
         return out[:, :self.key_len] if out.shape[1] != self.key_len else out
 
