@@ -142,7 +142,8 @@ class StepContext:
         self.k_pos = torch.arange(self.key_len, device=device)
         self.decode_one = n == 1 and t == 1 and self.key_len == l_max
         self._masks: dict = {}
-        self.groups = _length_groups(ctx[:n_real], rows, bs, buckets, device) if self.decode and n_real > 1 else None
+        self.groups = _length_groups(ctx[:n_real], rows, bs, buckets, device, n - n_real) \
+            if self.decode and (n_real > 1 or n > n_real) else None
         """Decode steps of sequences of very different lengths: ``DecodeGroup``s of rows whose keys
         are gathered and attended at their own (bucketed) length (None: one group, the whole step)."""
 
@@ -234,11 +235,13 @@ class DecodeGroup:
         return self._masks[window]
 
 
-def _length_groups(ctx: list[int], rows: list[list[int]], bs: int, buckets: bool, device) -> list | None:
+def _length_groups(ctx: list[int], rows: list[list[int]], bs: int, buckets: bool, device,
+                   padding: int = 0) -> list | None:
     """Partition a decode step's real sequences (context lengths ``ctx``, padded block rows
     ``rows``) into up to ``MAX_GROUPS`` groups of similar (bucketed) key length, longest first,
     when a new group saves more than ``GROUP_COST`` padded (sequence x key) pairs; None when one
-    group is best. Padding rows (after the real ones) are in no group: their attention output is zero."""
+    group of all rows is best. Padding rows (``padding`` of them, after the real ones) are in no
+    group: their attention output is zero (one group of the real rows only, when that saves as much)."""
     width = [bucket(-(-c // bs)) if buckets else -(-c // bs) for c in ctx]
     order = sorted(range(len(ctx)), key=lambda i: -width[i])
     groups = [[order[0]]]
@@ -250,7 +253,7 @@ def _length_groups(ctx: list[int], rows: list[list[int]], bs: int, buckets: bool
             groups.append([i])
         else:
             groups[-1].append(i)
-    if len(groups) == 1:
+    if len(groups) == 1 and padding * width[order[0]] * bs <= GROUP_COST:
         return None
     return [DecodeGroup(g, [rows[i] for i in g], [ctx[i] for i in g], width[g[0]], bs, device) for g in groups]
 
