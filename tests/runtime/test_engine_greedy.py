@@ -45,6 +45,30 @@ def test_single_device_equals_transformers(ckpts, name):
     assert drive(engine, prompts, greedy()) == refs
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_decode_length_groups_equal_transformers(ckpts, name, monkeypatch):
+    """Decode steps attended in length groups (``GROUP_COST`` 0: whenever the widths differ), through
+    the fused block (llama; mistral with its sliding window) and the module path (qwen3's q/k norm)."""
+    from modelcarve.runtime.engine import paged_attention
+    from modelcarve.runtime.engine.fused import FusedBlock
+
+    monkeypatch.setattr(paged_attention, "GROUP_COST", 0)
+    grouped = []
+    real = paged_attention._length_groups
+
+    def spy(*args):
+        got = real(*args)
+        grouped.append(got is not None and len(got) > 1)
+        return got
+
+    monkeypatch.setattr(paged_attention, "_length_groups", spy)
+    path, prompts, refs = ckpts[name]
+    engine = _engine(path)
+    assert any(isinstance(b, FusedBlock) for b in engine.runner.blocks) == (name != "qwen3")
+    assert drive(engine, prompts, greedy()) == refs
+    assert any(grouped)
+
+
 def test_broken_cache_fails(ckpts, monkeypatch):
     """Hide key position 3 from every later query: the outputs must stop matching transformers."""
     from modelcarve.runtime.engine import paged_attention

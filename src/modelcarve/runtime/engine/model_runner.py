@@ -4,9 +4,11 @@
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
 (runtime/engine/quant.py) -- or, for fp32 / bf16 weights on CPU, gives the layers' and the head's
-linears a oneDNN-packed copy made once at load (``PackedLinear``, when it fits in a quarter of free
-memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
-minimum over ranks) and installs paged attention (paged_attention.py).
+linears a oneDNN-packed copy made once at load (``PackedLinear``, fused.py, when it fits in a quarter
+of free memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
+minimum over ranks), installs paged attention (paged_attention.py) and runs the layers that
+qualify as fused blocks (fused.py ``FusedBlock``: one packed linear for q|k|v and one for w1|w3,
+cos/sin from a table made at load).
 
 ``execute(plan)`` runs one engine step on this rank. ``plan`` is a ``StepPlan`` (step_plan.py):
 per DP replica, a ``StepItem`` (token_ids, start, block_table, sample, logprob rows) per scheduled chunk. A
@@ -43,44 +45,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from modelcarve.runtime.engine.fused import PackedLinear, RopeTable, fuse_blocks, packable_dtypes
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, StepShape, bucket, install
 from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
 from modelcarve.spec.errors import LayoutError
 
-
-
-class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight reordered once, at load,
-    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
-    ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
-    thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x
-    faster than the BLAS sgemm of ``F.linear``; fp32 batch-1 TPOT 25.3 -> 15.1 ms against BLAS gemv
-    at one row (an isolated one-row gemv whose weight stays in cache looks as fast, but in the
-    model the weights stream from memory, and the packed layout streams faster); bf16: ``F.linear``
-    reorders the weight for oneDNN on every call, ~1.8-2.7x slower at 1..4 rows, ~1.5x at 16 (an
-    avx512_bf16 CPU without AMX). Same ``x W^T + b`` up to summation order (fp32 accumulation both
-    ways; bf16 output rounding)."""
-
-    def __init__(self, lin: torch.nn.Linear):
-        super().__init__()
-        self.weight, self.bias = lin.weight, lin.bias
-        self.out_features, self.in_features = lin.weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
-                                               "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def packable_dtypes() -> tuple:
-    """The weight dtypes ``prepack_linears`` packs here: fp32 with oneDNN, bf16 too where oneDNN
-    has bf16 kernels for this CPU (avx512bw/vl/dq or AMX; ``_is_mkldnn_bf16_supported``)."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return ()
-    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 PLAN_TAG = 7
@@ -223,6 +193,10 @@ class ModelRunner:
                               f"of at least {2 * block_size * self.bytes_per_token}")
         self.cache = KVCache(chunk, blocks, block_size, kv_dtype, self.dtype, self.device)
         install(chunk, self.cache)
+        self.blocks = fuse_blocks(chunk)
+        """Per layer: engine/fused.py's ``FusedBlock`` where the layer qualifies, else the module."""
+        self.rope_table = RopeTable.make(chunk, self.dtype, self.device)
+        """cos/sin rows made once (None: computed per step, e.g. dynamic rope)."""
         # MoE with a per-sequence expert capacity: padding tokens would take real tokens' places
         self.buckets = buckets and not any(getattr(m, "capacity_factor", None) for m in chunk.modules())
         """Forwards run at bucketed shapes (paged_attention.StepShape), not each step's own."""
@@ -344,8 +318,9 @@ class ModelRunner:
             if chunk.pos_embeddings is not None:
                 h = h + chunk.pos_embeddings(positions)
         self.cache.ctx = ctx
-        rope = chunk.rope(positions, h.dtype)
-        for layer in chunk.layers.values():
+        rope = self.rope_table(positions) if self.rope_table is not None and h.dtype == self.dtype \
+            else chunk.rope(positions, h.dtype)
+        for layer in self.blocks:
             h = layer(h, rope)
         self.cache.ctx = None
         if not self.last:

@@ -44,6 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from modelcarve.runtime.engine.quant import KV_KINDS as KV_QUANT
+
 BUCKET_FINE = 32
 """Up to here the buckets are the powers of two; above, also 1.5x each power of two."""
 
@@ -91,6 +93,7 @@ class StepContext:
         need_blocks = -(-max(s + q for s, q, _ in seqs) // bs)
         shape = StepShape.of([q for _, q, _ in seqs], need_blocks, buckets)
         # padding sequences: one-token ones at position 0 (decode), else empty ones
+        n_real = len(seqs)
         seqs = list(seqs) + [(0, 1 if shape.queries == 1 else 0, [])] * (shape.seqs - len(seqs))
         n = len(seqs)
         starts = [s for s, _, _ in seqs]
@@ -129,11 +132,20 @@ class StepContext:
         self.slot_mapping = slots
         self.block_index = tables.view(-1)
         self.num_seqs = n
+        first = rows[0][0]
+        used = -(-ctx[0] // bs)
+        self.run = first if n == 1 and rows[0][:used] == list(range(first, first + used)) else None
+        """One sequence whose blocks are consecutive from block ``run``: its keys are a view of the
+        store (``keys``), no gather; the padding blocks after its own (keys masked) are the next ones."""
         # one sequence, unbucketed: its keys are the (contiguous) prefix of the gathered blocks
         self.key_len = l_max if n == 1 and not buckets else nb * bs
         self.k_pos = torch.arange(self.key_len, device=device)
         self.decode_one = n == 1 and t == 1 and self.key_len == l_max
         self._masks: dict = {}
+        self.groups = _length_groups(ctx[:n_real], rows, bs, buckets, device, n - n_real) \
+            if self.decode and (n_real > 1 or n > n_real) else None
+        """Decode steps of sequences of very different lengths: ``DecodeGroup``s of rows whose keys
+        are gathered and attended at their own (bucketed) length (None: one group, the whole step)."""
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[n, 1, Q, L] True where a query may attend a key (None: all keys, one decoding sequence
@@ -150,6 +162,12 @@ class StepContext:
 
     def keys(self, store, name: str) -> torch.Tensor:
         """[n, L, ...] the context of every sequence from ``store`` (one gather of whole blocks)."""
+        if self.run is not None and store.kind not in KV_QUANT:
+            data = store.data[name]
+            bs = store.block_size
+            if (self.run * bs + self.key_len) <= data.shape[0]:
+                out = data[self.run * bs:self.run * bs + self.key_len][None]
+                return out if out.dtype == store.dtype else out.to(store.dtype)
         out = store.gather_blocks(name, self.block_index, self.num_seqs)
         return out[:, :self.key_len] if out.shape[1] != self.key_len else out
 
@@ -159,6 +177,21 @@ class StepContext:
             return x[0].transpose(0, 1)[:, :, None]
         return x[0].transpose(0, 1)[self.q_index].permute(0, 2, 1, 3)
 
+    def queries_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, heads, d] packed rows -> [n, heads, Q, d] per sequence."""
+        if self.decode:
+            return q[:, :, None]
+        return q[self.q_index].permute(0, 2, 1, 3)
+
+    def pack_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """[n, heads, Q, d] -> [T, heads * d] (valid queries, packed order; padding rows zero)."""
+        if self.decode:
+            return out[:, :, 0].reshape(out.shape[0], -1)
+        out = out.permute(0, 2, 1, 3)[self.q_valid]                              # [real, heads, d]
+        if self.num_tokens > self.real_tokens:
+            out = torch.cat([out, out.new_zeros(self.num_tokens - self.real_tokens, *out.shape[1:])])
+        return out.reshape(out.shape[0], -1)
+
     def pack(self, out: torch.Tensor) -> torch.Tensor:
         """[n, heads, Q, d] -> [1, heads, T, d] (valid queries, packed order)."""
         if self.decode:
@@ -167,6 +200,62 @@ class StepContext:
         if self.num_tokens > self.real_tokens:  # padding tokens' rows: zeros
             out = torch.cat([out, out.new_zeros(self.num_tokens - self.real_tokens, *out.shape[1:])])
         return out.permute(1, 0, 2).unsqueeze(0)
+
+
+GROUP_COST = 512
+"""A decode step's sequences are attended in length groups (``_length_groups``) when a group saves
+more than this many padded (sequence x key) pairs: about what one more set of attention calls
+per layer costs (a few small ops, ~10-20 us on one CPU thread; SDPA ~0.1 us per pair)."""
+MAX_GROUPS = 3
+
+
+class DecodeGroup:
+    """Some of a decode step's sequences, attended together at their own key length."""
+
+    def __init__(self, rows: list[int], block_rows: list[list[int]], ctx: list[int], blocks: int, bs: int, device):
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        """The group's sequences (= their rows: a decode step has one token per sequence)."""
+        self.n = len(rows)
+        self.block_index = torch.tensor([r[:blocks] + [0] * (blocks - len(r[:blocks])) for r in block_rows],
+                                        dtype=torch.long, device=device).view(-1)
+        """Their block tables, ``blocks`` wide, flattened."""
+        self.key_len = blocks * bs
+        self.q_pos = torch.tensor(ctx, dtype=torch.long, device=device)[:, None] - 1
+        self.k_pos = torch.arange(self.key_len, device=device)
+        self._masks: dict = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, 1, 1, key_len], ``StepContext.mask``'s rule."""
+        if window not in self._masks:
+            q, k = self.q_pos[:, :, None], self.k_pos[None, None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (k > q - window)
+            self._masks[window] = allowed[:, None]
+        return self._masks[window]
+
+
+def _length_groups(ctx: list[int], rows: list[list[int]], bs: int, buckets: bool, device,
+                   padding: int = 0) -> list | None:
+    """Partition a decode step's real sequences (context lengths ``ctx``, padded block rows
+    ``rows``) into up to ``MAX_GROUPS`` groups of similar (bucketed) key length, longest first,
+    when a new group saves more than ``GROUP_COST`` padded (sequence x key) pairs; None when one
+    group of all rows is best. Padding rows (``padding`` of them, after the real ones) are in no
+    group: their attention output is zero (one group of the real rows only, when that saves as much)."""
+    width = [bucket(-(-c // bs)) if buckets else -(-c // bs) for c in ctx]
+    order = sorted(range(len(ctx)), key=lambda i: -width[i])
+    groups = [[order[0]]]
+    for at in range(1, len(order)):
+        i = order[at]
+        top = width[groups[-1][0]]
+        # a new group from here: every remaining sequence is at most this wide
+        if width[i] != top and len(groups) < MAX_GROUPS and (top - width[i]) * bs * (len(order) - at) > GROUP_COST:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    if len(groups) == 1 and padding * width[order[0]] * bs <= GROUP_COST:
+        return None
+    return [DecodeGroup(g, [rows[i] for i in g], [ctx[i] for i in g], width[g[0]], bs, device) for g in groups]
 
 
 UPCAST = (torch.bfloat16, torch.float16)
@@ -194,14 +283,39 @@ class PagedGQA:
         self.cache, self.store = cache, cache.layers[key]
         self.scale, self.window = attn.core_attention.scale, attn.core_attention.window
 
+    def _grouped(self, ctx, q):
+        """A decode step in length groups (``StepContext.groups``): q [T, heads, d] -> [T, heads, d]."""
+        out = torch.zeros_like(q)
+        for g in ctx.groups:
+            keys = self.store.gather_blocks("k", g.block_index, g.n).permute(0, 2, 1, 3)
+            values = self.store.gather_blocks("v", g.block_index, g.n).permute(0, 2, 1, 3)
+            got = _attend(q.index_select(0, g.rows)[:, :, None], keys, values, g.mask(self.window), self.scale)
+            out.index_copy_(0, g.rows, got[:, :, 0])
+        return out
+
     def __call__(self, q, k, v):
         ctx = self.cache.ctx
         self.store.write("k", ctx.slot_mapping, k[0].transpose(0, 1))
         self.store.write("v", ctx.slot_mapping, v[0].transpose(0, 1))
+        if ctx.groups is not None:
+            return self._grouped(ctx, q[0].transpose(0, 1)).transpose(0, 1)[None]
         keys = ctx.keys(self.store, "k").permute(0, 2, 1, 3)
         values = ctx.keys(self.store, "v").permute(0, 2, 1, 3)
         out = _attend(ctx.queries(q), keys, values, ctx.mask(self.window), self.scale)
         return ctx.pack(out)
+
+    def packed(self, q, k, v):
+        """The same on packed rows (engine/fused.py): q [T, heads, d], k/v [T, kv_heads, d] ->
+        [T, heads * d]."""
+        ctx = self.cache.ctx
+        self.store.write("k", ctx.slot_mapping, k)
+        self.store.write("v", ctx.slot_mapping, v)
+        if ctx.groups is not None:
+            return self._grouped(ctx, q).reshape(q.shape[0], -1)
+        keys = ctx.keys(self.store, "k").permute(0, 2, 1, 3)
+        values = ctx.keys(self.store, "v").permute(0, 2, 1, 3)
+        out = _attend(ctx.queries_rows(q), keys, values, ctx.mask(self.window), self.scale)
+        return ctx.pack_rows(out)
 
 
 class PagedMLA:

@@ -1,0 +1,174 @@
+"""The engine's packed and fused linears: ``PackedLinear`` (one oneDNN-packed weight copy), and a
+llama-shaped decoder block in a few ops (``FusedBlock``), both built once at load.
+
+Per token, the reference block (runtime/model/transformer.py) runs about 45 small tensor ops and
+7 linears through 11 ``nn.Module`` calls; at batch 1 the linears stream the weights and the
+rest is host work (~2 ms a step on the ~110M llama of benchmarks/serve_vs_peers.py). For a
+block the engine recognises (``fuse_blocks``), ``FusedBlock`` computes the same function with:
+
+* one oneDNN-packed linear for ``wq | wk | wv`` and one for ``w1 | w3`` (the weights
+  concatenated along the output dimension, packed once; each output element is the same dot
+  product as before), replacing the per-module ``PackedLinear`` copies (memory unchanged);
+* rotary embedding applied to q and k together on the fused projection's rows
+  (``x * cos + rotate_half(x) * sin``, element for element ``apply_rope``'s arithmetic) with
+  the step's cos/sin computed once per step (``rope_table``: rows of a table made at load);
+* the paged attention called on ``[T, heads, d]`` views (no per-layer transposes of k/v);
+* RMSNorm with the reference's arithmetic (fp32 statistics, cast back, times the weight).
+
+A block qualifies when it is the plain single-device llama/mistral/qwen2 shape: ``Attention``
+with rope, no q/k norm, GQA paged attention installed, ``RMSNorm`` norms, a SwiGLU
+``FeedForward``, every linear a ``PackedLinear`` (fp32 / bf16 on CPU), and no forward hooks
+anywhere in it (tensor parallelism's regions use hooks: those blocks keep the module path).
+Every other block (MLA, MoE, GELU MLP, LayerNorm, qk-norm, quantised or TP linears) runs as
+before. ``MODELCARVE_ENGINE_FUSED=0`` turns the fused path off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class PackedLinear(torch.nn.Module):
+    """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight reordered once, at load,
+    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
+    ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
+    thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x
+    faster than the BLAS sgemm of ``F.linear``; fp32 batch-1 TPOT 25.3 -> 15.1 ms against BLAS gemv
+    at one row (an isolated one-row gemv whose weight stays in cache looks as fast, but in the
+    model the weights stream from memory, and the packed layout streams faster); bf16: ``F.linear``
+    reorders the weight for oneDNN on every call, ~1.8-2.7x slower at 1..4 rows, ~1.5x at 16 (an
+    avx512_bf16 CPU without AMX). Same ``x W^T + b`` up to summation order (fp32 accumulation both
+    ways; bf16 output rounding)."""
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+        self.out_features, self.in_features = lin.weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias,
+                                               "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def packable_dtypes() -> tuple:
+    """The weight dtypes ``prepack_linears`` packs here: fp32 with oneDNN, bf16 too where oneDNN
+    has bf16 kernels for this CPU (avx512bw/vl/dq or AMX; ``_is_mkldnn_bf16_supported``)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
+def _packed_cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """runtime.model.transformer.RMSNorm.forward on [T, H] in one kernel (bit-equal to it here: fp32
+    statistics, ``x * rsqrt(mean(x^2) + eps)`` rounded to the input dtype, then times the weight)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x, weight.shape, eps=eps)
+
+
+def _hooked(*mods) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for mod in mods for m in mod.modules())
+
+
+class FusedBlock:
+    """One recognised TransformerBlock's forward on packed rows ``h [1, T, H]`` (see module doc)."""
+
+    def __init__(self, block):
+        attn, ffn = block.attention, block.feed_forward
+        self.attn_norm, self.attn_eps = block.attention_norm.weight, block.attention_norm.eps
+        self.ffn_norm, self.ffn_eps = block.ffn_norm.weight, block.ffn_norm.eps
+        self.heads, self.kv_heads, self.d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.q_cols, self.k_cols = self.heads * self.d, self.kv_heads * self.d
+        self.qkv = _packed_cat([attn.wq, attn.wk, attn.wv])
+        self.wo = (attn.wo.packed, attn.wo.bias)
+        self.ffn_size = ffn.w1.out_features
+        self.w13 = _packed_cat([ffn.w1, ffn.w3])
+        self.w2 = (ffn.w2.packed, ffn.w2.bias)
+        self.act = ffn.act
+        self.paged = attn.kv_cache
+        # the per-module packed copies of the fused linears are no longer used: drop them
+        for owner, leaf in ((attn, "wq"), (attn, "wk"), (attn, "wv"), (ffn, "w1"), (ffn, "w3")):
+            mod = getattr(owner, leaf)
+            if type(mod) is PackedLinear:
+                lin = torch.nn.Linear(1, 1, bias=mod.bias is not None)
+                lin.in_features, lin.out_features = mod.in_features, mod.out_features
+                lin.weight, lin.bias = mod.weight, mod.bias
+                setattr(owner, leaf, lin)
+
+    def __call__(self, h: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin = rope                                     # [T, d] each
+        t = h.shape[1]
+        x = h.view(t, -1)
+        qkv = _linear(_rms(x, self.attn_norm, self.attn_eps), *self.qkv)   # [T, (heads + 2 kv) d]
+        qk = qkv[:, :self.q_cols + self.k_cols].view(t, -1, self.d)
+        half = self.d // 2
+        rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos[:, None] + rot * sin[:, None]         # apply_rope, element for element
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        v = qkv[:, self.q_cols + self.k_cols:].view(t, -1, self.d)
+        out = self.paged.packed(q, k, v)                    # [T, heads * d]
+        x = x + _linear(out, *self.wo)
+        gu = _linear(_rms(x, self.ffn_norm, self.ffn_eps), *self.w13)
+        x = x + _linear(self.act(gu[:, :self.ffn_size]) * gu[:, self.ffn_size:], *self.w2)
+        return x.view(1, t, -1)
+
+
+def _fusable(block) -> bool:
+    from modelcarve.runtime.engine.paged_attention import PagedGQA
+    from modelcarve.runtime.model.mlp import FeedForward
+    from modelcarve.runtime.model.transformer import Attention, RMSNorm, TransformerBlock
+
+    if type(block) is not TransformerBlock:
+        return False
+    attn, ffn = block.attention, block.feed_forward
+    return (type(attn) is Attention and attn.rope and attn.q_norm is None and type(attn.kv_cache) is PagedGQA
+            and type(block.attention_norm) is RMSNorm and type(block.ffn_norm) is RMSNorm
+            and type(ffn) is FeedForward and ffn.swiglu and ffn.act is F.silu
+            and all(type(m) is PackedLinear for m in (attn.wq, attn.wk, attn.wv, attn.wo, ffn.w1, ffn.w3, ffn.w2))
+            and attn.wq.weight.dtype == attn.wk.weight.dtype == attn.wv.weight.dtype
+            and not _hooked(block))
+
+
+def fuse_blocks(chunk) -> list:
+    """Per layer of ``chunk`` (in order): its ``FusedBlock`` where it qualifies, else the module."""
+    if os.environ.get("MODELCARVE_ENGINE_FUSED", "1") == "0":
+        return list(chunk.layers.values())
+    return [FusedBlock(block) if _fusable(block) else block for block in chunk.layers.values()]
+
+
+class RopeTable:
+    """cos/sin rows for positions ``0 .. max_position - 1`` made once (``rope_cos_sin``'s
+    arithmetic); ``None`` from ``make`` for rope types whose tables depend on the call (dynamic)."""
+
+    def __init__(self, chunk, dtype: torch.dtype, device):
+        from modelcarve.runtime.model.rope import rope_cos_sin
+
+        pos = torch.arange(chunk.spec.max_position, device=device)
+        self.cos, self.sin = rope_cos_sin(pos, chunk.rope_dim, chunk.spec, dtype)
+
+    @classmethod
+    def make(cls, chunk, dtype, device):
+        if not getattr(chunk, "rope_dim", 0) or chunk.spec.rope_parameters.get("rope_type", "default") == "dynamic":
+            return None
+        return cls(chunk, dtype, device)
+
+    def __call__(self, positions: torch.Tensor):
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
