@@ -13,8 +13,10 @@ what each rank gets while the others work too:
   a ~100M model; fp32 weights in oneDNN's blocked layout, ``model_runner.PackedLinear``, which runs
   prefill ~2x faster than the BLAS ``torch.mm`` this probe timed before);
 * weight-streaming rate: bytes over the median time of a GEMV as a one-row engine step runs it
-  (``F.linear`` of one row over a 64 MiB fp32 ``[out, in]`` weight, far larger than the caches):
-  what a decode step's weight read achieves;
+  (one row through a 64 MiB fp32 weight held as the engine holds its linears, in oneDNN's blocked
+  layout where it packs them: ~51 GB/s on one idle core here where BLAS's ``F.linear`` gemv read
+  ~28 GB/s, which priced a decode step ~40% slower than the engine ran it), far larger than the
+  caches: what a decode step's weight read achieves;
 * memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
   STREAM's copy counts it; reported, not used by the planner);
 * gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
@@ -98,17 +100,21 @@ def _timed(fn, *, min_s: float = 0.3, min_reps: int = 3, max_reps: int = 200, re
     return statistics.median(times)
 
 
-def _engine_gemm(torch, dtype):
-    """A ``GEMM_N``-row step through a ``GEMM_N x GEMM_N`` linear as the engine runs it: fp32 weights
-    are held in oneDNN's blocked layout (``model_runner.PackedLinear``, ~2x BLAS sgemm's rate here),
-    other dtypes through ``F.linear``."""
-    from modelcarve.runtime.engine.model_runner import PackedLinear
+def _engine_linear(torch, dtype, n_in: int, n_out: int):
+    """An ``n_in -> n_out`` linear held as the engine holds it: in oneDNN's blocked layout
+    (``model_runner.PackedLinear``) where ``model_runner.packable_dtypes`` packs ``dtype`` on this
+    CPU, else a plain ``nn.Linear`` (``F.linear``)."""
+    from modelcarve.runtime.engine.model_runner import PackedLinear, packable_dtypes
 
-    lin = torch.nn.Linear(GEMM_N, GEMM_N, bias=False).to(dtype)
+    lin = torch.nn.Linear(n_in, n_out, bias=False).to(dtype)
+    return PackedLinear(lin) if dtype in packable_dtypes() else lin
+
+
+def _engine_gemm(torch, dtype):
+    """A ``GEMM_N``-row step through a ``GEMM_N x GEMM_N`` linear as the engine runs it
+    (``_engine_linear``: oneDNN's blocked layout ran fp32 ~2x BLAS sgemm's rate here)."""
+    layer = _engine_linear(torch, dtype, GEMM_N, GEMM_N)
     x = torch.randn(GEMM_N, GEMM_N, dtype=dtype)
-    packs = (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # as model_runner.prepack_linears decides
-    layer = PackedLinear(lin) if packs else lin
 
     def run():
         with torch.no_grad():
@@ -130,11 +136,16 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(_engine_gemm(torch, dtype))
         dist.barrier()
-        # the engine's one-row step: F.linear over an [out, in] weight (BLAS gemv; model_runner.PackedLinear)
-        w = torch.randn(GEMV_ROWS, GEMV_COLS)
+        # the engine's one-row step through the linear as the engine holds it (_engine_linear)
+        gemv = _engine_linear(torch, torch.float32, GEMV_COLS, GEMV_ROWS)
         x = torch.randn(1, GEMV_COLS)
-        res["gemv_bytes_per_s"] = w.numel() * 4 / _timed(lambda: torch.nn.functional.linear(x, w))
-        del w, x
+
+        def stream():
+            with torch.no_grad():
+                gemv(x)
+
+        res["gemv_bytes_per_s"] = GEMV_ROWS * GEMV_COLS * 4 / _timed(stream)
+        del gemv, x
         dist.barrier()
         src = torch.ones(COPY_BYTES // 4)
         dst = torch.empty_like(src)
