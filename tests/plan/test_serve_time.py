@@ -139,9 +139,11 @@ def test_prefill_is_compute_bound_at_the_gemm_efficiency():
     cluster = parse_cluster("H100")
     t = serve_time(model, cluster, batch=1, input_len=8192, output_len=16)
     h, n = model.hidden_size, 8192
-    flops = n * (2 * model.matmul_params_active + 2 * (n / 2) * 32 * 256 * 32)
+    gemm_flops = n * 2 * model.matmul_params_active
+    attn_flops = n * 2 * (n / 2) * 32 * 256 * 32  # scores and values over half the prompt, 32 heads, 32 layers
     eff = matmul_efficiency(cluster.device, n, 4 * h, h, "bf16")
-    assert t.prefill_s == pytest.approx(flops / (989.4e12 * eff), rel=1e-9)
+    # the GEMMs at their shape's efficiency, attention at the attention kernels' peak (0.72 of H100's bf16)
+    assert t.prefill_s == pytest.approx(gemm_flops / (989.4e12 * eff) + attn_flops / (989.4e12 * 0.72), rel=1e-9)
     assert t.ttft_s == t.prefill_s  # nothing else in flight
 
 
@@ -207,3 +209,31 @@ def test_ep_straggler_cost_is_reported():
     # What the straggler adds is exactly the difference to a balanced all-to-all.
     assert skew.comm["ep"]["straggler_s_per_round"] == pytest.approx(skew.decode_parts["ep"] - even.decode_parts["ep"])
     assert "ep_straggler" not in skew.decode_parts
+
+
+def test_fp4_prefill_prices_attention_at_the_attention_peak_not_the_fp4_gemm_peak():
+    """Qwen3-30B-A3B (48 layers, hidden 2048, 32 q / 4 kv heads of 128, 128 experts top-8 of ffn 768,
+    vocab 151936, untied) prefilling one 20,000-token prompt on one B200 in NVFP4, by hand.
+
+    GEMM parameters a token goes through, per layer: q 2048x4096 + k, v 2048x512 + o 4096x2048 =
+    18,874,368; router 2048x128 = 262,144; 8 routed experts x 3 x 2048x768 = 37,748,736; 48 layers =
+    2,730,491,904, plus the LM head 151,936 x 2048 = 311,164,928: 3.04e9, 6.08 GFLOP a token, at
+    9 PFLOP/s x FP4_GEMM_FRACTION x the 8192-row chunk's GEMM efficiency. Causal attention's scores
+    and values: 2 x 10,000 (half the prompt) x 32 heads x 256 x 48 layers = 7.86 GFLOP a token, more
+    than the GEMMs at this length, run by bf16 flash attention: 2.25 PFLOP/s x 0.75 (B200's large-GEMM
+    fraction) = 1.69 PFLOP/s. Priced at the FP4 GEMM rate (3.2 PFLOP/s, as before) attention took half
+    the time it does (4.9 us a token against 2.5 us)."""
+    from modelcarve.plan.serve import rates as serve_rates
+
+    model, cluster = get_model("qwen3-30b-a3b"), parse_cluster("B200")
+    n = 20_000
+    t = serve_time(model, cluster, weight_dtype="nvfp4", kv_dtype="fp8", batch=1, input_len=n, output_len=16)
+    gemm_params = 48 * (18_874_368 + 262_144 + 37_748_736) + 311_164_928
+    assert gemm_params == 3_041_656_832
+    attn_flops = 2 * (n / 2) * 32 * 256 * 48
+    assert attn_flops == 7_864_320_000
+    eff = matmul_efficiency(cluster.device, 8192, 4 * 2048, 2048, "fp4")
+    gemm_s = n * 2 * gemm_params / (9e15 * serve_rates.FP4_GEMM_FRACTION * eff)
+    attn_s = n * attn_flops / (2.25e15 * 0.75)
+    assert t.prefill_s == pytest.approx(gemm_s + attn_s, rel=1e-9)
+    assert attn_s / n == pytest.approx(4.66e-6, rel=1e-2)  # 4.7 us a token of attention alone

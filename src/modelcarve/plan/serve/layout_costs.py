@@ -134,8 +134,8 @@ class _Mesh:
     step_s: float
     comm_lines: tuple
     prefill_parts: tuple
-    """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, FLOPs per
-    token, collective seconds, pipeline hop seconds); see time.py ``_prefill_from``."""
+    """For (one prompt alone, a full batch of prefill tokens): (tokens, chunk, chunks, GEMM FLOPs per
+    token, collective seconds, pipeline hop seconds, attention FLOPs per token); see time.py ``_prefill_from``."""
     gemm: dict
     """weight dtype -> (compute dtype, its dense peak FLOP/s, the decode GEMM's efficiency key and
     its efficiency-by-rows memo)."""
@@ -353,14 +353,17 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
 
 
 def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens: int, prompt_len: int) -> tuple:
-    """The dtype-independent half of time.py's ``_prefill_from``: (tokens, chunk, chunks, FLOPs per token,
-    collective seconds per stage, pipeline hop seconds)."""
+    """The dtype-independent half of time.py's ``_prefill_from``: (tokens, chunk, chunks, GEMM FLOPs per token,
+    collective seconds per stage, pipeline hop seconds, attention FLOPs per token)."""
     h = m.hidden_size
     chunk = min(tokens, PREFILL_CHUNK)
     chunks = math.ceil(tokens / chunk)
-    # Per-token FLOPs on one device of a stage (causal attention: half the prompt on average).
+    # Per-token FLOPs on one device of a stage: the GEMMs' (weights), and attention's scores and values
+    # (causal: half the prompt on average), which run in the attention kernels, not in the weights' GEMM
+    # dtype (an FP4 or FP8 checkpoint's attention core is bf16 flash attention): time.py prices them at
+    # the attention peak, as the decode step does.
     attn = 2.0 * (prompt_len / 2.0) * (m.num_heads / tp) * (m.qk_head_dim + m.attn_v_head_dim) * f.stage_layers
-    per_tok = 2.0 * f.matmul_params_per_token + attn
+    per_tok = 2.0 * f.matmul_params_per_token
     if mesh.head_last_row:  # the LM head runs one row per prompt (its last token, which samples)
         per_tok += 2.0 * f.head_matmul_params * (1.0 / prompt_len - 1.0)
     if f.stage_moe_layers:
@@ -370,4 +373,4 @@ def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens:
     if ep > 1 and f.stage_moe_layers:
         comm_s += chunks * 2 * f.stage_moe_layers * ep_round_trip_s(chunk, m, ep, mesh.tier_ep, imbalance, dedup=True)
     hops = (pp - 1) * chunks * comm.p2p_s(act, mesh.tier_pp) if pp > 1 else 0.0
-    return tokens, chunk, chunks, per_tok, comm_s, hops
+    return tokens, chunk, chunks, per_tok, comm_s, hops, attn

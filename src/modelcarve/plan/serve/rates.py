@@ -53,7 +53,8 @@ It binds only where the GPU does little per sequence: a small-active-parameter m
 1k/1k max throughput): "average per iteration host_step_time is 45.11 ms", 29 us per sequence per
 step on a Grace CPU; taken as published (45.11 ms / 1536 = 29.4 us), not fitted. Per executor: an MoE
 model runs attention DP (layout_costs: divided by tp). It brings TensorRT-LLM's Qwen3-30B-A3B short rows
-(data/serving_published.csv) within ~20%; its long-context and prefill-heavy rows stay high (not modelled)."""
+(data/serving_published.csv) within ~20%; its long-context and prefill-heavy rows stay high (not modelled; the
+CSV's header has the issue-28 diagnosis: ~6-8 us per prompt token on B200 that is neither FLOPs nor HBM traffic)."""
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}

@@ -28,9 +28,11 @@ The model (all per device, the fullest pipeline stage):
   ``pp`` micro-batches in flight the stages idle (bubble ``1 - m/pp``).
 * **Weights read** per decode step on a probed device include the LM head's GEMV over a tied
   embedding table (held once, as the embedding, but every step's logits read it whole).
-* **Prefill** of a prompt is compute-bound: forward FLOPs (causal attention; on a probed device the
+* **Prefill** of a prompt is compute-bound: forward GEMM FLOPs (on a probed device the
   LM head on the prompt's last row only, the one that samples) over the device's
-  achievable GEMM rate (``plan.efficiency``), not below one read of the weights per chunk, plus
+  achievable GEMM rate (``plan.efficiency``) plus causal attention's score/value FLOPs over the
+  attention kernels' peak (bf16, as in decode: an FP4/FP8 checkpoint's GEMM peak is not
+  attention's), not below one read of the weights per chunk, plus
   its TP/EP/PP traffic (on a probed CPU device the weight read and the arithmetic add: one core
   does both). Stages run one after another for a single prompt; with EP the prompt's
   expert work is costed as if its own rank did it (right in steady state, when every rank
@@ -264,9 +266,11 @@ def _prefill_from(c: LayoutCosts, part: tuple, eff: float, walk: bool | None = T
     read of the weights per chunk, plus the stage's TP/EP collectives, then the pipeline hops; each
     stage kind priced with its own layers and weights (``_stage_costs``). ``walk=None``: one
     stage's share alone."""
-    tokens, _, chunks, per_tok, comm_s, hops = part
+    tokens, _, chunks, per_tok, comm_s, hops, attn = part
     f = c.f
-    compute_s = tokens * per_tok / (c.peak * eff)
+    # GEMMs at the weights' GEMM rate; attention's scores and values at the attention kernels' peak
+    # (bf16 tensor cores, as in the decode step), not at an FP4/FP8 GEMM peak they never run at.
+    compute_s = tokens * per_tok / (c.peak * eff) + tokens * attn / c.attn_peak
     read_s = chunks * (f.weights_bytes - f.embed_bytes + c.mesh.head_read) / (c.device.hbm_bytes_per_s * prefill_hbm_efficiency(c.device))
     # A probed device's host overheads are paid by every engine step, prefill chunks included: per
     # layer per chunk on each stage, and the step's own fixed cost once per chunk. (The GPU-fitted
