@@ -91,10 +91,12 @@ def greedy():
 
 def run_layouts(ckpts: dict, layouts: list[tuple[str, str]], kv_cache_bytes: int = 1 << 21) -> dict:
     """On every rank: build an engine per (model, layout), rank 0 drives, the others follow.
-    Returns (rank 0) {(model, layout): (outputs, stats dict)}."""
+    Returns (rank 0) {(model, layout): (outputs, stats dict (with ``fused_blocks``: rank 0's layers
+    run as engine/fused.py ``FusedBlock``), KV bytes per token)}."""
     import torch.distributed as dist
 
     from modelcarve.runtime.engine.engine import Engine, EngineConfig
+    from modelcarve.runtime.engine.fused import FusedBlock
 
     results = {}
     for name, layout in layouts:
@@ -103,7 +105,9 @@ def run_layouts(ckpts: dict, layouts: list[tuple[str, str]], kv_cache_bytes: int
         if engine.is_driver:
             outs = drive(engine, prompts, greedy())
             engine.shutdown()
-            results[(name, layout)] = (outs, engine.stats().to_dict(), engine.runner.bytes_per_token)
+            stats = engine.stats().to_dict()
+            stats["fused_blocks"] = sum(isinstance(b, FusedBlock) for b in engine.runner.blocks)
+            results[(name, layout)] = (outs, stats, engine.runner.bytes_per_token)
         else:
             engine.follow()
         dist.barrier()

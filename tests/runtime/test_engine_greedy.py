@@ -2,7 +2,8 @@
 
 fp32, 32 new tokens, three prompts of 5 / 17 / 30 tokens added at engine steps 0, 2 and 5 (so
 prefill and decode of different requests share steps), on tiny random checkpoints of every
-family (tests/engine_cases.py), for: one device (in this process), tp=2, pp=2, dp=2 replicas
+family (tests/engine_cases.py), for: one device (in this process), tp=2 (llama and mistral
+through the fused TP blocks), pp=2, dp=2 replicas
 and ep=2 (MoE, dp=2,ep=2) in one 2-rank gloo world, and tp=2 x pp=2 (and tp=2 x ep=2 for MoE)
 in one 4-rank world.
 Exact equality is the right criterion: both sides compute the same fp32 arithmetic up to
@@ -96,6 +97,12 @@ def _layouts_2():
     return out
 
 
+FUSED_AT_TP2 = ("llama", "mistral")
+"""Families whose tp=2 (no sp) layers run as fused blocks (engine/fused.py: the packed column shards,
+the row-parallel projections packed and reduced over the TP group); qwen3's q/k norms and the other
+families keep the module path."""
+
+
 def _world(ckpts, layouts):
     return run_layouts(ckpts, layouts)
 
@@ -111,6 +118,8 @@ def test_two_ranks_equal_transformers(ckpts):
             assert stats["max_in_flight"] == 2 and stats["microbatches"] == stats["steps"], (name, stats)
         else:
             assert stats["max_in_flight"] == 0, (name, stats)
+        if layout == f"tp=2,{FP32}":  # so the fused TP path is what was compared with transformers
+            assert (stats["fused_blocks"] > 0) == (name in FUSED_AT_TP2), (name, stats["fused_blocks"])
     _kv_equals_planner(ckpts, results)
 
 

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from modelcarve.runtime.engine.fused import PackedLinear, RopeTable, fuse_blocks, packable_dtypes
+from modelcarve.runtime.engine.fused import PackedLinear, PackedRowParallel, RopeTable, fuse_blocks, packable_dtypes
 from modelcarve.runtime.engine.kv_cache import DTYPES, KV_FRACTION, KVCache, bytes_per_token, free_memory_bytes, num_blocks_for
 from modelcarve.runtime.engine.paged_attention import StepContext, StepShape, bucket, install
 from modelcarve.runtime.engine.step_plan import DUMMY_ITEM, StepItem, StepPlan, top_and_chosen
@@ -94,13 +94,16 @@ PACK_FRACTION = 0.25
 
 
 def _packable(mod, dtypes: tuple) -> bool:
-    return (type(mod) is torch.nn.Linear and type(mod.weight) is torch.nn.Parameter
+    from modelcarve.runtime.parallel.tensor import RowParallelLinear
+
+    return (type(mod) in (torch.nn.Linear, RowParallelLinear) and type(mod.weight) is torch.nn.Parameter
             and mod.weight.dtype in dtypes and mod.weight.device.type == "cpu")
 
 
 def prepack_linears(chunk, free_bytes: int) -> int:
     """Give the plain fp32 / bf16 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers
-    kept) and the LM head a oneDNN-packed copy (``PackedLinear``) when those copies fit in
+    kept) and the LM head a oneDNN-packed copy (``PackedLinear``; a TP rank's row-parallel shards
+    ``PackedRowParallel``, which reduces as ``RowParallelLinear`` does) when those copies fit in
     ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN (bf16:
     without its bf16 kernels, ``packable_dtypes``)."""
     dtypes = packable_dtypes()
@@ -118,7 +121,7 @@ def prepack_linears(chunk, free_bytes: int) -> int:
     if sum(mod.weight.nbytes for *_, mod in found) > PACK_FRACTION * free_bytes:
         return 0
     for owner, leaf, mod in found:
-        setattr(owner, leaf, PackedLinear(mod))
+        setattr(owner, leaf, PackedLinear(mod) if type(mod) is torch.nn.Linear else PackedRowParallel(mod))
     return len(found)
 
 

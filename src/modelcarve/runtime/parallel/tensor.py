@@ -337,6 +337,7 @@ def _region_hook(group, sp):
     def hook(module, args, kwargs):
         return (enter_region(args[0], group, sp), *args[1:]), kwargs
 
+    hook.tp_region = (group, sp)  # read by the engine's fused blocks (engine/fused.py) to recognise it
     return hook
 
 
