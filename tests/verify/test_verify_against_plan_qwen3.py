@@ -12,7 +12,9 @@ judged here against the runtime on real gloo ranks:
   named (``tp``);
 * activations: each qk-norm saves its fp32 input, its fp32 inverse RMS per head and row and its
   output, ``(4 + c) T (nh/t + kv) hd + 4 T (nh/t + kv)`` per layer, within 10% (exact in fp32 but
-  for the 28 bytes of boolean masks under tp the dense llama has too).
+  for the 28 bytes of boolean masks under tp the dense llama has too); under recomputation the q/k
+  norms are re-saved with the block (``full``) or kept beside the core's inputs (``selective``):
+  dp full, tp selective, pp 1f1b full in fp32 and dp selective in bf16, exact but for tp's masks.
 
 bf16 is judged on ``dp=2,zero=1`` (bf16 parameters with fp32 master weights) and on ``tp=2`` (autocast),
 whose reference checks use verify's anchored bound for split layouts (verify/reference.py
@@ -43,6 +45,11 @@ CASES = [
     "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16",
     "tp=2,gbs=2,seq=16,mbs=1,param_dtype=bf16",
     "pp=2,gbs=4,schedule=zero-bubble,seq=16,mbs=1,param_dtype=bf16",  # last stage 2.1% low
+    # recomputation: the q/k norms re-saved with the block (full) or kept outside the core (selective)
+    f"dp=2,gbs=4,recompute=full,{FP32}",
+    f"tp=2,gbs=2,recompute=selective,{FP32}",
+    f"pp=2,gbs=4,schedule=1f1b,recompute=full,{FP32}",
+    "dp=2,gbs=4,recompute=selective,seq=16,mbs=1,param_dtype=bf16",
 ]
 
 

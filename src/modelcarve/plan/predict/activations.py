@@ -65,8 +65,14 @@ region's re-saved tensors. Checked tensor by tensor on one tiny-llama block, seq
 keeps 4,096 + 2,048 (input, cos/sin) and peaks in the backward at 4,096 + 2,048 + 128 (token ids) +
 78,208 - 4,096 = 80,384 bytes; ``selective`` peaks at the end of the forward, 8,448 under no
 recomputation (q, k, v 8,192 kept instead of q / expanded k, v / out / lse 16,640).
-Not checked, so ``None``: recomputation with MLA, Qwen3's q/k norms, an interleaved or
-zero-bubble pipeline, or ring attention (context parallel).
+Qwen3's q/k norms are ``layer_terms`` outside the core: ``full`` re-saves them with the block,
+``selective`` keeps them (checked on the tiny Qwen3, dp / tp / pp 1f1b, fp32 and bf16: exact but for
+the 28 bytes of tp masks). MLA: ``full`` as above; ``selective`` keeps the core's inputs, q and k (each
+a ``cat`` of the nope part and the rotated rope part: the residual stream's dtype) and v (a view of the
+kv up projection, its value head, compute dtype), and re-saves ``attn_core`` (the math path's copies:
+no view shared); exact in fp32 and bf16 (autocast) on the tiny DeepSeek-V3, dp / tp / pp 1f1b.
+Not checked, so ``None``: recomputation with an interleaved or zero-bubble pipeline, or ring
+attention (context parallel).
 """
 
 from __future__ import annotations
@@ -141,7 +147,8 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
 
 def mla_terms(spec: "ModelSpec", T: float, seq: int, tp: int, c: int, resid: int = FP32) -> dict[str, float]:
     """Saved bytes of MLA attention (runtime/model/transformer.py ``MLAttention``) for one layer and
-    micro-batch on one TP rank (fp32 and bf16, checked tensor by tensor with saved_tensors_hooks): the q
+    micro-batch on one TP rank (fp32 and bf16, checked tensor by tensor with saved_tensors_hooks; exact
+    in fp32 and bf16 autocast on the tiny DeepSeek-V3, 128 bytes a layer over with bf16-held parameters, outside the attention): the q
     latent's RMSNorm (its input, inverse RMS, output) and the q up projection's input (with a q
     latent); the kv down projection's whole output (the norm's input is a view of it, the rope key
     beside the latent), the kv norm's inverse RMS and output and the kv up projection's input; the
@@ -149,20 +156,17 @@ def mla_terms(spec: "ModelSpec", T: float, seq: int, tp: int, c: int, resid: int
     for a value head narrower than the query head): q and k (rope part appended), the ``s x s``
     softmax per head, and v as a view of the whole kv up projection output. The output
     projection's input is ``proj_input`` (``layer_terms``)."""
-    n, rq, rkv, rope = spec.num_heads / tp, spec.q_lora_rank or 0, spec.kv_lora_rank, spec.qk_rope_head_dim
-    nope, dv = spec.qk_head_dim - rope, spec.attn_v_head_dim
+    n, rq, rkv, dv = spec.num_heads / tp, spec.q_lora_rank or 0, spec.kv_lora_rank, spec.attn_v_head_dim
     out = {}
     # each latent norm's output keeps its input's dtype: the projection's output, in the compute dtype
     if rq:
         out["q_latent"] = (FP32 + c) * T * rq + FP32 * T + c * T * rq
-    if c == FP32:  # the norm's input is a view of the whole kv down projection output (latent + rope key)
-        out["kv_latent"] = FP32 * T * (rkv + rope) + FP32 * T + 2 * FP32 * T * rkv
-    else:  # its fp32 upcast is a copy of the latent alone
-        out["kv_latent"] = FP32 * T * rkv + FP32 * T + 2 * c * T * rkv
-    if c == FP32:
-        out["attn_core"] = 2 * FP32 * T * n * spec.qk_head_dim + FP32 * n * T * seq + FP32 * T * n * (nope + dv)
-    else:  # the math path upcasts bf16 to fp32: its own v copy and a second fp32 s x s tensor per head
-        out["attn_core"] = 2 * FP32 * T * n * spec.qk_head_dim + 2 * FP32 * n * T * seq + FP32 * T * n * dv
+    # the kv norm's fp32 input: in fp32 the latent's view of the kv down projection output (counted at the
+    # bytes it views, not the rope key beside it), in bf16 its fp32 upcast, a copy of the latent alone
+    out["kv_latent"] = FP32 * T * rkv + FP32 * T + 2 * c * T * rkv
+    # the math path, fp32 (bf16 inputs upcast): q and k^T scaled, the s x s softmax and its reshaped view
+    # (two distinct views, each counted), v made contiguous (a copy of the view: value head only)
+    out["attn_core"] = 2 * FP32 * T * n * spec.qk_head_dim + 2 * FP32 * n * T * seq + FP32 * T * n * dv
     return out
 
 
@@ -192,8 +196,6 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
         return None
     if layout.recompute not in RECOMPUTE_CHECKED:
         return f"recompute={layout.recompute}"
-    if spec.attention_kind != "gqa" or spec.qk_norm:
-        return "MLA or q/k-norm layers under recomputation"
     if layout.cp > 1:
         return "ring attention under recomputation"
     if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble"):
@@ -214,10 +216,17 @@ def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c:
     if mode == "full":
         shared = FP32 * T * h / rep if resid == FP32 else 0  # the first norm's fp32 input is the block input
         return {"block_input": resid * T * h / rep}, {}, dict(saved, block_input_shared=-shared)
-    kept = {k: v for k, v in saved.items() if k not in ("qkv", "attn_out")}
-    kept["core_inputs"] = resid * T * (heads + kv) * hd + c * T * kv * hd
     freed = {"mlp": saved["mlp"], "mlp_input": saved["mlp_input"], "ffn_norm": _norm(T, h, rep, resid),
              "proj_input": saved["proj_input"]}
+    if spec.attention_kind == "mla":
+        # the core's inputs: q and k (``cat`` of the nope part, compute dtype, and the rotated rope part, the
+        # rotary tables' dtype: promoted to the residual stream's) and v, a view of the kv up projection (its
+        # value head); the math path re-saves copies of all three (mla_terms), none a view the region keeps
+        kept = {k: v for k, v in saved.items() if k != "attn_core"}
+        kept["core_inputs"] = resid * T * heads * 2 * spec.qk_head_dim + c * T * heads * spec.attn_v_head_dim
+        return kept, freed, {"attn_core": saved["attn_core"]}
+    kept = {k: v for k, v in saved.items() if k not in ("qkv", "attn_out")}
+    kept["core_inputs"] = resid * T * (heads + kv) * hd + c * T * kv * hd
     shared = (c * T * heads * hd if c == resid else 0) + (2 * c * T * kv * hd if kv == heads and c == resid else 0)
     return kept, freed, {"qkv": saved["qkv"], "attn_out": saved["attn_out"], "core_inputs_shared": -shared}
 
