@@ -196,15 +196,15 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
         return None
     if layout.recompute not in RECOMPUTE_CHECKED:
         return f"recompute={layout.recompute}"
-    if layout.cp > 1:
-        return "ring attention under recomputation"
+    if layout.cp > 1 and (spec.is_moe or spec.attention_kind != "gqa"):
+        return "ring attention under recomputation (MLA or MoE layers)"
     if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble"):
         return "an interleaved or zero-bubble pipeline under recomputation"
     return None
 
 
 def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, resid: int,
-                    mode: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+                    mode: str, ring: bool = False) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """One layer and micro-batch under ``mode`` (``full`` / ``selective``; module doc): the bytes it
     keeps from its forward to its backward, those its own backward frees before the checkpointed
     region's backward, and those the region's recomputation re-saves (the views it keeps already
@@ -212,7 +212,7 @@ def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c:
     h, hd = spec.hidden_size, spec.head_dim
     rep = tp if sp else 1
     heads, kv = spec.num_heads / tp, max(spec.num_kv_heads // tp, 1)
-    saved = layer_terms(spec, T, seq, tp, sp, c, resid)
+    saved = layer_terms(spec, T, seq, tp, sp, c, resid, ring)
     if mode == "full":
         shared = FP32 * T * h / rep if resid == FP32 else 0  # the first norm's fp32 input is the block input
         return {"block_input": resid * T * h / rep}, {}, dict(saved, block_input_shared=-shared)
@@ -235,8 +235,9 @@ def recompute_peak(spec: "ModelSpec", layout: "Layout", layers: int, first: bool
     """Peak saved bytes of one rank under recomputation (module doc): the end of the last forward or
     the recomputation of the stage's last layer in the first backward, whichever is larger."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
-    seq, T, r = layout.seq, layout.mbs * layout.seq, residual_bytes(layout)
-    kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute)
+    seq = layout.seq // layout.cp
+    T, r = layout.mbs * seq, residual_bytes(layout)
+    kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute, layout.cp > 1)
     stage = stage_terms(spec, T, seq, layout.tp, layout.sp, c, first, last, r)
     held = in_flight * (layers * sum(kept.values()) + sum(stage.values()))
     head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))

@@ -39,7 +39,8 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   tp rank sends its ``1 / tp`` of the tokens;
 * context parallel (ring attention over zig-zag chunks, ``mbs x seq / cp`` tokens a rank): per
   layer and micro-batch ``cp - 1`` K/V blocks sent forward, ``cp - 1`` again in backward and
-  ``cp - 1`` fp32 dK/dV accumulators, all to the next rank of the cp ring (``ring_sends``); the
+  ``cp - 1`` fp32 dK/dV accumulators, all to the next rank of the cp ring (``ring_sends``; under
+  recomputation the checkpointed forward runs the ring again: a third pass of K/V blocks); the
   gradients, the loss and ZeRO/FSDP state go over the dp x cp group (``group_along(..., "dp_cp")``);
 * tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
   its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
@@ -55,7 +56,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE: moe_traffic.py; MLA under cp, cp under recomputation, FSDP under zero-bubble,
+this model does not cover (MoE: moe_traffic.py; MLA under cp, MLA under cp with recomputation, FSDP under zero-bubble,
 output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and under recomputation
 with an interleaved / zero-bubble pipeline: activations.py's ``recompute_unchecked``): the verify table marks those
 quantities as unpredicted instead of guessing.
@@ -131,7 +132,7 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("output / MLP biases, learned positions")
     if layout.ep > 1:
         problems.append("expert parallelism")
-    if layout.cp > 1 and layout.recompute != "none":
+    if layout.cp > 1 and layout.recompute != "none" and (spec.attention_kind != "gqa"):
         problems.append("ring attention under recomputation")
     if layout.zero == 3 and layout.pp > 1 and layout.schedule == "zero-bubble":
         problems.append("fsdp under the zero-bubble schedule")
@@ -382,7 +383,8 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
         block = tokens * (spec.num_heads // layout.tp) * (spec.qk_head_dim + spec.attn_v_head_dim)
     hops = nl * m * (layout.cp - 1)
     kv = residual_bytes(layout)
-    return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, 2 * hops),
+    passes = 3 if layout.recompute != "none" else 2  # recomputation re-runs the ring's forward passes
+    return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, passes * hops),
             Message("send", (rank, peer), "fp32", block * 4, hops)]
 
 
