@@ -348,8 +348,8 @@ class _Served:
             self.proc.join()
         self.proc = None
 
-    def times(self, warm: int) -> tuple[float, float]:
-        """(median TTFT, median TPOT) seconds a streaming client sees, one request at a time:
+    def times(self, warm: int) -> tuple[list[float], list[float]]:
+        """(TTFT, TPOT) seconds a streaming client sees, per request, one request at a time:
         ``SERVED_PROMPT`` prompt tokens (a different prompt each time, over the server's life: no
         prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped."""
         import httpx
@@ -376,7 +376,7 @@ class _Served:
                     tpot.append((times[-1] - times[0]) / (len(times) - 1))
         if not tpot:
             raise ModelcarveError("hardware --probe: the probe model's server streamed no tokens")
-        return statistics.median(ttft), statistics.median(tpot)
+        return ttft, tpot
 
 
 def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
@@ -400,14 +400,18 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
         models = (_tiny_config(tmp, l1), _tiny_config(tmp, l2))
         tps = (1, tp_ranks) if tp_ranks >= 2 else (1,)
         # Every server started once and kept up (idle ones cost nothing but tp's heartbeat step a
-        # second); two passes over them, interleaved, the lesser median of each kept (as
-        # engine_overhead): a neighbour's burst lands in one pass, not in both.
+        # second); two passes over them, interleaved, the requests of both pooled and their median
+        # kept. (Not the lesser of the two passes' medians, as before: that is biased low where the
+        # spread is the machine's own, not a neighbour's -- the served tp=2 step's all-reduces vary
+        # 0.9-2.0 ms a call here from one minute to the next -- and tp=2 was priced under what the
+        # server then ran.)
         up = {(tp, k): servers.enter_context(_Served(model, threads, tp)) for tp in tps for k, model in enumerate(models)}
-        best = {key: (float("inf"), float("inf")) for key in up}
+        pooled = {key: ([], []) for key in up}
         for attempt in range(2):
             for key, server in up.items():
-                got = server.times(warm=2 if attempt == 0 else 1)
-                best[key] = tuple(min(x, y) for x, y in zip(best[key], got))
+                for into, got in zip(pooled[key], server.times(warm=2 if attempt == 0 else 1)):
+                    into.extend(got)
+        best = {key: (statistics.median(ttft), statistics.median(tpot)) for key, (ttft, tpot) in pooled.items()}
     (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
     fit = overhead_from_steps(t1, t2, l1, l2)
     fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
