@@ -13,7 +13,7 @@ byte: ring attention's K/V blocks and fp32 dK/dV accumulators to the next cp ran
 and ZeRO state over dp x cp, a rank's zig-zag share of the tokens in every activation and TP
 message (cp=2; cp=2,zero=2; cp=2 x dp=2; cp=2 x tp=2; cp=2 under full recomputation, whose forward re-run
 sends each K/V block a third time). What the per-op model does not cover (ep,
-zero-bubble or interleaved pipelines under recomputation, ...) has rows with ``predicted`` None, ``ok`` None and
+zero-bubble pipelines under recomputation, ...) has rows with ``predicted`` None, ``ok`` None and
 ``why`` "not modelled: ...", and the check FAILS (report["passed"] False; the CLI exits 2 with
 the reason, checked below through real torchrun ranks): no silent pass.
 Tied input/output embeddings (Llama 3.2, Qwen3, Gemma) are judged under tp and pp on a tiny tied
@@ -26,7 +26,7 @@ output and log-sum-exp, no scores) is held within 10% in fp32 (exact there up to
 boolean masks under tp); memory_report.py tells an autocast weight copy by its autograd
 history (runtime/measure/memory_report.py: the one rule, for `run` too), so the tied bf16 ``dp=2,zero=1`` at seq=64 (tokens == hidden, where the old shape rule
 dropped real activations) is held too.
-Recomputation (full, selective; dp, fsdp, tp, tp+sp, pp 1f1b / gpipe, bf16) is judged too: the
+Recomputation (full, selective; dp, fsdp, tp, tp+sp, pp 1f1b / gpipe / interleaved, bf16) is judged too: the
 measurement sees inside torch's checkpoint (memory_report's ``_Region``), the plan keeps each
 region's inputs and peaks at the larger of the last forward and the first recomputed layer.
 """
@@ -67,6 +67,10 @@ CASES = [
     f"dp=2,fsdp,gbs=4,recompute=full,{FP32}",
     f"pp=2,gbs=4,schedule=1f1b,recompute=full,{FP32}",
     f"pp=2,gbs=4,schedule=gpipe,recompute=selective,{FP32}",
+    # interleaved 1F1B (v=2): the executed order walked (activations.py scheduled_recompute_peak)
+    f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,recompute=full,{FP32}",
+    f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,recompute=selective,{FP32}",
+    "pp=2,gbs=8,schedule=interleaved-1f1b,virtual_stages=2,recompute=selective,seq=16,mbs=1,param_dtype=bf16",
     "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16,recompute=full",
     "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16,recompute=selective",  # bf16 parameters and residual stream
 ]
