@@ -77,9 +77,14 @@ backward peaking as above on top of everything else held (1F1B / GPipe are the o
 the walk gives ``recompute_peak``'s bytes). Exact on tiny-llama, pp=2, v=2 (tests/verify/
 test_verify_against_plan.py): ``full`` 105,344 / 92,544 bytes on ranks 0 / 1 at m = 4 and 8,
 ``selective`` 359,552 / 244,292 in fp32 (m = 4), 272,512 / 190,020 with bf16 parameters (m = 8).
-Not checked, so ``None``: recomputation with a zero-bubble pipeline, or with an interleaved one of
-MoE layers (moe_activations.py walks no recomputation), or ring attention (context parallel) of
-MLA or MoE layers.
+Zero-bubble under recomputation (the same walk over the executed F / I / W): torch's input step I
+(``retain_graph``) recomputes each region and frees no slot, so every layer's re-saved tensors stay,
+as memory_report counts them, to W; W frees the stage's micro-batch (the last stage: only its own
+nodes' tensors, ``weight_step_frees``, the loss's graph held to the step's end); the first stage
+skips I and runs its full backward at W. First stage exact (tiny-llama pp=2: 94,848 full, 283,392
+selective); last stage within 0.7% (its measured peak itself moves between runs by up to 8 KiB).
+Not checked, so ``None``: recomputation with an interleaved or zero-bubble pipeline of MoE layers
+(moe_activations.py walks no recomputation), or ring attention (context parallel) of MLA or MoE layers.
 """
 
 from __future__ import annotations
@@ -206,10 +211,8 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
         return f"recompute={layout.recompute}"
     if layout.cp > 1 and (spec.is_moe or spec.attention_kind != "gqa"):
         return "ring attention under recomputation (MLA or MoE layers)"
-    if layout.pp > 1 and layout.schedule == "zero-bubble":
-        return "a zero-bubble pipeline under recomputation"
-    if layout.pp > 1 and layout.virtual_stages > 1 and spec.is_moe:
-        return "an interleaved pipeline under recomputation (MoE layers)"
+    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble") and spec.is_moe:
+        return "an interleaved or zero-bubble pipeline under recomputation (MoE layers)"
     return None
 
 
@@ -311,6 +314,7 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list) -
     def stage(s: int) -> dict[str, float]:
         return stage_terms(spec, T, seq, layout.tp, layout.sp, c, s == 0, s == last_stage, r)
 
+    resaved = sum(recomputed.values())
     live, peak = 0.0, 0.0
     for kind, s, _mb in order:
         terms = stage(s)
@@ -318,11 +322,18 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list) -
         if kind == "F":
             live += held
             peak = max(peak, live)
-        elif kind == "B":
+        elif kind == "B" or (kind == "W" and s == 0):  # zero-bubble's first stage: I skipped, W the full backward
             if counts[s]:
                 head = sum(v for k, v in terms.items() if k not in ("rope", "token_ids"))
                 peak = max(peak, live - head + again)
             live -= held
+        elif kind == "I" and s != 0:  # retain_graph: every layer's re-saved tensors stay to W
+            live += counts[s] * resaved - (terms["targets"] if s == last_stage else 0.0)
+            peak = max(peak, live)
+        elif kind == "W" and s != last_stage:
+            live -= held + counts[s] * resaved
+        elif kind == "W":  # the last stage keeps the loss's graph to the step's end: W frees its own nodes'
+            live -= weight_step_frees(spec, layout, counts[s], True)
     return float(peak)
 
 
@@ -393,10 +404,12 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     Checked on tiny-llama, pp=2, fp32 (tests/verify/test_verify_against_plan.py): exact on both
     ranks (the last stage's remainder is 121,664 bytes a micro-batch); Qwen3 (W also frees its q / k
     norms' fp32 outputs) exact in fp32; MLA (W also frees each latent norm's normalised output and
-    each up projection's input) 1.7% low in fp32 on the tiny DeepSeek-V3, 0.7% in bf16. Recomputation
-    is not modelled (None)."""
-    if layout.recompute != "none" or rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
+    each up projection's input) 1.7% low in fp32 on the tiny DeepSeek-V3, 0.7% in bf16. Under
+    recomputation ``scheduled_recompute_peak``."""
+    if rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
         return None
+    if layout.recompute != "none":
+        return scheduled_recompute_peak(spec, layout, order)
     last_stage = layout.pp * layout.virtual_stages - 1
     counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
     held = stage_held_bytes(spec, layout)
