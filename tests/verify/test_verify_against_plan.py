@@ -13,7 +13,7 @@ byte: ring attention's K/V blocks and fp32 dK/dV accumulators to the next cp ran
 and ZeRO state over dp x cp, a rank's zig-zag share of the tokens in every activation and TP
 message (cp=2; cp=2,zero=2; cp=2 x dp=2; cp=2 x tp=2; cp=2 under full recomputation, whose forward re-run
 sends each K/V block a third time). What the per-op model does not cover (ep,
-zero-bubble or interleaved pipelines under recomputation, ...) has rows with ``predicted`` None, ``ok`` None and
+MoE layers in a zero-bubble pipeline under recomputation, ...) has rows with ``predicted`` None, ``ok`` None and
 ``why`` "not modelled: ...", and the check FAILS (report["passed"] False; the CLI exits 2 with
 the reason, checked below through real torchrun ranks): no silent pass.
 Tied input/output embeddings (Llama 3.2, Qwen3, Gemma) are judged under tp and pp on a tiny tied
@@ -26,7 +26,7 @@ output and log-sum-exp, no scores) is held within 10% in fp32 (exact there up to
 boolean masks under tp); memory_report.py tells an autocast weight copy by its autograd
 history (runtime/measure/memory_report.py: the one rule, for `run` too), so the tied bf16 ``dp=2,zero=1`` at seq=64 (tokens == hidden, where the old shape rule
 dropped real activations) is held too.
-Recomputation (full, selective; dp, fsdp, tp, tp+sp, pp 1f1b / gpipe, bf16) is judged too: the
+Recomputation (full, selective; dp, fsdp, tp, tp+sp, pp 1f1b / gpipe / interleaved / zero-bubble, bf16) is judged too: the
 measurement sees inside torch's checkpoint (memory_report's ``_Region``), the plan keeps each
 region's inputs and peaks at the larger of the last forward and the first recomputed layer.
 """
@@ -56,7 +56,7 @@ CASES = [
     f"cp=2,gbs=2,{FP32}",
     f"cp=2,zero=2,gbs=4,{FP32}",  # 2 micro-batches: twice the ring's sends, one reduce-scatter over dp x cp
     f"cp=2,gbs=2,recompute=full,{FP32}",  # ring attention under recomputation: its forward K/V passes run again (3 of each send)
-    f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}",  # not modelled (zero-bubble under recomputation): reported, not judged
+    f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}",  # not modelled on tiny-moe (MODELS): reported, not judged
     # recomputation (plan/predict/activations.py recompute_peak; full repeats each block's forward
     # collectives up to its last saved tensor): every row judged, activations exact in fp32 (tp: up to 28 bytes of masks)
     f"dp=2,gbs=4,recompute=full,{FP32}",
@@ -67,10 +67,20 @@ CASES = [
     f"dp=2,fsdp,gbs=4,recompute=full,{FP32}",
     f"pp=2,gbs=4,schedule=1f1b,recompute=full,{FP32}",
     f"pp=2,gbs=4,schedule=gpipe,recompute=selective,{FP32}",
+    # interleaved 1F1B (v=2): the executed order walked (activations.py scheduled_recompute_peak)
+    f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,recompute=full,{FP32}",
+    f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,recompute=selective,{FP32}",
+    "pp=2,gbs=8,schedule=interleaved-1f1b,virtual_stages=2,recompute=selective,seq=16,mbs=1,param_dtype=bf16",
     "tp=2,sp,gbs=2,seq=16,mbs=1,param_dtype=bf16,recompute=full",
     "dp=2,zero=1,gbs=4,seq=16,mbs=1,param_dtype=bf16,recompute=selective",  # bf16 parameters and residual stream
+    # zero-bubble: I (retain_graph) keeps every re-saved tensor to W; the first stage's W is its full backward
+    f"pp=2,gbs=8,schedule=zero-bubble,recompute=full,{FP32}",
+    f"pp=2,gbs=4,schedule=zero-bubble,recompute=selective,{FP32}",
 ]
 UNMODELLED = f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}"
+# on tiny-moe: MoE layers under a zero-bubble pipeline with recomputation (moe_activations.py walks none)
+MODELS = {UNMODELLED: "tiny-moe"}
+ZERO_BUBBLE = [c for c in CASES if "zero-bubble" in c and c != UNMODELLED]
 
 
 # 4 ranks accounted as 2 per node (--ranks-per-node 2): the dp / pp groups cross nodes, tp stays inside
@@ -87,7 +97,7 @@ TIED = ["tp=2,sp,gbs=4,seq=32,mbs=1,param_dtype=fp32", "pp=2,gbs=4,seq=32,mbs=1,
 
 
 def _jobs(cases, model="tiny-llama"):
-    return [(model, c) for c in cases]
+    return [(MODELS.get(c, model), c) for c in cases]
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +170,16 @@ RECOMPUTED = [c for c in CASES if "recompute=" in c and c != UNMODELLED]
 
 def test_recomputation_judged(reports):
     """Every recomputed layout: every row judged and passed; activations exact in fp32 without tp
-    (tp: the measured peak holds up to 28 bytes of boolean masks more), within 10% in bf16."""
+    (tp: the measured peak holds up to 28 bytes of boolean masks more), within 10% in bf16.
+    Zero-bubble's last stage is held to the 10% only: its measured peak moves between runs by up to
+    8 KiB (0.7%; the model was 0.0-0.7% off it on tiny-llama), its first stage is exact."""
     for layout in RECOMPUTED:
         rows = reports[CASES.index(layout)]["against_plan"]
         for r in rows:
             if r["quantity"] == "activations":
                 assert r["ok"] is True, (layout, r)
+                if layout in ZERO_BUBBLE and r["rank"] == 1:
+                    continue
                 if "fp32" in layout and "tp=" not in layout:
                     assert r["predicted"] == r["measured"], (layout, r)
                 elif "fp32" in layout:
@@ -346,7 +360,7 @@ def test_unmodelled_exits_2_through_the_cli():
 
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "modelcarve.cli", "verify", "--model", "tiny-llama", "--layout",
+    done = subprocess.run([sys.executable, "-m", "modelcarve.cli", "verify", "--model", MODELS[UNMODELLED], "--layout",
                            UNMODELLED, "--steps", "1", "--against-plan", "--json"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])

@@ -71,14 +71,27 @@ the 28 bytes of tp masks). MLA: ``full`` as above; ``selective`` keeps the core'
 a ``cat`` of the nope part and the rotated rope part: the residual stream's dtype) and v (a view of the
 kv up projection, its value head, compute dtype), and re-saves ``attn_core`` (the math path's copies:
 no view shared); exact in fp32 and bf16 (autocast) on the tiny DeepSeek-V3, dp / tp / pp 1f1b.
-Not checked, so ``None``: recomputation with an interleaved or zero-bubble pipeline, or ring
-attention (context parallel).
+Interleaved 1F1B under recomputation (``scheduled_recompute_peak``): the rank's executed actions
+walked, each forward of stage ``s`` keeping ``layers(s) x kept + stage terms`` to its backward, each
+backward peaking as above on top of everything else held (1F1B / GPipe are the one-stage case:
+the walk gives ``recompute_peak``'s bytes). Exact on tiny-llama, pp=2, v=2 (tests/verify/
+test_verify_against_plan.py): ``full`` 105,344 / 92,544 bytes on ranks 0 / 1 at m = 4 and 8,
+``selective`` 359,552 / 244,292 in fp32 (m = 4), 272,512 / 190,020 with bf16 parameters (m = 8).
+Zero-bubble under recomputation (the same walk over the executed F / I / W): torch's input step I
+(``retain_graph``) recomputes each region and frees no slot, so every layer's re-saved tensors stay,
+as memory_report counts them, to W; W frees the stage's micro-batch (the last stage: only its own
+nodes' tensors, ``weight_step_frees``, the loss's graph held to the step's end); the first stage
+skips I and runs its full backward at W. First stage exact (tiny-llama pp=2: 94,848 full, 283,392
+selective); last stage within 0.7% (its measured peak itself moves between runs by up to 8 KiB).
+Not checked, so ``None``: recomputation with an interleaved or zero-bubble pipeline of MoE layers
+(moe_activations.py walks no recomputation), or ring attention (context parallel) of MLA or MoE layers.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.stages import stage_counts
 from modelcarve.spec.support import held_param_dtype
 
@@ -198,8 +211,8 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
         return f"recompute={layout.recompute}"
     if layout.cp > 1 and (spec.is_moe or spec.attention_kind != "gqa"):
         return "ring attention under recomputation (MLA or MoE layers)"
-    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble"):
-        return "an interleaved or zero-bubble pipeline under recomputation"
+    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble") and spec.is_moe:
+        return "an interleaved or zero-bubble pipeline under recomputation (MoE layers)"
     return None
 
 
@@ -265,15 +278,63 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     return float(one * in_flight)
 
 
-def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: int) -> float | None:
+def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: int,
+                                 order: list | None = None) -> float | None:
     """Peak saved-for-backward bytes of pipeline rank ``pp_rank`` under interleaved 1F1B (see the
-    module doc: the first ``N`` forwards, each of its own stage), None where this model does not apply."""
+    module doc: the first ``N`` forwards, each of its own stage), None where this model does not apply.
+    Under recomputation ``scheduled_recompute_peak`` over ``order``, the rank's executed actions
+    (default: plan/predict/timeline.py's ``action_order``)."""
     if rank_activation_bytes(spec, layout, 1, False, False) is None:
         return None
+    if layout.recompute != "none":
+        if order is None:
+            order = action_order(layout.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, pp_rank)
+        return scheduled_recompute_peak(spec, layout, order)
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     held = stage_held_bytes(spec, layout)
     n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
     return sum(held(pp_rank + ((k // p) % v) * p) for k in range(n))
+
+
+def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list) -> float:
+    """Peak saved bytes of one pipeline rank under recomputation, given its actions ``(kind, stage,
+    micro-batch)`` in executed order (module doc): each forward F of stage ``s`` keeps its micro-batch's
+    ``layers(s) x kept + stage terms`` until its backward B; each B first frees the loss terms (the last
+    stage's ``head``) and what the layer's own backward frees before the checkpointed region, then
+    re-saves the region's tensors (the stage's last layer: the largest moment of that backward), on top
+    of everything else held. ``recompute_peak`` is the 1F1B / GPipe case of this walk."""
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    seq = layout.seq // layout.cp
+    T, r = layout.mbs * seq, residual_bytes(layout)
+    kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute, layout.cp > 1)
+    last_stage = layout.pp * layout.virtual_stages - 1
+    counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
+    per_layer, again = sum(kept.values()), sum(recomputed.values()) - sum(freed.values())
+
+    def stage(s: int) -> dict[str, float]:
+        return stage_terms(spec, T, seq, layout.tp, layout.sp, c, s == 0, s == last_stage, r)
+
+    resaved = sum(recomputed.values())
+    live, peak = 0.0, 0.0
+    for kind, s, _mb in order:
+        terms = stage(s)
+        held = counts[s] * per_layer + sum(terms.values())
+        if kind == "F":
+            live += held
+            peak = max(peak, live)
+        elif kind == "B" or (kind == "W" and s == 0):  # zero-bubble's first stage: I skipped, W the full backward
+            if counts[s]:
+                head = sum(v for k, v in terms.items() if k not in ("rope", "token_ids"))
+                peak = max(peak, live - head + again)
+            live -= held
+        elif kind == "I" and s != 0:  # retain_graph: every layer's re-saved tensors stay to W
+            live += counts[s] * resaved - (terms["targets"] if s == last_stage else 0.0)
+            peak = max(peak, live)
+        elif kind == "W" and s != last_stage:
+            live -= held + counts[s] * resaved
+        elif kind == "W":  # the last stage keeps the loss's graph to the step's end: W frees its own nodes'
+            live -= weight_step_frees(spec, layout, counts[s], True)
+    return float(peak)
 
 
 def stage_held_bytes(spec: "ModelSpec", layout: "Layout"):
@@ -343,10 +404,12 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
     Checked on tiny-llama, pp=2, fp32 (tests/verify/test_verify_against_plan.py): exact on both
     ranks (the last stage's remainder is 121,664 bytes a micro-batch); Qwen3 (W also frees its q / k
     norms' fp32 outputs) exact in fp32; MLA (W also frees each latent norm's normalised output and
-    each up projection's input) 1.7% low in fp32 on the tiny DeepSeek-V3, 0.7% in bf16. Recomputation
-    is not modelled (None)."""
-    if layout.recompute != "none" or rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
+    each up projection's input) 1.7% low in fp32 on the tiny DeepSeek-V3, 0.7% in bf16. Under
+    recomputation ``scheduled_recompute_peak``."""
+    if rank_activation_bytes(spec, layout.replace(schedule="1f1b", virtual_stages=1), 1, False, False) is None:
         return None
+    if layout.recompute != "none":
+        return scheduled_recompute_peak(spec, layout, order)
     last_stage = layout.pp * layout.virtual_stages - 1
     counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
     held = stage_held_bytes(spec, layout)

@@ -58,7 +58,7 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; MLA under cp, MLA under cp with recomputation, FSDP under zero-bubble,
 output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and under recomputation
-with an interleaved / zero-bubble pipeline: activations.py's ``recompute_unchecked``): the verify table marks those
+with an interleaved / zero-bubble pipeline of MoE layers: activations.py's ``recompute_unchecked``): the verify table marks those
 quantities as unpredicted instead of guessing.
 """
 
@@ -290,7 +290,7 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         acts = zero_bubble_activation_bytes(spec, layout, order) if order else None
     elif layout.pp > 1 and layout.virtual_stages > 1:
-        acts = interleaved_activation_bytes(spec, layout, stage)
+        acts = interleaved_activation_bytes(spec, layout, stage, order)
     else:
         acts = rank_activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
     fused = activation_bytes(spec, layout, nl, first, last, in_flight=_in_flight(layout, stage))
