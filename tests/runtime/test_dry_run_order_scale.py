@@ -58,6 +58,73 @@ def test_classes_give_the_every_rank_verdict(model, layout):
             assert "rank 0 sends" in scale[1] and "rank 0 sends" in every[1]
 
 
+def _play_stages(model, lay, memo, hook=None):
+    from modelcarve.runtime.dryrun.rank_programs import play_rank
+
+    mailbox, out = {}, []
+    for p in range(lay.pp):
+        stats: dict = {}
+        events = play_rank(model, lay, p * lay.world_size // lay.pp, mailbox, hook=hook, memo=memo, stats=stats)
+        out.append((events, stats))
+    return out
+
+
+@pytest.mark.parametrize("model,layout", [
+    ("tiny-llama", "pp=2,tp=2,sp,seq=16,gbs=8,mbs=1,schedule=1f1b"),
+    ("tiny-llama", "pp=2,seq=16,gbs=6,mbs=1,schedule=gpipe"),
+    ("tiny-moe", "pp=2,dp=2,ep=2,seq=16,gbs=16,mbs=1,schedule=zero-bubble"),
+])
+def test_replayed_micro_batches_record_the_played_events(model, layout):
+    """ActionMemo (module doc): the memoised play records exactly the events of the play that runs
+    every micro-batch, and did replay the middle micro-batches."""
+    lay = Layout.parse(layout)
+    real, memo = _play_stages(model, lay, False), _play_stages(model, lay, True)
+    for (a, _), (b, stats) in zip(real, memo):
+        assert a == b
+        assert stats["fallback"] is None and stats["replayed"] > 0 and stats["played"] > 0
+
+
+def _extra_all_reduce_at(fire):
+    """A hook: the stage's model issues an extra all-reduce in the forward of the micro-batches
+    ``fire(micro_batch)`` picks (a program whose collectives depend on the micro-batch index)."""
+    def hook(rank, trainer):
+        import torch
+        import torch.distributed as dist
+
+        stage = trainer.runner.stages[0]
+        forward_one_chunk, forward, now = stage.forward_one_chunk, stage.submod.forward, [None]
+
+        def chunk(mb, *args, **kwargs):
+            now[0] = mb
+            try:
+                return forward_one_chunk(mb, *args, **kwargs)
+            finally:
+                now[0] = None
+
+        def model(*args, **kwargs):
+            if now[0] is not None and fire(now[0]):
+                dist.all_reduce(torch.zeros(2))
+            return forward(*args, **kwargs)
+
+        stage.forward_one_chunk, stage.submod.forward = chunk, model
+    return hook
+
+
+@pytest.mark.parametrize("fire,why", [
+    (lambda mb: mb % 2 == 1, "micro-batches 0 and 1"),
+    (lambda mb: mb == 7, "the last micro-batch"),  # of 8
+])
+def test_memo_falls_back_to_playing_every_micro_batch(fire, why):
+    """Micro-batches 0 and 1 that differ, or a last one that differs from the memo: the rank is
+    played again with every micro-batch real, and records what that play records."""
+    lay = Layout.parse("pp=2,dp=2,ep=2,seq=16,gbs=16,mbs=1,schedule=zero-bubble")
+    hook = _extra_all_reduce_at(fire)
+    real, memo = _play_stages("tiny-moe", lay, False, hook), _play_stages("tiny-moe", lay, True, hook)
+    for (a, _), (b, stats) in zip(real, memo):
+        assert a == b
+        assert why in stats["fallback"] and stats["replayed"] == 0
+
+
 DSV3 = ("deepseek-v3", "256x8xH100", dict(cp=4, dp=16, ep=8, pp=32, tp=1, zero=1, mbs=1, gbs=15360, seq=4096,
                                            schedule="zero-bubble", grad_dtype="fp32", optim_dtype="fp32"))
 L405 = ("llama-3.1-405b", "2048x8xH100", dict(cp=8, dp=32, ep=1, pp=16, tp=4, sp=True, zero=1, mbs=1, gbs=2048,
