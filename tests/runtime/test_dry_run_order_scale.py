@@ -181,3 +181,53 @@ def test_cli_dry_run_checks_the_order(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     order = json.loads(out.stdout)["order"]
     assert order["world_size"] == 8 and order["ranks_played"] == [0, 4] and order["collectives"] > 0
+
+
+def test_object_all_gather_bytes_compare_without_their_size():
+    """all_gather_object pads every rank's bytes to the largest in a real launch; a rank played
+    alone pads to its own, so rank_programs compares those bytes as op, group and dtype (module doc).
+    A uint8 all-gather that does not follow the byte counts keeps its shapes."""
+    from modelcarve.runtime.distributed.collectives import Event
+    from modelcarve.runtime.dryrun.rank_programs import OBJECT_BYTES, program_of
+
+    lay = Layout.parse("dp=2,seq=16,gbs=2,mbs=1")
+
+    def gather(dtype, n):
+        return Event(op="all_gather", ranks=(0, 1), axis="dp", tier="intra", dtype=dtype, shapes=((n,), (n,)),
+                     payload=2 * n, wire=0.0)
+
+    seqs = [program_of([gather("int64", 1), gather("uint8", n), gather("uint8", n)], 0, lay).by_rule[0] for n in (5, 132)]
+    assert seqs[0][:2] == seqs[1][:2] and seqs[0][1][1] == OBJECT_BYTES
+    assert seqs[0][2] != seqs[1][2]  # not after the counts: compared with its shapes
+
+
+def test_classes_meeting_groups_in_another_order_interleave_alike():
+    """Rule 2 compares how two concrete groups interleave by the groups, not by the rule indices
+    each class numbered its groups with: stage 1 meets its dp group first, so its pp and world
+    groups get other indices than stage 0's, and the layout is still accepted; swapping stage 1's
+    pp and world collectives is refused."""
+    from modelcarve.runtime.distributed.collectives import Event
+    from modelcarve.runtime.dryrun.rank_programs import check_programs, program_of
+    from modelcarve.spec.ranks import rank_of
+
+    lay = Layout.parse("pp=2,dp=2,seq=16,gbs=4,mbs=1")
+
+    def ev(ranks):
+        return Event(op="all_reduce", ranks=tuple(sorted(ranks)), axis="?", tier="intra", dtype="float32",
+                     shapes=((1,),), payload=4, wire=0.0)
+
+    world = range(lay.world_size)
+
+    def program(stage, swap=False):
+        rank = rank_of(lay, pp=stage, dp=0, cp=0, tp=0)
+        pp = [rank_of(lay, pp=p, dp=0, cp=0, tp=0) for p in range(2)]
+        dp = [rank_of(lay, pp=stage, dp=d, cp=0, tp=0) for d in range(2)]
+        events = ([ev(dp)] if stage == 1 else []) + ([ev(world), ev(pp)] if swap else [ev(pp), ev(world)])
+        return program_of(events, rank, lay)
+
+    def class_of(rank):
+        return ("stage", rank // (lay.world_size // lay.pp))
+
+    check_programs({("stage", 0): program(0), ("stage", 1): program(1)}, class_of, lay)
+    with pytest.raises(LayoutError, match="order their collectives"):
+        check_programs({("stage", 0): program(0), ("stage", 1): program(1, swap=True)}, class_of, lay)

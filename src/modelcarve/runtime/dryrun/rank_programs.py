@@ -75,6 +75,14 @@ then instantiated from its coordinates (``rank_of`` / ``coords``: spec/ranks.py)
    alike;
 3. rank r's messages to r + d are the ones r + d receives from r (shapes, in order).
 
+One thing the single played rank cannot know is another rank's object size: all_gather_object
+gathers every rank's byte count, then all-gathers the pickled bytes padded to the largest, so a
+real launch issues the same shapes on every rank; played alone, a rank pads to its own (the MoE
+step stats DeepSeek-V3's dense stages gather are 5 bytes, an MoE stage's 132). The bytes' all-gather
+(uint8, right after an all-gather of int64 [1] counts on the same group) is therefore compared as
+op, group and dtype, its shapes recorded as ``OBJECT_BYTES``; the counts' all-gather is compared
+as any collective.
+
 1 and 2 together are collectives.check_order's pairwise condition (two ranks' sequences over the
 groups holding both agree iff every such group's sub-sequence agrees and every two such groups
 interleave alike); the cost is O(world x groups per rank x pairs) dictionary entries with the
@@ -462,6 +470,10 @@ class ClassProgram:
     played: dict = None  # play_rank's stats: actions played / replayed, why the memo fell back
 
 
+OBJECT_BYTES = (("object bytes",),)
+"""The shapes an object all-gather's bytes are recorded with (module doc, "Checking at scale")."""
+
+
 def program_of(events: list, rank: int, layout) -> ClassProgram:
     rules, groups, index = [], [], {}
     by_rule, order, sends, recvs = {}, [], {}, {}
@@ -477,9 +489,18 @@ def program_of(events: list, rank: int, layout) -> ClassProgram:
             i = index[members] = len(rules)
             rules.append(rule_of(members, rank, layout))
             groups.append(members)
-        by_rule.setdefault(i, []).append((e.op, e.shapes, e.dtype))
+        shapes = e.shapes
+        if e.op == "all_gather" and e.dtype == "uint8" and by_rule.get(i) and _object_sizes(by_rule[i][-1]):
+            shapes = OBJECT_BYTES  # all_gather_object: torch pads every rank's bytes to the largest
+        by_rule.setdefault(i, []).append((e.op, shapes, e.dtype))
         order.append(i)
     return ClassProgram(rank, rules, groups, by_rule, order, sends, recvs, len(events))
+
+
+def _object_sizes(signature) -> bool:
+    """Is this (op, shapes, dtype) all_gather_object's first collective, the byte counts?"""
+    op, shapes, dtype = signature
+    return op == "all_gather" and dtype == "int64" and all(x == (1,) for x in shapes)
 
 
 # --- the check over every rank --------------------------------------------------------------
@@ -489,7 +510,7 @@ def _describe(event) -> str:
     if event is None:
         return "nothing"
     op, shapes, dtype = event
-    return f"{op} of {dtype} {[list(x) for x in shapes]}"
+    return f"{op} of {dtype} {[list(x) for x in shapes] if shapes != OBJECT_BYTES else 'object bytes'}"
 
 
 def _members(rule: GroupRule, rank: int, layout) -> list[int]:
@@ -523,8 +544,10 @@ def check_programs(programs: dict, class_of, layout) -> int:
         for i in range(len(p.rules)):
             for j in range(i + 1, len(p.rules)):
                 if len(p.groups[i] & p.groups[j]) >= 2:
-                    labels = tuple(x for x in p.order if x in (i, j))
-                    out.append((i, j, hash(labels)))
+                    # labelled by the concrete groups (which comes first in key order), not by this
+                    # class's rule indices: two classes can meet the same groups in another order
+                    labels = [x for x in p.order if x in (i, j)]
+                    out.append((i, j, hash(tuple(x == j for x in labels)), hash(tuple(x == i for x in labels))))
     seen: dict = {}  # concrete group key -> (first rank, its class, rule index, signature)
     count: dict = {}
     inter: dict = {}
@@ -546,7 +569,8 @@ def check_programs(programs: dict, class_of, layout) -> int:
                     f"ranks {a} and {rank} would deadlock: on their group ({_group_text(p.rules[i], rank, layout)}) "
                     f"collective #{k + 1} differs (rank {a}: {_describe(sa[k] if k < len(sa) else None)}; rank {rank}: "
                     f"{_describe(sb[k] if k < len(sb) else None)})")
-        for i, j, h in pairs[c]:
+        for i, j, h_ij, h_ji in pairs[c]:
+            h = h_ij if keys[i] <= keys[j] else h_ji
             first = inter.setdefault((keys[i], keys[j]) if keys[i] <= keys[j] else (keys[j], keys[i]), (rank, h))
             if first[1] != h:
                 raise LayoutError(
