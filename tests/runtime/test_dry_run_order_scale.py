@@ -7,12 +7,20 @@ compares every pair: accepted as it is, refused with an extra world all-reduce o
 extra send on rank 0. Then the planner's full-scale layouts (tests/runtime/test_dry_run_bytes.py's):
 Llama-3.1-405B on 2048x8 H100 (16,384 ranks, pp=16 zero-bubble, tp=4+sp, cp=8, 64 micro-batches)
 and DeepSeek-V3 on 256x8 H100 (2,048 ranks, pp=32 zero-bubble, ep=8, cp=4, 960 micro-batches):
-accepted, and refused naming the concrete rank whose program a hook changed. Those play every
-micro-batch of every stage on meta, so they run when MODELCARVE_FULL_SCALE=1 (tests/conftest.py;
-reported as skipped otherwise). Measured on one shared CPU core: Llama 212 s accepted (16 stages,
-about 13 s each), then 11 s for the refusal (the stages' programs are kept; only the hooked rank is
-played). DeepSeek-V3 has not been run to the end: its two dense stages take 25-30 s, each MoE stage
-110-150 s (960 micro-batches, 32 local experts run one by one on meta), about an hour for 32 stages.
+accepted, and refused naming the concrete rank whose program a hook changed. They run when
+MODELCARVE_FULL_SCALE=1 (tests/conftest.py; reported as skipped otherwise): together about 3.5
+minutes, too long for the default suite. Measured on the shared 2-core machine (load 1.7-3.9),
+rank_programs playing micro-batches 0, 1 and the last of each stage for real and replaying the
+others (ActionMemo): Llama accepted in 47 s (16 stages, ~1.5 s each after the first; the check over
+16,384 ranks 13 s), the hooked rank 5 refused in 16 s (played for real, all 64 micro-batches);
+DeepSeek-V3 accepted in 114 s (32 stages, ~3 s each after the first), the hooked rank 77 refused
+in 29 s. Before the memo: Llama 212 s accepted (about 13 s per stage), DeepSeek-V3 about an hour
+(each MoE stage 110-150 s), and it had never run to the end: its first complete run found two false
+refusals, fixed in rank_programs (all_gather_object's padded bytes, rule 2's group labels).
+
+The memo's own tests: its events equal the play of every micro-batch (tiny layouts of three
+schedules), and a program whose collectives depend on the micro-batch index (micro-batch 1, or the
+last) makes it fall back to playing every micro-batch.
 """
 
 from __future__ import annotations
@@ -148,7 +156,7 @@ def _world_all_reduce_first(rank, trainer):
 @pytest.mark.full_scale
 @pytest.mark.parametrize("case,deviant", [
     pytest.param(L405, 5, marks=pytest.mark.timeout(900)),
-    pytest.param(DSV3, 77, marks=pytest.mark.timeout(5400)),  # not yet run to the end (module doc)
+    pytest.param(DSV3, 77, marks=pytest.mark.timeout(900)),
 ], ids=["llama-405b-2048x8", "deepseek-v3-256x8"])
 def test_full_scale_order(case, deviant):
     """Accepted at 16,384 / 2,048 ranks; a hook changing one rank's program (rank 5: tp 1 of
