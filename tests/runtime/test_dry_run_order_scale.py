@@ -8,8 +8,8 @@ extra send on rank 0. Then the planner's full-scale layouts (tests/runtime/test_
 Llama-3.1-405B on 2048x8 H100 (16,384 ranks, pp=16 zero-bubble, tp=4+sp, cp=8, 64 micro-batches)
 and DeepSeek-V3 on 256x8 H100 (2,048 ranks, pp=32 zero-bubble, ep=8, cp=4, 960 micro-batches):
 accepted, and refused naming the concrete rank whose program a hook changed. They run when
-MODELCARVE_FULL_SCALE=1 (tests/conftest.py; reported as skipped otherwise): together about 3.5
-minutes, too long for the default suite. Measured on the shared 2-core machine (load 1.7-3.9),
+MODELCARVE_FULL_SCALE=1 (tests/conftest.py; reported as skipped otherwise): together 199 s under
+pytest (Llama 61 s, DeepSeek-V3 137 s, load 1.0-1.8), too long for the default suite. Measured on the shared 2-core machine (load 1.7-3.9),
 rank_programs playing micro-batches 0, 1 and the last of each stage for real and replaying the
 others (ActionMemo): Llama accepted in 47 s (16 stages, ~1.5 s each after the first; the check over
 16,384 ranks 13 s), the hooked rank 5 refused in 16 s (played for real, all 64 micro-batches);

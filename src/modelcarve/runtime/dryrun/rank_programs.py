@@ -22,8 +22,9 @@ its program: the tests inject a deliberate mismatch) is a class of its own, play
 size at the representative's rank, registered for both cpu and meta tensors
 (``cpu:fake,meta:fake``); then one real training step (trainer.TrainConfig(dry_run=True)) is
 recorded by fake_transport.PlayLog: every micro-batch of the schedule (DeepSeek-V3's top layout
-runs 960 per step), every action the pipeline schedule takes, every collective. What cannot run
-on meta is supplied by the runtime itself: the loss and norm are reported as nan, ring attention
+runs 960 per step), every action the pipeline schedule takes, every collective (the stage compute
+of the middle micro-batches replayed from a checked memo: "Replayed micro-batches" below). What
+cannot run on meta is supplied by the runtime itself: the loss and norm are reported as nan, ring attention
 takes the fused kernel's meta shapes, MoE counts come from the host (the balanced routing's
 counts, fake_transport._balanced_counts). ``MetaShapeCache`` memoises the meta kernels of the
 pure ops (same op, same input shapes/strides/dtypes and arguments -> the same output shapes),
@@ -199,8 +200,9 @@ def _spec(out):
 
 
 def _fresh(spec):
-    return tree_map(lambda s: torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta").requires_grad_(s.requires_grad)
-                    if isinstance(s, _Spec) else s, spec)
+    def one(s):
+        return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta").requires_grad_(s.requires_grad)
+    return tree_map(lambda s: one(s) if isinstance(s, _Spec) else s, spec)
 
 
 class ActionMemo:
@@ -271,8 +273,9 @@ class ActionMemo:
             return len(a) == len(b) and all(x[:3] == y[:3] for x, y in zip(a, b))
 
         if mb not in (0, 1, self.last):
-            if len(calls) != len(self.memo.get(key, ())):
-                raise _MemoMismatch(f"stage {key[0]} {key[1]} of micro-batch {mb}: fewer calls than its memo")
+            if key not in self.memo or len(calls) != len(self.memo[key]):
+                raise _MemoMismatch(f"stage {key[0]} {key[1]} of micro-batch {mb}: replayed before its memo was "
+                                    f"learnt, or fewer calls than its memo")
             self.replayed += 1
             return
         self.played += 1
