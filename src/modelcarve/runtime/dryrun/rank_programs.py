@@ -22,12 +22,39 @@ its program: the tests inject a deliberate mismatch) is a class of its own, play
 size at the representative's rank, registered for both cpu and meta tensors
 (``cpu:fake,meta:fake``); then one real training step (trainer.TrainConfig(dry_run=True)) is
 recorded by fake_transport.PlayLog: every micro-batch of the schedule (DeepSeek-V3's top layout
-runs 960 per step), every action the pipeline schedule takes, every collective. What cannot run
-on meta is supplied by the runtime itself: the loss and norm are reported as nan, ring attention
+runs 960 per step), every action the pipeline schedule takes, every collective (the stage compute
+of the middle micro-batches replayed from a checked memo: "Replayed micro-batches" below). What
+cannot run on meta is supplied by the runtime itself: the loss and norm are reported as nan, ring attention
 takes the fused kernel's meta shapes, MoE counts come from the host (the balanced routing's
 counts, fake_transport._balanced_counts). ``MetaShapeCache`` memoises the meta kernels of the
 pure ops (same op, same input shapes/strides/dtypes and arguments -> the same output shapes),
 which torch computes in Python: it changes the cost, not what is issued.
+
+**Replayed micro-batches** (``ActionMemo``; a class played without a hook, 4 or more micro-batches).
+Most of a stage's time went into its model compute on meta, micro-batch after micro-batch, each
+the same (DeepSeek-V3: ~0.2 s per micro-batch of an MoE stage, 960 of them). Played for real:
+the model's build and ``parallelize``; torch's schedule, every action of every micro-batch in its
+order, with torch's stage bookkeeping (the activation and gradient caches, the pipeline's sends and
+receives, the last stage's loss); everything of the step outside the actions (the loss broadcast
+and reductions, the tied-embedding sum, the dp / ZeRO gradient reductions, the optimiser, the MoE
+stats); and the stage compute of micro-batches 0, 1 and the last one. For every other micro-batch
+the stage compute inside torch's F, B, I and W (its ``forward_maybe_with_nosync`` /
+``backward_maybe_with_nosync`` calls) is replayed: the events micro-batch 1's action of the same
+kind on the same (virtual) stage recorded are appended to the log, and fresh meta tensors of its
+results' shapes (the activations, the input gradients; the weight pass's result, which torch
+drops, is not kept) are handed to torch, without running the model. Checked: micro-batches 0 and
+1 must record the same calls, events (op, group, shapes, dtype, bytes) and result shapes for each
+kind and stage, and the last micro-batch again the same; any difference, or a replay finding no
+memo, plays the rank again from the start with every micro-batch real (``play_rank``'s
+``stats["fallback"]`` says why). What that check cannot see is a compute whose collectives depend
+on the micro-batch index elsewhere than at 0, 1 and the last (a counter firing at micro-batch k);
+the runtime has none: with pp > 1 the dp gradient reductions run after the schedule
+(grad_buckets.py), ZeRO's accumulation hooks issue no collective, and what the replayed compute
+would have changed (``.grad`` accumulation, the MoE row counts) are values, not shapes. The
+tiny-layout verdicts below equal collective_order's, which plays everything. torch's schedule
+lowering (``_add_unshard_reshard``, quadratic in the actions, and ``_add_send_recv``), which every
+played rank runs for the whole pipeline, is memoised across the ranks of one process
+(``_schedule_memo``: pure functions, keyed by their whole arguments).
 
 **dtypes.** Autocast has no meta backend: on meta, matmuls of a ``param_dtype=bf16`` layout
 give fp32 activations where a real launch gives bf16. ZeRO-1/2's bf16 parameters stay bf16 and
@@ -49,6 +76,14 @@ then instantiated from its coordinates (``rank_of`` / ``coords``: spec/ranks.py)
    alike;
 3. rank r's messages to r + d are the ones r + d receives from r (shapes, in order).
 
+One thing the single played rank cannot know is another rank's object size: all_gather_object
+gathers every rank's byte count, then all-gathers the pickled bytes padded to the largest, so a
+real launch issues the same shapes on every rank; played alone, a rank pads to its own (the MoE
+step stats DeepSeek-V3's dense stages gather are 5 bytes, an MoE stage's 132). The bytes' all-gather
+(uint8, right after an all-gather of int64 [1] counts on the same group) is therefore compared as
+op, group and dtype, its shapes recorded as ``OBJECT_BYTES``; the counts' all-gather is compared
+as any collective.
+
 1 and 2 together are collectives.check_order's pairwise condition (two ranks' sequences over the
 groups holding both agree iff every such group's sub-sequence agrees and every two such groups
 interleave alike); the cost is O(world x groups per rank x pairs) dictionary entries with the
@@ -59,7 +94,9 @@ layouts, and checks the two full-scale layouts.
 
 from __future__ import annotations
 
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -137,11 +174,182 @@ class _Shape:
 # --- playing one rank on meta -------------------------------------------------------------
 
 
-def play_rank(model_name: str, layout, rank: int, mailbox: dict, seed: int = 0, hook=None) -> list:
+class _MemoMismatch(Exception):
+    """An action kind's events (or its results' shapes) differ between two real plays, or a
+    replay would need a memo not learnt: the rank is played again without the memo (module doc).
+    Not a RuntimeError: the pipeline runner's error wrapping lets it through."""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _spec(out):
+    """The shapes of a compute result (tensors only: plain meta tensors, else _MemoMismatch)."""
+    def one(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "meta":
+            raise _MemoMismatch(f"a stage computes a {type(t).__name__} on {t.device}, not a plain meta tensor")
+        return _Spec(tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+    return tree_map(one, out)
+
+
+def _fresh(spec):
+    def one(s):
+        return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta").requires_grad_(s.requires_grad)
+    return tree_map(lambda s: one(s) if isinstance(s, _Spec) else s, spec)
+
+
+class ActionMemo:
+    """The memo of a pipeline stage's compute actions (module doc, "Replayed micro-batches").
+
+    Micro-batches 0, 1 and the last one are played for real; every other micro-batch's F, B, I
+    and W replay, in place of the stage's compute (``forward_maybe_with_nosync`` /
+    ``backward_maybe_with_nosync``), the events and result shapes its kind recorded at
+    micro-batch 1, once micro-batches 0 and 1 recorded the same. torch's own stage bookkeeping
+    (caches, the pipeline's sends and receives, the loss) runs for every micro-batch. Any
+    difference (0 vs 1, the last vs the memo, a replay without a memo) raises _MemoMismatch."""
+
+    def __init__(self, runner, log, n_microbatches: int):
+        self.log, self.last = log, n_microbatches - 1
+        self.memo: dict = {}  # (stage index, kind) -> [(call, events, result spec, param_groups)]
+        self.first: dict = {}  # (stage index, kind) -> the calls of micro-batch 0
+        self.played = self.replayed = 0
+        for stage in runner.stages:
+            self._install(stage)
+
+    def _install(self, stage) -> None:
+        now: dict = {}
+        fwd, bwd, bww = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        fcomp, bcomp = stage.forward_maybe_with_nosync, stage.backward_maybe_with_nosync
+
+        def action(kind, mb, run):
+            now["kind"], now["mb"], now["calls"] = kind, mb, []
+            try:
+                out = run()
+            except Exception as err:  # torch's stage wraps a forward's exception in a RuntimeError
+                cause = err
+                while cause is not None and not isinstance(cause, _MemoMismatch):
+                    cause = cause.__cause__
+                raise cause or err
+            self._learn((stage.stage_index, kind), mb, now.pop("calls"))
+            return out
+
+        def compute(call, run):
+            key, mb, calls = (stage.stage_index, now["kind"]), now["mb"], now["calls"]
+            if mb in (0, 1, self.last):
+                start = len(self.log.events)
+                out = run()
+                grads, groups = (out, None) if call == "forward" else out
+                if call == "weight":  # the stage drops it (the gradients accumulate in .grad)
+                    grads = groups = None
+                calls.append((call, tuple(self.log.events[start:]), _spec(grads), groups))
+                return out
+            memo = self.memo.get(key)
+            if memo is None or len(calls) >= len(memo) or memo[len(calls)][0] != call:
+                raise _MemoMismatch(f"stage {key[0]} {key[1]} of micro-batch {mb}: no memo of its call #{len(calls) + 1}")
+            call_, events, spec, groups = memo[len(calls)]
+            calls.append(memo[len(calls)])
+            self.log.events.extend(events)
+            return _fresh(spec) if call == "forward" else (_fresh(spec), groups)
+
+        stage.forward_one_chunk = lambda mb, *a, **k: action("F", mb, lambda: fwd(mb, *a, **k))
+        stage.backward_one_chunk = lambda mb, loss=None, full_backward=True, last_backward=False: action(
+            "B" if full_backward else "I", mb,
+            lambda: bwd(mb, loss=loss, full_backward=full_backward, last_backward=last_backward))
+        stage.backward_weight_one_chunk = lambda mb, last_backward=False: action(
+            "W", mb, lambda: bww(mb, last_backward=last_backward))
+        stage.forward_maybe_with_nosync = lambda *a, **k: compute("forward", lambda: fcomp(*a, **k))
+        stage.backward_maybe_with_nosync = lambda kind, kw, last_backward=False: compute(
+            kind, lambda: bcomp(kind, kw, last_backward=last_backward))
+
+    def _learn(self, key, mb, calls) -> None:
+        def same(a, b):
+            return len(a) == len(b) and all(x[:3] == y[:3] for x, y in zip(a, b))
+
+        if mb not in (0, 1, self.last):
+            if key not in self.memo or len(calls) != len(self.memo[key]):
+                raise _MemoMismatch(f"stage {key[0]} {key[1]} of micro-batch {mb}: replayed before its memo was "
+                                    f"learnt, or fewer calls than its memo")
+            self.replayed += 1
+            return
+        self.played += 1
+        if mb == 0:
+            self.first[key] = calls
+        elif mb == 1:
+            if key not in self.first or not same(self.first[key], calls):
+                raise _MemoMismatch(f"stage {key[0]} {key[1]}: micro-batches 0 and 1 issue different events")
+            self.memo[key] = calls
+        elif key in self.memo and not same(self.memo[key], calls):
+            raise _MemoMismatch(f"stage {key[0]} {key[1]}: the last micro-batch issues other events than the memo")
+
+
+_LOWERED: dict = {}
+"""torch's pipeline schedule lowering, memoised across the ranks one process plays (``_schedule_memo``)."""
+
+
+@contextmanager
+def _schedule_memo():
+    """Memoise the two pure functions torch's schedules lower every pp rank's action list with
+    (``_add_unshard_reshard``, quadratic in the actions: ~0.3 s per pp rank at 960 micro-batches,
+    and ``_add_send_recv``): every played rank builds the whole pipeline's schedule, the same
+    one (module doc). Keyed by their whole arguments; each call gets fresh lists."""
+    from torch.distributed.pipelining import schedules
+
+    unshard, send_recv = schedules._add_unshard_reshard, schedules._add_send_recv
+
+    def add_unshard_reshard(actions, max_active_stages=3):
+        key = ("unshard", tuple(actions), max_active_stages)
+        if key not in _LOWERED:
+            _LOWERED[key] = tuple(unshard(list(actions), max_active_stages))
+        return list(_LOWERED[key])
+
+    def add_send_recv(actions, stage_to_rank, num_stages):
+        key = ("send_recv", tuple((r, tuple(a)) for r, a in sorted(actions.items())),
+               tuple(stage_to_rank(s) for s in range(num_stages)), num_stages)
+        if key not in _LOWERED:
+            _LOWERED[key] = {r: tuple(a) for r, a in send_recv(actions, stage_to_rank, num_stages).items()}
+        return {r: list(a) for r, a in _LOWERED[key].items()}
+
+    schedules._add_unshard_reshard, schedules._add_send_recv = add_unshard_reshard, add_send_recv
+    try:
+        yield
+    finally:
+        schedules._add_unshard_reshard, schedules._add_send_recv = unshard, send_recv
+
+
+def play_rank(model_name: str, layout, rank: int, mailbox: dict, seed: int = 0, hook=None, memo: bool | None = None,
+              stats: dict | None = None) -> list:
     """The collective events (collectives.Event) of ``rank``'s training step of ``layout``, played
     on the meta device under the fake process group of the full world size (module doc).
     ``mailbox``: the pipeline stage metadata of the ranks played before (fake_transport.play_pipeline:
-    a stage's forward metadata comes from the previous stage's representative)."""
+    a stage's forward metadata comes from the previous stage's representative). ``memo`` (default:
+    no ``hook``) replays the pipeline actions of micro-batches 2 to the last but one (ActionMemo),
+    falling back to playing every one on any mismatch; ``stats`` gets {"played", "replayed"
+    (actions), "fallback" (why the memo was dropped, or None)}."""
+    stats = {} if stats is None else stats
+    stats.update(played=0, replayed=0, fallback=None)
+    if memo is None:
+        memo = hook is None
+    if memo:
+        quiet = logging.getLogger("torch.distributed.pipelining.schedules")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # torch logs the whole schedule when a mismatch stops it
+        try:
+            return _play_rank(model_name, layout, rank, mailbox, seed, hook, True, stats)
+        except _MemoMismatch as err:
+            stats["fallback"] = str(err)
+        finally:
+            quiet.setLevel(level)
+    return _play_rank(model_name, layout, rank, mailbox, seed, hook, False, stats)
+
+
+def _play_rank(model_name, layout, rank, mailbox, seed, hook, memo, stats) -> list:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from modelcarve.runtime.checkpoint.hf_load import load_model
@@ -160,14 +368,20 @@ def play_rank(model_name: str, layout, rank: int, mailbox: dict, seed: int = 0, 
         mesh = build_mesh(layout)
         chunks = parallelize(model, layout, mesh)
         balanced_routing(chunks)
-        trainer = Trainer(chunks, layout, mesh, TrainConfig(seed=seed, dry_run=True))
+        with _schedule_memo():
+            trainer = Trainer(chunks, layout, mesh, TrainConfig(seed=seed, dry_run=True))
         log = PlayLog(layout, per_node=layout.world_size)  # tiers do not matter to the order
         play_pipeline(trainer.runner, mailbox, log)
+        actions = None
+        if memo and trainer.runner is not None and layout.num_microbatches >= 4:
+            actions = ActionMemo(trainer.runner, log, layout.num_microbatches)
         if hook is not None:
             hook(rank, trainer)
         tokens = torch.zeros(layout.global_batch, layout.seq, dtype=torch.long)
         with log, MetaShapeCache():
             trainer.step(tokens, tokens)
+        if actions is not None:
+            stats.update(played=actions.played, replayed=actions.replayed)
         return log.events
     finally:
         destroy()
@@ -256,6 +470,11 @@ class ClassProgram:
     sends: dict  # step -> [shapes]
     recvs: dict  # step -> [shapes]
     events: int
+    played: dict = None  # play_rank's stats: actions played / replayed, why the memo fell back
+
+
+OBJECT_BYTES = (("object bytes",),)
+"""The shapes an object all-gather's bytes are recorded with (module doc, "Checking at scale")."""
 
 
 def program_of(events: list, rank: int, layout) -> ClassProgram:
@@ -273,9 +492,18 @@ def program_of(events: list, rank: int, layout) -> ClassProgram:
             i = index[members] = len(rules)
             rules.append(rule_of(members, rank, layout))
             groups.append(members)
-        by_rule.setdefault(i, []).append((e.op, e.shapes, e.dtype))
+        shapes = e.shapes
+        if e.op == "all_gather" and e.dtype == "uint8" and by_rule.get(i) and _object_sizes(by_rule[i][-1]):
+            shapes = OBJECT_BYTES  # all_gather_object: torch pads every rank's bytes to the largest
+        by_rule.setdefault(i, []).append((e.op, shapes, e.dtype))
         order.append(i)
     return ClassProgram(rank, rules, groups, by_rule, order, sends, recvs, len(events))
+
+
+def _object_sizes(signature) -> bool:
+    """Is this (op, shapes, dtype) all_gather_object's first collective, the byte counts?"""
+    op, shapes, dtype = signature
+    return op == "all_gather" and dtype == "int64" and all(x == (1,) for x in shapes)
 
 
 # --- the check over every rank --------------------------------------------------------------
@@ -285,7 +513,7 @@ def _describe(event) -> str:
     if event is None:
         return "nothing"
     op, shapes, dtype = event
-    return f"{op} of {dtype} {[list(x) for x in shapes]}"
+    return f"{op} of {dtype} {[list(x) for x in shapes] if shapes != OBJECT_BYTES else 'object bytes'}"
 
 
 def _members(rule: GroupRule, rank: int, layout) -> list[int]:
@@ -319,8 +547,10 @@ def check_programs(programs: dict, class_of, layout) -> int:
         for i in range(len(p.rules)):
             for j in range(i + 1, len(p.rules)):
                 if len(p.groups[i] & p.groups[j]) >= 2:
-                    labels = tuple(x for x in p.order if x in (i, j))
-                    out.append((i, j, hash(labels)))
+                    # labelled by the concrete groups (which comes first in key order), not by this
+                    # class's rule indices: two classes can meet the same groups in another order
+                    labels = [x for x in p.order if x in (i, j)]
+                    out.append((i, j, hash(tuple(x == j for x in labels)), hash(tuple(x == i for x in labels))))
     seen: dict = {}  # concrete group key -> (first rank, its class, rule index, signature)
     count: dict = {}
     inter: dict = {}
@@ -342,7 +572,8 @@ def check_programs(programs: dict, class_of, layout) -> int:
                     f"ranks {a} and {rank} would deadlock: on their group ({_group_text(p.rules[i], rank, layout)}) "
                     f"collective #{k + 1} differs (rank {a}: {_describe(sa[k] if k < len(sa) else None)}; rank {rank}: "
                     f"{_describe(sb[k] if k < len(sb) else None)})")
-        for i, j, h in pairs[c]:
+        for i, j, h_ij, h_ji in pairs[c]:
+            h = h_ij if keys[i] <= keys[j] else h_ji
             first = inter.setdefault((keys[i], keys[j]) if keys[i] <= keys[j] else (keys[j], keys[i]), (rank, h))
             if first[1] != h:
                 raise LayoutError(
@@ -403,8 +634,10 @@ def class_programs(model_name: str, layout, seed: int = 0, hook=None, hook_ranks
             programs[cls], saved = _PLAYED[memo]
             mailbox.update(saved)
             return
-        events = play_rank(model_name, layout, rank, mailbox, seed, hook if cls[0] == "rank" else None)
+        stats: dict = {}
+        events = play_rank(model_name, layout, rank, mailbox, seed, hook if cls[0] == "rank" else None, stats=stats)
         programs[cls] = program_of(events, rank, layout)
+        programs[cls].played = stats
         if cls[0] == "stage":
             _PLAYED[memo] = (programs[cls], dict(mailbox))
 
@@ -421,12 +654,18 @@ def class_programs(model_name: str, layout, seed: int = 0, hook=None, hook_ranks
 def check_layout_order_at_scale(model_name: str, layout, cluster=None, hook=None, hook_ranks=(), seed: int = 0) -> dict:
     """Refuse (LayoutError) a layout whose ranks would issue collectives in different orders, at its
     full world size (module doc); returns {"world_size", "classes", "ranks_played", "collectives"
-    (summed over every rank), "elapsed_s"}. ``cluster`` (a ClusterSpec) is checked against the
+    (summed over every rank), "actions_played" / "actions_replayed" (pipeline actions whose stage
+    compute ran / was replayed, ActionMemo; counted over the classes memoised), "memo_fallbacks"
+    (why a class was played again without the memo), "elapsed_s"}. ``cluster`` (a ClusterSpec) is checked against the
     layout's world size when given; ``hook(rank, trainer)`` runs on each rank of ``hook_ranks``."""
     if cluster is not None and getattr(cluster, "num_devices", layout.world_size) != layout.world_size:
         raise LayoutError(f"layout {layout.short()} needs {layout.world_size} ranks; the cluster has {cluster.num_devices}")
     t0 = time.perf_counter()
     programs, class_of = class_programs(model_name, layout, seed, hook, hook_ranks)
     checked = check_programs(programs, class_of, layout)
+    stats = [p.played or {} for p in programs.values()]
     return {"world_size": layout.world_size, "classes": len(programs), "ranks_played": sorted(p.rank for p in programs.values()),
-            "collectives": checked, "elapsed_s": round(time.perf_counter() - t0, 1)}
+            "collectives": checked, "actions_played": sum(s.get("played", 0) for s in stats),
+            "actions_replayed": sum(s.get("replayed", 0) for s in stats),
+            "memo_fallbacks": sorted({s["fallback"] for s in stats if s.get("fallback")}),
+            "elapsed_s": round(time.perf_counter() - t0, 1)}
