@@ -74,12 +74,9 @@ class PackedRowParallel(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(row.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from modelcarve.runtime.parallel.tensor import leave_region
-
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, None,
                                                "none", [], "")
-        out = leave_region(y.view(*x.shape[:-1], self.out_features), self.group, self.sp)
-        return out if self.bias is None else out + self.bias
+        return _reduced(y.view(*x.shape[:-1], self.out_features), self.group, self.sp, self.bias)
 
 
 def packable_dtypes() -> tuple:
@@ -192,9 +189,15 @@ def _project(x: torch.Tensor, packed: torch.Tensor, bias, group) -> torch.Tensor
     ``RowParallelLinear`` does (``leave_region``), then the whole bias."""
     if group is None:
         return _linear(x, packed, bias)
+    return _reduced(_linear(x, packed, None), group, False, bias)
+
+
+def _reduced(y: torch.Tensor, group, sp: bool, bias) -> torch.Tensor:
+    """A row-parallel projection's local result summed over ``group`` (``RowParallelLinear``'s
+    ``leave_region``), then its whole bias."""
     from modelcarve.runtime.parallel.tensor import leave_region
 
-    out = leave_region(_linear(x, packed, None), group, False)
+    out = leave_region(y, group, sp)
     return out if bias is None else out + bias
 
 

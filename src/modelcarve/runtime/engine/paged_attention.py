@@ -83,6 +83,18 @@ class StepShape(NamedTuple):
         return cls(bucket(t), bucket(n), bucket(q), bucket(ctx_blocks))
 
 
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, memo: dict) -> torch.Tensor:
+    """[n, 1, Q, L] True where query position ``q_pos [n, Q]`` may see key position ``k_pos [L]``:
+    causal, and within ``window`` when one is set; made once per window into ``memo``."""
+    if window not in memo:
+        q, k = q_pos[:, :, None], k_pos[None, None, :]
+        allowed = k <= q
+        if window is not None:
+            allowed = allowed & (k > q - window)
+        memo[window] = allowed[:, None]
+    return memo[window]
+
+
 class StepContext:
     """The packing of one forward's tokens (see module doc). ``seqs``: (start, q_len, block_table);
     ``buckets``: run at the padded ``StepShape`` (real rows first, padding after)."""
@@ -152,13 +164,7 @@ class StepContext:
         whose context fits the window)."""
         if self.decode_one and (window is None or self.k_pos.numel() <= window):
             return None
-        if window not in self._masks:
-            q, k = self.q_pos[:, :, None], self.k_pos[None, None, :]
-            allowed = k <= q
-            if window is not None:
-                allowed = allowed & (k > q - window)
-            self._masks[window] = allowed[:, None]
-        return self._masks[window]
+        return _visible(self.q_pos, self.k_pos, window, self._masks)
 
     def keys(self, store, name: str) -> torch.Tensor:
         """[n, L, ...] the context of every sequence from ``store`` (one gather of whole blocks)."""
@@ -226,13 +232,7 @@ class DecodeGroup:
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[n, 1, 1, key_len], ``StepContext.mask``'s rule."""
-        if window not in self._masks:
-            q, k = self.q_pos[:, :, None], self.k_pos[None, None, :]
-            allowed = k <= q
-            if window is not None:
-                allowed = allowed & (k > q - window)
-            self._masks[window] = allowed[:, None]
-        return self._masks[window]
+        return _visible(self.q_pos, self.k_pos, window, self._masks)
 
 
 def _length_groups(ctx: list[int], rows: list[list[int]], bs: int, buckets: bool, device,
