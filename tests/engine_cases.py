@@ -92,7 +92,8 @@ def greedy():
 def run_layouts(ckpts: dict, layouts: list[tuple[str, str]], kv_cache_bytes: int = 1 << 21) -> dict:
     """On every rank: build an engine per (model, layout), rank 0 drives, the others follow.
     Returns (rank 0) {(model, layout): (outputs, stats dict (with ``fused_blocks``: rank 0's layers
-    run as engine/fused.py ``FusedBlock``), KV bytes per token)}."""
+    run as engine/fused.py ``FusedBlock``; ``shm`` / ``shm_calls``: why its TP group's collectives
+    did not go through shared memory (None: they did) and how many did), KV bytes per token)}."""
     import torch.distributed as dist
 
     from modelcarve.runtime.engine.engine import Engine, EngineConfig
@@ -107,6 +108,7 @@ def run_layouts(ckpts: dict, layouts: list[tuple[str, str]], kv_cache_bytes: int
             engine.shutdown()
             stats = engine.stats().to_dict()
             stats["fused_blocks"] = sum(isinstance(b, FusedBlock) for b in engine.runner.blocks)
+            stats["shm"], stats["shm_calls"] = engine.runner.shm, engine.runner.shm_calls
             results[(name, layout)] = (outs, stats, engine.runner.bytes_per_token)
         else:
             engine.follow()

@@ -120,6 +120,8 @@ def test_two_ranks_equal_transformers(ckpts):
             assert stats["max_in_flight"] == 0, (name, stats)
         if layout == f"tp=2,{FP32}":  # so the fused TP path is what was compared with transformers
             assert (stats["fused_blocks"] > 0) == (name in FUSED_AT_TP2), (name, stats["fused_blocks"])
+        if "tp=2" in layout:  # and the TP collectives went through shared memory (host_shm.py)
+            assert stats["shm"] is None and stats["shm_calls"] > 0, (name, stats["shm"], stats["shm_calls"])
     _kv_equals_planner(ckpts, results)
 
 
@@ -149,4 +151,6 @@ def test_four_ranks_equal_transformers(ckpts):
     assert not bad, bad
     for (name, layout), (_, stats, _) in results.items():
         assert stats["max_in_flight"] == (2 if "pp=2" in layout else 0), (name, layout, stats)
+        if "tp=2" in layout:  # each TP group's collectives through its own shared segment
+            assert stats["shm"] is None and stats["shm_calls"] > 0, (name, layout, stats["shm"])
     _kv_equals_planner(ckpts, results)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from modelcarve.runtime.distributed import host_shm
 from modelcarve.spec.errors import LayoutError, ModelcarveError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.ranks import MESH_AXES
@@ -201,6 +202,7 @@ def _check_open(what: str) -> None:
 
 
 def destroy() -> None:
+    host_shm.detach_all()
     if dist.is_initialized():
         dist.destroy_process_group()
     _state["merged"], _state["sealed"] = {}, False

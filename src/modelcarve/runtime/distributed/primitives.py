@@ -9,6 +9,8 @@ verify/reference.py call these instead of each writing its own.
   parts concatenated along ``dim``. Neither is an autograd function: the result carries no
   gradient back to ``x`` (the parallelisms wrap them in their own ``autograd.Function`` where the
   backward path needs a collective); a caller that wants a detached input says so (``x.detach()``).
+* ``all_reduce_sum(x, group)``: the sum over ``group``, in place. It and ``gather_cat`` go through
+  shared memory (host_shm.py) for a group the generation engine attached there, else the backend.
 * ``gather_flat(t, group)``: a 1-D ``t`` of every rank concatenated, ``all_gather_into_tensor``
   into one new buffer (ZeRO's owned ranges); with no group or one rank, a copy.
 * ``rank_piece(x, dim, group)``: this rank's ``torch.chunk`` of ``x`` along ``dim``, contiguous
@@ -27,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelcarve.runtime.distributed import host_shm
+
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -39,8 +43,23 @@ def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def gather_cat(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's ``x`` in ``group`` concatenated along ``dim``, in group-rank order (no autograd)."""
+    """Every rank's ``x`` in ``group`` concatenated along ``dim``, in group-rank order (no autograd);
+    through shared memory where the group is attached there (host_shm.py) and ``x`` fits."""
+    host = host_shm.lookup(group)
+    if host is not None and host.fits(x):
+        return host.gather_cat(x.contiguous(), dim)
     return torch.cat(gather_parts(x, group), dim=dim)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` (made contiguous) summed over ``group`` in place, returned; through shared memory
+    where the group is attached there (host_shm.py) and ``x`` fits, else gloo / NCCL."""
+    x = x.contiguous()
+    host = host_shm.lookup(group)
+    if host is not None and host.fits(x):
+        return host.all_reduce_(x)
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def gather_flat(t: torch.Tensor, group) -> torch.Tensor:

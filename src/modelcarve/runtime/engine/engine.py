@@ -476,10 +476,12 @@ class Engine:
                         self.runner.wait(pending.popleft())
             for sends in pending:
                 self.runner.wait(sends)
+            self.runner.close()
             return
         while True:
             plan = self.runner.broadcast(None)
             if plan is None:
+                self.runner.close()
                 return
             self.runner.execute(plan)
 
@@ -493,6 +495,7 @@ class Engine:
                 self.runner.wait(self.runner.send_plan(None))
             else:
                 self.runner.broadcast(None)
+            self.runner.close()
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -28,6 +28,8 @@ replica's ranks run only its items:
   norm and head over those rows (a separate call, so the sampling rows' arithmetic is unchanged),
   takes the fp32 log-softmax over the full vocabulary and sends back per row only the target's
   logprob and the top-k (ids, logprobs) (``step_plan.top_and_chosen``: ``1 + 2k`` floats a row);
+* tensor parallelism on CPU: the TP group's all-reduces and logit gathers go through shared
+  memory when its ranks share the host (runtime/distributed/host_shm.py; ``shm`` says why not);
 * expert parallelism (ep > 1, pp = 1): the MoE all-to-all spans the replicas, so a replica with
   nothing to do runs one dummy token (written to the scratch slot 0) to take part.
 
@@ -174,6 +176,10 @@ class ModelRunner:
         if DTYPES.get(weight_dtype) == self.dtype and self.dtype in packable_dtypes() and self.device.type == "cpu":
             prepack_linears(chunk, free_memory_bytes(self.device))
         self.chunk = chunk
+        self.shm = self._attach_shm()
+        """Why the TP group's collectives go through gloo (None: through shared memory, host_shm.py)."""
+        self.shm_calls = 0
+        """Collectives the TP group ran through shared memory (counted at ``close``)."""
         at = layout.coords(self.rank)  # the one rank order (spec/ranks.py)
         self.tp_rank, self.dp_rank, self.pp_rank = at["tp"], at["dp"], at["pp"]
         self.first = self.pp_rank == 0
@@ -212,6 +218,29 @@ class ModelRunner:
         self.records = RecordRing(("mb", "sub", "step", "start", "end"), ("start", "end"), rank=self.rank,
                                   pp=self.pp_rank, tp=self.tp_rank, dp=self.dp_rank)
         """The step records: per forward, dict(mb, sub, step, rank, pp, tp, dp, start, end)."""
+
+    def _attach_shm(self) -> str | None:
+        """The TP group's all-reduces and gathers through shared memory where its ranks share this
+        host (runtime/distributed/host_shm.py): a collective over the TP group, on every rank."""
+        if self.mesh is None or self.layout.tp == 1:
+            return "no tensor parallelism"
+        if self.device.type != "cpu":
+            return f"{self.device.type} tensors"
+        from modelcarve.runtime.distributed import host_shm
+        from modelcarve.runtime.distributed.mesh import axis_group, collective_timeout
+
+        return host_shm.attach(axis_group(self.mesh, "tp"), collective_timeout().total_seconds())
+
+    def close(self) -> None:
+        """Unmap the TP group's shared segment (its collectives go through gloo again)."""
+        if self.mesh is not None and self.layout.tp > 1:
+            from modelcarve.runtime.distributed import host_shm
+            from modelcarve.runtime.distributed.mesh import axis_group
+
+            group = axis_group(self.mesh, "tp")
+            host = host_shm.lookup(group)
+            self.shm_calls += host.calls if host is not None else 0
+            host_shm.detach(group)
 
     def output_rank(self, replica: int) -> int:
         """The rank that holds replica ``replica``'s logits: its last stage's first TP rank."""

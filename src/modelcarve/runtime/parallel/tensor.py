@@ -65,7 +65,7 @@ from torch import nn
 from modelcarve.runtime.model.mlp import FeedForward
 from modelcarve.runtime.model.transformer import Attention, MLAttention
 from modelcarve.runtime.model.moe import MoE
-from modelcarve.runtime.distributed.primitives import gather_cat, reduce_scatter_tensor, slice_param
+from modelcarve.runtime.distributed.primitives import all_reduce_sum, gather_cat, reduce_scatter_tensor, slice_param
 from modelcarve.runtime.distributed.shards import record_padding, record_partial_grad, record_shard
 from modelcarve.spec.errors import LayoutError
 
@@ -73,9 +73,7 @@ from modelcarve.spec.errors import LayoutError
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return all_reduce_sum(x, group)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
