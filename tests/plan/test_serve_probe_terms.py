@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelcarve.commands.probe import cluster_dict, overhead_from_steps
+from modelcarve.commands.probe import cluster_dict, engine_message_s, overhead_from_steps
 from modelcarve.plan.serve.time import serve_time
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 from modelcarve.spec.hf_config import spec_from_hf_config
@@ -114,18 +114,43 @@ def test_probe_served_fit_and_request_path():
     assert cluster.device.request_overhead_s == pytest.approx(3.8e-3)
 
 
-def test_link_latency_is_the_served_engines_all_reduce_between_layers():
+def test_link_latencies_are_the_served_engines():
     """Served per-layer cost 0.15 ms at tp=1 and 3.25 ms at tp=2: two all-reduces per layer, so one
-    costs (3.25 - 0.15) / 2 = 1.55 ms, over the ring's 2(n - 1) = 2 steps: latency_s = 0.775 ms (not
-    the back-to-back gloo loop's 0.1 ms)."""
+    costs (3.25 - 0.15) / 2 = 1.55 ms, over a one-shot's 2 steps: peer_latency_s = 0.775 ms. The
+    served step's fixed cost: tp=1 0.5 - 0.15 = 0.35 ms, tp=2 5.7 - 3.25 = 2.45 ms; the 2.1 ms more is
+    two gloo messages (the plan broadcast) and two more all-reduces (embedding, logits), so a
+    message costs (2.1 - 2 x 1.55) / 2 < 0: clamped to 1 us; with tp=2's step at 8.45 ms
+    (fixed 5.2 ms) it is (4.85 - 3.1) / 2 = 0.875 ms: latency_s (not the back-to-back gloo loop's
+    0.1 ms). Without a served tp run: the loop's alpha and no peer latency."""
     served = overhead_from_steps(0.5e-3, 1.55e-3, 1, 8)
-    tp = overhead_from_steps(5.7e-3, 5.7e-3 + 7 * 3.25e-3, 1, 8)
-    tp.update(tp=2, engine_all_reduce_s=(tp["layer_overhead_s"] - served["layer_overhead_s"]) / 2)
-    assert tp["engine_all_reduce_s"] == pytest.approx(1.55e-3)
-    served.update(request_overhead_s=3e-3, tp=tp)
     probe = dict(ranks=2, threads_per_rank=1, host="h", gemm_flops=dict(fp32=2e11, bf16=1e11), gemv_bytes_per_s=1e10,
                  links=dict(all_reduce=dict(latency_s=1e-4, bus_bytes_per_s=1e9)), served=served)
-    link = cluster_dict(probe)["intra_link"]
-    assert link["latency_s"] == pytest.approx(0.775e-3)
+    served.update(request_overhead_s=3e-3)
+    for t1, message in ((5.7e-3, 1e-6), (8.45e-3, 0.875e-3)):
+        tp = overhead_from_steps(t1, t1 + 7 * 3.25e-3, 1, 8)
+        ar = (tp["layer_overhead_s"] - served["layer_overhead_s"]) / 2
+        assert ar == pytest.approx(1.55e-3)
+        tp.update(tp=2, engine_all_reduce_s=ar, engine_message_s=engine_message_s(served, tp, ar))
+        served["tp"] = tp
+        link = cluster_dict(probe)["intra_link"]
+        assert link["peer_latency_s"] == pytest.approx(0.775e-3)
+        assert link["latency_s"] == pytest.approx(message)
+        cluster = cluster_from_dict(cluster_dict(probe), "probed")  # the field reads back
+        assert cluster.intra_link.peer_latency_s == pytest.approx(0.775e-3)
     del served["tp"]
-    assert cluster_dict(probe)["intra_link"]["latency_s"] == pytest.approx(1e-4)
+    link = cluster_dict(probe)["intra_link"]
+    assert link["latency_s"] == pytest.approx(1e-4) and "peer_latency_s" not in link
+
+
+def test_serving_tp_all_reduce_takes_the_peer_latency():
+    """A 3,072-byte all-reduce over 2 ranks on a link of 1 GB/s (x INTRA_EFFICIENCY), gloo alpha
+    1 ms, peer alpha 20 us: the one-shot all-reduce costs 2 x 20 us + 3,072 B / bw, not the ring's
+    2 x 1 ms; with no peer latency the one-shot takes the link's alpha (2 ms + the bytes)."""
+    from modelcarve.plan.cost import comm
+    from modelcarve.plan.serve.rates import tp_all_reduce_s
+
+    bw = 1e9 * comm.INTRA_EFFICIENCY
+    with_peer = comm.Tier(name="intra", bytes_per_s=bw, latency_s=1e-3, peer_latency_s=20e-6)
+    assert tp_all_reduce_s(3072, 2, with_peer) == pytest.approx(2 * 20e-6 + 3072 / bw)
+    without = comm.Tier(name="intra", bytes_per_s=bw, latency_s=1e-3)
+    assert tp_all_reduce_s(3072, 2, without) == pytest.approx(2 * 1e-3 + 3072 / bw)

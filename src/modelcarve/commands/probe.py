@@ -42,10 +42,13 @@ admission, waking the engine thread, the first token's delivery and SSE write). 
 takes the served figures (the bare engine's stay in ``--json`` beside them). The two models are
 served at tp = ``--probe-ranks`` as well (torchrun, as ``serve`` starts them): each layer then adds
 two all-reduces, so ``(layer(tp) - layer(1)) / 2`` is one all-reduce as the engine pays it between
-layers, ranks computing in between and the server's threads running (~25x a back-to-back gloo
-all-reduce on a loaded 2-core machine: a rank that has lost its core holds the other up); the
-link's ``latency_s`` is that over the ring's ``2(n - 1)`` steps (the gloo loop's figure stays in
-``--json``).
+layers, ranks computing in between and the server's threads running (through shared memory where
+the ranks share the host, runtime/distributed/host_shm.py; through gloo it was ~25x a back-to-back
+gloo all-reduce on a loaded 2-core machine: a rank that has lost its core holds the other up); the
+link's ``peer_latency_s`` is that over a one-shot all-reduce's 2 steps. The step's fixed cost grows
+too, by rank 0's plan broadcast (two gloo messages) and the embedding's all-reduce and the logits'
+gather: ``(step(tp) - step(1) - 2 x all-reduce) / 2`` is a gloo message as the served engine pays it,
+the link's ``latency_s`` (the gloo loop's figures stay in ``--json``).
 
 The cluster file has one node of ``--probe-ranks`` devices. Its device says what was measured in a
 form the planner uses as it is:
@@ -61,8 +64,9 @@ form the planner uses as it is:
   and ``layer_overhead_s``); ``request_overhead_s``: the request path, added once to TTFT
   (plan/serve/rates.py ``request_overhead_s``).
 
-The link: ``latency_s`` is the served engine's all-reduce per ring step (above; without it the
-gloo alpha: latency per ring step of an 8-byte all-reduce), and
+The link: ``latency_s`` is a gloo message as the served tp engine pays it and ``peer_latency_s`` its
+TP all-reduce per one-shot step (above; without a served tp run, the gloo alpha: latency per ring
+step of an 8-byte all-reduce, and no peer latency), and
 ``bytes_per_s`` is the measured all-reduce bus bandwidth (the beta) divided by
 ``plan.comm.INTRA_EFFICIENCY`` (the planner multiplies a link's nominal figure by it, so it
 predicts what was measured). The per-collective figures (all-to-all, send/recv) are in ``--json``.
@@ -417,9 +421,19 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
     fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
     if tp_ranks >= 2:
         tp_fit = overhead_from_steps(best[tp_ranks, 0][1], best[tp_ranks, 1][1], l1, l2)
+        all_reduce = max((tp_fit["layer_overhead_s"] - fit["layer_overhead_s"]) / 2, 1e-6)
         fit["tp"] = dict(tp_fit, tp=tp_ranks, ttft_s={str(l1): best[tp_ranks, 0][0], str(l2): best[tp_ranks, 1][0]},
-                         engine_all_reduce_s=max((tp_fit["layer_overhead_s"] - fit["layer_overhead_s"]) / 2, 1e-6))
+                         engine_all_reduce_s=all_reduce, engine_message_s=engine_message_s(fit, tp_fit, all_reduce))
     return fit
+
+
+def engine_message_s(fit: dict, tp_fit: dict, all_reduce_s: float) -> float:
+    """One gloo message as the served tp engine pays it: a tp step's fixed cost over tp=1's is rank
+    0's plan broadcast (two messages: its size, its bytes; ``ModelRunner.broadcast``) plus the
+    step's two TP collectives outside the layers (the vocabulary-parallel embedding's all-reduce, the
+    logits' gather), which cost an ``all_reduce_s`` each: ``(step(tp) - step(1) - 2 all_reduce) / 2``
+    (at least 1 us)."""
+    return max((tp_fit["step_overhead_s"] - fit["step_overhead_s"] - 2 * all_reduce_s) / 2, 1e-6)
 
 
 def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:
@@ -472,13 +486,19 @@ def cluster_dict(probe: dict) -> dict:
     source = (f"measured by modelcarve hardware --probe on {probe['host']} at {when}: {probe['ranks']} ranks x "
               f"{probe['threads_per_rank']} thread(s)")
     ar = probe["links"]["all_reduce"]
-    latency, said = float(ar["latency_s"]), "gloo all-reduce latency per ring step"
+    latency, said, peer = float(ar["latency_s"]), "gloo all-reduce latency per ring step", {}
     served_tp = (probe.get("served") or {}).get("tp")
-    if served_tp:  # the all-reduce as the served engine pays it between layers, per ring step 2(n - 1)
-        latency = float(served_tp["engine_all_reduce_s"] / (2 * (served_tp["tp"] - 1)))
-        said = f"latency per ring step of the served tp={served_tp['tp']} engine's all-reduce between layers"
+    if served_tp:
+        # a gloo message as the served engine pays it (its plan broadcast), and its TP all-reduce
+        # between layers (shared memory, runtime/distributed/host_shm.py) over a one-shot's 2 steps
+        n = served_tp["tp"]
+        if "engine_message_s" in served_tp:
+            latency = float(served_tp["engine_message_s"])
+            said = f"latency of a gloo message as the served tp={n} engine pays it (its plan broadcast)"
+        peer = dict(peer_latency_s=float(served_tp["engine_all_reduce_s"] / 2))
+        said += f"; peer latency: the served tp={n} engine's all-reduce between layers over a one-shot's 2 steps"
     link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY), latency_s=latency,
-                source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}; {said}")
+                **peer, source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}; {said}")
     flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
     flops.setdefault("tf32", flops["fp32"])
     device = dict(name="cpu-probed", memory_bytes=_mem_total() // probe["ranks"], peak_flops=flops,
@@ -533,6 +553,9 @@ def run_probe(args) -> int:
     if "tp" in probe.get("served", {}):
         t.add_row(f"served tp={probe['served']['tp']['tp']} all-reduce between layers",
                   f"{probe['served']['tp']['engine_all_reduce_s'] * 1e6:,.1f} us")
+        if "engine_message_s" in probe["served"]["tp"]:
+            t.add_row(f"served tp={probe['served']['tp']['tp']} gloo message (plan broadcast)",
+                      f"{probe['served']['tp']['engine_message_s'] * 1e6:,.1f} us")
     if "served" in probe:
         t.add_row("served step, fixed host cost", f"{probe['served']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("served step, host cost per layer", f"{probe['served']['layer_overhead_s'] * 1e3:,.3f} ms")

@@ -72,6 +72,8 @@ LINK_FIELDS = {
     "name": Field("string", "name shown in plans (default: the base's name, or the field's)"),
     "bytes_per_s": Field("number", "bandwidth per direction per device, bytes/s", 0, 1e16, True),
     "latency_s": Field("number", "per-message latency, seconds", 0, 1.0),
+    "peer_latency_s": Field("number", "per-step latency of a one-/two-shot all-reduce through peer memory (serving's TP "
+                                      "all-reduce; hardware --probe); 0 = latency_s", 0, 1.0),
     "source": Field("string", "where the figures come from"),
 }
 CLUSTER_FIELDS = {

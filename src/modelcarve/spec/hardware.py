@@ -46,6 +46,10 @@ class LinkSpec:
     """Bandwidth per direction per device (one port / one GPU's share of the switch)."""
     latency_s: float
     """Per-message latency (the alpha of an alpha-beta model), seconds."""
+    peer_latency_s: float = 0.0
+    """Per-step latency of a one-shot / two-shot all-reduce through peer memory (a serving engine's
+    custom all-reduce over NVLink; the engine's shared-memory all-reduce on one CPU host,
+    runtime/distributed/host_shm.py), measured by ``hardware --probe``; 0 = ``latency_s``."""
     source: str = ""
 
 

@@ -70,6 +70,14 @@ class Tier:
     """Across nodes: members of the group in each node (k); 0 for an intra-node tier."""
     nic_bytes_per_s: float = 0.0
     """Across nodes: one device's own achievable share of its node's NICs, bytes/s."""
+    peer_latency_s: float = 0.0
+    """Inside a node: per-step latency of a one-/two-shot all-reduce through peer memory (the
+    link's ``peer_latency_s``); 0 = ``latency_s``."""
+
+    @property
+    def peer_alpha(self) -> float:
+        """The alpha of a one-/two-shot all-reduce (serving's TP all-reduce inside a node)."""
+        return self.peer_latency_s or self.latency_s
 
     @property
     def nic_fraction(self) -> float:
@@ -102,7 +110,8 @@ def all_to_all_bytes(size_bytes: float, n: int) -> float:
 # --- which link --------------------------------------------------------------------------------
 def intra_tier(cluster: "ClusterSpec") -> Tier:
     link = cluster.intra_link
-    return Tier(name="intra", bytes_per_s=link.bytes_per_s * INTRA_EFFICIENCY, latency_s=link.latency_s)
+    return Tier(name="intra", bytes_per_s=link.bytes_per_s * INTRA_EFFICIENCY, latency_s=link.latency_s,
+                peer_latency_s=getattr(link, "peer_latency_s", 0.0))
 
 
 def inter_tier(cluster: "ClusterSpec", members_per_node: int = 1) -> Tier:

@@ -334,8 +334,8 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
         algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
         bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
         if tier.name == "intra":
-            algorithms.append((2 * tier.latency_s, (n - 1) * h * ACT_BYTES / tier.bytes_per_s))  # one-shot
-            algorithms.append((4 * tier.latency_s, bw))  # two-shot
+            algorithms.append((2 * tier.peer_alpha, (n - 1) * h * ACT_BYTES / tier.bytes_per_s))  # one-shot
+            algorithms.append((4 * tier.peer_alpha, bw))  # two-shot
         else:
             algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
         lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), serve_rates.ALLREDUCE_FLOOR_S, gather))

@@ -195,8 +195,8 @@ def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
     ring = comm.all_reduce_s(size_bytes, n, tier)
     bw = 2.0 * (n - 1) / n * size_bytes / tier.bytes_per_s
     if tier.name == "intra":
-        one_shot = 2 * tier.latency_s + (n - 1) * size_bytes / tier.bytes_per_s
-        two_shot = 4 * tier.latency_s + bw
+        one_shot = 2 * tier.peer_alpha + (n - 1) * size_bytes / tier.bytes_per_s
+        two_shot = 4 * tier.peer_alpha + bw
         return max(ALLREDUCE_FLOOR_S, min(ring, one_shot, two_shot))
     tree = 2 * math.ceil(math.log2(n)) * tier.latency_s + bw
     return max(ALLREDUCE_FLOOR_S, min(ring, tree))
