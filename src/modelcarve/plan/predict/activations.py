@@ -79,12 +79,16 @@ test_verify_against_plan.py): ``full`` 105,344 / 92,544 bytes on ranks 0 / 1 at 
 ``selective`` 359,552 / 244,292 in fp32 (m = 4), 272,512 / 190,020 with bf16 parameters (m = 8).
 Zero-bubble under recomputation (the same walk over the executed F / I / W): torch's input step I
 (``retain_graph``) recomputes each region and frees no slot, so every layer's re-saved tensors stay,
-as memory_report counts them, to W; W frees the stage's micro-batch (the last stage: only its own
+as memory_report counts them, to W (the peak: at the end of I's recomputation, before the last
+stage's I frees the loss's targets); W frees the stage's micro-batch (the last stage: only its own
 nodes' tensors, ``weight_step_frees``, the loss's graph held to the step's end); the first stage
-skips I and runs its full backward at W. First stage exact (tiny-llama pp=2: 94,848 full, 283,392
-selective); last stage within 0.7% (its measured peak itself moves between runs by up to 8 KiB).
-Not checked, so ``None``: recomputation with an interleaved or zero-bubble pipeline of MoE layers
-(moe_activations.py walks no recomputation), or ring attention (context parallel) of MLA or MoE layers.
+skips I and runs its full backward at W. Exact on tiny-llama pp=2: first stage 94,848 full, 283,392
+selective; last stage 650,628 selective. The last stage's ``full`` peak measures up to 2.3% under the
+model, by a different amount each run (1,079,428-1,088,132 bytes against 1,104,516 at m = 8):
+memory_report keys a tensor by its storage's address, and a slot I kept (its recomputed tensor
+already freed by the checkpoint's unpack) still counts its key, so a later tensor at that address
+with its shape is taken for it. MoE layers: moe_activations.py's ``parts`` in the same walk.
+Not checked, so ``None``: ring attention (context parallel) of MLA or MoE layers under recomputation.
 """
 
 from __future__ import annotations
@@ -211,8 +215,6 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
         return f"recompute={layout.recompute}"
     if layout.cp > 1 and (spec.is_moe or spec.attention_kind != "gqa"):
         return "ring attention under recomputation (MLA or MoE layers)"
-    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble") and spec.is_moe:
-        return "an interleaved or zero-bubble pipeline under recomputation (MoE layers)"
     return None
 
 
@@ -296,13 +298,45 @@ def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: i
     return sum(held(pp_rank + ((k // p) % v) * p) for k in range(n))
 
 
-def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list) -> float:
+def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list, parts=None) -> float:
     """Peak saved bytes of one pipeline rank under recomputation, given its actions ``(kind, stage,
     micro-batch)`` in executed order (module doc): each forward F of stage ``s`` keeps its micro-batch's
     ``layers(s) x kept + stage terms`` until its backward B; each B first frees the loss terms (the last
     stage's ``head``) and what the layer's own backward frees before the checkpointed region, then
     re-saves the region's tensors (the stage's last layer: the largest moment of that backward), on top
-    of everything else held. ``recompute_peak`` is the 1F1B / GPipe case of this walk."""
+    of everything else held. Zero-bubble: I re-saves every layer's recomputed tensors, then frees the
+    loss's targets (the last stage), W frees the micro-batch and them (the last stage: only its weight
+    nodes' inputs); the first stage's W is its full backward. ``recompute_peak`` is the 1F1B / GPipe
+    case of this walk. ``parts(s, mb)``: (kept, the backward's peak over what is held or None for a
+    stage without layers, re-saved by I, freed by the last stage's W) of one micro-batch; default the
+    dense model's (moe_activations.py passes its own: each MoE layer with its routing)."""
+    last_stage = layout.pp * layout.virtual_stages - 1
+    targets = INDEX * layout.mbs * layout.seq // layout.cp + FP32
+    parts = parts or dense_recompute_parts(spec, layout)
+    live, peak = 0.0, 0.0
+    for kind, s, mb in order:
+        held, extra, resaved, w_frees = parts(s, mb)
+        if kind == "F":
+            live += held
+            peak = max(peak, live)
+        elif kind == "B" or (kind == "W" and s == 0):  # zero-bubble's first stage: I skipped, W the full backward
+            if extra is not None:
+                peak = max(peak, live + extra)
+            live -= held
+        elif kind == "I" and s != 0:  # retain_graph: every layer's re-saved tensors stay to W, then the targets go
+            live += resaved
+            peak = max(peak, live)
+            live -= targets if s == last_stage else 0.0
+        elif kind == "W" and s != last_stage:
+            live -= held + resaved
+        elif kind == "W":  # the last stage keeps the loss's graph to the step's end: W frees its own nodes'
+            live -= w_frees
+    return float(peak)
+
+
+def dense_recompute_parts(spec: "ModelSpec", layout: "Layout"):
+    """``scheduled_recompute_peak``'s ``parts`` of a dense model: ``(stage, mb) -> (kept, backward
+    peak over the rest held, re-saved by I, freed by the last stage's W)``."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq = layout.seq // layout.cp
     T, r = layout.mbs * seq, residual_bytes(layout)
@@ -311,30 +345,13 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list) -
     counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
     per_layer, again = sum(kept.values()), sum(recomputed.values()) - sum(freed.values())
 
-    def stage(s: int) -> dict[str, float]:
-        return stage_terms(spec, T, seq, layout.tp, layout.sp, c, s == 0, s == last_stage, r)
+    def parts(s: int, _mb: int) -> tuple[float, float | None, float, float]:
+        terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, s == 0, s == last_stage, r)
+        head = sum(v for k, v in terms.items() if k not in ("rope", "token_ids"))
+        return (counts[s] * per_layer + sum(terms.values()), -head + again if counts[s] else None,
+                counts[s] * sum(recomputed.values()), weight_step_frees(spec, layout, counts[s], True))
 
-    resaved = sum(recomputed.values())
-    live, peak = 0.0, 0.0
-    for kind, s, _mb in order:
-        terms = stage(s)
-        held = counts[s] * per_layer + sum(terms.values())
-        if kind == "F":
-            live += held
-            peak = max(peak, live)
-        elif kind == "B" or (kind == "W" and s == 0):  # zero-bubble's first stage: I skipped, W the full backward
-            if counts[s]:
-                head = sum(v for k, v in terms.items() if k not in ("rope", "token_ids"))
-                peak = max(peak, live - head + again)
-            live -= held
-        elif kind == "I" and s != 0:  # retain_graph: every layer's re-saved tensors stay to W
-            live += counts[s] * resaved - (terms["targets"] if s == last_stage else 0.0)
-            peak = max(peak, live)
-        elif kind == "W" and s != last_stage:
-            live -= held + counts[s] * resaved
-        elif kind == "W":  # the last stage keeps the loss's graph to the step's end: W frees its own nodes'
-            live -= weight_step_frees(spec, layout, counts[s], True)
-    return float(peak)
+    return parts
 
 
 def stage_held_bytes(spec: "ModelSpec", layout: "Layout"):
@@ -369,7 +386,7 @@ def weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, last: bo
 
 def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float, float]:
     """``weight_step_frees`` by part, per micro-batch: (a layer's attention side: the projections'
-    inputs and the two norms' outputs, Qwen3's q / k norms' fp32 outputs; a dense MLP's input and
+    inputs and the two norms' outputs, Qwen3's q / k norms' outputs in the compute dtype; a dense MLP's input and
     down projection input; the last stage's final norm output and head input)."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq = layout.seq // layout.cp
@@ -377,8 +394,8 @@ def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float
     terms = layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.cp > 1)
     h = spec.hidden_size
     attention = terms["attn_input"] + terms["proj_input"] + 2 * r * T * h / rep
-    if spec.qk_norm:  # each q / k norm's normalised fp32 output, saved for its weight's gradient
-        attention += FP32 * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
+    if spec.qk_norm:  # each q / k norm's normalised output, cast back to the compute dtype, saved for its weight's gradient
+        attention += c * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
     if spec.attention_kind == "mla":
         # each latent norm's normalised output (the latent's dtype, the down projection's: c), saved by its
         # product with the weight, and the up projection's input (c), both whole on every TP rank

@@ -31,7 +31,7 @@ routing, and stage terms) until its backward, or zero-bubble's weight step W; on
 stage the loss keeps each micro-batch's graph to the step's end and W frees only its weight nodes'
 saved inputs (``moe_weight_step_frees``: activations.py's dense rule, MLA's latents included, plus
 per MoE block the router's input, each expert's rows and down projection input, and Qwen3's q / k
-norms' fp32 normalised outputs). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both
+norms' normalised outputs, in the compute dtype). Checked on tiny-moe (pp=2, v=2 interleaved; pp=2 zero-bubble; both
 with dp=2 x ep=2) and the tiny Qwen3-MoE (zero-bubble; four layers: interleaved): within 256 bytes of
 the measured peak in fp32; the tiny DeepSeek-V3 (MLA, dense first layer) up to 3.2% low in fp32 (MLA's
 unfound 1,792 bytes a layer, activations.py), 2.3% in bf16.
@@ -42,7 +42,16 @@ under cp): exact on tiny-moe cp=2 and cp=2 x ep=2 (fp32). Recomputation: ``moe_r
 (activations.py's ``recompute_terms`` with each MoE layer's block terms in place of the MLP's, and
 the micro-batch whose backward recomputes: 1F1B / GPipe run the backwards in order, each with the
 later micro-batches in flight held); within 32 bytes a layer of the measured peak in fp32 (tiny-moe:
-full and selective, dp x ep, tp x sp, pp=2 1F1B).
+full and selective, dp x ep, tp x sp, pp=2 1F1B). Interleaved 1F1B and zero-bubble under
+recomputation: activations.py's ``scheduled_recompute_peak`` walk over the executed order, each
+(stage, micro-batch) with ``moe_recompute_parts`` (its layers, its own routing) and, on zero-bubble's
+last stage, W freeing ``moe_weight_step_frees``. Over the measured peak by the aux loss's load (32
+bytes on tiny-moe, 16 on the tiny Qwen3-MoE) per MoE layer held, in fp32 and bf16 (tiny-moe pp=2, v=2:
+full 147,936 / 135,136 against 147,904 / 135,104, selective 572,512 / 372,068 against 572,384 /
+371,972; zero-bubble first stage 137,440 / 453,760 against 137,408 / 453,664; last stage selective
+942,212 against 941,956), but on zero-bubble's last stage under ``full``, whose measured peak is up to
+1% lower and moves run to run (activations.py's module doc: memory_report's address keys).
+Not covered (None): ring attention (context parallelism) under recomputation.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from modelcarve.plan.predict.activations import (FP32, INDEX, layer_terms, recompute_terms, recompute_unchecked, residual_bytes,
-                                                 stage_terms, weight_step_parts)
+                                                 scheduled_recompute_peak, stage_terms, weight_step_parts)
+from modelcarve.spec.stages import stage_ranges
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -128,9 +138,24 @@ def moe_scheduled_activation_bytes(spec: "ModelSpec", layout: "Layout", order: l
     zero-bubble, its weight step (W), as activations.py's ``interleaved_activation_bytes`` and
     ``zero_bubble_activation_bytes`` count a dense stage. The last stage of a zero-bubble schedule keeps
     each micro-batch's loss, and with it part of its graph, to the step's end; its weight steps free
-    ``moe_weight_step_frees``."""
-    if layout.param_dtype not in ("fp32", "bf16") or layout.recompute != "none":
-        return None  # recomputation under these schedules: activations.py's recompute_unchecked
+    ``moe_weight_step_frees``. Under recomputation activations.py's ``scheduled_recompute_peak`` with
+    each (stage, micro-batch)'s ``moe_recompute_parts``."""
+    if layout.param_dtype not in ("fp32", "bf16"):
+        return None
+    if layout.recompute != "none":
+        if recompute_unchecked(spec, layout) is not None:
+            return None
+        ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
+        last_stage = layout.pp * layout.virtual_stages - 1
+
+        def parts(s: int, mb: int) -> tuple[float, float | None, float, float]:
+            rows = received[(s, mb)] if received is not None else None
+            moe = [spec.is_moe_layer(i) for i in ranges[s]]
+            held, extra, resaved = moe_recompute_parts(spec, layout, moe, rows, s == 0, s == last_stage)
+            layers, n_moe = stage_layers[s]
+            return held, extra if layers else None, resaved, moe_weight_step_frees(spec, layout, layers, n_moe, rows)
+
+        return scheduled_recompute_peak(spec, layout, order, parts)
     last_stage = layout.pp * layout.virtual_stages - 1
     zb = layout.schedule == "zero-bubble"
     live, peak = 0.0, 0.0
@@ -195,7 +220,7 @@ def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list
     if layout.recompute != "none":
         if recompute_unchecked(spec, layout) is not None:
             return None
-        return moe_recompute_peak(spec, layout, ids, moe_ids, blocks, dense, stage, in_flight)
+        return moe_recompute_peak(spec, layout, ids, moe_ids, received, first, last, in_flight)
     attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
     fixed = (layers - len(moe_ids)) * sum(dense.values()) + len(moe_ids) * attention
     one = [fixed + sum(stage.values()) + sum(mb) for mb in blocks]
@@ -203,11 +228,12 @@ def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list
     return float(max(sum(one[i:i + k]) for i in range(len(one) - k + 1)))
 
 
-def moe_recompute_peak(spec: "ModelSpec", layout: "Layout", ids: list[int], moe_ids: list[int], blocks: list[list[float]],
-                       dense: dict[str, float], stage: dict[str, float], in_flight: int) -> float:
+def moe_recompute_peak(spec: "ModelSpec", layout: "Layout", ids: list[int], moe_ids: list[int], received: list | None,
+                       first: bool, last: bool, in_flight: int) -> float:
     """Peak saved bytes of one rank of an MoE model under recomputation (activations.py's
     ``recompute_peak``, layer by layer: an MoE layer's block terms differ by its routing).
-    ``blocks[mb][i]``: the MoE block terms of micro-batch ``mb``'s ``i``-th MoE layer.
+    ``received[mb][i]``: the rows micro-batch ``mb``'s ``i``-th MoE layer received (None: no EP);
+    each micro-batch's terms are ``moe_recompute_parts``'.
 
     * ``full``: every layer keeps its input from its forward to its backward; the backward reaches
       the stage's layers last to first, re-running each one's forward (the MoE block's all-to-alls
@@ -220,35 +246,41 @@ def moe_recompute_peak(spec: "ModelSpec", layout: "Layout", ids: list[int], moe_
       in their place the core's inputs; the backward of the stage's last layer frees its MoE block
       (or MLP), its ffn norm and its output projection's input before recomputing the core
       (activations.py ``recompute_terms``; the MoE block is not checkpointed)."""
-    T, s, _ = rank_tokens(layout)
-    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
-    r = residual_bytes(layout)
-    kept, freed, recomputed = recompute_terms(spec, T, s, layout.tp, layout.sp, c, r, layout.recompute)
-    head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
-    attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
-    mlp = sum(v for key, v in dense.items() if key.startswith("mlp"))
-    moe_pos = {layer: i for i, layer in enumerate(moe_ids)}
-    if layout.recompute == "full":
-        block_input = sum(kept.values())
-        one = [len(ids) * block_input + sum(stage.values())] * len(blocks)
-    else:
-        # a layer keeps its selective terms, an MoE layer its block's in place of the MLP's
-        one = [sum(stage.values()) + len(ids) * (sum(kept.values()) - mlp) + (len(ids) - len(moe_ids)) * mlp + sum(mb)
-               for mb in blocks]
+    flags = [i in moe_ids for i in ids]
+    one = [moe_recompute_parts(spec, layout, flags, rows, first, last)
+           for rows in (received if received is not None else [None] * layout.num_microbatches)]
     k = max(1, min(in_flight, len(one)))
     peak = 0.0
     for i in range(len(one)):  # the backward of micro-batch i (1F1B, GPipe: in order) holds it and up to k - 1 later ones
-        held = sum(one[i:i + k])
-        mb = blocks[i]
-        peak = max(peak, held)
-        if layout.recompute == "full":
-            for j, layer in enumerate(ids):  # the recomputation of the stage's j-th layer
-                terms = attention + (mb[moe_pos[layer]] if layer in moe_pos else mlp)
-                above = (len(ids) - 1 - j) * block_input
-                peak = max(peak, held - head - above + terms + sum(recomputed.values()) - sum(dense.values()))
-        else:
-            layer = ids[-1]
-            own = mb[moe_pos[layer]] if layer in moe_pos else mlp
-            gone = own + sum(freed.values()) - freed["mlp"] - freed["mlp_input"]
-            peak = max(peak, held - head - gone + sum(recomputed.values()))
+        held = sum(p[0] for p in one[i:i + k])
+        peak = max(peak, held, held + one[i][1])
     return float(peak)
+
+
+def moe_recompute_parts(spec: "ModelSpec", layout: "Layout", moe: list[bool], received: list[int] | None,
+                        first: bool, last: bool) -> tuple[float, float, float]:
+    """One micro-batch of a stage of layers ``ids`` under recomputation (``moe_recompute_peak``'s
+    terms): (what its forward keeps to its backward; the backward's largest moment over that, the
+    recomputation of a layer with the stage's head terms, and under ``full`` the inputs of the layers
+    above, gone; what the recomputation of every layer re-saves, zero-bubble's I holding it to W).
+    ``moe[j]``: whether the stage's ``j``-th layer is an MoE one."""
+    T, s, T_moe = rank_tokens(layout)
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    r = residual_bytes(layout)
+    kept, freed, recomputed = recompute_terms(spec, T, s, layout.tp, layout.sp, c, r, layout.recompute)
+    stage = stage_terms(spec, T, s, layout.tp, layout.sp, c, first, last, r)
+    head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
+    dense = dense_layer_terms(spec, layout)
+    attention = sum(v for key, v in dense.items() if not key.startswith("mlp"))
+    mlp = sum(v for key, v in dense.items() if key.startswith("mlp"))
+    rows = iter(received if received is not None else [T_moe * spec.top_k] * sum(moe))
+    # each layer's MoE block (the rows its experts received, in layer order), or its dense MLP
+    own = [sum(moe_block_terms(spec, layout, T_moe, next(rows), layout.ep > 1).values()) if m else mlp for m in moe]
+    if layout.recompute == "full":
+        block_input = sum(kept.values())
+        again = [attention + o + sum(recomputed.values()) - sum(dense.values()) for o in own]
+        extra = max((-head - (len(moe) - 1 - j) * block_input + a for j, a in enumerate(again)), default=0.0)
+        return len(moe) * block_input + sum(stage.values()), extra, sum(again)
+    held = sum(stage.values()) + len(moe) * (sum(kept.values()) - mlp) + sum(own)
+    gone = (own[-1] if moe else 0.0) + sum(freed.values()) - freed["mlp"] - freed["mlp_input"]
+    return held, -head - gone + sum(recomputed.values()), len(moe) * sum(recomputed.values())

@@ -53,10 +53,10 @@ its ``dp_shard x cp`` shard group, its owned range then all-reduced over the rep
 ``recompute=full`` re-runs each block's forward in the backward up to its last saved tensor, past
 the combine, so each EP dispatcher call's count exchange, dispatch and combine run twice (the tp
 messages: step_traffic.tp_messages' rule); ``selective`` recomputes no collective; the activations:
-moe_activations.moe_recompute_peak. Not covered (``NotModelled``): a folded expert mesh (etp != tp)
-under context parallelism or recomputation; activations under recomputation with q / k norms or MLA,
-or an interleaved / zero-bubble pipeline (activations.py ``recompute_unchecked``); ring attention
-under recomputation (step_traffic).
+moe_activations.moe_recompute_peak (interleaved 1F1B and zero-bubble: the executed order walked,
+activations.py's ``scheduled_recompute_peak`` with each micro-batch's own routing). Not covered
+(``NotModelled``): a folded expert mesh (etp != tp) under context parallelism or recomputation; ring
+attention under recomputation (step_traffic; its activations: activations.py ``recompute_unchecked``).
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.

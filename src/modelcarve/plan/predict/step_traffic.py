@@ -57,8 +57,8 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; MLA under cp, MLA under cp with recomputation, FSDP under zero-bubble,
-output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and under recomputation
-with an interleaved / zero-bubble pipeline of MoE layers: activations.py's ``recompute_unchecked``): the verify table marks those
+output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and of ring attention
+of MLA or MoE layers under recomputation: activations.py's ``recompute_unchecked``): the verify table marks those
 quantities as unpredicted instead of guessing.
 """
 
