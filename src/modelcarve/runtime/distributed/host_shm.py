@@ -15,7 +15,8 @@ into its slot, stores ``s`` in its flag, waits until every flag reads ``>= s``, 
 slots. Two parities suffice: a rank writes parity ``s % 2`` again only at ``s + 2``, after it saw
 every flag reach ``s + 1``, i.e. after every member finished reading collective ``s``. Every
 member sums the slots in group-rank order, so all hold the same bits. The file is unlinked as
-soon as all members mapped it (nothing is left in /dev/shm if a rank dies).
+soon as all members mapped it (nothing is left in /dev/shm if a rank dies); its pages are reserved
+at creation (``posix_fallocate``), so a /dev/shm too small for it declines instead of faulting.
 
 The order argument relies on stores becoming visible in program order (x86's TSO): ``attach``
 declines on other architectures, and where the members are not on one host (hostname and boot
@@ -168,10 +169,15 @@ def attach(group, timeout_s: float) -> str | None:
     if rank == 0 and reason is None:
         path = f"/dev/shm/modelcarve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
-            with open(path, "wb") as f:
-                f.truncate(LINE * size + 2 * size * SLOT_BYTES)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:  # reserved now, not on first touch: a full /dev/shm (a container's 64 MiB) declines here
+                os.posix_fallocate(fd, 0, LINE * size + 2 * size * SLOT_BYTES)  # instead of a SIGBUS later
+            finally:
+                os.close(fd)
         except OSError as e:
-            reason, path = f"cannot create {path}: {e}", None
+            if os.path.exists(path):
+                os.unlink(path)
+            reason, path = f"cannot reserve {path}: {e}", None
     said = [None] * size
     dist.all_gather_object(said, (_host_id(), reason, path), group=group)
     reason = next((why for _, why, _ in said if why), None)
