@@ -72,11 +72,15 @@ def test_decode_step_is_weight_read_at_probed_rate_plus_measured_overheads():
     assert t.tpot_s - bare.tpot_s == pytest.approx(STEP, rel=1e-6)
 
 
-def test_plan_broadcast_on_two_ranks_costs_two_alphas():
-    """tp=2: ModelRunner.broadcast sends the plan's size then its bytes: 2 x ceil(log2 2) = 2 alphas."""
+def test_plan_broadcast_on_two_ranks_costs_one_alpha():
+    """tp=2: ModelRunner.broadcast sends a decode step's plan as one message (its length and bytes):
+    ceil(log2 2) = 1 alpha; on 4 ranks a tree of ceil(log2 4) = 2."""
     t = serve_time(_model(), _cluster(devices=2), tp=2, weight_dtype="fp32", kv_dtype="fp32", batch=1,
                    input_len=64, output_len=16)
-    assert t.decode_parts["step"] == pytest.approx(STEP + 2 * math.ceil(math.log2(2)) * ALPHA, rel=1e-9)
+    assert t.decode_parts["step"] == pytest.approx(STEP + math.ceil(math.log2(2)) * ALPHA, rel=1e-9)
+    from modelcarve.plan.serve.rates import engine_step_s
+
+    assert engine_step_s(_cluster(devices=4), 2, 2, 1) == pytest.approx(STEP + 2 * ALPHA, rel=1e-9)
     # the two TP all-reduces per layer are the probed link's alpha-beta (n = 2: one-shot = 2 alpha +
     # h x 2 bytes / beta), and the logits all-gather on top: at least 2 L x 2 alpha
     assert t.decode_parts["tp"] >= 2 * L * 2 * ALPHA

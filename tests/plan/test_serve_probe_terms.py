@@ -118,15 +118,15 @@ def test_link_latencies_are_the_served_engines():
     """Served per-layer cost 0.15 ms at tp=1 and 3.25 ms at tp=2: two all-reduces per layer, so one
     costs (3.25 - 0.15) / 2 = 1.55 ms, over a one-shot's 2 steps: peer_latency_s = 0.775 ms. The
     served step's fixed cost: tp=1 0.5 - 0.15 = 0.35 ms, tp=2 5.7 - 3.25 = 2.45 ms; the 2.1 ms more is
-    two gloo messages (the plan broadcast) and two more all-reduces (embedding, logits), so a
-    message costs (2.1 - 2 x 1.55) / 2 < 0: clamped to 1 us; with tp=2's step at 8.45 ms
-    (fixed 5.2 ms) it is (4.85 - 3.1) / 2 = 0.875 ms: latency_s (not the back-to-back gloo loop's
-    0.1 ms). Without a served tp run: the loop's alpha and no peer latency."""
+    one gloo message (the plan broadcast) and two more all-reduces (embedding, logits), so a
+    message costs 2.1 - 2 x 1.55 < 0: clamped to 1 us; with tp=2's step at 7.575 ms (fixed
+    4.325 ms) it is 3.975 - 3.1 = 0.875 ms: latency_s (not the back-to-back gloo loop's 0.1 ms).
+    Without a served tp run: the loop's alpha and no peer latency."""
     served = overhead_from_steps(0.5e-3, 1.55e-3, 1, 8)
     probe = dict(ranks=2, threads_per_rank=1, host="h", gemm_flops=dict(fp32=2e11, bf16=1e11), gemv_bytes_per_s=1e10,
                  links=dict(all_reduce=dict(latency_s=1e-4, bus_bytes_per_s=1e9)), served=served)
     served.update(request_overhead_s=3e-3)
-    for t1, message in ((5.7e-3, 1e-6), (8.45e-3, 0.875e-3)):
+    for t1, message in ((5.7e-3, 1e-6), (7.575e-3, 0.875e-3)):
         tp = overhead_from_steps(t1, t1 + 7 * 3.25e-3, 1, 8)
         ar = (tp["layer_overhead_s"] - served["layer_overhead_s"]) / 2
         assert ar == pytest.approx(1.55e-3)

@@ -23,3 +23,24 @@ def test_plan_from_scheduled_and_through_pickle():
     back = pickle.loads(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
     assert back == plan and isinstance(back.replicas[0][0], StepItem)
     assert plan and not StepPlan() and not StepPlan([[], []])  # an empty plan is the idle heartbeat
+
+
+def test_plan_messages_one_for_a_decode_step_two_for_a_long_prefill():
+    """ModelRunner.broadcast / send_plan: a decode step's plan (a few hundred bytes) is one
+    PLAN_FIRST-byte message (length + bytes); a plan whose pickle exceeds PLAN_FIRST - 8 bytes is
+    that message plus one with the rest; both read back equal; None (the end of the loop) too."""
+    from modelcarve.runtime.engine.model_runner import PLAN_FIRST, _plan_from, _plan_messages
+
+    decode = StepPlan([[StepItem([5], 40 + i, [3, 4, 9], True) for i in range(16)]])
+    prefill = StepPlan([[StepItem(list(range(3000)), 0, list(range(200)), True) for _ in range(4)]])
+    for plan, count in ((decode, 1), (prefill, 2), (None, 1)):
+        parts = _plan_messages(plan)
+        assert len(parts) == count and parts[0].numel() == PLAN_FIRST
+        queue = list(parts[1:])
+
+        def receive(into):
+            into.copy_(queue.pop(0))
+
+        head = parts[0].clone()
+        assert _plan_from(head, receive) == plan
+        assert not queue

@@ -46,8 +46,8 @@ layers, ranks computing in between and the server's threads running (through sha
 the ranks share the host, runtime/distributed/host_shm.py; through gloo it was ~25x a back-to-back
 gloo all-reduce on a loaded 2-core machine: a rank that has lost its core holds the other up); the
 link's ``peer_latency_s`` is that over a one-shot all-reduce's 2 steps. The step's fixed cost grows
-too, by rank 0's plan broadcast (two gloo messages) and the embedding's all-reduce and the logits'
-gather: ``(step(tp) - step(1) - 2 x all-reduce) / 2`` is a gloo message as the served engine pays it,
+too, by rank 0's plan broadcast (one gloo message) and the embedding's all-reduce and the logits'
+gather: ``step(tp) - step(1) - 2 x all-reduce`` is a gloo message as the served engine pays it,
 the link's ``latency_s`` (the gloo loop's figures stay in ``--json``).
 
 The cluster file has one node of ``--probe-ranks`` devices. Its device says what was measured in a
@@ -429,11 +429,11 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
 
 def engine_message_s(fit: dict, tp_fit: dict, all_reduce_s: float) -> float:
     """One gloo message as the served tp engine pays it: a tp step's fixed cost over tp=1's is rank
-    0's plan broadcast (two messages: its size, its bytes; ``ModelRunner.broadcast``) plus the
-    step's two TP collectives outside the layers (the vocabulary-parallel embedding's all-reduce, the
-    logits' gather), which cost an ``all_reduce_s`` each: ``(step(tp) - step(1) - 2 all_reduce) / 2``
-    (at least 1 us)."""
-    return max((tp_fit["step_overhead_s"] - fit["step_overhead_s"] - 2 * all_reduce_s) / 2, 1e-6)
+    0's plan broadcast (one message at tp=2: ``ModelRunner.broadcast``) plus the step's two TP
+    collectives outside the layers (the vocabulary-parallel embedding's all-reduce, the logits'
+    gather), which cost an ``all_reduce_s`` each: ``step(tp) - step(1) - 2 all_reduce`` (at least
+    1 us)."""
+    return max(tp_fit["step_overhead_s"] - fit["step_overhead_s"] - 2 * all_reduce_s, 1e-6)
 
 
 def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:

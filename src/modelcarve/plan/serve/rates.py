@@ -97,16 +97,17 @@ def engine_step_s(cluster: ClusterSpec, tp: int, pp: int, dp: int) -> float:
 
     * ``DeviceSpec.step_overhead_s``: the host work of one step of the engine on one rank with a
       trivial model (scheduling, block tables, sampling, detokenising), measured by ``hardware --probe``;
-    * with more than one rank, rank 0 broadcasts the step's plan to all ranks as two broadcasts (its
-      size, then its bytes: ``ModelRunner.broadcast``), each a tree of ``ceil(log2 world)`` messages of
-      the link's latency ``alpha`` (the plan is a few hundred bytes, so its bandwidth term is nil)."""
+    * with more than one rank, rank 0 broadcasts the step's plan to all ranks as one broadcast (its
+      length and bytes in one 16 KiB message: ``ModelRunner.broadcast``; a decode step's plan is a
+      few hundred bytes), a tree of ``ceil(log2 world)`` messages of the link's latency ``alpha``
+      (its bandwidth term is nil)."""
     device = cluster.device
     base = getattr(device, "step_overhead_s", 0.0)
     world = tp * pp * dp
     if base <= 0.0 or world <= 1:
         return base
     link = cluster.intra_link if world <= cluster.fast_domain else cluster.inter_link
-    return base + 2 * math.ceil(math.log2(world)) * link.latency_s
+    return base + math.ceil(math.log2(world)) * link.latency_s
 
 
 def gemm_efficiency(device, m: float, n: float, k: float, dtype: str) -> float:

@@ -58,6 +58,9 @@ from modelcarve.spec.errors import LayoutError
 PLAN_TAG = 7
 """The point-to-point tag of plans (pp > 1), apart from the hidden states' and logits' tag 0."""
 
+PLAN_FIRST = 16384
+"""Bytes of a step plan's one broadcast (``ModelRunner.broadcast``): its length and the first bytes."""
+
 RECORDS = 16384
 """Step records kept per rank (the oldest are dropped)."""
 
@@ -143,6 +146,31 @@ def _int4_group(chunk) -> int:
                       f"use int8 or fp8")
 
 
+def _plan_messages(plan) -> list[torch.Tensor]:
+    """``plan`` pickled as its messages: ``PLAN_FIRST`` bytes (the pickle's length as 8 little-endian
+    bytes, then its first bytes, zero-padded), and the rest, if any, as a second message."""
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    cap = PLAN_FIRST - 8
+    head = torch.zeros(PLAN_FIRST, dtype=torch.uint8)
+    head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    head[8:8 + min(len(data), cap)] = torch.frombuffer(bytearray(data[:cap]), dtype=torch.uint8)
+    if len(data) <= cap:
+        return [head]
+    return [head, torch.frombuffer(bytearray(data[cap:]), dtype=torch.uint8)]
+
+
+def _plan_from(head: torch.Tensor, receive) -> "StepPlan | None":
+    """The plan whose first message is ``head``; ``receive(tensor)`` fills the second, if any."""
+    cap = PLAN_FIRST - 8
+    n = int.from_bytes(head[:8].numpy().tobytes(), "little")
+    data = head[8:8 + min(n, cap)].numpy().tobytes()
+    if n > cap:
+        rest = torch.empty(n - cap, dtype=torch.uint8)
+        receive(rest)
+        data += rest.numpy().tobytes()
+    return pickle.loads(data)
+
+
 class ModelRunner:
     """This rank's part of the model and its KV cache (see module doc)."""
 
@@ -210,6 +238,8 @@ class ModelRunner:
         self.buckets = buckets and not any(getattr(m, "capacity_factor", None) for m in chunk.modules())
         """Forwards run at bucketed shapes (paged_attention.StepShape), not each step's own."""
         self.plan_bytes = 0
+        self._plan_head = torch.zeros(PLAN_FIRST, dtype=torch.uint8)
+        """The buffer of a plan's one broadcast (reused every step)."""
         self.logit_bytes = 0
         self.microbatches = 0
         """Forwards this rank ran."""
@@ -248,43 +278,42 @@ class ModelRunner:
 
     # --- the plan -------------------------------------------------------------------------
     def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
-        """Rank 0 sends ``plan`` to all ranks (None ends the followers' loop); every rank returns it."""
+        """Rank 0 sends ``plan`` to all ranks (None ends the followers' loop); every rank returns it.
+
+        One broadcast of ``PLAN_FIRST`` bytes (``_plan_messages``: the pickle's length, then up to
+        ``PLAN_FIRST - 8`` of its bytes) carries any decode step's plan; only a longer one (a
+        prefill of many long prompts) takes a second broadcast for the rest. (Two every step, the
+        length then the bytes, cost a second gloo message a step: ~1-2 ms at tp=2 on a busy 2-core
+        host.)"""
         if self.world == 1:
             return plan
         if self.rank == 0:
-            data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            dist.broadcast(size, 0)
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0)
-            self.plan_bytes += 8 + len(data)
+            for part in _plan_messages(plan):
+                dist.broadcast(part, 0)
+                self.plan_bytes += part.numel()
             return plan
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0)
-        buf = torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.broadcast(buf, 0)
-        return pickle.loads(buf.numpy().tobytes())
+        head = self._plan_head
+        dist.broadcast(head, 0)
+        return _plan_from(head, lambda rest: dist.broadcast(rest, 0))
 
     def send_plan(self, plan: StepPlan | None) -> list:
-        """Rank 0 (pp > 1): send ``plan`` to every other rank point to point (tag ``PLAN_TAG``) without
-        waiting for them: a rank still busy with an earlier plan takes it when it gets there. Returns
-        the pending sends ((work, tensor) pairs; ``wait`` them before they are dropped)."""
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        """Rank 0 (pp > 1): send ``plan`` to every other rank point to point (tag ``PLAN_TAG``; the same
+        one or two messages as ``broadcast``) without waiting for them: a rank still busy with an
+        earlier plan takes it when it gets there. Returns the pending sends ((work, tensor) pairs;
+        ``wait`` them before they are dropped)."""
         pending = []
+        parts = _plan_messages(plan)
         for r in range(1, self.world):
-            pending.append((dist.isend(size, r, tag=PLAN_TAG), size))
-            pending.append((dist.isend(payload, r, tag=PLAN_TAG), payload))
-        self.plan_bytes += (8 + len(data)) * (self.world - 1)
+            for part in parts:
+                pending.append((dist.isend(part, r, tag=PLAN_TAG), part))
+                self.plan_bytes += part.numel()
         return pending
 
     def recv_plan(self) -> StepPlan | None:
         """Other ranks (pp > 1): the next plan ``send_plan`` sent (None: the end of the loop)."""
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, 0, tag=PLAN_TAG)
-        buf = torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.recv(buf, 0, tag=PLAN_TAG)
-        return pickle.loads(buf.numpy().tobytes())
+        head = self._plan_head
+        dist.recv(head, 0, tag=PLAN_TAG)
+        return _plan_from(head, lambda rest: dist.recv(rest, 0, tag=PLAN_TAG))
 
     def micro_batches(self, items: list[StepItem]) -> list[list[StepItem]]:
         """How ``execute`` cuts a replica's items (the engine reads its results in this order)."""
