@@ -30,10 +30,10 @@ def _model():
                                     tie_word_embeddings=False), name="tiny")
 
 
-def _cluster(devices=1, step=STEP, layer=LAYER, efficiency=1.0):
+def _cluster(devices=1, step=STEP, layer=LAYER, efficiency=1.0, peer=0.0):
     device = dict(name="cpu-probed", memory_bytes=8 << 30, peak_flops=dict(fp32=GEMM, bf16=GEMM / 30, tf32=GEMM),
                   hbm_bytes_per_s=GEMV, gemm_efficiency=efficiency, step_overhead_s=step, layer_overhead_s=layer)
-    link = dict(name="gloo", bytes_per_s=1e9, latency_s=ALPHA)
+    link = dict(name="gloo", bytes_per_s=1e9, latency_s=ALPHA, peer_latency_s=peer)
     return cluster_from_dict(dict(nodes=1, devices_per_node=devices, device=device, intra_link=link,
                                   inter_link=dict(link), nics_per_node=1), "probed")
 
@@ -117,3 +117,22 @@ def test_estimate_resolves_dtypes_as_the_engine_does(text):
     _, weight, kv = resolve_layout(text)
     ours = engine_dtypes(text, Layout.parse(text))
     assert (ours.weight_dtype, ours.kv_dtype) == (weight, kv)
+
+
+def test_tp_collectives_take_the_peer_latency_the_plan_broadcast_the_links():
+    """tp=2 on a link with a peer latency P = 30 us (the engine's shared-memory all-reduce) beside
+    its alpha 250 us (a gloo message): each of the 2L decode all-reduces of one token's hidden state
+    (S = ACT_BYTES x H: the planner's activation width, 2) is the one-shot 2 P + S / bw (the ring
+    would be 2 alpha + S / bw); the logits' gather (n - 1) P + (V x ACT_BYTES) / 2 / bw; the plan's
+    broadcast stays one alpha on the step."""
+    from modelcarve.plan.cost.comm import INTRA_EFFICIENCY
+    from modelcarve.plan.serve.memory import ACT_BYTES
+
+    bw = 1e9 * INTRA_EFFICIENCY
+    peer = 30e-6
+    t = serve_time(_model(), _cluster(devices=2, peer=peer), tp=2, weight_dtype="fp32", kv_dtype="fp32", batch=1,
+                   input_len=64, output_len=16)
+    one_shot = 2 * peer + ACT_BYTES * H / bw
+    gather = peer + ACT_BYTES * V / 2 / bw
+    assert t.decode_parts["tp"] == pytest.approx(2 * L * one_shot + gather, rel=1e-9)
+    assert t.decode_parts["step"] == pytest.approx(STEP + ALPHA, rel=1e-9)

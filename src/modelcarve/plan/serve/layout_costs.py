@@ -11,6 +11,7 @@ and tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -330,7 +331,10 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
     lines = []
     if tp > 1:
         n, tier = tp, mesh.tier_tp
-        gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, tier))
+        # the logits' gather inside a node goes the way the TP all-reduce does (peer memory where
+        # the link has a peer latency: the CPU engine's shared memory; else the link's alpha)
+        peer = dataclasses.replace(tier, latency_s=tier.peer_alpha) if tier.name == "intra" else tier
+        gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, peer))
         algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
         bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
         if tier.name == "intra":
