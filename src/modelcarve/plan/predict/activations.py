@@ -77,17 +77,20 @@ backward peaking as above on top of everything else held (1F1B / GPipe are the o
 the walk gives ``recompute_peak``'s bytes). Exact on tiny-llama, pp=2, v=2 (tests/verify/
 test_verify_against_plan.py): ``full`` 105,344 / 92,544 bytes on ranks 0 / 1 at m = 4 and 8,
 ``selective`` 359,552 / 244,292 in fp32 (m = 4), 272,512 / 190,020 with bf16 parameters (m = 8).
-Zero-bubble under recomputation (the same walk over the executed F / I / W): torch's input step I
-(``retain_graph``) recomputes each region and frees no slot, so every layer's re-saved tensors stay,
-as memory_report counts them, to W (the peak: at the end of I's recomputation, before the last
-stage's I frees the loss's targets); W frees the stage's micro-batch (the last stage: only its own
-nodes' tensors, ``weight_step_frees``, the loss's graph held to the step's end); the first stage
-skips I and runs its full backward at W. Exact on tiny-llama pp=2: first stage 94,848 full, 283,392
-selective; last stage 650,628 selective. The last stage's ``full`` peak measures up to 2.3% under the
-model, by a different amount each run (1,079,428-1,088,132 bytes against 1,104,516 at m = 8):
-memory_report keys a tensor by its storage's address, and a slot I kept (its recomputed tensor
-already freed by the checkpoint's unpack) still counts its key, so a later tensor at that address
-with its shape is taken for it. MoE layers: moe_activations.py's ``parts`` in the same walk.
+Zero-bubble under recomputation (the same walk over the executed F / I / W; what is held is
+runtime/measure/memory_report.py's module doc, the allocator's view): torch's input step I
+(``retain_graph``) recomputes one region at a time and each recomputed copy is freed once autograd
+unpacks it, so I peaks at the largest region's re-saved tensors on top of everything held and then
+frees only the last stage's loss targets; its W runs one ``autograd.grad`` per weight group (a new
+graph task each), so under ``full`` each group recomputes its layer's region again and the copies its
+node does not unpack stay while the graph does (``weight_step_walk``, ``layer_weight_frees``: 9 groups a
+tiny-llama layer, 45,440 of its 74,112 re-saved bytes saved by no weight node); ``selective``'s core
+has no weight, so W recomputes nothing. W then frees the micro-batch (the last stage: only its weight
+nodes' inputs outside the regions, the loss's graph held to the step's end, ``weight_step_frees``);
+the first stage skips I and runs its full backward at W. Exact on tiny-llama pp=2, every run: first
+stage 94,848 full, 283,392 selective; last stage 6,871,552 full (m = 8; it was measured at
+1,079,428-1,096,324 and modelled at 1,104,516 when an I copy was counted to W), 562,820 selective.
+MoE layers: moe_activations.py's ``parts`` in the same walk.
 Not checked, so ``None``: ring attention (context parallel) of MLA or MoE layers under recomputation.
 """
 
@@ -304,18 +307,22 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list, p
     ``layers(s) x kept + stage terms`` until its backward B; each B first frees the loss terms (the last
     stage's ``head``) and what the layer's own backward frees before the checkpointed region, then
     re-saves the region's tensors (the stage's last layer: the largest moment of that backward), on top
-    of everything else held. Zero-bubble: I re-saves every layer's recomputed tensors, then frees the
-    loss's targets (the last stage), W frees the micro-batch and them (the last stage: only its weight
-    nodes' inputs); the first stage's W is its full backward. ``recompute_peak`` is the 1F1B / GPipe
-    case of this walk. ``parts(s, mb)``: (kept, the backward's peak over what is held or None for a
-    stage without layers, re-saved by I, freed by the last stage's W) of one micro-batch; default the
-    dense model's (moe_activations.py passes its own: each MoE layer with its routing)."""
+    of everything else held. Zero-bubble: I (``retain_graph``) frees nothing but the last stage's loss
+    targets; it recomputes one region at a time, each recomputed copy gone once autograd unpacked it
+    (the largest region on top of everything held); W walks ``weight_step_walk`` (``full``: each weight
+    group recomputes its region again), then frees the micro-batch with the walk's residue (the last
+    stage: only its weight nodes' inputs outside the regions, the loss's graph with the residue held to
+    the step's end); the first stage's W is its full backward. ``recompute_peak`` is the 1F1B / GPipe
+    case of this walk. ``parts(s, mb)``: (kept; the backward's peak over what is held, or None for a
+    stage without layers; I's recomputation over what is held; freed by the last stage's W outside the
+    regions; ``weight_step_walk``'s layers) of one micro-batch; default the dense model's
+    (moe_activations.py passes its own: each MoE layer with its routing)."""
     last_stage = layout.pp * layout.virtual_stages - 1
     targets = INDEX * layout.mbs * layout.seq // layout.cp + FP32
     parts = parts or dense_recompute_parts(spec, layout)
     live, peak = 0.0, 0.0
     for kind, s, mb in order:
-        held, extra, resaved, w_frees = parts(s, mb)
+        held, extra, again, w_frees, walk = parts(s, mb)
         if kind == "F":
             live += held
             peak = max(peak, live)
@@ -323,33 +330,82 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list, p
             if extra is not None:
                 peak = max(peak, live + extra)
             live -= held
-        elif kind == "I" and s != 0:  # retain_graph: every layer's re-saved tensors stay to W, then the targets go
-            live += resaved
-            peak = max(peak, live)
+        elif kind == "I" and s != 0:
+            if again is not None:
+                peak = max(peak, live + again)
             live -= targets if s == last_stage else 0.0
-        elif kind == "W" and s != last_stage:
-            live -= held + resaved
-        elif kind == "W":  # the last stage keeps the loss's graph to the step's end: W frees its own nodes'
-            live -= w_frees
+        elif kind == "W":
+            live, peak, residue = weight_step_walk(live, peak, walk)
+            live -= w_frees if s == last_stage else held + residue
     return float(peak)
+
+
+def weight_step_walk(live: float, peak: float, walk: list) -> tuple[float, float, float]:
+    """Zero-bubble's W of one micro-batch under ``full`` recomputation (runtime/measure/memory_report.py's
+    module doc): torch's ``stage_backward_weight`` runs one ``autograd.grad`` per weight group (one
+    parameter, in the stage's parameter order), each its own graph task, so the checkpoint recomputes
+    the group's region anew for it, every slot still held re-saved. Of a layer (``walk``: ``(again,
+    frees)`` per layer in order, ``again`` one recomputation's bytes, ``frees[j]`` what group ``j``'s
+    node frees, per copy, by its slots' release: the tensors no later group's node saves) group ``j``
+    re-saves ``again - sum(frees) + sum(frees[j:])`` and frees ``j + 1`` copies of ``frees[j]``; the
+    copies of the tensors no weight node saves stay while the graph lives. Returns (live, peak, what
+    the walk left held)."""
+    start = live
+    for again, frees in walk:
+        rest = again - sum(frees)
+        for j, f in enumerate(frees):
+            live += rest + sum(frees[j:])
+            peak = max(peak, live)
+            live -= (j + 1) * f
+    return live, peak, live - start
+
+
+def layer_weight_frees(spec: "ModelSpec", layout: "Layout", mlp: list[float] | None = None) -> list[float]:
+    """``weight_step_walk``'s ``frees`` of one layer, per weight group in parameter order (attention norm,
+    projections, q / k norms or MLA's latents, ffn norm, then the MLP's w1, w3, w2 or ``mlp``): the bytes
+    whose last saving weight node is that group's, per recomputed copy (``weight_step_parts``, split).
+    Checked on GQA layers with and without q / k norms in fp32; MLA's and autocast's splits are not."""
+    c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
+    seq = layout.seq // layout.cp
+    T, r, rep, t = layout.mbs * seq, residual_bytes(layout), layout.tp if layout.sp else 1, layout.tp
+    terms = layer_terms(spec, T, seq, t, layout.sp, c, r, layout.cp > 1)
+    norm, cast = r * T * spec.hidden_size / rep, c != r  # autocast: each projection saves its own cast
+    ai = terms["attn_input"]
+    if spec.attention_kind == "mla":
+        qr, kvr = spec.q_lora_rank or 0, spec.kv_lora_rank
+        q = [ai / 2 if cast else 0.0, c * T * qr, c * T * qr] if qr else [ai / 2 if cast else 0.0]
+        attention = q + [ai / 2 if cast else ai, c * T * kvr, c * T * kvr, terms["proj_input"]]
+    else:
+        attention = [ai / 3, ai / 3, ai / 3] if cast else [0.0, 0.0, ai]
+        attention.append(terms["proj_input"])
+        if spec.qk_norm:
+            attention += [c * T * spec.num_heads / t * spec.head_dim, c * T * max(spec.num_kv_heads // t, 1) * spec.head_dim]
+    if mlp is None:
+        mi = terms["mlp_input"]
+        mlp = ([mi / 2, mi / 2] if cast else [0.0, mi]) + [c * T * spec.ffn_size / t]
+    return [norm] + attention + [norm] + mlp
 
 
 def dense_recompute_parts(spec: "ModelSpec", layout: "Layout"):
     """``scheduled_recompute_peak``'s ``parts`` of a dense model: ``(stage, mb) -> (kept, backward
-    peak over the rest held, re-saved by I, freed by the last stage's W)``."""
+    peak over the rest held, I's recomputation over it, freed by the last stage's W outside the regions,
+    ``weight_step_walk``'s layers)``."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq = layout.seq // layout.cp
     T, r = layout.mbs * seq, residual_bytes(layout)
     kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute, layout.cp > 1)
     last_stage = layout.pp * layout.virtual_stages - 1
     counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
-    per_layer, again = sum(kept.values()), sum(recomputed.values()) - sum(freed.values())
+    per_layer, again = sum(kept.values()), sum(recomputed.values())
+    full = layout.recompute == "full"
+    frees = layer_weight_frees(spec, layout) if full else []
 
-    def parts(s: int, _mb: int) -> tuple[float, float | None, float, float]:
+    def parts(s: int, _mb: int) -> tuple[float, float | None, float | None, float, list]:
         terms = stage_terms(spec, T, seq, layout.tp, layout.sp, c, s == 0, s == last_stage, r)
         head = sum(v for k, v in terms.items() if k not in ("rope", "token_ids"))
-        return (counts[s] * per_layer + sum(terms.values()), -head + again if counts[s] else None,
-                counts[s] * sum(recomputed.values()), weight_step_frees(spec, layout, counts[s], True))
+        outside = weight_step_frees(spec, layout, 0 if full else counts[s], True)
+        return (counts[s] * per_layer + sum(terms.values()), -head - sum(freed.values()) + again if counts[s] else None,
+                again if counts[s] else None, outside, [(again, frees)] * counts[s] if full else [])
 
     return parts
 

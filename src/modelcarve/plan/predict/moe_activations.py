@@ -45,12 +45,14 @@ later micro-batches in flight held); within 32 bytes a layer of the measured pea
 full and selective, dp x ep, tp x sp, pp=2 1F1B). Interleaved 1F1B and zero-bubble under
 recomputation: activations.py's ``scheduled_recompute_peak`` walk over the executed order, each
 (stage, micro-batch) with ``moe_recompute_parts`` (its layers, its own routing) and, on zero-bubble's
-last stage, W freeing ``moe_weight_step_frees``. Over the measured peak by the aux loss's load (32
-bytes on tiny-moe, 16 on the tiny Qwen3-MoE) per MoE layer held, in fp32 and bf16 (tiny-moe pp=2, v=2:
-full 147,936 / 135,136 against 147,904 / 135,104, selective 572,512 / 372,068 against 572,384 /
-371,972; zero-bubble first stage 137,440 / 453,760 against 137,408 / 453,664; last stage selective
-942,212 against 941,956), but on zero-bubble's last stage under ``full``, whose measured peak is up to
-1% lower and moves run to run (activations.py's module doc: memory_report's address keys).
+last stage, W freeing ``moe_weight_step_frees``; under ``full`` zero-bubble's W recomputes each layer
+once per weight group (activations.py ``weight_step_walk``; an MoE block's groups ``moe_weight_groups``:
+router, the stacked w1 / w3 / w2, shared experts). Over the measured peak by the aux loss's load (32
+bytes on tiny-moe, 16 on the tiny Qwen3-MoE) per MoE layer held or recomputed copy alive, in fp32 and
+bf16, every run (tiny-moe pp=2, v=2: full 147,936 / 135,136 against 147,904 / 135,104, selective
+572,512 / 372,068 against 572,384 / 371,972; zero-bubble first stage 137,440 / 453,760 against
+137,408 / 453,664; last stage selective 854,404 against 854,148, full 6,313,728 against 6,311,168:
+80 copies; the Qwen3-MoE's full 3,227,568 against 3,226,816: 47 copies).
 Not covered (None): ring attention (context parallelism) under recomputation.
 """
 
@@ -58,8 +60,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.predict.activations import (FP32, INDEX, layer_terms, recompute_terms, recompute_unchecked, residual_bytes,
-                                                 scheduled_recompute_peak, stage_terms, weight_step_parts)
+from modelcarve.plan.predict.activations import (FP32, INDEX, layer_terms, layer_weight_frees, recompute_terms,
+                                                 recompute_unchecked, residual_bytes, scheduled_recompute_peak,
+                                                 stage_terms, weight_step_parts)
 from modelcarve.spec.stages import stage_ranges
 
 if TYPE_CHECKING:
@@ -148,12 +151,18 @@ def moe_scheduled_activation_bytes(spec: "ModelSpec", layout: "Layout", order: l
         ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
         last_stage = layout.pp * layout.virtual_stages - 1
 
-        def parts(s: int, mb: int) -> tuple[float, float | None, float, float]:
+        def parts(s: int, mb: int) -> tuple[float, float | None, float | None, float, list]:
             rows = received[(s, mb)] if received is not None else None
             moe = [spec.is_moe_layer(i) for i in ranges[s]]
-            held, extra, resaved = moe_recompute_parts(spec, layout, moe, rows, s == 0, s == last_stage)
+            held, extra, again = moe_recompute_parts(spec, layout, moe, rows, s == 0, s == last_stage)
             layers, n_moe = stage_layers[s]
-            return held, extra if layers else None, resaved, moe_weight_step_frees(spec, layout, layers, n_moe, rows)
+            if layout.recompute != "full":  # the attention core has no weight: W recomputes nothing
+                return held, extra if layers else None, max(again, default=None), \
+                    moe_weight_step_frees(spec, layout, layers, n_moe, rows), []
+            mlps = iter(moe_weight_groups(spec, layout, rows, sum(moe)))
+            walk = [(a, layer_weight_frees(spec, layout, next(mlps) if m else None)) for a, m in zip(again, moe)]
+            return held, extra if layers else None, max(again, default=None), \
+                moe_weight_step_frees(spec, layout, 0, 0, []), walk
 
         return scheduled_recompute_peak(spec, layout, order, parts)
     last_stage = layout.pp * layout.virtual_stages - 1
@@ -193,6 +202,26 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
         if spec.num_shared_experts:
             out += c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp
     return out + head
+
+
+def moe_weight_groups(spec: "ModelSpec", layout: "Layout", received: list[int] | None, n_moe: int) -> list[list[float]]:
+    """activations.py ``layer_weight_frees``' ``mlp`` of each MoE layer (``moe_weight_step_frees``, split
+    by weight group in parameter order): the router (its fp32 input), the experts' stacked w1, w3
+    (their rows; under autocast each its cast), w2 (its input ``c R F``), the shared experts' w1, w3,
+    w2 (their down projection's input; the router's input, which they save too, goes with their w3)."""
+    _T, _s, T_moe = rank_tokens(layout)
+    c = 2 if layout.param_dtype == "bf16" else FP32
+    h, f = spec.hidden_size, spec.expert_ffn_size // layout.expert_tp
+    out = []
+    for R in (received if received is not None else [T_moe * spec.top_k] * n_moe):
+        rows = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)["expert_rows"]
+        one = c == residual_bytes(layout)  # one tensor of rows, or autocast's two casts
+        groups = [FP32 * T_moe * h] + ([0.0, rows] if one else [rows / 2, rows / 2]) + [c * R * f]
+        if spec.num_shared_experts:
+            groups += [0.0, groups[0], c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp]
+            groups[0] = 0.0
+        out.append(groups)
+    return out
 
 
 def moe_rank_activation_bytes(spec: "ModelSpec", layout: "Layout", moe_ids: list[int], layers: int,
@@ -258,11 +287,11 @@ def moe_recompute_peak(spec: "ModelSpec", layout: "Layout", ids: list[int], moe_
 
 
 def moe_recompute_parts(spec: "ModelSpec", layout: "Layout", moe: list[bool], received: list[int] | None,
-                        first: bool, last: bool) -> tuple[float, float, float]:
+                        first: bool, last: bool) -> tuple[float, float, list[float]]:
     """One micro-batch of a stage of layers ``ids`` under recomputation (``moe_recompute_peak``'s
     terms): (what its forward keeps to its backward; the backward's largest moment over that, the
     recomputation of a layer with the stage's head terms, and under ``full`` the inputs of the layers
-    above, gone; what the recomputation of every layer re-saves, zero-bubble's I holding it to W).
+    above, gone; what each layer's recomputation re-saves, in order).
     ``moe[j]``: whether the stage's ``j``-th layer is an MoE one."""
     T, s, T_moe = rank_tokens(layout)
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
@@ -280,7 +309,7 @@ def moe_recompute_parts(spec: "ModelSpec", layout: "Layout", moe: list[bool], re
         block_input = sum(kept.values())
         again = [attention + o + sum(recomputed.values()) - sum(dense.values()) for o in own]
         extra = max((-head - (len(moe) - 1 - j) * block_input + a for j, a in enumerate(again)), default=0.0)
-        return len(moe) * block_input + sum(stage.values()), extra, sum(again)
+        return len(moe) * block_input + sum(stage.values()), extra, again
     held = sum(stage.values()) + len(moe) * (sum(kept.values()) - mlp) + sum(own)
     gone = (own[-1] if moe else 0.0) + sum(freed.values()) - freed["mlp"] - freed["mlp_input"]
-    return held, -head - gone + sum(recomputed.values()), len(moe) * sum(recomputed.values())
+    return held, -head - gone + sum(recomputed.values()), [sum(recomputed.values())] * len(moe)

@@ -26,9 +26,24 @@ this rank (local shards: a DTensor counts its local piece):
   ``forward`` and ``checkpoint``'s ``context_fn`` (``_Region``): what the checkpoint keeps, its
   inputs (every tensor of its arguments, also inside tuples such as the rotary ``(cos, sin)``,
   which the checkpoint's frame holds by reference), counted until the frame dies (after the
-  region's backward); and, during the backward, each tensor the recomputation saves, counted from
-  the recomputation until autograd frees the forward's slot it stands for (after its node ran:
-  a recomputed region's saved tensors live until that region's backward ends);
+  region's backward); and, during the backward, each tensor every recomputation saves, counted from
+  that recomputation until its storage dies or autograd frees the forward's slot it stands for,
+  whichever comes first (``_Count``: a ``weakref.finalize`` on the storage, whose Python object torch
+  keeps for as long as the storage lives). That is what the allocator holds: torch's checkpoint keeps
+  a recomputed tensor only in ``frame.recomputed[graph task]``, a WeakKeyDictionary keyed by a handle
+  that its unpack drops, so each copy is freed once autograd has unpacked it, even under
+  ``retain_graph``; the copies never unpacked stay while the slot lives. A single backward (1F1B,
+  GPipe, interleaved) unpacks and frees the slot in the same node, so nothing changes there. Under
+  zero-bubble (checked with a standalone checkpointed block through torch's ``stage_backward_input``
+  / ``stage_backward_weight``, a finalizer on each recomputed storage, and against the bytes the
+  checkpoint frames hold at the peak): I (``retain_graph``) frees each copy at its unpack; W runs one
+  ``autograd.grad`` per weight group, each a new graph task, so the region is recomputed once per group
+  (tiny-llama ``full``: 9 a layer), and the copies its nodes do not unpack stay until the slots die
+  (the last stage: the step's end). Counting a slot by an address instead (before issue 26) counted
+  an I copy already freed until W and took a later tensor at that address for it: a peak a few KiB
+  lower, different each run. Entries are still keyed by address (``_storage_key``), which is now
+  unambiguous: every counted entry's storage is alive (held by a saved reference, by the frame, or
+  released by its finalizer), so no other storage can sit at its address;
 * ``comm_buffers``: the largest single collective buffer of the step (collectives.CommLog's
   largest payload: the flat data-parallel gradient bucket, FSDP2's largest all-gather);
 * on CUDA also ``cuda_peak`` (``max_memory_allocated`` over the step).
@@ -194,7 +209,8 @@ class _Region:
     pair of saved-tensor hooks acts at a time) that pass every pack and unpack through to them. In
     the forward each saved tensor gets a ``_Slot`` around the checkpoint's holder (the checkpoint
     keeps no tensor there); the recomputation saves the same tensors in the same order, and the
-    ``k``-th one is counted against slot ``k`` until autograd frees that slot."""
+    ``k``-th one of each recomputation is counted against slot ``k`` (a ``_Count``) until its storage
+    dies or autograd frees that slot."""
 
     def __init__(self, owner: SavedActivations, args, kwargs):
         self.owner = owner
@@ -220,8 +236,8 @@ class _Region:
     def _recompute_pack(self, inner, t):
         k, self.index = self.index, self.index + 1
         slot = self.slots[k]() if k < len(self.slots) else None
-        if slot is not None and slot.key is None:
-            slot.key = self.owner._acquire(t)
+        if slot is not None and (key := self.owner._acquire(t)) is not None:
+            slot.counts.append(_Count(self.owner, key, _local(t).untyped_storage()))
         return inner(t)  # may end the recomputation early (torch's _StopRecomputationError)
 
 
@@ -249,16 +265,32 @@ class _Stacked:
 
 
 class _Slot:
-    """A tensor a checkpointed region saved in its forward (the checkpoint's holder ``inner``); the
-    bytes its recomputed copy views count (``key``) until autograd frees it."""
+    """A tensor a checkpointed region saved in its forward (the checkpoint's holder ``inner``); each
+    recomputation's copy of it counts (``counts``) until its storage dies or autograd frees the slot."""
 
-    __slots__ = ("inner", "key", "owner", "__weakref__")
+    __slots__ = ("inner", "counts", "owner", "__weakref__")
 
     def __init__(self, inner, owner):
-        self.inner, self.key, self.owner = inner, None, owner
+        self.inner, self.counts, self.owner = inner, [], owner
 
     def __del__(self):
-        if self.key is not None:
+        for count in self.counts:
+            count.release()
+
+
+class _Count:
+    """One counted recomputed tensor: released once, when its storage dies (the checkpoint drops its
+    copy when autograd unpacks it) or when its slot does, whichever comes first."""
+
+    __slots__ = ("owner", "key", "finalizer")
+
+    def __init__(self, owner, key, storage):
+        self.owner, self.key = owner, key
+        self.finalizer = weakref.finalize(storage, owner._release, key)
+        self.finalizer.atexit = False
+
+    def release(self) -> None:
+        if self.finalizer.detach() is not None:  # still alive: the slot went first
             self.owner._release(self.key)
 
 
