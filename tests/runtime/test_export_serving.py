@@ -130,7 +130,7 @@ def test_vllm_own_config_parsing_accepts_the_export(checkpoints, exports):
     issue 27) vLLM infers "LlamaModel" from model_type, which the first assertion refuses."""
     from transformers import AutoTokenizer
 
-    from engine_venvs import engine_python
+    from engine_venvs import engine_python, engine_run
 
     python, why = engine_python("vllm")
     if python is None:
@@ -140,8 +140,7 @@ def test_vllm_own_config_parsing_accepts_the_export(checkpoints, exports):
         out, proc = exports[name]
         assert proc.returncode == 0, proc.stderr
         tokenizers[str(out)] = tok
-    run = subprocess.run([str(python), "-c", VLLM_CHECK, json.dumps(list(tokenizers.items()))], capture_output=True,
-                         text=True, timeout=600)
+    run = engine_run(python, VLLM_CHECK, json.dumps(list(tokenizers.items())), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     want = AutoTokenizer.from_pretrained(checkpoints / "src")
