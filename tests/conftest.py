@@ -26,3 +26,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "full_scale" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_servers():
+    """The engine venvs' check servers (engine_venvs.engine_run) end with the session."""
+    yield
+    from engine_venvs import close_servers
+
+    close_servers()

