@@ -88,7 +88,10 @@ ZERO_BUBBLE = [c for c in CASES if "zero-bubble" in c and c != UNMODELLED]
 # pp x tp with sp: each tp rank sends its sequence shard to the next stage (half the tokens);
 # zero-bubble with it: the last stage's loss graphs, within 10% (7.9% over on tiny-llama)
 CASES_4 = [f"tp=2,sp,dp=2,gbs=4,{FP32}", f"pp=2,tp=2,gbs=4,{FP32}", f"cp=2,dp=2,gbs=4,{FP32}", f"cp=2,tp=2,gbs=2,{FP32}",
-           f"pp=2,tp=2,sp,gbs=4,{FP32}", f"pp=2,tp=2,sp,schedule=zero-bubble,gbs=4,{FP32}"]
+           f"pp=2,tp=2,sp,gbs=4,{FP32}", f"pp=2,tp=2,sp,schedule=zero-bubble,gbs=4,{FP32}",
+           # zero-bubble's W recomputes each layer of the last stage once per weight group (9 on tiny-llama):
+           # each recomputation's attention reduce-scatter and two norm all-gathers again (tp_messages' redo)
+           f"pp=2,tp=2,sp,schedule=zero-bubble,recompute=full,gbs=4,{FP32}"]
 
 
 # a tiny llama with tied input/output embeddings (as Llama 3.2, Qwen3 small, Gemma ship them);
@@ -236,6 +239,27 @@ def test_recomputation_by_hand():
         return sum(m.payload * m.calls for m in predict_rank(spec, Layout.parse(text), 0).messages if m.op == "all_reduce")
 
     assert all_reduced(f"tp=2,gbs=2,recompute=full,{FP32}") - all_reduced(f"tp=2,gbs=2,{FP32}") == 4 * 2 * 4_096
+
+
+def test_zero_bubble_weight_step_recomputes_tp_collectives_by_hand():
+    """tiny-llama pp=2,tp=2, zero-bubble, recompute=full, 4 micro-batches of 16 tokens (h = 64: a 4,096-byte
+    hidden a message): the first stage's W is its full backward, each of its 2 layers recomputed once
+    (8 all-reduces over the 32 of forward and backward, + the embedding's fp32 all-reduce: 180,224 bytes);
+    the last stage recomputes each layer in I and again for each of its 9 weight groups in W (2 x 10 x 4
+    = 80 attention all-reduces over forward, backward and the head's 36, + the cross entropy's 3 x 4 x 64
+    bytes: 475,904). Measured on 4 gloo ranks: 180,224 and 475,904 (tp all-reduce payload per rank)."""
+    from modelcarve.plan.predict.step_traffic import layer_recomputations, predict_rank
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+
+    spec, layout = get_model("tiny-llama"), Layout.parse(f"pp=2,tp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")
+    assert [layer_recomputations(layout, s, 9) for s in (0, 1)] == [1, 10]
+    assert layer_recomputations(layout.replace(recompute="selective"), 1, 9) == 0
+    assert layer_recomputations(layout.replace(schedule="1f1b"), 1, 9) == 1
+    for rank, total in ((0, 40 * 4096 + 4 * 4096), (2, 116 * 4096 + 3 * 4 * 16 * 4)):
+        msgs = predict_rank(spec, layout, rank).messages
+        tp = [m for m in msgs if m.op == "all_reduce" and len(m.group) == 2 and m.group[1] == m.group[0] + 1]
+        assert sum(m.payload * m.calls for m in tp) == total == (180_224 if rank == 0 else 475_904)
 
 
 def test_unmodelled_layout_is_not_a_pass(reports):
