@@ -116,8 +116,17 @@ CASES_2 += [
     (Q3_4L, f"pp=2,virtual_stages=2,schedule=interleaved-1f1b,gbs=4,recompute=selective,{FP32}"),
     ("tiny-moe", f"pp=2,schedule=zero-bubble,gbs=4,recompute=selective,{BF16}"),
 ]
+# ring attention of MoE layers under recomputation: the recomputed forward's third pass of K/V sends,
+# ring attention's saved tensors in the recomputed (full) or kept (selective) attention
+CASES_2 += [
+    ("tiny-moe", f"cp=2,ep=2,gbs=2,recompute=full,{FP32}"),
+    ("tiny-moe", f"cp=2,gbs=2,recompute=selective,{FP32}"),
+    (Q3, f"cp=2,gbs=2,recompute=full,{FP32}"),
+    (Q3, f"cp=2,ep=2,gbs=2,recompute=selective,{FP32}"),
+    (Q3, f"cp=2,gbs=2,recompute=selective,{BF16}"),
+]
 UNMODELLED_2 = [
-    ("tiny-moe", f"cp=2,ep=2,gbs=2,recompute=full,{FP32}", "ring attention under recomputation"),
+    ("tiny-moe", f"tp=2,ep=2,etp=1,gbs=2,recompute=full,{FP32}", "a folded expert mesh under recomputation"),
 ]
 # 4 ranks accounted as 2 per node: the tp group inside a node, dp / ep / edp across
 CASES_4 = [

@@ -58,8 +58,8 @@ tiny-moe's last stage, pp=2 x dp=2 x ep=2: 2,096,128 / 1,324,032 bytes of all-to
 predicted on ranks 2 / 3); ``selective`` recomputes no collective; the activations:
 moe_activations.moe_recompute_peak (interleaved 1F1B and zero-bubble: the executed order walked,
 activations.py's ``scheduled_recompute_peak`` with each micro-batch's own routing). Not covered
-(``NotModelled``): a folded expert mesh (etp != tp) under context parallelism or recomputation; ring
-attention under recomputation (step_traffic; its activations: activations.py ``recompute_unchecked``).
+(``NotModelled``): a folded expert mesh (etp != tp) under context parallelism or recomputation. (Ring
+attention under recomputation is modelled: step_traffic.ring_sends' third pass, activations.py's ring terms.)
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
