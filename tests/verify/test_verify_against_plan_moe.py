@@ -258,7 +258,7 @@ def test_scheduled_recomputation_close(reports2, reports4):
         for r in report["against_plan"]:
             if r["quantity"] != "activations":
                 continue
-            if zb_full and r["rank"] == report["world_size"] - 1:
+            if zb_full and r["rank"] >= report["world_size"] // 2:  # pp=2 outermost: the last stage's ranks
                 assert r["predicted"] - r["measured"] == copies[model], (layout, r)
             else:
                 assert 0 <= r["predicted"] - r["measured"] <= 8 * 32, (layout, r)
