@@ -53,7 +53,9 @@ bf16, every run (tiny-moe pp=2, v=2: full 147,936 / 135,136 against 147,904 / 13
 572,512 / 372,068 against 572,384 / 371,972; zero-bubble first stage 137,440 / 453,760 against
 137,408 / 453,664; last stage selective 854,404 against 854,148, full 6,313,728 against 6,311,168:
 80 copies; the Qwen3-MoE's full 3,227,568 against 3,226,816: 47 copies).
-Not covered (None): ring attention (context parallelism) under recomputation.
+Ring attention (context parallelism) under recomputation: ``moe_recompute_parts`` with activations.py's
+ring terms (``recompute_terms(ring=True)``): exact in fp32 and bf16 on tiny-moe and the tiny Qwen3-MoE,
+cp=2 full / selective, with and without ep=2 (activations.py's module doc has the bytes; MLA's gap there).
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def moe_recompute_parts(spec: "ModelSpec", layout: "Layout", moe: list[bool], re
     T, s, T_moe = rank_tokens(layout)
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     r = residual_bytes(layout)
-    kept, freed, recomputed = recompute_terms(spec, T, s, layout.tp, layout.sp, c, r, layout.recompute)
+    kept, freed, recomputed = recompute_terms(spec, T, s, layout.tp, layout.sp, c, r, layout.recompute, layout.cp > 1)
     stage = stage_terms(spec, T, s, layout.tp, layout.sp, c, first, last, r)
     head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
     dense = dense_layer_terms(spec, layout)

@@ -52,11 +52,14 @@ its ``dp_shard x cp`` shard group, its owned range then all-reduced over the rep
 (step_traffic.shard_groups); EP's expert bucket stays over expert-dp, unreplicated. Recomputation:
 ``recompute=full`` re-runs each block's forward in the backward up to its last saved tensor, past
 the combine, so each EP dispatcher call's count exchange, dispatch and combine run twice (the tp
-messages: step_traffic.tp_messages' rule); ``selective`` recomputes no collective; the activations:
+messages: step_traffic.tp_messages' rule), and under the zero-bubble schedule on every stage but the
+first once more per weight group of W (step_traffic.layer_recomputations: 2 + 10 runs a call on
+tiny-moe's last stage, pp=2 x dp=2 x ep=2: 2,096,128 / 1,324,032 bytes of all-to-all measured and
+predicted on ranks 2 / 3); ``selective`` recomputes no collective; the activations:
 moe_activations.moe_recompute_peak (interleaved 1F1B and zero-bubble: the executed order walked,
 activations.py's ``scheduled_recompute_peak`` with each micro-batch's own routing). Not covered
-(``NotModelled``): a folded expert mesh (etp != tp) under context parallelism or recomputation; ring
-attention under recomputation (step_traffic; its activations: activations.py ``recompute_unchecked``).
+(``NotModelled``): a folded expert mesh (etp != tp) under context parallelism or recomputation. (Ring
+attention under recomputation is modelled: step_traffic.ring_sends' third pass, activations.py's ring terms.)
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -184,9 +187,17 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     edp_group = expert_group_along(layout, rank, "edp") if ep_split else dp_group
     msgs: list = []
     folded = layout.folded and tp > 1
+    # each layer's recomputed forwards (zero-bubble's W: one per weight group, i.e. per parameter tensor)
+    ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
+    n_params = {False: len(dense_layer), True: len(moe_dense) + len(experts)}
+    stages = rank_stage_ids(layout.pp, layout.virtual_stages, stage)
+    redo = {(s, i): st.layer_recomputations(layout, s, n_params[spec.is_moe_layer(i)]) for s in stages for i in ranges[s]}
+    scheduled = layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble")
+    if scheduled:
+        order = order if order is not None else action_order(layout.schedule, layout.pp, m, layout.virtual_stages, stage)
     if tp > 1:
         msgs += st.tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens,
-                               mlp_layers=n_dense if folded else None)
+                               mlp_layers=n_dense if folded else None, redo=m * sum(redo.values()))
         # the router is replicated over tp: its gradient is a partial sum, all-reduced once per step
         msgs.append(st.Message("all_reduce", tp_group, "fp32", spec.num_experts * spec.hidden_size * st.MASTER_BYTES, n_moe))
     if folded:
@@ -206,8 +217,16 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
     if layout.cp > 1:  # ring attention in every layer, MoE or not (step_traffic's)
         msgs += st.ring_sends(spec, layout, rank, nl, m, tokens)
-    if ep_split:
-        msgs += ep_messages(spec, layout, rank, routing, n_moe * m)
+    if ep_split:  # each dispatcher call's forward runs once and again in each recomputation of its layer
+        if scheduled:
+            layer_of = {}
+            for (s, _mb), ids_ in forward_calls(spec, layout, order).items():
+                for c, i in zip(ids_, [i for i in ranges[s] if spec.is_moe_layer(i)]):
+                    layer_of[c] = (s, i)
+            forwards = [1 + redo[layer_of[c]] for c in range(len(layer_of))]
+        else:
+            forwards = [1 + redo[(stage, i)] for _mb in range(m) for i in moe_ids]
+        msgs += ep_messages(spec, layout, rank, routing, n_moe * m, forwards)
     if layout.pp > 1:  # step_traffic's: the stage's sends, the loss broadcast, the tied embedding's sum
         msgs += st.pipeline_sends(layout, rank, hidden * 4 // (tp if layout.sp else 1))  # sp: the sequence shard
         msgs.append(st.Message("broadcast", group_along(layout, rank, "pp"), "fp32", 4))
@@ -249,14 +268,11 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                      if len(group) > 1]
         msgs.append(st.Message("all_reduce", dp_group, "fp32", 4))  # the loss, averaged over dp x cp
     msgs.append(st.Message("all_reduce", group_along(layout, rank, "world"), "fp64", 8))  # the gradient norm
-    scheduled = layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble")
     if scheduled:
-        order = order if order is not None else action_order(layout.schedule, layout.pp, m, layout.virtual_stages, stage)
         calls = forward_calls(spec, layout, order)
         received = None
         if ep_split:
             received = {key: [sum(ep_splits(layout, rank, routing, call)[1]) for call in ids] for key, ids in calls.items()}
-        ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
         held = {s: (len(ranges[s]), sum(spec.is_moe_layer(i) for i in ranges[s])) for s in {s for _k, s, _mb in order}}
         acts = moe_scheduled_activation_bytes(spec, layout, order, held, received)
     else:
@@ -269,7 +285,7 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     memory = dict(params=params, grads=grads, optimizer=optimizer, activations=acts, activations_fused=fused,
                   comm_buffers=max((mm.payload for mm in msgs if len(set(mm.group)) > 1), default=0))
     if ep_split:
-        memory["all_to_all_apriori"] = apriori_all_to_all_bytes(spec, layout, n_moe * m)
+        memory["all_to_all_apriori"] = apriori_all_to_all_bytes(spec, layout, n_moe * m, sum(forwards))
     return st.RankPrediction(messages=[mm for mm in msgs if mm.calls and mm.payload], memory=memory)
 
 
@@ -350,9 +366,12 @@ def ep_splits(layout: "Layout", rank: int, routing: dict, call: int) -> tuple[li
     return send, recv, me
 
 
-def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, calls: int) -> list:
+def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, calls: int,
+                forwards: list[int] | None = None) -> list:
     """The EP all-to-alls of one step given the measured routing (module doc): per call the count
-    exchange, dispatch and combine forward, and both reversed in backward."""
+    exchange, dispatch and combine in each of its ``forwards[call]`` forward runs (default 1, 2 under
+    ``recompute=full``; zero-bubble's W adds one per weight group, step_traffic.layer_recomputations),
+    and both reversed once in backward."""
     group = expert_group_along(layout, rank, "ep")
     if len(routing[rank]) != calls:
         raise st.NotModelled(f"not modelled per op: {len(routing[rank])} recorded dispatches, {calls} expected")
@@ -363,22 +382,22 @@ def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, c
     # recompute=full re-runs each MoE block's forward in the backward up to its last saved tensor (the
     # combine's product with the routing weights, or the shared experts after it): the count
     # exchange, the dispatch and the combine again, on the same rows
-    again = 2 if layout.recompute == "full" else 1
-    out: list = [st.Message("all_to_all", group, "int64", count, again * calls)]
+    forwards = forwards or [2 if layout.recompute == "full" else 1] * calls
+    out: list = [st.Message("all_to_all", group, "int64", count, sum(forwards))]
     for call in range(calls):
         send, recv, me = ep_splits(layout, rank, routing, call)
         s, r = sum(send), sum(recv)
-        for rows, own, size in ((s, send[me], xd), (r, recv[me], yd)) * again + (  # forward: dispatch, combine
+        for rows, own, size in ((s, send[me], xd), (r, recv[me], yd)) * forwards[call] + (  # forward: dispatch, combine
                                (s, send[me], yd), (r, recv[me], xd)):  # backward: combine's, dispatch's
             out.append(SplitMessage("all_to_all", group, names[size], rows * h * size, 1, (rows - own) * h * size))
     return [mm for mm in out if mm.payload]
 
 
-def apriori_all_to_all_bytes(spec: "ModelSpec", layout: "Layout", calls: int) -> float:
+def apriori_all_to_all_bytes(spec: "ModelSpec", layout: "Layout", calls: int, runs: int | None = None) -> float:
     """All-to-all payload of a step at uniform routing times ``LOAD_IMBALANCE`` (reported only):
     per call ``T k`` rows dispatched and combined, forward and backward (and the forward again
     under recompute=full), plus the counts (each forward)."""
     xd, yd = dispatch_bytes(layout)
     rows = layout.mbs * layout.seq // layout.cp * spec.top_k * LOAD_IMBALANCE
-    forwards = 2 if layout.recompute == "full" else 1
-    return calls * ((1 + forwards) * rows * spec.hidden_size * (xd + yd) + forwards * spec.num_experts * COUNT_BYTES)
+    runs = runs if runs is not None else calls * (2 if layout.recompute == "full" else 1)  # the calls' forward runs
+    return (calls + runs) * rows * spec.hidden_size * (xd + yd) + runs * spec.num_experts * COUNT_BYTES

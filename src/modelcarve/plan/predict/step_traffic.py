@@ -31,7 +31,11 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   fp32 vectors (max, sum of exponentials, target logit); under ``recompute=full`` each layer's
   recomputation repeats its forward messages up to the block's last saved tensor (torch's early
   stop): the attention output's all-reduce (sp: reduce-scatter and both norm outputs' all-gathers),
-  not the MLP's output one; ``selective`` recomputes no collective;
+  not the MLP's output one; ``selective`` recomputes no collective. Under the zero-bubble schedule a
+  layer of any stage but the first is recomputed in the input step I and again once per weight group
+  of the weight step W (one parameter each, its own graph task: ``layer_recomputations``), each time
+  with those messages (tiny-llama pp=2,tp=2 last stage: 10 recomputations a layer, 475,904 bytes of
+  tp all-reduce measured and predicted; MoE's EP all-to-alls likewise, moe_traffic.ep_messages);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
   the first sends its input gradient back, each to its neighbour stage's rank: a rank of an
   interleaved schedule sends for each of its ``virtual_stages`` chunks (``pipeline_sends``; torch's
@@ -56,10 +60,12 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE: moe_traffic.py; MLA under cp, MLA under cp with recomputation, FSDP under zero-bubble,
-output / MLP biases; activations on zero-bubble's last stage of qk-norm or MLA models, and of ring attention
-of MLA or MoE layers under recomputation: activations.py's ``recompute_unchecked``): the verify table marks those
-quantities as unpredicted instead of guessing.
+this model does not cover (MoE: moe_traffic.py; FSDP under zero-bubble, output / MLP biases; activations
+under a recompute mode other than full / selective: activations.py's ``recompute_unchecked``): the verify
+table marks those quantities as unpredicted instead of guessing. Ring attention under recomputation (GQA,
+MLA, MoE layers) sends its K/V blocks a third time in the recomputed forward (``ring_sends``): exact on
+tiny-llama, tiny-moe (also x ep=2), the tiny Qwen3-MoE and the tiny DeepSeek-V3 (dense and MoE), full and
+selective.
 """
 
 from __future__ import annotations
@@ -132,8 +138,6 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("output / MLP biases, learned positions")
     if layout.ep > 1:
         problems.append("expert parallelism")
-    if layout.cp > 1 and layout.recompute != "none" and (spec.attention_kind != "gqa"):
-        problems.append("ring attention under recomputation")
     if layout.zero == 3 and layout.pp > 1 and layout.schedule == "zero-bubble":
         problems.append("fsdp under the zero-bubble schedule")
     if problems:
@@ -235,7 +239,8 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp_cp", "tp", "pp"))
 
     if tp > 1:
-        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens, rank)
+        redo = m * sum(n * layer_recomputations(layout, s, len(layer)) for s, n in rank_stage_layers(spec, layout, stage, nl))
+        msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens, rank, redo=redo)
     if layout.cp > 1:
         msgs += ring_sends(spec, layout, rank, nl, m, tokens)
     if layout.pp > 1:
@@ -388,12 +393,39 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
             Message("send", (rank, peer), "fp32", block * 4, hops)]
 
 
+def layer_recomputations(layout: "Layout", stage: int, n_params: int) -> int:
+    """How often one layer's checkpointed forward runs again in one micro-batch's backward on pipeline
+    stage ``stage`` (``n_params``: the layer's parameter tensors on the rank): none without
+    ``recompute=full`` (``selective``'s core holds no collective), once in its backward, and under the
+    zero-bubble schedule on every stage but the first (whose W is its full backward) once in the input
+    step I and once more for each weight group of W (one parameter each: torch's
+    ``stage_backward_weight`` runs one ``autograd.grad`` per group, a new graph task, so the checkpoint
+    recomputes the region anew for it; activations.py ``weight_step_walk``)."""
+    if layout.recompute != "full":
+        return 0
+    if layout.pp > 1 and layout.schedule == "zero-bubble" and stage != 0:
+        return 1 + n_params
+    return 1
+
+
+def rank_stage_layers(spec: "ModelSpec", layout: "Layout", pp_rank: int, nl: int) -> list[tuple[int, int]]:
+    """``(stage, layers)`` of each pipeline stage pipeline rank ``pp_rank`` holds (``nl``: the runtime's
+    count when it holds one stage)."""
+    stages = rank_stage_ids(layout.pp, layout.virtual_stages, pp_rank)
+    if len(stages) == 1:
+        return [(stages[0], nl)]
+    counts = stage_counts(spec.num_layers, layout.pp, layout.virtual_stages)
+    return [(s, counts[s]) for s in stages]
+
+
 def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, first: bool, last: bool, m: int,
                 hidden: int, act: int, tokens: int | None = None, rank: int | None = None,
-                mlp_layers: int | None = None) -> list[Message]:
+                mlp_layers: int | None = None, redo: int | None = None) -> list[Message]:
     """Tensor-parallel messages of one step on one rank (see the module doc); ``mlp_layers``: the
     layers whose MLP is split over tp (default all ``nl``; a folded expert mesh leaves its MoE
-    blocks whole, moe_traffic.py)."""
+    blocks whole, moe_traffic.py); ``redo``: the layers' recomputed forwards in the step under
+    ``recompute=full`` (default ``nl x m``; zero-bubble's W adds one per weight group,
+    ``layer_recomputations``)."""
     dt, region = layout.param_dtype, hidden * act
     f32 = hidden * 4
     blocks = nl + (nl if mlp_layers is None else mlp_layers)  # tp-split attention and MLP blocks
@@ -413,10 +445,12 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
         # early stop: the MLP's down-projection input), so its forward collectives repeat but the
         # MLP's output one: the attention output's all-reduce (sp: reduce-scatter) and, under sp,
         # the two norm outputs' all-gathers
-        if layout.sp:
-            out += [Message("all_gather", group, "fp32", f32, blocks * m), Message("reduce_scatter", group, dt, region, nl * m)]
+        redo = nl * m if redo is None else redo
+        if layout.sp:  # per recomputed layer: each tp-split block's norm output gathered, the attention's reduce-scatter
+            out += [Message("all_gather", group, "fp32", f32, redo * blocks // nl if nl else 0),
+                    Message("reduce_scatter", group, dt, region, redo)]
         else:
-            out.append(Message("all_reduce", group, dt, region, nl * m))
+            out.append(Message("all_reduce", group, dt, region, redo))
     if layout.sp:  # the replicated norm weights' gradients, once per step
         norms = nl * spec.layer_norms + int(last)
         out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
