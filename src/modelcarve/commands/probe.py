@@ -5,8 +5,9 @@
     modelcarve estimate --goal serve-latency --model ./ckpt --cluster probed.yaml --layout "tp=2"
 
 ``--probe-ranks`` processes (spawned here, gloo over loopback, ``OMP_NUM_THREADS`` threads each:
-the way ``run`` and ``serve`` start their ranks) measure at the same time, so the figures are
-what each rank gets while the others work too:
+the way ``run`` and ``serve`` start their ranks) measure at the same time, each sample started by
+all ranks at once (a barrier before each), so the figures are what each rank gets while the
+others work too:
 
 * GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of ``n`` rows through an
   ``n x n`` linear layer as the engine runs it (``n = 512``: the size of a prefill chunk's GEMMs on
@@ -88,6 +89,8 @@ ENGINE_DECODE_STEPS = 24
 SERVED_REQUESTS, SERVED_PROMPT, SERVED_TOKENS = 8, 16, 24
 QUICK_REQUESTS = 2
 """``--probe-quick``: measured requests per served model (one pass, one warm-up)."""
+TOGETHER_REPS = 24
+"""Samples of each rate the ranks time together (``_timed_together``)."""
 COPY_BYTES = 64 * 2**20
 SMALL_BYTES = 8
 LARGE_BYTES = 16 * 2**20
@@ -100,6 +103,22 @@ def _timed(fn, *, min_s: float = 0.3, min_reps: int = 3, max_reps: int = 200, re
     times, start = [], time.perf_counter()
     while (len(times) < reps) if reps else (len(times) < min_reps or (time.perf_counter() - start < min_s
                                                                       and len(times) < max_reps)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _timed_together(fn, barrier, reps: int = TOGETHER_REPS) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls that every rank starts at once (``barrier``
+    before each, outside the timing), after one warm-up: each sample is all ranks running ``fn``
+    at the same time, as a layout's ranks run their steps. (Timed over free-running windows, the
+    ranks' calls overlapped by chance: the GEMV rate read 14.3 and 20.2 GB/s in two runs on the
+    same idle machine, whose served decode step stayed at 33 ms.)"""
+    fn()
+    times = []
+    for _ in range(reps):
+        barrier()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -140,7 +159,7 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
         res: dict = dict(rank=rank, gemm_flops={})
         dist.barrier()
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed(_engine_gemm(torch, dtype))
+            res["gemm_flops"][name] = 2 * GEMM_N**3 / _timed_together(_engine_gemm(torch, dtype), dist.barrier)
         dist.barrier()
         # the engine's one-row step through the linear as the engine holds it (_engine_linear)
         gemv = _engine_linear(torch, torch.float32, GEMV_COLS, GEMV_ROWS)
@@ -150,12 +169,12 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
             with torch.no_grad():
                 gemv(x)
 
-        res["gemv_bytes_per_s"] = GEMV_ROWS * GEMV_COLS * 4 / _timed(stream)
+        res["gemv_bytes_per_s"] = GEMV_ROWS * GEMV_COLS * 4 / _timed_together(stream, dist.barrier)
         del gemv, x
         dist.barrier()
         src = torch.ones(COPY_BYTES // 4)
         dst = torch.empty_like(src)
-        res["copy_bytes_per_s"] = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src))
+        res["copy_bytes_per_s"] = 2 * COPY_BYTES / _timed_together(lambda: dst.copy_(src), dist.barrier)
         del src, dst
         comm = {}
         for label, nbytes, reps in (("small", SMALL_BYTES, 50), ("large", LARGE_BYTES, 5)):
