@@ -24,7 +24,8 @@ requests: sum and count deltas around the run, so means): the server's span (req
 token handed to the client, its queueing included) lies inside the client's, and the client adds
 only the HTTP path, so ``0 <= client - server <= request_overhead_s`` (the probe's measured request
 path, which also holds admission, so the bound is loose on the high side). Recorded, not asserted.
-Results go to ``benchmarks/results/serve_predicted_vs_measured.json``. Nothing is asserted.
+Results go to ``benchmarks/results/serve_predicted_vs_measured.json`` (``--quick``:
+``serve_predicted_vs_measured_quick.json``). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -246,8 +247,12 @@ def main() -> None:
     ap.add_argument("--rates", default=None, help="two request rates, e.g. 0.5,2 (default: from the single-device TPOT)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default 12; quick 6)")
     ap.add_argument("--load", default="0.15,0.5", help="the two rates as fractions of one-at-a-time capacity")
-    ap.add_argument("--out", default=str(REPO / "benchmarks/results/serve_predicted_vs_measured.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/serve_predicted_vs_measured.json "
+                                                "(--quick: ..._quick.json, so a smoke run never replaces the full one)")
     args = ap.parse_args()
+    if args.out is None:
+        name = "serve_predicted_vs_measured_quick.json" if args.quick else "serve_predicted_vs_measured.json"
+        args.out = str(REPO / "benchmarks/results" / name)
     n, input_len, output_len = (6, 32, 8) if args.quick else (12, 64, 16)
     n = args.num_prompts or n
     fractions = [float(f) for f in args.load.split(",")]
