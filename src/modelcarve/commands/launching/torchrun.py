@@ -128,8 +128,8 @@ def launch(ranks: Torchrun, module: str, argv: list[str], *, timeout_s: float, r
     if signals and rank0_pidfile is None:
         sys.stderr.write(f"modelcarve: stopped by {signal.Signals(signals[0]).name}\n")
         return 128 + signals[0]
-    if code and not signals and not any(line.startswith("modelcarve: rank") for line in ours):
-        report_failure(code, tail)
+    if code and not any(line.startswith("modelcarve: rank") for line in ours) and (not signals or rank0_pidfile):
+        report_failure(code, tail)  # serve: a drain that ended in a failed rank says so too
     return code
 
 
