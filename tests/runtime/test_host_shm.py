@@ -57,13 +57,13 @@ def _world():
         # gather along a middle dim, as the LM head's logits are gathered over the vocabulary
         cat = gather_cat(x, 1, None)
         assert torch.equal(cat, torch.cat(parts, dim=1)), dtype
-    calls = host.calls
+    calls = host.seq
     # over the slot, needing grad: gloo (the counter does not move), same results
     big = torch.ones(host_shm.SLOT_BYTES // 4 + 1)
     assert float(all_reduce_sum(big, None)[0]) == world
     leaf = torch.ones(4, requires_grad=True)
     assert not host.fits(leaf)
-    assert host.calls == calls
+    assert host.seq == calls
     # the 2-rank subgroup: its own segment and counter, interleaved with the world's
     if rank < 2:
         sub = host_shm.lookup(pair)
@@ -71,9 +71,9 @@ def _world():
         for i in range(10):
             x = torch.full((8,), float(rank + i))
             assert torch.equal(all_reduce_sum(x, pair), torch.full((8,), float(2 * i + 1)))
-        out["pair_calls"] = sub.calls
+        out["pair_calls"] = sub.seq
     dist.barrier()
-    out["calls"] = host.calls
+    out["calls"] = host.seq
     host_shm.detach_all()
     assert host_shm.lookup(None) is None
     y = torch.ones(2)

@@ -521,11 +521,10 @@ def cluster_dict(probe: dict) -> dict:
         # a gloo message as the served engine pays it (its plan broadcast), and its TP all-reduce
         # between layers (shared memory, runtime/distributed/host_shm.py) over a one-shot's 2 steps
         n = served_tp["tp"]
-        if "engine_message_s" in served_tp:
-            latency = float(served_tp["engine_message_s"])
-            said = f"latency of a gloo message as the served tp={n} engine pays it (its plan broadcast)"
+        latency = float(served_tp["engine_message_s"])
         peer = dict(peer_latency_s=float(served_tp["engine_all_reduce_s"] / 2))
-        said += f"; peer latency: the served tp={n} engine's all-reduce between layers over a one-shot's 2 steps"
+        said = (f"latency of a gloo message as the served tp={n} engine pays it (its plan broadcast); peer latency: "
+                f"the served tp={n} engine's all-reduce between layers over a one-shot's 2 steps")
     link = dict(name="gloo-loopback", bytes_per_s=float(ar["bus_bytes_per_s"] / INTRA_EFFICIENCY), latency_s=latency,
                 **peer, source=source + f"; all-reduce bus bandwidth / {INTRA_EFFICIENCY}; {said}")
     flops = {k: float(v) for k, v in probe["gemm_flops"].items()}
@@ -582,9 +581,8 @@ def run_probe(args) -> int:
     if "tp" in probe.get("served", {}):
         t.add_row(f"served tp={probe['served']['tp']['tp']} all-reduce between layers",
                   f"{probe['served']['tp']['engine_all_reduce_s'] * 1e6:,.1f} us")
-        if "engine_message_s" in probe["served"]["tp"]:
-            t.add_row(f"served tp={probe['served']['tp']['tp']} gloo message (plan broadcast)",
-                      f"{probe['served']['tp']['engine_message_s'] * 1e6:,.1f} us")
+        t.add_row(f"served tp={probe['served']['tp']['tp']} gloo message (plan broadcast)",
+                  f"{probe['served']['tp']['engine_message_s'] * 1e6:,.1f} us")
     if "served" in probe:
         t.add_row("served step, fixed host cost", f"{probe['served']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("served step, host cost per layer", f"{probe['served']['layer_overhead_s'] * 1e3:,.3f} ms")

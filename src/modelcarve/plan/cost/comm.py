@@ -111,7 +111,7 @@ def all_to_all_bytes(size_bytes: float, n: int) -> float:
 def intra_tier(cluster: "ClusterSpec") -> Tier:
     link = cluster.intra_link
     return Tier(name="intra", bytes_per_s=link.bytes_per_s * INTRA_EFFICIENCY, latency_s=link.latency_s,
-                peer_latency_s=getattr(link, "peer_latency_s", 0.0))
+                peer_latency_s=link.peer_latency_s)
 
 
 def inter_tier(cluster: "ClusterSpec", members_per_node: int = 1) -> Tier:

@@ -74,7 +74,7 @@ class HostGroup:
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
         self.base = LINE * size
         self.seq = 0
-        self.calls = 0
+        """Collectives this rank ran through the segment (each member's count is the same)."""
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.device.type == "cpu" and not x.requires_grad and x.numel() * x.element_size() <= SLOT_BYTES)
@@ -87,7 +87,6 @@ class HostGroup:
         """Write ``x`` into this rank's slot, wait for every member's, return their slots (views
         valid until this rank's next-but-one collective)."""
         self.seq += 1
-        self.calls += 1
         s, parity, n = self.seq, self.seq & 1, x.numel()
         self._slot(parity, self.rank, x.dtype, n).copy_(x.reshape(-1))
         self.flags[self.rank * self.stride] = s
@@ -132,13 +131,12 @@ class HostGroup:
         return torch.cat([part.view(x.shape) for part in slots], dim=dim)
 
     def close(self) -> None:
-        """Drop this process's views; the mapping goes with the last tensor that still views it."""
+        """Drop this process's views. The mapping is not closed here: ``torch.frombuffer`` keeps a
+        reference to the mmap but no buffer export, so ``mm.close()`` would unmap the memory under
+        any slot view still alive; it is unmapped when the last object holding it goes."""
         self.data = None
         self.flags.release()
-        try:
-            self.mm.close()
-        except BufferError:  # a slot view handed out is still alive somewhere
-            pass
+        self.mm = None
 
 
 def lookup(group) -> HostGroup | None:

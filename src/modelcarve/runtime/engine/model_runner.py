@@ -269,7 +269,7 @@ class ModelRunner:
 
             group = axis_group(self.mesh, "tp")
             host = host_shm.lookup(group)
-            self.shm_calls += host.calls if host is not None else 0
+            self.shm_calls += host.seq if host is not None else 0
             host_shm.detach(group)
 
     def output_rank(self, replica: int) -> int:
