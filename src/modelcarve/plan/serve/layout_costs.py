@@ -335,14 +335,8 @@ def _comm_lines(m, cluster, mesh: _Mesh, tp, pp, ep, dp, f: ShardFacts, imbalanc
         # the link has a peer latency: the CPU engine's shared memory; else the link's alpha)
         peer = dataclasses.replace(tier, latency_s=tier.peer_alpha) if tier.name == "intra" else tier
         gather = _affine(lambda b: comm.all_gather_s(b * m.vocab_size * ACT_BYTES, n, peer))
-        algorithms = [_affine(lambda b: comm.all_reduce_s(b * h * ACT_BYTES, n, tier))]
-        bw = 2.0 * (n - 1) / n * h * ACT_BYTES / tier.bytes_per_s
-        if tier.name == "intra":
-            algorithms.append((2 * tier.peer_alpha, (n - 1) * h * ACT_BYTES / tier.bytes_per_s))  # one-shot
-            algorithms.append((4 * tier.peer_alpha, bw))  # two-shot
-        else:
-            algorithms.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
-        lines.append(("tp", 2 * f.stage_layers, tuple(algorithms), serve_rates.ALLREDUCE_FLOOR_S, gather))
+        algorithms = serve_rates.tp_all_reduce_pieces(h * ACT_BYTES, n, tier)  # one row's hidden state per sequence
+        lines.append(("tp", 2 * f.stage_layers, algorithms, serve_rates.ALLREDUCE_FLOOR_S, gather))
     if ep > 1 and f.stage_moe_layers:
         # wide EP across nodes: DeepEP-style exchange (plan/serve/ep.py); inside a domain the all-to-all
         a2a = _affine(lambda b: ep_round_trip_s(b, m, ep, mesh.tier_ep, imbalance))

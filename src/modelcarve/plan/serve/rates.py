@@ -186,21 +186,35 @@ def _tier(cluster: ClusterSpec, size: int, inner: int) -> comm.Tier:
     return held[1]
 
 
+def tp_all_reduce_pieces(unit_bytes: float, n: int, tier: comm.Tier) -> tuple:
+    """The TP all-reduce algorithms for an activation of ``x * unit_bytes`` as ``(alpha, slope)``
+    pairs, each costing ``alpha + slope * x`` seconds: NCCL's ring; inside a node the one-shot /
+    two-shot all-reduce (every rank reads its peers' buffers through NVSwitch, as vLLM's and
+    TensorRT-LLM's custom all-reduce do, or the CPU engine's shared memory: 2 or 4 steps of the
+    link's peer alpha instead of 2(n-1) of its latency); across nodes a tree (2 log2 n latency
+    steps). The one place these algorithms are written: ``tp_all_reduce_s`` takes the cheapest at
+    one size, the decode step's collective lines (layout_costs.py) keep them all, affine in the
+    micro-batch. Empty for ``n <= 1``."""
+    if n <= 1:
+        return ()
+    one, two = comm.all_reduce_s(unit_bytes, n, tier), comm.all_reduce_s(2 * unit_bytes, n, tier)
+    pieces = [(one - (two - one), two - one)]  # the ring (alpha-beta: affine in the size)
+    bw = 2.0 * (n - 1) / n * unit_bytes / tier.bytes_per_s
+    if tier.name == "intra":
+        pieces.append((2 * tier.peer_alpha, (n - 1) * unit_bytes / tier.bytes_per_s))  # one-shot
+        pieces.append((4 * tier.peer_alpha, bw))  # two-shot
+    else:
+        pieces.append((2 * math.ceil(math.log2(n)) * tier.latency_s, bw))  # tree
+    return tuple(pieces)
+
+
 def tp_all_reduce_s(size_bytes: float, n: int, tier: comm.Tier) -> float:
-    """All-reduce of a small activation: the cheapest of NCCL's ring, a one-shot / two-shot
-    all-reduce inside a node (every rank reads its peers' buffers through NVSwitch, as vLLM's
-    and TensorRT-LLM's custom all-reduce do: 2 or 4 latency steps instead of 2(n-1)) and a
-    tree across nodes (2 log2 n latency steps)."""
+    """All-reduce of a small activation of ``size_bytes``: the cheapest of ``tp_all_reduce_pieces``'
+    algorithms, not below ``ALLREDUCE_FLOOR_S``; 0 for ``n <= 1``."""
     if n <= 1:
         return 0.0
-    ring = comm.all_reduce_s(size_bytes, n, tier)
-    bw = 2.0 * (n - 1) / n * size_bytes / tier.bytes_per_s
-    if tier.name == "intra":
-        one_shot = 2 * tier.peer_alpha + (n - 1) * size_bytes / tier.bytes_per_s
-        two_shot = 4 * tier.peer_alpha + bw
-        return max(ALLREDUCE_FLOOR_S, min(ring, one_shot, two_shot))
-    tree = 2 * math.ceil(math.log2(n)) * tier.latency_s + bw
-    return max(ALLREDUCE_FLOOR_S, min(ring, tree))
+    ring = comm.all_reduce_s(size_bytes, n, tier)  # the ring piece at x = 1, evaluated directly
+    return max(ALLREDUCE_FLOOR_S, min(ring, *(a + s for a, s in tp_all_reduce_pieces(size_bytes, n, tier)[1:])))
 
 
 def device_dtype(device, dtype: str) -> str:
