@@ -1,5 +1,5 @@
 """verify --against-plan on a Qwen2-shaped checkpoint: biases on the q, k and v projections (Qwen2 and
-Qwen2.5 ship them; output and MLP biases stay unmodelled, exit 2).
+Qwen2.5 ship them; output and MLP biases: test_verify_against_plan_bias.py).
 
 What the per-op model (plan/predict/step_traffic.py) adds for them, judged here on real gloo ranks:
 the q / k / v biases are split with their projections' output columns under tp (no tp reduction of
@@ -49,13 +49,3 @@ def test_replicated_kv_biases_summed_with_their_weights(qwen2_ckpt):
     # wk + wv of 2 layers: 2 x 2 x 64 x 16 x 4 = 16,384 bytes; their biases 2 x 2 x 16 x 4 = 256 more
     assert rows and all(r["measured"] == r["predicted"] == 16_384 + 256 for r in rows)
 
-
-def test_output_and_mlp_biases_are_refused_as_not_modelled():
-    from modelcarve.plan.predict.step_traffic import NotModelled, predict_rank
-    from modelcarve.spec.catalog import get_model
-    from modelcarve.spec.layout import Layout
-
-    spec = get_model("tiny-llama")
-    for field in ("o_bias", "mlp_bias"):
-        with pytest.raises(NotModelled, match="output / MLP biases"):
-            predict_rank(spec.__class__(**{**spec.__dict__, field: True}), Layout.parse(f"dp=2,gbs=2,{FP32}"), 0)

@@ -21,7 +21,15 @@ norm's output is saved in bf16 and the projections read that one tensor, no auto
 * SwiGLU MLP: its input (one fp32 tensor, or two bf16 casts), gate, up and SiLU outputs
   ``3 c T f / t`` and the down projection's input ``c T f / t``;
 * per stage: rotary cos / sin ``2 x 4 s hd``; first stage the token ids (int64); last stage the
-  final norm, the head's input, the fp32 logits ``4 T V / t``, the targets (int64) and the loss.
+  final norm, the head's input, the fp32 logits ``4 T V / t``, the targets (int64) and the loss;
+* gpt2: each LayerNorm its input, mean and inverse std per row, ``r T h / rep + 2 r T / rep`` in the
+  residual stream's dtype ``r`` (its output is the projections' input); the GELU MLP the
+  activation's input and the down projection's input ``2 c T f / t`` (its input: one autocast copy);
+  no rotary tables, but the learned position lookup's int64 positions ``8 s`` once per step on the
+  first stage (``position_bytes``); biases (gpt2, llama's ``attention_bias`` / ``mlp_bias``) add
+  nothing. Exact on a tiny gpt2 in fp32 (dp, zero1, fsdp, cp, pp 1F1B; full and selective
+  recomputation) and under bf16 autocast (tp: the 28 bytes of masks), and on a tiny biased llama
+  (bf16-held parameters 1,024 bytes over: the rotary tables, as without biases).
 
 Peak over a step: the stage's layers x the micro-batches in flight (1 without a pipeline).
 Interleaved 1F1B (``virtual_stages`` v > 1, torch's ``ScheduleInterleaved1F1B``): pipeline rank
@@ -116,9 +124,14 @@ FP32 = 4
 INDEX = 8  # int64 token ids and targets
 
 
-def _norm(T: float, h: int, rep: int, resid: int = FP32) -> float:
+def _norm(T: float, h: int, rep: int, resid: int = FP32, layernorm: bool = False) -> float:
     """RMSNorm saves its fp32 input, the fp32 inverse RMS and its normalised output cast back to
-    the residual stream's dtype (``resid`` bytes) for the weight's product."""
+    the residual stream's dtype (``resid`` bytes) for the weight's product. LayerNorm (gpt2) saves
+    its input and the mean and inverse standard deviation of each row, all in the residual stream's
+    dtype (fp32 under autocast; with bf16-held parameters torch's CPU kernel keeps bf16 statistics);
+    its output, in that dtype too, is the next projections' saved input."""
+    if layernorm:
+        return resid * T * h / rep + 2 * resid * T / rep
     return (FP32 + resid) * T * h / rep + FP32 * T / rep
 
 
@@ -137,18 +150,24 @@ def layer_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
     h, hd, f = spec.hidden_size, spec.head_dim, spec.ffn_size
     rep = tp if sp else 1
     heads = spec.num_heads / tp
-    casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2)
+    ln, swiglu = spec.norm_kind == "layernorm", spec.ffn_kind == "swiglu"
+    # the projections read the norm's output: one tensor when it is in the compute dtype, else one
+    # autocast copy per projection (q, k, v; w1, w3 or gpt2's one w1)
+    casts_attn, casts_mlp = (1, 1) if c == FP32 or resid == c else (3, 2 if swiglu else 1)
     kv = max(spec.num_kv_heads // tp, 1) if ring else heads
     if spec.attention_kind == "mla" and casts_attn == 3:
         casts_attn = 2  # autocast casts the input once for each down projection (q and kv), not three times
     terms = {
-        "norms": 2 * _norm(T, h, rep, resid),
+        "norms": 2 * _norm(T, h, rep, resid, ln),
         "attn_input": casts_attn * c * T * h,
         "qkv": c * T * (heads + 2 * kv) * hd,
         "attn_out": c * T * heads * hd + FP32 * T * heads,  # fused SDPA: output + log-sum-exp, no scores
         "proj_input": c * T * heads * spec.attn_v_head_dim,
         "mlp_input": casts_mlp * c * T * h,
-        "mlp": 4 * c * T * f / tp,
+        # SwiGLU: gate, up, SiLU outputs and the down projection's input; a two-matrix MLP (gpt2's
+        # GELU): the activation's input and the down projection's input. A bias adds nothing: ``addmm``
+        # keeps the input and the weight, the row-parallel ``out + bias`` nothing
+        "mlp": (4 if swiglu else 2) * c * T * f / tp,
     }
     if spec.attention_kind == "mla":
         del terms["qkv"], terms["attn_out"]
@@ -200,16 +219,27 @@ def stage_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int
                 resid: int = FP32) -> dict[str, float]:
     """Once per stage and micro-batch: rotary tables, token ids, final norm, head input, logits, loss."""
     rep = tp if sp else 1
-    out = {"rope": 2 * FP32 * seq * (spec.qk_rope_head_dim if spec.attention_kind == "mla" else spec.head_dim)}
+    out = {}
+    if spec.position_kind == "rope":
+        out["rope"] = 2 * FP32 * seq * (spec.qk_rope_head_dim if spec.attention_kind == "mla" else spec.head_dim)
     if first:
         out["token_ids"] = INDEX * T
     if last:
-        out["final_norm"] = _norm(T, spec.hidden_size, rep, resid)
+        out["final_norm"] = _norm(T, spec.hidden_size, rep, resid, spec.norm_kind == "layernorm")
         out["head_input"] = c * T * spec.hidden_size
         vocab = spec.vocab_size if spec.vocab_size % tp == 0 else -(-spec.vocab_size // (tp * 128)) * tp * 128
         out["logits"] = FP32 * T * vocab / tp  # the padded shard (runtime/parallel/tensor.py)
         out["targets"] = INDEX * T + FP32
     return out
+
+
+def position_bytes(spec: "ModelSpec", layout: "Layout", first: bool) -> float:
+    """The learned position table's lookup (gpt2) keeps its int64 positions, one row of the rank's
+    ``seq / cp``, once per step on the first stage whatever the micro-batches in flight: the trainer
+    makes them for each micro-batch with one in flight, torch's pipeline schedule hands every
+    micro-batch the step's one tensor (a replicated keyword argument, runtime/parallel/pipeline.py).
+    The position rows' add to the token embedding saves nothing."""
+    return float(INDEX * (layout.seq // layout.cp)) if first and spec.position_kind == "learned" else 0.0
 
 
 RECOMPUTE_CHECKED = ("none", "full", "selective")
@@ -238,7 +268,7 @@ def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c:
     if mode == "full":
         shared = FP32 * T * h / rep if resid == FP32 else 0  # the first norm's fp32 input is the block input
         return {"block_input": resid * T * h / rep}, {}, dict(saved, block_input_shared=-shared)
-    freed = {"mlp": saved["mlp"], "mlp_input": saved["mlp_input"], "ffn_norm": _norm(T, h, rep, resid),
+    freed = {"mlp": saved["mlp"], "mlp_input": saved["mlp_input"], "ffn_norm": _norm(T, h, rep, resid, spec.norm_kind == "layernorm"),
              "proj_input": saved["proj_input"]}
     if spec.attention_kind == "mla":
         # the core's inputs: q and k (``cat`` of the nope part, compute dtype, and the rotated rope part, the
@@ -261,7 +291,7 @@ def recompute_peak(spec: "ModelSpec", layout: "Layout", layers: int, first: bool
     T, r = layout.mbs * seq, residual_bytes(layout)
     kept, freed, recomputed = recompute_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.recompute, layout.cp > 1)
     stage = stage_terms(spec, T, seq, layout.tp, layout.sp, c, first, last, r)
-    held = in_flight * (layers * sum(kept.values()) + sum(stage.values()))
+    held = in_flight * (layers * sum(kept.values()) + sum(stage.values())) + position_bytes(spec, layout, first)
     head = sum(v for k, v in stage.items() if k not in ("rope", "token_ids"))
     backward = held - head - sum(freed.values()) + sum(recomputed.values())
     return float(max(held, backward))
@@ -270,7 +300,7 @@ def recompute_peak(spec: "ModelSpec", layout: "Layout", layers: int, first: bool
 def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, first: bool, last: bool,
                           in_flight: int = 1) -> float | None:
     """Peak saved-for-backward bytes of one rank (None where this model does not apply)."""
-    if spec.is_moe or spec.attention_kind not in ("gqa", "mla") or spec.ffn_kind != "swiglu":
+    if spec.is_moe or spec.attention_kind not in ("gqa", "mla"):
         return None
     if layout.recompute != "none":
         if recompute_unchecked(spec, layout) is not None:
@@ -284,7 +314,7 @@ def rank_activation_bytes(spec: "ModelSpec", layout: "Layout", layers: int, firs
     r = residual_bytes(layout)
     one = layers * sum(layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, ring).values())
     one += sum(stage_terms(spec, T, seq, layout.tp, layout.sp, c, first, last, r).values())
-    return float(one * in_flight)
+    return float(one * in_flight + position_bytes(spec, layout, first))
 
 
 def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: int,
@@ -302,7 +332,7 @@ def interleaved_activation_bytes(spec: "ModelSpec", layout: "Layout", pp_rank: i
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     held = stage_held_bytes(spec, layout)
     n = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
-    return sum(held(pp_rank + ((k // p) % v) * p) for k in range(n))
+    return sum(held(pp_rank + ((k // p) % v) * p) for k in range(n)) + position_bytes(spec, layout, pp_rank == 0)
 
 
 def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list, parts=None) -> float:
@@ -341,7 +371,7 @@ def scheduled_recompute_peak(spec: "ModelSpec", layout: "Layout", order: list, p
         elif kind == "W":
             live, peak, residue = weight_step_walk(live, peak, walk)
             live -= w_frees if s == last_stage else held + residue
-    return float(peak)
+    return float(peak + position_bytes(spec, layout, any(s == 0 for _, s, _ in order)))
 
 
 def weight_step_walk(live: float, peak: float, walk: list) -> tuple[float, float, float]:

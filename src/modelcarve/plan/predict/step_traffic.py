@@ -49,6 +49,15 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
 * tied embeddings: under tp the vocab-parallel head reuses the embedding's shard (no message of
   its own); over pp the last stage holds a copy of the embedding (its tp shard) and the first and
   last stage of each pipeline all-reduce the two fp32 gradients once per step;
+* biases, LayerNorm and learned positions (gpt2; llama with ``attention_bias`` / ``mlp_bias``): the
+  column-parallel biases (wq / wk / wv, w1 / w3) split with their output columns, the row-parallel ones
+  (wo, w2) whole on every TP rank (runtime/parallel/tensor.py adds them after the reduction), LayerNorm's
+  bias beside its weight, the position table (``max_position x h``) whole on every TP rank of the first
+  stage (FSDP2's root unit); all of them in the gradients' dp / ZeRO / FSDP traffic. Under ``sp`` the
+  row-parallel biases' gradients are partial sums (each rank adds the bias to its sequence shard),
+  all-reduced over tp once per step, one message each as the norms' (tiny llama with both biases, tp=2+sp:
+  1,024 bytes of its 2,696-byte tp all-reduce, measured and predicted); without sp, and for the
+  position table, no tp message;
 * memory: fp32 parameters, gradients and AdamW moments (+ one fp32 step counter per tensor),
   sharded by FSDP / partitioned by ZeRO; activations from plan/predict/activations.py (what our
   eager runtime saves) and, beside them, plan/cost/activations.py's production-stack estimate;
@@ -60,7 +69,10 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE: moe_traffic.py; FSDP under zero-bubble, output / MLP biases; activations
+this model does not cover (MoE: moe_traffic.py; FSDP under zero-bubble; output / MLP biases, LayerNorm
+or learned positions under zero-bubble (its weight step groups a Linear's weight with its bias: not
+checked), in MoE models (``check_moe_biases``) or with MLA's biases; ALiBi and an offset position
+table (OPT: the runtime refuses both, spec/support.py); activations
 under a recompute mode other than full / selective: activations.py's ``recompute_unchecked``): the verify
 table marks those quantities as unpredicted instead of guessing. Ring attention under recomputation (GQA,
 MLA, MoE layers) sends its K/V blocks a third time in the recomputed forward (``ring_sends``): exact on
@@ -134,14 +146,37 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("MoE layers")
     if spec.attention_kind not in ("gqa", "mla"):
         problems.append(f"{spec.attention_kind} attention")
-    if spec.o_bias or spec.mlp_bias or spec.position_kind != "rope":
-        problems.append("output / MLP biases, learned positions")
+    if spec.position_kind not in ("rope", "learned"):
+        problems.append(f"{spec.position_kind} positions")
+    if spec.position_offset:
+        problems.append("an offset learned-position table")
+    if spec.attention_kind == "mla" and (spec.qkv_bias or spec.o_bias):
+        problems.append("MLA with attention biases")
+    if layout.pp > 1 and layout.schedule == "zero-bubble" and _extras(spec):
+        problems.append(f"{_extras(spec)} under the zero-bubble schedule")
     if layout.ep > 1:
         problems.append("expert parallelism")
     if layout.zero == 3 and layout.pp > 1 and layout.schedule == "zero-bubble":
         problems.append("fsdp under the zero-bubble schedule")
     if problems:
         raise NotModelled("not modelled per op: " + ", ".join(problems))
+
+
+def _extras(spec: "ModelSpec") -> str:
+    """The layers beyond llama's this model has that the zero-bubble schedule is not checked with
+    (its weight step groups a Linear's weight with its bias: ``layer_recomputations``), or ''."""
+    extras = [what for present, what in ((spec.o_bias or spec.mlp_bias, "output / MLP biases"),
+                                         (spec.position_kind == "learned", "learned positions"),
+                                         (spec.norm_kind == "layernorm", "LayerNorm")) if present]
+    return ", ".join(extras)
+
+
+def check_moe_biases(spec: "ModelSpec") -> None:
+    """An MoE model's output / MLP biases and LayerNorms are not modelled (moe_traffic.py counts an MoE
+    layer from ``layer_tensors`` less the dense MLP's matrices; its shared experts would carry MLP
+    biases, its routed experts none): raised from ``layer_tensors``, which every MoE prediction reads."""
+    if spec.is_moe and (spec.o_bias or spec.mlp_bias or spec.norm_kind == "layernorm" or spec.position_kind == "learned"):
+        raise NotModelled("not modelled per op: MoE layers with output / MLP biases, LayerNorm or learned positions")
 
 
 def mla_replicated(spec: "ModelSpec") -> list[int]:
@@ -168,15 +203,26 @@ def _attention_tensors(spec: "ModelSpec", tp: int) -> list[int]:
 
 
 def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
-    """Element counts of one dense decoder layer's parameter tensors on a TP rank."""
+    """Element counts of one dense decoder layer's parameter tensors on a TP rank (biases with their
+    projections: split with a column-parallel one, whole with the row-parallel wo / w2)."""
     h, hd = spec.hidden_size, spec.head_dim
+    check_moe_biases(spec)
     tensors = _attention_tensors(spec, tp)
+    if spec.o_bias:  # wo's bias: row-parallel, whole on every TP rank, added once after the reduction
+        tensors.append(h)
     f = spec.ffn_size // tp
     tensors += [h * f, h * f, f * h] if spec.ffn_kind == "swiglu" else [h * f, f * h]
-    tensors += [h] * spec.layer_norms  # replicated norm weights
+    if spec.mlp_bias:  # w1 (/ w3) biases split with their output columns, w2's whole (row-parallel)
+        tensors += ([f, f] if spec.ffn_kind == "swiglu" else [f]) + [h]
+    tensors += [h] * (spec.layer_norms * norm_tensors(spec))  # replicated norm weights (and LayerNorm biases)
     if spec.qk_norm:  # Qwen3's per-head RMSNorm of q and k: one head_dim weight each, replicated
         tensors += [hd, hd]
     return tensors
+
+
+def norm_tensors(spec: "ModelSpec") -> int:
+    """Parameter tensors of one norm: RMSNorm's weight, LayerNorm's weight and bias."""
+    return 2 if spec.norm_kind == "layernorm" else 1
 
 
 VOCAB_GRANULE = 128
@@ -194,14 +240,17 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 def root_tensors(spec: "ModelSpec", tp: int, first: bool, last: bool) -> list[int]:
-    """Embedding (first stage), final norm and LM head (last stage) on a TP rank. A tied head
+    """Embedding and a learned position table (first stage), final norm and LM head (last stage) on a
+    TP rank. A tied head
     reuses the embedding's (vocab-parallel) shard on a stage that holds both; a last stage
     without the embedding holds its own copy of it (runtime/parallel/pipeline_split.py), column-
     sharded like an untied head."""
     h, v = spec.hidden_size, padded_vocab(spec.vocab_size, tp) // tp
     out = [v * h] if first else []
+    if first and spec.position_kind == "learned":  # the position table: whole on every TP rank (not vocab-split)
+        out.append(spec.max_position * h)
     if last:
-        out += [h] + ([] if spec.tied_embeddings and first else [v * h])
+        out += [h] * norm_tensors(spec) + ([] if spec.tied_embeddings and first else [v * h])
     return out
 
 
@@ -451,9 +500,11 @@ def tp_messages(spec: "ModelSpec", layout: "Layout", group: tuple, nl: int, firs
                     Message("reduce_scatter", group, dt, region, redo)]
         else:
             out.append(Message("all_reduce", group, dt, region, redo))
-    if layout.sp:  # the replicated norm weights' gradients, once per step
-        norms = nl * spec.layer_norms + int(last)
-        out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms))
+    if layout.sp:  # the replicated norm weights' (LayerNorm: and biases') gradients, once per step, one each
+        norms = (nl * spec.layer_norms + int(last)) * norm_tensors(spec)
+        # and the row-parallel biases (wo, w2): added to the sequence shard, so each rank's gradient is a partial sum
+        biases = nl * int(spec.o_bias) + (nl if mlp_layers is None else mlp_layers) * int(spec.mlp_bias)
+        out.append(Message("all_reduce", group, "fp32", spec.hidden_size * MASTER_BYTES, norms + biases))
     if spec.qk_norm:  # q_norm / k_norm are replicated over tp, sp or not: their gradients, once per step
         out.append(Message("all_reduce", group, "fp32", spec.head_dim * MASTER_BYTES, 2 * nl))
     kv, t = spec.num_kv_heads, len(group)
