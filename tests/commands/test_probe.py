@@ -9,6 +9,7 @@ gloo ranks checks that every figure is positive and that the file parses as a Cl
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
 
     out = tmp_path / "probed.yaml"
     proc = subprocess.run([sys.executable, "-m", "modelcarve.cli", "hardware", "--probe", "--probe-quick", "--emit",
-                           str(out)],
+                           str(out), "--json"],
                           capture_output=True, text=True, timeout=600,
                           env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -82,6 +83,21 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert cluster.device.gemm_efficiency == 1.0
     assert cluster.device.step_overhead_s > 0 and cluster.device.layer_overhead_s > 0
     assert cluster.device.pipeline_action_s > 0  # the runtime's own pp=2 GPipe on the two ranks
+    served = json.loads(proc.stdout)["probe"]["served"]
+    # the client's TTFT span holds the server's: the HTTP share of each tp=1 pass (one per model) is > 0
+    assert len(served["http_passes_s"]) == 2 and all(h > 0 for h in served["http_passes_s"])
+    assert served["http_s"] == pytest.approx(sum(served["http_passes_s"]) / 2)
+
+
+def test_server_histogram_means_read_back_from_metrics():
+    from modelcarve.serve.metrics import ServerMetrics, server_ttft_tpot_means
+
+    m = ServerMetrics("probe")
+    assert server_ttft_tpot_means(m.render().decode()) == {"ttft": (0.0, 0.0), "tpot": (0.0, 0.0)}
+    m.finished(reason="stop", prompt_tokens=3, generated=5, ttft_s=0.25, e2e_s=1.25)  # TPOT (1.25 - 0.25) / 4
+    m.finished(reason="length", prompt_tokens=3, generated=3, ttft_s=0.5, e2e_s=1.5)  # TPOT 0.5
+    got = server_ttft_tpot_means(m.render().decode())
+    assert got == {"ttft": (0.75, 2.0), "tpot": (0.75, 2.0)}
 
 
 def test_serve_refuses_a_port_in_use_before_any_rank():

@@ -36,10 +36,14 @@ Python (``layer``). Measured at run time, so a faster engine gives smaller figur
 The server pays more per step than the bare engine: its uvicorn thread shares the GIL with the
 engine thread, and every step hands its tokens to the event loop and updates the metrics. So the
 same two tiny models are then *served* (``served_overhead``: ``modelcarve serve``, tp=1, real
-uvicorn on 127.0.0.1, one streaming request at a time, as ``bench-serve`` sends them): the median
+uvicorn on 127.0.0.1, one streaming request at a time, through ``bench-serve``'s own client code,
+httpx's async client: a user's client is part of what they see): the median
 TPOT a client sees is the served decode step ``t(L)``, fitted the same way, and the median TTFT of
 the 1-layer model less its step is ``request_overhead_s``: a request's own path (HTTP read,
-admission, waking the engine thread, the first token's delivery and SSE write). The cluster file
+admission, waking the engine thread, the first token's delivery and SSE write, the client's parse).
+The server's ``/metrics`` TTFT histogram, read around each pass, gives ``http_s``: the client's mean
+TTFT less the server's, the part of the path outside the server's clock (``--json`` only: the
+benchmark's check of bench-serve against the server holds to it). The cluster file
 takes the served figures (the bare engine's stay in ``--json`` beside them). The two models are
 served at tp = ``--probe-ranks`` as well (torchrun, as ``serve`` starts them): each layer then adds
 two all-reduces, so ``(layer(tp) - layer(1)) / 2`` is one all-reduce as the engine pays it between
@@ -88,6 +92,8 @@ ENGINE_LAYERS = (1, 8)
 ENGINE_DECODE_STEPS = 24
 SERVED_REQUESTS, SERVED_PROMPT, SERVED_TOKENS = 8, 16, 24
 QUICK_REQUESTS = 2
+PROBE_VOCAB = 512
+"""The tiny probe models' vocabulary (bench-serve's random prompts are drawn from it)."""
 """``--probe-quick``: measured requests per served model (one pass, one warm-up)."""
 TOGETHER_REPS = 24
 """Samples of each rate the ranks time together (``_timed_together``)."""
@@ -251,7 +257,7 @@ def measure(ranks: int = 2, threads: int | None = None, timeout_s: float = 300.0
 
 def _tiny_config(path, layers: int) -> str:
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, vocab_size=512,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, vocab_size=PROBE_VOCAB,
                   max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
                   hidden_act="silu", torch_dtype="float32")
     out = os.path.join(path, f"tiny-{layers}.json")
@@ -374,36 +380,50 @@ class _Served:
             self.proc.join()
         self.proc = None
 
-    def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float]]:
-        """(TTFT, TPOT) seconds a streaming client sees, per request, one request at a time:
-        ``SERVED_PROMPT`` prompt tokens (a different prompt each time, over the server's life: no
-        prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped, then
-        ``requests`` measured."""
+    def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float], float]:
+        """(TTFT, TPOT) seconds per request and the pass's HTTP share, as ``bench-serve``'s client sees
+        them: its own request code (serve/bench.py ``run_bench``, httpx's async client, streaming),
+        one request at a time, ``SERVED_PROMPT`` random prompt tokens (a seed of their own each pass:
+        no prefix-cache hit), ``SERVED_TOKENS`` out; ``warm`` requests first, sent and dropped, then
+        ``requests`` measured. The HTTP share is the client's mean TTFT less the server's over the
+        same requests (its ``/metrics`` TTFT histogram, read before and after): the request's path
+        outside the server's span (sending, the HTTP read before the server's clock starts, the
+        first chunk's way back and the client's parse of it). Measured with bench-serve's client
+        because a user's client is part of what they see: the earlier sync client read ~1-1.5 ms
+        less a request than the async one (both against the same server)."""
+        import asyncio
+
         import httpx
 
+        from modelcarve.serve.bench import BenchConfig, run_bench
+        from modelcarve.serve.metrics import server_ttft_tpot_means
         from modelcarve.spec.errors import ModelcarveError
 
-        ttft, tpot = [], []
-        with httpx.Client(timeout=60) as client:
-            for i in range(requests + warm):
-                k, self.sent = self.sent, self.sent + 1
-                body = dict(model="probe", prompt=[1 + (k * SERVED_PROMPT + j) % 500 for j in range(SERVED_PROMPT)],
-                            max_tokens=SERVED_TOKENS, min_tokens=SERVED_TOKENS, temperature=0.0, ignore_eos=True,
-                            stream=True)
-                start, times = time.perf_counter(), []
-                with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
-                    for line in resp.iter_lines():
-                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                            continue
-                        choices = json.loads(line[5:]).get("choices") or []
-                        if choices and (choices[0].get("text") or choices[0].get("token_ids")):
-                            times.append(time.perf_counter())
-                if len(times) >= 2 and i >= warm:
-                    ttft.append(times[0] - start)
-                    tpot.append((times[-1] - times[0]) / (len(times) - 1))
-        if not tpot:
+        def metrics() -> dict:
+            return server_ttft_tpot_means(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+        seen, marks = [], {}
+
+        def done(result) -> None:  # between requests (one in flight): the warm-ups end here
+            seen.append(result)
+            if len(seen) == warm:
+                marks["before"] = metrics()
+
+        self.sent += 1
+        cfg = BenchConfig(url=self.url, model="probe", num_prompts=warm + requests, input_len=SERVED_PROMPT,
+                          output_len=SERVED_TOKENS, concurrency=1, vocab_size=PROBE_VOCAB, seed=1000 + self.sent)
+        if not warm:
+            marks["before"] = metrics()
+        asyncio.run(run_bench(cfg, on_done=done))  # one client: the warm-ups open its connection
+        after = metrics()
+        results = [r for r in seen[warm:] if r.ok and len(r.token_times_s) >= 2]
+        if not results:
             raise ModelcarveError("hardware --probe: the probe model's server streamed no tokens")
-        return ttft, tpot
+        ttft = [r.ttft_s for r in results]
+        tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1) for r in results]
+        (s0, c0), (s1, c1) = marks["before"]["ttft"], after["ttft"]
+        http = statistics.mean(ttft) - (s1 - s0) / (c1 - c0) if c1 > c0 else float("nan")
+        return ttft, tpot, http
 
 
 def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dict:
@@ -437,17 +457,21 @@ def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dic
         # 0.9-2.0 ms a call here from one minute to the next -- and tp=2 was priced under what the
         # server then ran.)
         up = {(tp, k): servers.enter_context(_Served(model, threads, tp)) for tp in tps for k, model in enumerate(models)}
-        pooled = {key: ([], []) for key in up}
+        pooled = {key: ([], [], []) for key in up}
         for attempt in range(1 if quick else 2):
             for key, server in up.items():
-                got_both = server.times(warm=2 if attempt == 0 and not quick else 1,
-                                        requests=QUICK_REQUESTS if quick else SERVED_REQUESTS)
-                for into, got in zip(pooled[key], got_both):
-                    into.extend(got)
-        best = {key: (statistics.median(ttft), statistics.median(tpot)) for key, (ttft, tpot) in pooled.items()}
+                ttft, tpot, http = server.times(warm=2 if attempt == 0 and not quick else 1,
+                                                requests=QUICK_REQUESTS if quick else SERVED_REQUESTS)
+                pooled[key][0].extend(ttft)
+                pooled[key][1].extend(tpot)
+                pooled[key][2].append(http)
+        best = {key: (statistics.median(ttft), statistics.median(tpot)) for key, (ttft, tpot, _) in pooled.items()}
     (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
     fit = overhead_from_steps(t1, t2, l1, l2)
-    fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2})
+    # the HTTP share of every tp=1 pass (both models: the path outside the server does not depend on it)
+    shares = [h for k in range(len(models)) for h in pooled[1, k][2] if h == h]
+    fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2},
+               http_s=statistics.mean(shares) if shares else None, http_passes_s=shares)
     if tp_ranks >= 2:
         tp_fit = overhead_from_steps(best[tp_ranks, 0][1], best[tp_ranks, 1][1], l1, l2)
         all_reduce = max((tp_fit["layer_overhead_s"] - fit["layer_overhead_s"]) / 2, 1e-6)
@@ -587,6 +611,8 @@ def run_probe(args) -> int:
         t.add_row("served step, fixed host cost", f"{probe['served']['step_overhead_s'] * 1e3:,.2f} ms")
         t.add_row("served step, host cost per layer", f"{probe['served']['layer_overhead_s'] * 1e3:,.3f} ms")
         t.add_row("served request path (HTTP, admission, delivery)", f"{probe['served']['request_overhead_s'] * 1e3:,.2f} ms")
+        if probe["served"].get("http_s") is not None:
+            t.add_row("served HTTP share (client TTFT - server's histogram TTFT)", f"{probe['served']['http_s'] * 1e3:,.2f} ms")
     for op, v in probe["links"].items():
         t.add_row(f"gloo {op.replace('_', '-')}: latency per step", f"{v['latency_s'] * 1e6:,.1f} us")
         t.add_row(f"gloo {op.replace('_', '-')}: bus bandwidth ({probe['large_bytes'] >> 20} MiB)",

@@ -177,3 +177,16 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def server_ttft_tpot_means(text: str) -> dict:
+    """``{"ttft": (sum, count), "tpot": (sum, count)}`` of the server's TTFT and TPOT histograms in a
+    ``/metrics`` body (0s where absent): a client differences two reads around its requests for the
+    server's mean over them (``hardware --probe``, benchmarks/serve_predicted_vs_measured.py)."""
+    import re
+
+    out = {}
+    for key, name in (("ttft", "time_to_first_token_seconds"), ("tpot", "time_per_output_token_seconds")):
+        got = [re.search(rf"^modelcarve_{name}_{part}\{{[^}}]*\}} (\S+)$", text, re.M) for part in ("sum", "count")]
+        out[key] = tuple(float(g.group(1)) if g else 0.0 for g in got)
+    return out
