@@ -35,8 +35,11 @@ stage under full by the same load per recomputed copy alive at its peak (W recom
 per weight group: activations.py weight_step_walk), every run alike (memory_report counts each
 recomputed copy until its storage dies).
 
-Not modelled (the check FAILS, exit 2 through the CLI): ring attention under recomputation (as for
-dense models with MLA).
+A folded expert mesh (etp=1 != tp) under recomputation and context parallelism: the cases of
+tests/verify/test_verify_against_plan_folded.py.
+
+Not modelled (the check FAILS, exit 2 through the CLI): a folded expert mesh with expert TP of its
+own (etp > 1 over a group that is not tp: its ETP all-gather and all-to-alls), checked on dp=4,ep=2,etp=2.
 """
 
 from __future__ import annotations
@@ -125,9 +128,6 @@ CASES_2 += [
     (Q3, f"cp=2,ep=2,gbs=2,recompute=selective,{FP32}"),
     (Q3, f"cp=2,gbs=2,recompute=selective,{BF16}"),
 ]
-UNMODELLED_2 = [
-    ("tiny-moe", f"tp=2,ep=2,etp=1,gbs=2,recompute=full,{FP32}", "a folded expert mesh under recomputation"),
-]
 # 4 ranks accounted as 2 per node: the tp group inside a node, dp / ep / edp across
 CASES_4 = [
     (Q3, f"tp=2,dp=2,ep=2,gbs=4,{FP32}"),
@@ -157,6 +157,9 @@ CASES_4 = [
     # each recomputation's count exchange, dispatch and combine again (moe_traffic.ep_messages' forwards)
     ("tiny-moe", f"pp=2,schedule=zero-bubble,dp=2,ep=2,gbs=8,recompute=full,{FP32}"),
 ]
+UNMODELLED_4 = [
+    ("tiny-moe", f"dp=4,ep=2,etp=2,gbs=4,{FP32}", "a folded expert mesh with expert tensor parallelism"),
+]
 
 
 def _jobs(cases, checkpoint):
@@ -180,12 +183,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reports2(checkpoint):
-    return run_distributed(against_plan_worker, 2, _jobs(CASES_2 + UNMODELLED_2, checkpoint), timeout=600)[0]
+    return run_distributed(against_plan_worker, 2, _jobs(CASES_2, checkpoint), timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
 def reports4(checkpoint):
-    return run_distributed(against_plan_worker, 4, _jobs(CASES_4, checkpoint), 2, timeout=600)[0]
+    return run_distributed(against_plan_worker, 4, _jobs(CASES_4 + UNMODELLED_4, checkpoint), 2, timeout=600)[0]
 
 
 def _check_judged(cases, reports):
@@ -264,10 +267,10 @@ def test_scheduled_recomputation_close(reports2, reports4):
                 assert 0 <= r["predicted"] - r["measured"] <= 8 * 32, (layout, r)
 
 
-def test_unmodelled_moe_is_not_a_pass(reports2):
+def test_unmodelled_moe_is_not_a_pass(reports4):
     from modelcarve.verify.against_plan import unjudged
 
-    for (model, layout, reason), report in zip(UNMODELLED_2, reports2[len(CASES_2):]):
+    for (model, layout, reason), report in zip(UNMODELLED_4, reports4[len(CASES_4):]):
         rows = report["against_plan"]
         assert any(reason in (r["why"] or "") for r in rows), (layout, unjudged(rows))
         assert report["passed"] is False and unjudged(rows), layout

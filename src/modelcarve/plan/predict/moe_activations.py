@@ -3,7 +3,7 @@
 Per MoE layer and micro-batch of ``T = mbs x seq`` tokens (``b`` sequences), ``S = T k`` the
 (token, choice) rows this rank's router sends and ``R`` the rows its experts receive (``S``
 without expert parallelism; under EP the measured routing's, moe_traffic.ep_splits), ``c`` the
-compute dtype's bytes, ``F`` the expert ffn size over etp (= tp here), what runtime/model/moe.py and
+compute dtype's bytes, ``F`` the expert ffn size over etp, what runtime/model/moe.py and
 runtime/parallel/expert.py save, tensor by tensor (checked with saved_tensors_hooks on tiny-moe):
 
 * router (fp32, autocast off): its input ``4 T H`` (a view of the block's input of another shape,
@@ -56,6 +56,12 @@ bf16, every run (tiny-moe pp=2, v=2: full 147,936 / 135,136 against 147,904 / 13
 Ring attention (context parallelism) under recomputation: ``moe_recompute_parts`` with activations.py's
 ring terms (``recompute_terms(ring=True)``): exact in fp32 and bf16 on tiny-moe and the tiny Qwen3-MoE,
 cp=2 full / selective, with and without ep=2 (activations.py's module doc has the bytes; MLA's gap there).
+A folded expert mesh (etp != tp): the MoE block on each TP rank's ``T / tp`` tokens (``rank_tokens``),
+its shared experts whole (``shared_ffn``: not split over tp there), the rest as above, under recomputation
+and cp alike: tiny-moe and the tiny Qwen3-MoE (tp=2,ep=2,etp=1; full, selective; sp; pp=2 1F1B; cp=2)
+within 156 bytes of the measured peak in fp32 (tests/verify/test_verify_against_plan_folded.py), bf16
+within 2% (tiny-moe full: 88,744 / 71,768 against 87,064 / 71,368); the tiny DeepSeek-V3 (shared experts)
+292-304 bytes over (0.6%), was 1,756 under while its shared experts were priced split over tp.
 """
 
 from __future__ import annotations
@@ -80,6 +86,13 @@ def rank_tokens(layout: "Layout") -> tuple[int, int, int]:
     s = layout.seq // layout.cp
     T = layout.mbs * s
     return T, s, (T // layout.tp if layout.folded and layout.tp > 1 else T)
+
+
+def shared_ffn(spec: "ModelSpec", layout: "Layout") -> float:
+    """The shared experts' ffn width on one rank: split over tp like the dense MLP, or whole on every
+    TP rank of a folded expert mesh (expert.py ``_apply_folded`` leaves the block unsplit; each TP
+    rank runs them on its own ``1 / tp`` of the tokens)."""
+    return spec.num_shared_experts * spec.expert_ffn_size / (1 if layout.folded and layout.tp > 1 else layout.tp)
 
 
 def dense_layer_terms(spec: "ModelSpec", layout: "Layout") -> dict[str, float]:
@@ -112,8 +125,7 @@ def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, 
     if spec.router_scoring == "sigmoid":  # the top-k weights' normalisation: the scores' view and the row sums
         out["router"] += FP32 * T * E + FP32 * T
     if spec.num_shared_experts:  # a SwiGLU MLP on the block's input (the router's saved input), split over tp
-        fs = spec.num_shared_experts * spec.expert_ffn_size / layout.tp
-        out["shared"] = 4 * c * T * fs
+        out["shared"] = 4 * c * T * shared_ffn(spec, layout)
     return out
 
 
@@ -202,7 +214,7 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
         terms = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)
         out += FP32 * T_moe * h + terms["expert_rows"] + c * R * f
         if spec.num_shared_experts:
-            out += c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp
+            out += c * T_moe * shared_ffn(spec, layout)
     return out + head
 
 
@@ -220,7 +232,7 @@ def moe_weight_groups(spec: "ModelSpec", layout: "Layout", received: list[int] |
         one = c == residual_bytes(layout)  # one tensor of rows, or autocast's two casts
         groups = [FP32 * T_moe * h] + ([0.0, rows] if one else [rows / 2, rows / 2]) + [c * R * f]
         if spec.num_shared_experts:
-            groups += [0.0, groups[0], c * T_moe * spec.num_shared_experts * spec.expert_ffn_size / layout.tp]
+            groups += [0.0, groups[0], c * T_moe * shared_ffn(spec, layout)]
             groups[0] = 0.0
         out.append(groups)
     return out

@@ -151,7 +151,7 @@ class FoldedDispatcher(AllToAllDispatcher):
         out = experts(rows[by_expert], torch.stack(peers).sum(0).tolist())
         partial = torch.empty_like(out).index_copy(0, by_expert, out)
         back = all_to_all(partial, sizes, [n] * etp, self.etp_group)  # my rows' partial outputs from each peer
-        return back.view(etp, n, -1).sum(0)
+        return back.view(etp, n, back.shape[-1]).sum(0)  # not -1: n may be 0 (no rows reached my experts)
 
 
 class _ScatterTokens(torch.autograd.Function):
