@@ -483,7 +483,10 @@ def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float
     T, r, rep = layout.mbs * seq, residual_bytes(layout), layout.tp if layout.sp else 1
     terms = layer_terms(spec, T, seq, layout.tp, layout.sp, c, r, layout.cp > 1)
     h = spec.hidden_size
-    attention = terms["attn_input"] + terms["proj_input"] + 2 * r * T * h / rep
+    # each norm's weight node: RMSNorm's product with its normalised output, LayerNorm's own node (its
+    # input, mean and inverse std: ``_norm``)
+    norm = _norm(T, h, rep, r, True) if spec.norm_kind == "layernorm" else r * T * h / rep
+    attention = terms["attn_input"] + terms["proj_input"] + 2 * norm
     if spec.qk_norm:  # each q / k norm's normalised output, cast back to the compute dtype, saved for its weight's gradient
         attention += c * T * (spec.num_heads / layout.tp + max(spec.num_kv_heads // layout.tp, 1)) * spec.head_dim
     if spec.attention_kind == "mla":
@@ -491,7 +494,7 @@ def weight_step_parts(spec: "ModelSpec", layout: "Layout") -> tuple[float, float
         # product with the weight, and the up projection's input (c), both whole on every TP rank
         attention += 2 * c * T * ((spec.q_lora_rank or 0) + spec.kv_lora_rank)
     mlp = terms["mlp_input"] + c * T * spec.ffn_size / layout.tp
-    head = r * T * h / rep + stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)["head_input"]
+    head = norm + stage_terms(spec, T, seq, layout.tp, layout.sp, c, False, True, r)["head_input"]
     return attention, mlp, head
 
 
@@ -536,4 +539,4 @@ def zero_bubble_activation_bytes(spec: "ModelSpec", layout: "Layout", order: lis
             live -= weight_step_frees(spec, layout, counts[stage], True)
         elif kind == "I" and stage == last_stage:
             live -= targets
-    return peak
+    return peak + position_bytes(spec, layout, any(s == 0 for _, s, _ in order))
