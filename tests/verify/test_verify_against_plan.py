@@ -12,8 +12,8 @@ whatever the micro-batches; ZeRO-2's gradients are the owned range it keeps in i
 byte: ring attention's K/V blocks and fp32 dK/dV accumulators to the next cp rank, the gradients
 and ZeRO state over dp x cp, a rank's zig-zag share of the tokens in every activation and TP
 message (cp=2; cp=2,zero=2; cp=2 x dp=2; cp=2 x tp=2; cp=2 under full recomputation, whose forward re-run
-sends each K/V block a third time). What the per-op model does not cover (ep,
-FSDP under the zero-bubble schedule, ...) has rows with ``predicted`` None, ``ok`` None and
+sends each K/V block a third time). What the per-op model does not cover (tiny-moe with the
+experts' TP differing from tp without expert parallelism, ...) has rows with ``predicted`` None, ``ok`` None and
 ``why`` "not modelled: ...", and the check FAILS (report["passed"] False; the CLI exits 2 with
 the reason, checked below through real torchrun ranks): no silent pass.
 Tied input/output embeddings (Llama 3.2, Qwen3, Gemma) are judged under tp and pp on a tiny tied
@@ -56,7 +56,7 @@ CASES = [
     f"cp=2,gbs=2,{FP32}",
     f"cp=2,zero=2,gbs=4,{FP32}",  # 2 micro-batches: twice the ring's sends, one reduce-scatter over dp x cp
     f"cp=2,gbs=2,recompute=full,{FP32}",  # ring attention under recomputation: its forward K/V passes run again (3 of each send)
-    f"pp=2,fsdp,schedule=zero-bubble,gbs=4,{FP32}",  # not modelled (step_traffic._check_supported): reported, not judged
+    f"tp=2,etp=1,gbs=2,{FP32}",  # tiny-moe, not modelled (moe_traffic.check_moe_supported): reported, not judged
     # recomputation (plan/predict/activations.py recompute_peak; full repeats each block's forward
     # collectives up to its last saved tensor): every row judged, activations exact in fp32 (tp: up to 28 bytes of masks)
     f"dp=2,gbs=4,recompute=full,{FP32}",
@@ -78,8 +78,8 @@ CASES = [
     f"pp=2,gbs=8,schedule=zero-bubble,recompute=full,{FP32}",
     f"pp=2,gbs=4,schedule=zero-bubble,recompute=selective,{FP32}",
 ]
-UNMODELLED = f"pp=2,fsdp,schedule=zero-bubble,gbs=4,{FP32}"  # FSDP under the zero-bubble schedule
-MODELS: dict[str, str] = {}  # a case's model where it is not tiny-llama
+UNMODELLED = f"tp=2,etp=1,gbs=2,{FP32}"  # experts' TP differing from tp without expert parallelism
+MODELS: dict[str, str] = {UNMODELLED: "tiny-moe"}  # a case's model where it is not tiny-llama
 ZERO_BUBBLE = [c for c in CASES if "zero-bubble" in c and c != UNMODELLED]
 
 
@@ -266,7 +266,7 @@ def test_unmodelled_layout_is_not_a_pass(reports):
 
     report = reports[CASES.index(UNMODELLED)]
     rows = report["against_plan"]
-    assert any("fsdp under the zero-bubble schedule" in (r["why"] or "") for r in rows)
+    assert any("without expert parallelism" in (r["why"] or "") for r in rows)
     assert all(r["ok"] is None and r["why"].startswith("not modelled") for r in rows if r["predicted"] is None)
     assert any(r["measured"] for r in rows if r["quantity"].startswith("payload:"))
     assert unjudged(rows) and all(w.startswith("not modelled") for w in unjudged(rows))

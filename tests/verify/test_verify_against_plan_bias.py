@@ -106,7 +106,12 @@ def test_still_refused_per_op():
     refused = {
         "alibi positions": (dataclasses.replace(llama, position_kind="alibi"), dp),
         "an offset learned-position table": (dataclasses.replace(llama, position_kind="learned", position_offset=2), dp),
-        "under the zero-bubble schedule": (biased, Layout.parse(f"pp=2,gbs=4,schedule=zero-bubble,{FP32}")),
+        # zero-bubble under full recomputation: a row-parallel bias's own weight group (tp) and gpt2's
+        # LayerNorm / GELU layer in the weight step are not modelled (4.0% under on the tiny gpt2)
+        "output / MLP biases over tp / cp under the zero-bubble schedule with full recomputation":
+            (biased, Layout.parse(f"pp=2,tp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")),
+        "LayerNorm under the zero-bubble schedule with full recomputation":
+            (dataclasses.replace(llama, norm_kind="layernorm"), Layout.parse(f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")),
     }
     for why, (spec, layout) in refused.items():
         with pytest.raises(NotModelled, match=why):

@@ -20,7 +20,11 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   range of the reduced gradients (measured from the optimiser's flat buffer); FSDP (``fsdp``, one shard group):
   per micro-batch each decoder layer's parameters all-gathered in forward and again in
   backward, the root (embeddings, final norm, head) once, and every unit's gradient
-  reduce-scattered;
+  reduce-scattered; under a pipeline see ``fsdp_units`` (zero-bubble: the runtime keeps the layers
+  unsharded from their first forward to the step's reduction, so every unit is gathered and
+  reduce-scattered once a step: tiny-llama pp=2 x dp=2, m = 4, 361,472 / 361,728 bytes each on the
+  first / last stage, measured and predicted; also under full and selective recomputation, over cp and
+  with HSDP);
 * tensor parallel, per micro-batch: without ``sp`` two all-reduces per layer in forward (the
   row-parallel outputs, compute dtype) and two in backward (gradients, carried in the compute
   dtype by runtime/parallel/tensor.py) of the ``mbs x seq x h`` hidden, plus the vocab-parallel
@@ -69,9 +73,9 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 + cp_i) tp + tp_i``); the caller names their axis and tier with runtime/distributed/collectives.py's
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
-this model does not cover (MoE: moe_traffic.py; FSDP under zero-bubble; output / MLP biases, LayerNorm
-or learned positions under zero-bubble (its weight step groups a Linear's weight with its bias: not
-checked), in MoE models (``check_moe_biases``) or with MLA's biases; ALiBi and an offset position
+this model does not cover (MoE: moe_traffic.py; under zero-bubble with full recomputation LayerNorm /
+learned positions (gpt2: 4.0% under) and output / MLP biases over tp / cp (``_extras_unchecked``;
+without recomputation, under selective and the biases at tp = cp = 1 exact), in MoE models (``check_moe_biases``) or with MLA's biases; ALiBi and an offset position
 table (OPT: the runtime refuses both, spec/support.py); activations
 under a recompute mode other than full / selective: activations.py's ``recompute_unchecked``): the verify
 table marks those quantities as unpredicted instead of guessing. Ring attention under recomputation (GQA,
@@ -152,22 +156,30 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
         problems.append("an offset learned-position table")
     if spec.attention_kind == "mla" and (spec.qkv_bias or spec.o_bias):
         problems.append("MLA with attention biases")
-    if layout.pp > 1 and layout.schedule == "zero-bubble" and _extras(spec) and not __import__("os").environ.get("MC_ZB_TRY"):
-        problems.append(f"{_extras(spec)} under the zero-bubble schedule")
+    if layout.pp > 1 and layout.schedule == "zero-bubble" and _extras_unchecked(spec, layout):
+        problems.append(f"{_extras_unchecked(spec, layout)} under the zero-bubble schedule with full recomputation")
     if layout.ep > 1:
         problems.append("expert parallelism")
-    if layout.zero == 3 and layout.pp > 1 and layout.schedule == "zero-bubble":
-        problems.append("fsdp under the zero-bubble schedule")
     if problems:
         raise NotModelled("not modelled per op: " + ", ".join(problems))
 
 
-def _extras(spec: "ModelSpec") -> str:
-    """The layers beyond llama's this model has that the zero-bubble schedule is not checked with
-    (its weight step groups a Linear's weight with its bias: ``layer_recomputations``), or ''."""
-    extras = [what for present, what in ((spec.o_bias or spec.mlp_bias, "output / MLP biases"),
-                                         (spec.position_kind == "learned", "learned positions"),
+def _extras_unchecked(spec: "ModelSpec", layout: "Layout") -> str:
+    """The layers beyond llama's this model has that the zero-bubble schedule is not checked with, or
+    ''. Checked (tiny gpt2, tiny llama with ``attention_bias`` / ``mlp_bias``, pp=2, fp32): without
+    recomputation and under ``selective`` both exact; under ``full`` the biased llama exact at tp = cp = 1
+    (torch's weight step merges a Linear's bias into its weight's group: the ``addmm`` node they share, so
+    the layer still recomputes once per weight, 9 groups: 1,552,128 bytes measured and predicted), but
+    over tp / cp the row-parallel biases (added after the reduction, a node of their own) may make
+    groups of their own, unmeasured (``layer_recomputations`` counts every tensor); gpt2's LayerNorm / GELU
+    layer under ``full`` is 4.0% under (``layer_weight_frees`` is llama's: 802,432 predicted, 835,712
+    measured on the last stage)."""
+    if layout.recompute != "full":
+        return ""
+    extras = [what for present, what in ((spec.position_kind == "learned", "learned positions"),
                                          (spec.norm_kind == "layernorm", "LayerNorm")) if present]
+    if (spec.o_bias or spec.mlp_bias) and (layout.tp > 1 or layout.cp > 1):
+        extras.insert(0, "output / MLP biases over tp / cp")
     return ", ".join(extras)
 
 
@@ -290,8 +302,10 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     if tp > 1:
         redo = m * sum(n * layer_recomputations(layout, s, len(layer)) for s, n in rank_stage_layers(spec, layout, stage, nl))
         msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens, rank, redo=redo)
-    if layout.cp > 1:
-        msgs += ring_sends(spec, layout, rank, nl, m, tokens)
+    if layout.cp > 1:  # zero-bubble's W re-runs the ring's forward once per weight group too (full)
+        redo = (m * sum(n * layer_recomputations(layout, s, len(layer)) for s, n in rank_stage_layers(spec, layout, stage, nl))
+                if layout.recompute == "full" else None)
+        msgs += ring_sends(spec, layout, rank, nl, m, tokens, redo=redo)
     if layout.pp > 1:
         msgs += pipeline_sends(layout, rank, hidden * 4 // (tp if layout.sp else 1))  # sp: the rank's sequence shard
         msgs.append(Message("broadcast", pp_group, "fp32", 4))  # the loss, from the last stage
@@ -366,7 +380,10 @@ def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[
     last; layers still reshard after each forward and the root stays unsharded from its first
     forward to the last backward. So a layer is gathered by each action of the schedule's order
     (plan/predict/timeline.py ``action_order``) that finds it sharded, the root once, and every
-    unit is reduce-scattered once per step."""
+    unit is reduce-scattered once per step. Under zero-bubble the runtime does not reshard the layers
+    after forward (runtime/parallel/data_parallel.py: torch's input step I lists the stage's parameters
+    before its backward unshards them, so a resharded layer's weights would miss the weight step W):
+    every unit gathered once a step."""
     m = layout.num_microbatches
     if layout.pp == 1:
         root = sum(root_tensors(spec, layout.tp, True, True)) * MASTER_BYTES
@@ -377,6 +394,10 @@ def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[
     order = action_order(layout.schedule, p, m, v, coords(layout, rank)["pp"])
     out = []
     for stage in rank_stage_ids(p, v, coords(layout, rank)["pp"]):
+        root = sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES
+        if layout.schedule == "zero-bubble":  # the layers are not resharded after forward: one gather a step
+            out.append((root, counts[stage], 1, 1, 1))
+            continue
         acts = [kind for kind, st, _mb in order if st == stage]
         backs, sharded, gathers = acts.count("B"), True, 0
         for kind in acts:
@@ -387,7 +408,6 @@ def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[
                 sharded = backs == 0  # resharded after the last backward only
             else:
                 sharded = True  # resharded after every forward
-        root = sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES
         out.append((root, counts[stage], gathers, 1, 1))
     return out
 
@@ -421,14 +441,18 @@ def pipeline_sends(layout: "Layout", rank: int, payload: int) -> list[Message]:
     return [Message("send", (rank, peer), "fp32", payload, n) for peer, n in calls.items()]
 
 
-def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, tokens: int) -> list[Message]:
+def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, tokens: int,
+               redo: int | None = None) -> list[Message]:
     """Ring attention's point-to-point traffic of one step (runtime/parallel/ring_attention.py): per
     layer and micro-batch this rank sends ``cp - 1`` K/V blocks in forward, ``cp - 1`` again in
     backward and ``cp - 1`` fp32 dK/dV accumulators, every one to the next rank of its cp ring. A
     block is this rank's ``tokens`` keys and values with the kv heads of its TP rank only (not
     expanded to the query heads), in the residual stream's dtype (the rotary embedding's fp32
     tables make K fp32 under autocast; bf16 where the runtime holds bf16 parameters:
-    ``residual_bytes``); the dK/dV accumulators in fp32 (the ring's tile arithmetic)."""
+    ``residual_bytes``); the dK/dV accumulators in fp32 (the ring's tile arithmetic). ``redo``: the
+    layers' recomputed forwards in the step, each sending the K/V blocks once more (default ``nl x m``
+    under recomputation: a third pass; zero-bubble's W adds one per weight group under ``full``,
+    ``layer_recomputations``: tiny-llama pp=2 x cp=2 last stage, 13 blocks a layer and micro-batch)."""
     c = coords(layout, rank)
     peer = rank_of(layout, **(c | {"cp": (c["cp"] + 1) % layout.cp}))
     kv_heads = max(spec.num_kv_heads // layout.tp, 1)
@@ -437,8 +461,9 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
         block = tokens * (spec.num_heads // layout.tp) * (spec.qk_head_dim + spec.attn_v_head_dim)
     hops = nl * m * (layout.cp - 1)
     kv = residual_bytes(layout)
-    passes = 3 if layout.recompute != "none" else 2  # recomputation re-runs the ring's forward passes
-    return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, passes * hops),
+    if redo is None:  # recomputation re-runs the ring's forward passes
+        redo = nl * m if layout.recompute != "none" else 0
+    return [Message("send", (rank, peer), "bf16" if kv == 2 else "fp32", block * kv, 2 * hops + redo * (layout.cp - 1)),
             Message("send", (rank, peer), "fp32", block * 4, hops)]
 
 

@@ -58,12 +58,16 @@ def apply_data_parallel(chunks: list[nn.Module], mesh, layout) -> None:
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = _dp_mesh(mesh, layout)
+    # zero-bubble: the layers stay unsharded from their first forward to the step's gradient reduction
+    # (torch's stage_backward_input lists the stage's parameters before its backward unshards them, so a
+    # layer resharded after its forward would leave its weights out of the deferred weight step W)
+    keep = layout.pp > 1 and layout.schedule == "zero-bubble"
     for chunk in chunks:
         expert_mesh = chunk.__dict__.get("_mc_expert_mesh")  # expert.py: EP-split experts shard over expert-dp only
         for block in chunk.layers.values():
             if expert_mesh is not None and hasattr(block.feed_forward, "experts"):
-                fully_shard(block.feed_forward.experts, mesh=expert_mesh)
-            fully_shard(block, mesh=dp_mesh)
+                fully_shard(block.feed_forward.experts, mesh=expert_mesh, reshard_after_forward=not keep)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep)
         fully_shard(chunk, mesh=dp_mesh)
         for mod in chunk.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
