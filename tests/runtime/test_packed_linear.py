@@ -87,3 +87,24 @@ def test_bf16_engine_packs_and_keeps_its_tokens(tmp_path, monkeypatch):
     unpacked, plain = run()
     assert unpacked == 0
     assert tokens == plain
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_packed_linear_pads_few_rows_to_the_min_rows_kernel(rows):
+    """Fewer than ``MIN_ROWS`` rows run as ``MIN_ROWS`` (zero rows appended, their outputs dropped):
+    bit for bit the first rows of the ``MIN_ROWS``-row product, and only ``rows`` rows come back."""
+    from modelcarve.runtime.engine.fused import MIN_ROWS, packed_linear
+
+    if torch.float32 not in packable_dtypes():
+        pytest.skip("oneDNN has no fp32 kernels here")
+    assert MIN_ROWS == 4  # the default (MODELCARVE_ENGINE_MIN_ROWS unset in the suite)
+    gen = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 80).requires_grad_(False)
+    packed = PackedLinear(lin)
+    x = torch.randn(rows, 96, generator=gen)
+    full = torch.zeros(MIN_ROWS, 96)
+    full[:rows] = x
+    got = packed_linear(x, packed.packed, lin.bias)
+    assert got.shape == (rows, 80)
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(full, packed.packed, lin.bias, "none", [], "")[:rows])
+    assert torch.equal(packed(x.view(1, rows, 96)), got.view(1, rows, 80))
