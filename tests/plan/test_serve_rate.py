@@ -33,12 +33,16 @@ def test_plan_latency_at_rate_uses_the_sustained_batch_and_the_queue():
     with T(b) = 256 x TPOT(b) + the request's own prefill (8.80 ms of batched prefill):
       b = 15: TPOT 2.990 ms, T = 256 x 2.990 + 8.80 = 774.2 ms, 20 x 0.7742 = 15.48 > 15: too few;
       b = 16: TPOT 3.033 ms, T = 256 x 3.033 + 8.80 = 785.2 ms, 20 x 0.7852 = 15.70 <= 16.
-    So N = 16 and the TPOT shown is TPOT(16) = 3.03 ms.
+    So N = 16 sequences in flight on average. A request decodes beside itself and, on average,
+    rate x T others (Poisson arrivals: plan/serve/batch.py ``at_rate``): n = 1 + 20 x T(n), with TPOT
+    and TTFT interpolated between the whole batches: n = 16.90 (T = 256 x 3.0716 + 8.80 = 795.1 ms,
+    1 + 20 x 0.7951 = 16.90), TPOT = TPOT(16) + 0.90 x (TPOT(17) - TPOT(16)) = 3.033 + 0.90 x 0.043
+    = 3.07 ms (before: TPOT(16) = 3.03 ms, the request itself left out of its batch).
     Capacity: the full batch (1024, no bounds) decodes at the engine's host floor (GPU round 15.17 ms <
     1024 x 29.37 us = 30.07 ms, serve_rates.ENGINE_SEQ_HOST_S) and completes 1024 / (256 x 30.07 ms + 1024 x
     8.80 ms) = 1024 / 16.71 s = 61.3 requests/s (79.9 before the floor). M/D/1: rho = 20 / 61.3 = 0.326,
     W = rho / (2 mu (1 - rho)) = 0.326 / (2 x 61.3 x 0.674) = 3.96 ms, added to the unqueued TTFT
-    (prefill 9.45 ms + one decode round 2.52 ms = 11.97 ms): 15.92 ms. (The prefills' attention is priced at
+    (prefill 9.45 ms + one decode round 2.52 ms, interpolated at n = 11.97 ms): 15.93 ms. (The prefills' attention is priced at
     the attention peak, bf16, since the attention-peak change: 8.72 / 9.37 ms before, capacity 61.6/s, TTFT 15.78 ms.)"""
     model, cluster = get_model("llama-3.1-8b"), parse_cluster("8xH100")
     best = search(model, cluster, "serve-latency", top=1, rate=20)["layouts"][0]
@@ -47,16 +51,19 @@ def test_plan_latency_at_rate_uses_the_sustained_batch_and_the_queue():
     assert 20 * _time_in_system(c, 15) > 15 and 20 * _time_in_system(c, 16) <= 16
     serve, q = best["serve"], best["queue"]
     assert serve["batch"] == q["batch"] == 16 and q["full_batch"] == 1024
-    assert serve["tpot_s"] == pytest.approx(_rates(c, 16)[1], rel=1e-12)
-    assert serve["tpot_s"] == pytest.approx(3.03e-3, abs=0.01e-3)
+    n, r16, r17 = q["concurrency"], _rates(c, 16), _rates(c, 17)
+    own = c.input_len * c.prefill_token_s
+    assert n == pytest.approx(1 + 20 * (256 * serve["tpot_s"] + own), rel=1e-9) and n == pytest.approx(16.90, abs=0.01)
+    assert serve["tpot_s"] == pytest.approx(r16[1] + (n - 16) * (r17[1] - r16[1]), rel=1e-12)
+    assert serve["tpot_s"] == pytest.approx(3.07e-3, abs=0.01e-3)
     round_full = _rates(c, 1024)[0]
     mu = 1024 / (256 * round_full + 1024 * c.input_len * c.prefill_token_s)
     assert q["capacity_rps"] == pytest.approx(mu, rel=1e-9) and mu == pytest.approx(61.26, abs=0.01)
     rho = 20 / mu
     wait = rho / (2 * mu * (1 - rho))
     assert q["wait_s"] == pytest.approx(wait, rel=1e-9) and wait == pytest.approx(3.96e-3, abs=0.01e-3)
-    assert serve["ttft_s"] == pytest.approx(c.prefill_s + _rates(c, 16)[0] + wait, rel=1e-9)
-    assert serve["ttft_s"] == pytest.approx(15.92e-3, abs=0.01e-3)
+    assert serve["ttft_s"] == pytest.approx(c.prefill_s + r16[0] + (n - 16) * (r17[0] - r16[0]) + wait, rel=1e-9)
+    assert serve["ttft_s"] == pytest.approx(15.93e-3, abs=0.01e-3)
 
 
 def test_plan_rejects_layouts_below_the_rate_and_says_so():
@@ -81,7 +88,9 @@ def test_estimate_throughput_at_rate_reports_the_sustained_batch(capsys):
     beside "16% of capacity". Now: T(b) = 256 x TPOT(b) + 15.33 ms of own prefill;
       b = 5: TPOT 3.87 ms, T = 1.006 s, 5 x 1.006 = 5.03 > 5: too few;
       b = 6: TPOT 3.96 ms, T = 1.029 s, 5 x 1.029 = 5.15 <= 6.
-    So 6 sequences per replica and TPOT(6) = 3.96 ms; the capacity is still the full batch's."""
+    So 6 sequences per replica; a request sees n = 1 + 5 x T(n) = 6.18 (plan/serve/batch.py
+    ``at_rate``) and TPOT(6) + 0.18 x (TPOT(7) - TPOT(6)) = 3.98 ms (TPOT(6) = 3.97 before); the
+    capacity is still the full batch's."""
     args = ["estimate", "--goal", "serve-throughput", "--model", "llama-3.1-8b", "--cluster", "8xH100",
             "--layout", "tp=2,weight_dtype=fp8,kv_dtype=fp8", "--rate", "20", "--json"]
     assert main(args) == 0
@@ -90,8 +99,10 @@ def test_estimate_throughput_at_rate_reports_the_sustained_batch(capsys):
     c = layout_costs(get_model("llama-3.1-8b"), parse_cluster("8xH100"), 2, 1, 1, 4, "fp8", "fp8", 2048, 256)
     assert 5 * _time_in_system(c, 5) > 5 and 5 * _time_in_system(c, 6) <= 6
     assert serve["batch"] == q["batch"] == 6 and q["full_batch"] > 400
-    assert serve["tpot_s"] == pytest.approx(_rates(c, 6)[1], rel=1e-12)
-    assert serve["tpot_s"] == pytest.approx(3.96e-3, abs=0.01e-3)
+    n = q["concurrency"]
+    assert n == pytest.approx(1 + 5 * (256 * serve["tpot_s"] + c.input_len * c.prefill_token_s), rel=1e-9)
+    assert serve["tpot_s"] == pytest.approx(_rates(c, 6)[1] + (n - 6) * (_rates(c, 7)[1] - _rates(c, 6)[1]), rel=1e-12)
+    assert serve["tpot_s"] == pytest.approx(3.98e-3, abs=0.01e-3)
     assert q["rate_per_replica_rps"] == 5.0 and q["utilisation"] < 0.2
     full = _rates(c, q["full_batch"])
     assert q["capacity_rps"] == pytest.approx(full[3] / 256, rel=1e-12)
@@ -113,3 +124,22 @@ def test_estimate_latency_at_rate_batches_instead_of_refusing(capsys):
 def test_rate_must_be_positive():
     with pytest.raises(Exception, match="--rate"):
         search(get_model("llama-3.1-8b"), parse_cluster("8xH100"), "serve-latency", rate=0)
+
+
+def test_below_one_request_in_flight_a_request_shares_the_engine_part_of_the_time():
+    """llama-3.1-8b TP8 fp8 on 8xH100 at 0.5 requests/s, 2048 in / 256 out: the whole batch the rate
+    keeps in flight is 1 (0.5 x T(1) < 1), which left out that a request still shares the engine
+    with another part of its time. With a = TPOT(1), d = TPOT(2) - a, P its own prefill and L = 256
+    tokens, n = 1 + rate (L TPOT(n) + P) and TPOT(n) = a + (n - 1) d solve in closed form:
+    n - 1 = rate (L a + P) / (1 - rate L d); TPOT and TTFT are then (n - 1) of the way to batch 2's."""
+    from modelcarve.plan.serve.batch import at_rate
+
+    c = layout_costs(get_model("llama-3.1-8b"), parse_cluster("8xH100"), 8, 1, 1, 1, "fp8", "fp8", 2048, 256)
+    r1, r2 = _rates(c, 1), _rates(c, 2)
+    a, d, own, rate = r1[1], r2[1] - r1[1], c.input_len * c.prefill_token_s, 0.5
+    expected_n = 1 + rate * (256 * a + own) / (1 - rate * 256 * d)
+    batch, _, got, n = at_rate(c, 1024, rate)
+    assert batch == 1 and 1 < n < 2
+    assert n == pytest.approx(expected_n, rel=1e-9)
+    assert got[1] == pytest.approx(a + (n - 1) * d, rel=1e-12)
+    assert got[2] == pytest.approx(r1[2] + (n - 1) * (r2[2] - r1[2]), rel=1e-12)

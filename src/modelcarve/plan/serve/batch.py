@@ -5,7 +5,8 @@ one a request rate keeps in flight.
 decode step (see its docstring), with a few decode-step evaluations per layout where trying
 every batch would take ``max_b``; tests/plan/test_serve_speed.py checks it against trying every batch.
 ``sustained_batch(ctx, max_b, rate_per_replica)`` is the steady-state batch at a request rate
-(Little's law, see its docstring), with the replica's capacity.
+(Little's law, see its docstring), with the replica's capacity; ``at_rate`` adds what a request
+sees there: itself plus, on average, the others in flight beside it (a fractional batch).
 """
 
 from __future__ import annotations
@@ -160,3 +161,46 @@ def sustained_batch(c, max_b: int, rate_per_replica: float) -> tuple[int, float,
         else:
             lo = mid
     return hi, capacity, at_hi
+
+
+def _interpolated(c, n: float, max_b: int) -> tuple:
+    """``_rates`` at a fractional batch ``n`` (1 <= n <= max_b): linear between the whole batches
+    around it, element by element (round, TPOT, TTFT, tokens/s)."""
+    k = int(n)
+    lo = _rates(c, k)
+    f = n - k
+    if f <= 0.0 or k >= max_b:
+        return lo
+    hi = _rates(c, k + 1)
+    return tuple(a + f * (b - a) for a, b in zip(lo, hi))
+
+
+def at_rate(c, max_b: int, rate_per_replica: float) -> tuple[int, float, tuple, float]:
+    """(sustained batch, capacity requests/s, ``_rates`` as a request sees them, concurrency ``n``)
+    of one replica receiving ``rate_per_replica`` requests/s (Poisson arrivals).
+
+    ``sustained_batch`` gives the whole batch the rate keeps in flight (Little's law: the time
+    average of the number in the engine, ``rate x T``) and the capacity. A request decodes beside
+    itself and the others in flight while it is: with Poisson arrivals and a time ``T`` in the
+    engine, on average ``rate x T`` others (those there when it arrives and have not left, plus
+    those arriving since: ``rate (T - t) + rate t`` at every moment ``t`` of its stay). So it sees a
+    batch of ``n = 1 + rate x T(n)`` on average, where ``T(n)`` = ``output_len`` tokens at TPOT(n) plus
+    its own prefill, solved by fixed-point iteration (``T`` grows with ``n`` more slowly than
+    ``1 / rate`` below capacity), and TPOT and TTFT are ``_rates``' figures interpolated at ``n``
+    (``_interpolated``). Below one request in flight this is what the whole batch rounds away: a
+    request at 0.66 requests/s spending 0.55 s in the engine shares it with another 36% of the
+    time, so 36% of the way from batch 1's TPOT and TTFT to batch 2's (which carry the other
+    request's decode and its prefill, ``_rates``). At or above capacity: the full batch, ``n =
+    max_b``."""
+    batch, capacity, at = sustained_batch(c, max_b, rate_per_replica)
+    if rate_per_replica >= capacity or max_b == 1:
+        return batch, capacity, at, float(batch)
+    own_prefill = c.input_len * c.prefill_token_s
+    n = float(batch)
+    for _ in range(50):
+        rates = _interpolated(c, n, max_b)
+        nxt = min(float(max_b), 1.0 + rate_per_replica * (c.output_len * rates[1] + own_prefill))
+        if abs(nxt - n) < 1e-9:
+            break
+        n = nxt
+    return batch, capacity, _interpolated(c, n, max_b), n

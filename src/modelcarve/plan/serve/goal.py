@@ -22,8 +22,10 @@ bf16, fp8 for KV: int8, int4, fp4/nvfp4/mxfp4 only when the user widens ``weight
   that load: a layout whose capacity (its ``dp`` replicas at their full batch: the largest that
   fits and meets the TTFT and TPOT bounds, or ``batch``) is at or below the rate is rejected ("capacity below the request rate");
   otherwise the batch is the one the rate keeps in flight (plan/serve/batch.py's
-  ``sustained_batch``, Little's law), TPOT is that batch's and TTFT adds the M/D/1 queue wait in
-  front of each replica (plan/serve/queue.py); ``result['queue']`` has the figures. Latency
+  ``sustained_batch``, Little's law), TPOT and TTFT are what a request sees beside the others in
+  flight on average (``at_rate``: a fractional batch ``n = 1 + rate x T``, ``result['queue']
+  ['concurrency']``) and TTFT adds the M/D/1 queue wait in front of each replica
+  (plan/serve/queue.py); ``result['queue']`` has the figures. Latency
   still minimises TPOT; throughput ranks by capacity per device (the tokens/s per device at the
   full batch, ``serve['capacity_tokens_per_s_per_device']``), since at a given rate every
   layout of the cluster delivers the same tokens/s.
@@ -43,7 +45,7 @@ import dataclasses
 
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.cost.quant import QUALITY_SHORT, quality_note
-from modelcarve.plan.serve.batch import _largest_batch, sustained_batch
+from modelcarve.plan.serve.batch import _largest_batch, at_rate
 from modelcarve.plan.serve.layout_costs import layout_costs
 from modelcarve.plan.serve.memory import GiB, max_sequences, memory_from_facts, min_devices, served_expert_dtype, shard_facts
 from modelcarve.plan.serve.options import MAX_BATCH, ServeOptions, serve_options  # noqa: F401 - MAX_BATCH for callers
@@ -199,10 +201,10 @@ class _ServeGoal:
         """The layout at ``rate`` requests/s over its ``dp`` replicas: the sustained batch's
         figures with the queue wait in TTFT, and the queue (``queued_ttft`` plus the full batch
         and its capacity per device)."""
-        batch, capacity, _ = sustained_batch(c, max_b, rate / dp)
-        t = _serve_time(c, batch)
+        batch, capacity, (_, tpot, ttft, _), n = at_rate(c, max_b, rate / dp)
+        t = dataclasses.replace(_serve_time(c, batch), tpot_s=tpot, ttft_s=ttft)
         queue = queued_ttft(ttft_s=t.ttft_s, capacity_rps=capacity, rate_rps=rate, replicas=dp)
-        queue.update(batch=batch, full_batch=max_b, ttft_unqueued_s=t.ttft_s,
+        queue.update(batch=batch, concurrency=n, full_batch=max_b, ttft_unqueued_s=t.ttft_s,
                      capacity_tokens_per_s_per_device=capacity * c.output_len / (c.tp * c.pp))
         return dataclasses.replace(t, ttft_s=queue["ttft_s"]), queue
 
@@ -269,7 +271,7 @@ class _ServeGoal:
                 top_b = opts.batch or (fit if fit < opts.max_batch else opts.max_batch)
                 if opts.batch is None:
                     top_b = _largest_batch(c, top_b, ttft_bound, tpot_bound)[0]  # the full batch within the bounds
-                batch, capacity, (_, tpot, ttft, _) = sustained_batch(c, top_b, rate / layout.dp)
+                batch, capacity, (_, tpot, ttft, _), _n = at_rate(c, top_b, rate / layout.dp)
                 per_replica = rate / layout.dp
                 if per_replica >= capacity:
                     # Ranked by how close the capacity comes to the rate.
