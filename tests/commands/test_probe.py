@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from modelcarve.commands.probe import cluster_dict, overhead_from_steps, summarise
+from modelcarve.commands.probe.machine import cluster_dict, summarise
+from modelcarve.commands.probe.served import overhead_from_steps
 from modelcarve.plan.cost.comm import INTRA_EFFICIENCY
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from modelcarve.commands.probe import cluster_dict, overhead_from_steps
-from modelcarve.commands.probe_served import engine_message_s
+from modelcarve.commands.probe.machine import cluster_dict
+from modelcarve.commands.probe.served import overhead_from_steps
+from modelcarve.commands.probe.served import engine_message_s
 from modelcarve.plan.serve.time import serve_time
 from modelcarve.spec.hardware import cluster_from_dict, parse_cluster
 from modelcarve.spec.hf_config import spec_from_hf_config

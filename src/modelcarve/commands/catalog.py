@@ -117,7 +117,7 @@ def _hardware(args) -> int:
             from modelcarve.spec.files import output_path
 
             output_path(args.emit, "--emit")  # before measuring, not after
-        from modelcarve.commands.probe import run_probe
+        from modelcarve.commands.probe.machine import run_probe
 
         return run_probe(args)
 

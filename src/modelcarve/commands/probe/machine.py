@@ -62,7 +62,7 @@ form the planner uses as it is:
   rate, with ``gemm_efficiency: 1.0``: they are achieved rates, so the serving planner applies none
   of its GPU-fitted efficiency models on top (plan/serve/rates.py ``achieved``);
 * ``pipeline_action_s``: the pipeline schedule's host time per action, measured with the
-  runtime's own GPipe schedule on a tiny llama (commands/probe_pipeline.py), which the pipeline
+  runtime's own GPipe schedule on a tiny llama (commands/probe/pipeline.py), which the pipeline
   timeline model adds after every action (plan/train/pipeline_costs.py);
 * ``step_overhead_s`` and ``layer_overhead_s``: the served engine's per-step and per-layer host
   costs, which the serving planner adds to every engine step (plan/serve/rates.py ``engine_step_s``
@@ -85,7 +85,7 @@ import platform
 import statistics
 import time
 
-from modelcarve.commands.probe_served import ENGINE_LAYERS, _tiny_config, overhead_from_steps, served_overhead  # noqa: F401 - overhead_from_steps: tests
+from modelcarve.commands.probe.served import ENGINE_LAYERS, _tiny_config, overhead_from_steps, served_overhead
 
 GEMM_N = 512
 GEMV_ROWS, GEMV_COLS = 4096, 4096
@@ -202,7 +202,7 @@ def _rank(rank: int, world: int, port: int, out, threads: int) -> None:
             comm[f"{label}_bytes"] = n * 4
             dist.barrier()
         res["comm"] = comm
-        from modelcarve.commands.probe_pipeline import action_gaps
+        from modelcarve.commands.probe.pipeline import action_gaps
 
         res["pipeline_gaps"] = action_gaps(world)
         out.put((rank, "ok", res))
@@ -290,7 +290,7 @@ def engine_overhead(threads: int) -> dict:
 
 
 def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
-    from modelcarve.commands.probe_pipeline import action_s
+    from modelcarve.commands.probe.pipeline import action_s
 
     med = statistics.median
     gemm = {d: med(r["gemm_flops"][d] for r in per_rank) for d in per_rank[0]["gemm_flops"]}

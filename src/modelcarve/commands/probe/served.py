@@ -1,11 +1,11 @@
 """``hardware --probe``'s served measurements: the tiny probe models under ``modelcarve serve``.
 
-``served_overhead`` serves commands/probe.py's two tiny models (1 and 8 layers) at tp=1 and at tp =
+``served_overhead`` serves commands/probe/machine.py's two tiny models (1 and 8 layers) at tp=1 and at tp =
 ``--probe-ranks`` (``_Served``: a real server in a spawned process, torchrun for tp > 1, as
 ``serve`` starts it) and times them through bench-serve's own client (one request at a time): the
 served step's fixed and per-layer host costs, the request path, the HTTP share outside the
 server's clock (its ``/metrics`` histogram read around each pass) and, from tp over tp=1, the TP
-all-reduce and the gloo message as the served engine pays them. commands/probe.py's module doc
+all-reduce and the gloo message as the served engine pays them. commands/probe/machine.py's module doc
 says how each figure is fitted and where the cluster file takes it.
 """
 
