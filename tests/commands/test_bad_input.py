@@ -186,7 +186,7 @@ def test_found_by_the_fuzz_suite_control_characters_stay_on_one_line(capsys):
 
 
 def test_probe_emit_into_missing_folder_refused_before_measuring(capsys, monkeypatch):
-    from modelcarve.commands import probe
+    from modelcarve.commands.probe import machine as probe
 
     monkeypatch.setattr(probe, "measure", lambda ranks: pytest.fail("measured before checking --emit"))
     one_line_error(capsys, ["hardware", "--probe", "--emit", "/nonexistent-dir/c.yaml"], "folder '/nonexistent-dir'")
