@@ -171,18 +171,18 @@ def estimate(model: str, cluster: str, layout: str, rate: float, input_len: int,
 def server_check(measured: dict, before: dict, after: dict, probe_http_s: float | None) -> dict:
     """bench-serve's mean TTFT against the server's histogram mean over the same requests (see module doc):
     the difference is the HTTP share, held to ``[0, HTTP_ALLOWANCE x the probe's]``."""
-    (s0, c0), (s1, c1) = before["ttft"], after["ttft"]
-    if c1 <= c0:
+    from modelcarve.serve.metrics import histogram_mean
+
+    server = histogram_mean(before, after, "ttft")
+    if server is None:
         return dict(error="no TTFT observations in the server's histogram")
-    server = (s1 - s0) / (c1 - c0)
     client = measured["ttft_ms"]["mean"] / 1e3
-    (t0, d0), (t1, d1) = before["tpot"], after["tpot"]
     bound = HTTP_ALLOWANCE * probe_http_s if probe_http_s is not None else None
     return dict(client_ttft_mean_s=client, server_ttft_mean_s=server, http_s=client - server,
                 probe_http_s=probe_http_s, bound_s=[0.0, bound],
                 within=None if bound is None else 0.0 <= client - server <= bound,
-                server_tpot_mean_s=(t1 - t0) / (d1 - d0) if d1 > d0 else None,
-                client_tpot_mean_s=measured["tpot_ms"]["mean"] / 1e3, requests=c1 - c0)
+                server_tpot_mean_s=histogram_mean(before, after, "tpot"),
+                client_tpot_mean_s=measured["tpot_ms"]["mean"] / 1e3, requests=after["ttft"][1] - before["ttft"][1])
 
 
 def _run(args, n, input_len, output_len, fractions, rows, meta) -> None:

@@ -91,7 +91,7 @@ def test_probe_writes_a_cluster_file_the_planner_reads(tmp_path):
 
 
 def test_server_histogram_means_read_back_from_metrics():
-    from modelcarve.serve.metrics import ServerMetrics, server_ttft_tpot_means
+    from modelcarve.serve.metrics import ServerMetrics, histogram_mean, server_ttft_tpot_means
 
     m = ServerMetrics("probe")
     assert server_ttft_tpot_means(m.render().decode()) == {"ttft": (0.0, 0.0), "tpot": (0.0, 0.0)}
@@ -99,6 +99,10 @@ def test_server_histogram_means_read_back_from_metrics():
     m.finished(reason="length", prompt_tokens=3, generated=3, ttft_s=0.5, e2e_s=1.5)  # TPOT 0.5
     got = server_ttft_tpot_means(m.render().decode())
     assert got == {"ttft": (0.75, 2.0), "tpot": (0.75, 2.0)}
+    m.finished(reason="stop", prompt_tokens=3, generated=2, ttft_s=0.125, e2e_s=0.375)  # TPOT 0.25
+    later = server_ttft_tpot_means(m.render().decode())
+    assert histogram_mean(got, later, "ttft") == 0.125 and histogram_mean(got, later, "tpot") == 0.25
+    assert histogram_mean(later, later, "ttft") is None  # nothing observed between the two reads
 
 
 def test_serve_refuses_a_port_in_use_before_any_rank():

@@ -190,3 +190,10 @@ def server_ttft_tpot_means(text: str) -> dict:
         got = [re.search(rf"^modelcarve_{name}_{part}\{{[^}}]*\}} (\S+)$", text, re.M) for part in ("sum", "count")]
         out[key] = tuple(float(g.group(1)) if g else 0.0 for g in got)
     return out
+
+
+def histogram_mean(before: dict, after: dict, key: str) -> float | None:
+    """The server's mean of histogram ``key`` ("ttft" or "tpot") over the observations between two
+    ``server_ttft_tpot_means`` reads; None when none was made between them."""
+    (s0, c0), (s1, c1) = before[key], after[key]
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else None

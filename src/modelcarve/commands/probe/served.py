@@ -119,7 +119,7 @@ class _Served:
             self.proc.join()
         self.proc = None
 
-    def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float], float]:
+    def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float], float | None]:
         """(TTFT, TPOT) seconds per request and the pass's HTTP share, as ``bench-serve``'s client sees
         them: its own request code (serve/bench.py ``run_bench``, httpx's async client, streaming),
         one request at a time, ``SERVED_PROMPT`` random prompt tokens (a seed of their own each pass:
@@ -135,7 +135,7 @@ class _Served:
         import httpx
 
         from modelcarve.serve.bench import BenchConfig, run_bench
-        from modelcarve.serve.metrics import server_ttft_tpot_means
+        from modelcarve.serve.metrics import histogram_mean, server_ttft_tpot_means
         from modelcarve.spec.errors import ModelcarveError
 
         def metrics() -> dict:
@@ -160,9 +160,8 @@ class _Served:
             raise ModelcarveError("hardware --probe: the probe model's server streamed no tokens")
         ttft = [r.ttft_s for r in results]
         tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1) for r in results]
-        (s0, c0), (s1, c1) = marks["before"]["ttft"], after["ttft"]
-        http = statistics.mean(ttft) - (s1 - s0) / (c1 - c0) if c1 > c0 else float("nan")
-        return ttft, tpot, http
+        server = histogram_mean(marks["before"], after, "ttft")
+        return ttft, tpot, None if server is None else statistics.mean(ttft) - server
 
 
 def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dict:
@@ -208,7 +207,7 @@ def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dic
     (f1, t1), (f2, t2) = best[1, 0], best[1, 1]
     fit = overhead_from_steps(t1, t2, l1, l2)
     # the HTTP share of every tp=1 pass (both models: the path outside the server does not depend on it)
-    shares = [h for k in range(len(models)) for h in pooled[1, k][2] if h == h]
+    shares = [h for k in range(len(models)) for h in pooled[1, k][2] if h is not None]
     fit.update(request_overhead_s=max(f1 - t1, 1e-6), ttft_s={str(l1): f1, str(l2): f2},
                http_s=statistics.mean(shares) if shares else None, http_passes_s=shares)
     if tp_ranks >= 2:
