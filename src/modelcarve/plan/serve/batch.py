@@ -163,15 +163,15 @@ def sustained_batch(c, max_b: int, rate_per_replica: float) -> tuple[int, float,
     return hi, capacity, at_hi
 
 
-def _interpolated(c, n: float, max_b: int) -> tuple:
-    """``_rates`` at a fractional batch ``n`` (1 <= n <= max_b): linear between the whole batches
-    around it, element by element (round, TPOT, TTFT, tokens/s)."""
+def _interpolated(rates, n: float, max_b: int) -> tuple:
+    """``rates(b)`` (``_rates`` at a whole batch) at a fractional batch ``n`` (1 <= n <= max_b): linear
+    between the whole batches around it, element by element (round, TPOT, TTFT, tokens/s)."""
     k = int(n)
-    lo = _rates(c, k)
+    lo = rates(k)
     f = n - k
     if f <= 0.0 or k >= max_b:
         return lo
-    hi = _rates(c, k + 1)
+    hi = rates(k + 1)
     return tuple(a + f * (b - a) for a, b in zip(lo, hi))
 
 
@@ -196,11 +196,18 @@ def at_rate(c, max_b: int, rate_per_replica: float) -> tuple[int, float, tuple, 
     if rate_per_replica >= capacity or max_b == 1:
         return batch, capacity, at, float(batch)
     own_prefill = c.input_len * c.prefill_token_s
+    whole = {batch: at}  # _rates by whole batch: the iterations keep landing between the same two
+
+    def rates(b: int) -> tuple:
+        got = whole.get(b)
+        if got is None:
+            got = whole[b] = _rates(c, b)
+        return got
+
     n = float(batch)
     for _ in range(50):
-        rates = _interpolated(c, n, max_b)
-        nxt = min(float(max_b), 1.0 + rate_per_replica * (c.output_len * rates[1] + own_prefill))
+        nxt = min(float(max_b), 1.0 + rate_per_replica * (c.output_len * _interpolated(rates, n, max_b)[1] + own_prefill))
         if abs(nxt - n) < 1e-9:
             break
         n = nxt
-    return batch, capacity, _interpolated(c, n, max_b), n
+    return batch, capacity, _interpolated(rates, n, max_b), n
