@@ -37,6 +37,18 @@ def save_hf(config_cls: str, model_cls: str, path, *, std: float = 0.2, seed: in
     return model
 
 
+GPT2 = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96, bos_token_id=0, eos_token_id=0)
+"""A tiny gpt2: learned positions, LayerNorm, GELU MLP, biases everywhere."""
+
+
+def save_biased(root) -> None:
+    """The two tiny checkpoints with biases the against-plan tests share: ``root/gpt2`` (``GPT2``) and
+    ``root/llama`` (attention and MLP biases, untied embeddings)."""
+    save_hf("GPT2Config", "GPT2LMHeadModel", root / "gpt2", base=GPT2)
+    save_hf("LlamaConfig", "LlamaForCausalLM", root / "llama", attention_bias=True, mlp_bias=True,
+            tie_word_embeddings=False)
+
+
 def logits_diff(ours, hf, ids: torch.Tensor) -> float:
     with torch.no_grad():
         return (ours(ids) - hf(ids).logits).abs().max().item()

@@ -37,7 +37,6 @@ from verify_checks import against_plan_worker, assert_every_row_judged  # noqa: 
 
 FP32 = "seq=16,mbs=1,param_dtype=fp32"
 BF16 = "seq=16,mbs=1,param_dtype=bf16"
-GPT2 = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96, bos_token_id=0, eos_token_id=0)
 CASES = [
     ("gpt2", f"dp=2,gbs=4,recompute=full,{FP32}"),  # the dp all-reduce; LayerNorm re-saved with the block
     ("gpt2", f"dp=2,zero=1,gbs=4,{FP32}"),  # ZeRO's flat buffer with the position table and LayerNorm biases
@@ -52,12 +51,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def bias_reports(tmp_path_factory):
-    from hf_tiny import save_hf
+    from hf_tiny import save_biased
 
     root = tmp_path_factory.mktemp("bias")
-    save_hf("GPT2Config", "GPT2LMHeadModel", root / "gpt2", base=GPT2)
-    save_hf("LlamaConfig", "LlamaForCausalLM", root / "llama", attention_bias=True, mlp_bias=True,
-            tie_word_embeddings=False)
+    save_biased(root)
     jobs = [(str(root / model), layout) for model, layout in CASES]
     return run_distributed(against_plan_worker, 2, jobs, timeout=600)[0]
 

@@ -100,7 +100,6 @@ def test_fsdp_units_by_hand():
     assert fsdp_units(spec, one_f_one_b, 0, 2)[0][2] == 5
 
 
-GPT2 = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=96, bos_token_id=0, eos_token_id=0)
 BIAS_CASES = [("gpt2", f"{ZB},gbs=4,{FP32}"), ("gpt2", f"{ZB},gbs=4,recompute=selective,{FP32}"),
               ("llama", f"{ZB},gbs=4,{FP32}"), ("llama", f"{ZB},gbs=4,recompute=full,{FP32}"),
               ("llama", f"{ZB},gbs=4,recompute=selective,{FP32}")]
@@ -109,12 +108,10 @@ BIAS_ACTIVATIONS = [(99_712, 194_436), (91_008, 181_380), (144_384, 300_932), (7
 
 @pytest.fixture(scope="module")
 def bias_reports(tmp_path_factory):
-    from hf_tiny import save_hf
+    from hf_tiny import save_biased
 
     root = tmp_path_factory.mktemp("zb_bias")
-    save_hf("GPT2Config", "GPT2LMHeadModel", root / "gpt2", base=GPT2)
-    save_hf("LlamaConfig", "LlamaForCausalLM", root / "llama", attention_bias=True, mlp_bias=True,
-            tie_word_embeddings=False)
+    save_biased(root)
     return run_distributed(against_plan_worker, 2, [(str(root / m), c) for m, c in BIAS_CASES], timeout=600)[0]
 
 
