@@ -116,10 +116,6 @@ def _packed_cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
-    return packed_linear(x, packed, bias)
-
-
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """runtime.model.transformer.RMSNorm.forward on [T, H] in one kernel (bit-equal to it here: fp32
     statistics, ``x * rsqrt(mean(x^2) + eps)`` rounded to the input dtype, then times the weight)."""
@@ -190,7 +186,7 @@ class FusedBlock:
         cos, sin = rope                                     # [T, d] each
         t = h.shape[1]
         x = h.view(t, -1)
-        qkv = _linear(_rms(x, self.attn_norm, self.attn_eps), *self.qkv)   # [T, (heads + 2 kv) d]
+        qkv = packed_linear(_rms(x, self.attn_norm, self.attn_eps), *self.qkv)   # [T, (heads + 2 kv) d]
         qk = qkv[:, :self.q_cols + self.k_cols].view(t, -1, self.d)
         half = self.d // 2
         rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -199,7 +195,7 @@ class FusedBlock:
         v = qkv[:, self.q_cols + self.k_cols:].view(t, -1, self.d)
         out = self.paged.packed(q, k, v)                    # [T, heads * d]
         x = x + _project(out, *self.wo)
-        gu = _linear(_rms(x, self.ffn_norm, self.ffn_eps), *self.w13)
+        gu = packed_linear(_rms(x, self.ffn_norm, self.ffn_eps), *self.w13)
         x = x + _project(self.act(gu[:, :self.ffn_size]) * gu[:, self.ffn_size:], *self.w2)
         return x.view(1, t, -1)
 
@@ -208,8 +204,8 @@ def _project(x: torch.Tensor, packed: torch.Tensor, bias, group) -> torch.Tensor
     """An output projection: the packed GEMM, then (TP) the sum over the group's ranks, as
     ``RowParallelLinear`` does (``leave_region``), then the whole bias."""
     if group is None:
-        return _linear(x, packed, bias)
-    return _reduced(_linear(x, packed, None), group, False, bias)
+        return packed_linear(x, packed, bias)
+    return _reduced(packed_linear(x, packed, None), group, False, bias)
 
 
 def _reduced(y: torch.Tensor, group, sp: bool, bias) -> torch.Tensor:
