@@ -11,7 +11,7 @@ sees there: itself plus, on average, the others in flight beside it (a fractiona
 
 from __future__ import annotations
 
-from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope, round_s as _round_s, walk_s
+from modelcarve.plan.serve.time import _ensure_prefill, _rates, _step_slope, prefill_overlap, round_s as _round_s, walk_s
 
 _INF = float("inf")
 
@@ -41,7 +41,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     prefill = c.prefill_s
     drain = c.input_len * c.prefill_token_s  # prefill seconds one sequence adds, before sharing
     out = c.output_len
-    per_pp = drain / pp / out  # a sequence's prefill share of each token once pp micro-batches run
+    per_pp = drain / pp / out  # a sequence's least prefill share of each token (prefill_overlap <= pp)
     if prefill > ttft_bound:  # even one sequence alone misses the TTFT bound
         round_s = _round_s(c, 1)
         return 1, (round_s, round_s, prefill, 1 / (round_s + drain / 1 / out))
@@ -50,7 +50,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     step, slope, other, other_slope, grows = _step_slope(c, top)
     walk = walk_s(c) if pp > 1 else 0.0  # no round beats one walk through the stages (time.round_s)
     round_s = (pp * step if pp * step > walk else walk) + c.step_s if max_b >= pp else _round_s(c, max_b)
-    per_seq = drain / (pp if pp < max_b else max_b) / out
+    per_seq = drain / prefill_overlap(pp if pp < max_b else max_b, max_b, out) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
     lo_round = 0.0
@@ -60,7 +60,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     tpot_over, ttft_over = tpot_bound * (1 + 1e-12), ttft_bound * (1 + 1e-12)
     while True:
         b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
-        per_seq = drain / (pp if pp < b else b) / out
+        per_seq = drain / prefill_overlap(pp if pp < b else b, b, out) / out
         tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
         if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
             lo, lo_round = q, round_s
@@ -111,16 +111,17 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     b_lo, b_hi = (1 if lo == 1 else (lo - 1) * pp + 1), min(lo * pp, max_b)
     while b_lo < b_hi:
         mid = (b_lo + b_hi + 1) // 2
-        per_seq = drain / (pp if pp < mid else mid) / out
-        # band 1 below pp sequences: the round grows with the batch (time.round_s), not shared
-        r = _round_s(c, mid) if lo == 1 and mid < pp else round_s
+        per_seq = drain / prefill_overlap(pp if pp < mid else mid, mid, out) / out
+        # band 1 (one sequence a micro-batch): the round grows with the batch up to pp sequences
+        # (time.round_s: pp steps of the fullest stage may exceed the walk), not shared
+        r = _round_s(c, mid) if lo == 1 else round_s
         if tpot_bound - (r + (mid - 1) * per_seq) >= 0 and ttft_bound - (prefill + r) >= 0:
             b_lo = mid
         else:
             b_hi = mid - 1
-    if lo == 1 and b_lo < pp:
+    if lo == 1:
         round_s = _round_s(c, b_lo)
-    per_seq = drain / (pp if pp < b_lo else b_lo) / out
+    per_seq = drain / prefill_overlap(pp if pp < b_lo else b_lo, b_lo, out) / out
     ttft = prefill + (round_s if b_lo > 1 else 0.0)
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
 
@@ -138,7 +139,7 @@ def sustained_batch(c, max_b: int, rate_per_replica: float) -> tuple[int, float,
     ``output_len`` decode rounds plus the prefills interleaved with them (TPOT x output_len) plus
     its own prefill share: exactly ``b`` over the replica's requests/s at ``b``, ``T(b) = b /
     cap(b)`` (``_rates``: ``cap(b) = b / (output_len x round(b) + b x input_len x prefill s per
-    token / micro-batches)``). So ``N = rate x T(N)`` holds where ``cap(N) = rate``; whole
+    token / prefill_overlap)``). So ``N = rate x T(N)`` holds where ``cap(N) = rate``; whole
     sequences: the smallest ``b`` with ``cap(b) >= rate`` (bisection; the capacity grows with the
     batch, as ``_largest_batch`` assumes of the bounds' slack). The queue wait in front of the
     replica (plan/serve/queue.py, M/D/1 at the capacity) is the caller's to add to TTFT."""
