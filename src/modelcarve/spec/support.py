@@ -147,6 +147,21 @@ def held_param_dtype(layout: "Layout") -> str:
     return "fp32"
 
 
+def fsdp_reshards_after_forward(pp: int, schedule: str) -> bool:
+    """Whether FSDP2 (zero=3) reshards a decoder layer after its forward under a pipeline of ``pp``
+    ranks running ``schedule``: the one rule the runtime (parallel/data_parallel.py passes it as
+    ``reshard_after_forward``), the per-op predictor (plan/predict/step_traffic.py ``fsdp_units``) and
+    the full-scale planner (plan/train/states.py) follow.
+
+    False under the zero-bubble schedule with a pipeline: torch's input step I
+    (``stage_backward_input``) lists the stage's parameters before its backward unshards them, so a
+    layer resharded after its forward would be left out of the deferred weight step W. The layers
+    therefore stay gathered from their first forward to the step's gradient reduction: one
+    all-gather a step per unit instead of one per micro-batch pass, and the stage's layers held
+    unsharded for the whole step. True otherwise (FSDP2's default)."""
+    return not (pp > 1 and schedule == "zero-bubble")
+
+
 def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
     """What the training runtime does not execute of a layout ``Layout.validate`` accepts."""
     problems = []

@@ -97,7 +97,7 @@ from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
 from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.stages import rank_layers, rank_stage_ids, stage_counts
-from modelcarve.spec.support import held_param_dtype
+from modelcarve.spec.support import fsdp_reshards_after_forward, held_param_dtype
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -395,7 +395,7 @@ def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[
     out = []
     for stage in rank_stage_ids(p, v, coords(layout, rank)["pp"]):
         root = sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES
-        if layout.schedule == "zero-bubble":  # the layers are not resharded after forward: one gather a step
+        if not fsdp_reshards_after_forward(p, layout.schedule):  # the layers stay gathered: one gather a step
             out.append((root, counts[stage], 1, 1, 1))
             continue
         acts = [kind for kind, st, _mb in order if st == stage]

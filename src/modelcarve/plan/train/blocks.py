@@ -37,9 +37,9 @@ def _settings(cost: TrainCostModel, goal, model, cluster, zeros: list, zl: list,
     for i, ((zero, shard), (statics, family)) in enumerate(zip(zeros, zl)):
         static = statics.get(vj)
         if static is None:
-            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v)
+            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v, vj[2])
             static = statics[vj] = (floor,) + cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32",
-                                                             "fp32")
+                                                             "fp32", vj[2])
         if not family:  # family() reads tp, cp, pp, ep, zero and etp only
             family.append(goal.family(model, cluster, tuple.__new__(
                 Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, "fp32", "fp32", etp,

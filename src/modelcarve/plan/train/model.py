@@ -34,7 +34,9 @@ What a step costs (per device; see the helpers' docstrings for each formula)
 * DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1; ZeRO-2
   keeps only its gradient shard, so it reduce-scatters after every micro-batch), or
   per-micro-batch parameter all-gathers and gradient reduce-scatters (ZeRO-3/FSDP; HSDP adds an
-  all-reduce across replicas); gradient reduction hides behind the last micro-batch's backward,
+  all-reduce across replicas; under zero-bubble with a pipeline FSDP keeps the layers gathered for
+  the step, as the runtime runs it: one all-gather and one reduce-scatter a step per unit, the
+  stage's layers held unsharded, ``holds_layers``); gradient reduction hides behind the last micro-batch's backward,
   the parameter all-gather behind the first forward (when ``overlap_grad_reduce`` /
   ``overlap_param_gather``), ZeRO-3 traffic behind each micro-batch's compute.
 * Bubble by schedule (plan/cost/schedule.py); the optimiser step streams its state through HBM.
@@ -64,6 +66,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     RESERVED_BYTES,
     dp_traffic,
     fp8_cache_bytes,
+    held_layer_bytes,
     model_state_bytes_per_param,
     optimizer_bytes_per_param,
     reserved_bytes,
@@ -74,6 +77,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
 from modelcarve.spec.stages import rank_holdings, stage_kind
+from modelcarve.spec.support import fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -292,13 +296,20 @@ class TrainCostModel(ProfileMixin):
         return sid
 
     def stage_states(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
-                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1) -> list[float]:
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1, held: bool = False) -> list[float]:
         """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers, + FP8 weight caches)
         per stage kind, bytes, in ``stage_params`` order; independent of micro-batching, so
-        cached per mesh and ZeRO."""
+        cached per mesh and ZeRO. ``held``: the schedule keeps FSDP's layers gathered for the
+        step (``holds_layers``); ZeRO-3 then adds each stage's ``held_layer_bytes``."""
         etp = etp or tp
-        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+        held = held and zero == 3
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v, held)
         states = self._states.get(key)
+        if held and states is None:
+            states = self._states[key] = [
+                st + held_layer_bytes(self, row, tp, ep, etp, p_dt, g_dt) for st, row in zip(
+                    self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v),
+                    self.stage_params(tp, pp, ep, etp, v))]
         if states is None:
             per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
             n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
@@ -320,14 +331,16 @@ class TrainCostModel(ProfileMixin):
         return shard * cp, max(1, shard * cp * tp // (etp * ep))
 
     def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
-                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1) -> float:
-        """Model states of the fullest stage plus the runtime reserve: no schedule or micro-batch
-        can bring a layout below this."""
+                     p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1, held: bool = False) -> float:
+        """Model states of the fullest stage plus the runtime reserve: no micro-batching, nor any
+        schedule that keeps FSDP's layers gathered as ``held`` says (``holds_layers``), can bring a
+        layout below this."""
         etp = etp or tp
-        key = (tp, cp, pp, dp, ep, zero, dp_shard, v, p_dt, g_dt, o_dt, etp)  # candidate order (the hot path's slice)
+        held = held and zero == 3
+        key = (tp, cp, pp, dp, ep, zero, dp_shard, v, p_dt, g_dt, o_dt, etp, held)  # the hot path's slice + held
         floor = self._floors.get(key)
         if floor is None:
-            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v, held)
             edp = max(1, tp * cp * dp // (etp * ep))
             floor = self._floors[key] = reserved_bytes(tp, cp, pp, dp, ep, edp if ep > 1 else 1) + max(states)
         return floor
@@ -337,8 +350,9 @@ class TrainCostModel(ProfileMixin):
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         pk = prof["key"]
+        held = self.holds_layers(cand.zero, cand.pp, cand.schedule)
         states, top_states, reserved, bucket = self.dp_static(pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard,
-                                                              cand.param_dtype, cand.grad_dtype, cand.optim_dtype)
+                                                              cand.param_dtype, cand.grad_dtype, cand.optim_dtype, held)
         buffers = prof["buffers"] + bucket
         base = buffers * self._growth + reserved
         return {
@@ -348,18 +362,28 @@ class TrainCostModel(ProfileMixin):
             "base_bytes": base,
             "floor_bytes": top_states + base,
             "exposed_s": None,
+            "held": held,
         }
 
+    @staticmethod
+    def holds_layers(zero: int, pp: int, schedule: str) -> bool:
+        """ZeRO-3 whose schedule keeps the layers gathered for the whole step (spec/support.py
+        ``fsdp_reshards_after_forward`` False: zero-bubble with a pipeline, as the runtime runs it):
+        the stage's layers held unsharded (``held_layer_bytes``), one all-gather and one
+        reduce-scatter a step per unit (``_dp_comm``)."""
+        return zero == 3 and not fsdp_reshards_after_forward(pp, schedule)
+
     def dp_static(self, mesh: tuple, etp: int, v: int, zero: int, dp_shard: int, p_dt: str, g_dt: str,
-                  o_dt: str) -> tuple:
+                  o_dt: str, held: bool = False) -> tuple:
         """The part of a DP entry (``_dp_entry``) that depends on the mesh ``(tp, cp, pp, dp, ep)``,
         ZeRO and dtypes only, not the micro-batching: (states per stage, the largest, the
         runtime reserve, the gradient buckets); buffers and floor are ``_dp_entry``'s sums of these."""
-        skey = (mesh, etp, v, zero, dp_shard, p_dt, g_dt, o_dt)
+        held = held and zero == 3
+        skey = (mesh, etp, v, zero, dp_shard, p_dt, g_dt, o_dt, held)
         static = self._dp_static.get(skey)
         if static is None:
             tp, cp, pp, dp, ep = mesh
-            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v)
+            states = self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v, held)
             reserved = reserved_bytes(tp, cp, pp, dp, ep, max(1, tp * cp * dp // (etp * ep)) if ep > 1 else 1)
             static = self._dp_static[skey] = (states, max(states), reserved, DP_BUCKET_BYTES if dp * cp > 1 else 0.0)
         return static
@@ -376,11 +400,16 @@ class TrainCostModel(ProfileMixin):
         v, etp = cand.virtual_stages, cand.etp
         nls, n_moe = rank_holdings(self.model.num_layers, pp, v, self.moe_set)[pp_rank]
         row = stage_row(self, stage_kind(pp_rank, pp), pp_rank, nls, n_moe, tp, pp, ep, etp)
-        st = {"params_dense": row[3], "params_expert": row[4], "layer_params": row[5], "linear_params": row[6]}
+        st = {"params_dense": row[3], "params_expert": row[4], "layer_params": row[5], "linear_params": row[6],
+              "layers": nls, "moe_layers": n_moe}
         return self._parts(st, cand, tp, cp, pp, dp, ep, etp)
 
-    def _parts(self, st: dict, cand: Candidate, tp: int, cp: int, _pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
+    def _parts(self, st: dict, cand: Candidate, tp: int, cp: int, pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
         zero, dp_shard = cand.zero, cand.dp_shard
+        held = 0.0
+        if self.holds_layers(zero, pp, cand.schedule):  # the stage's layers gathered for the step
+            row = (None, None, st["moe_layers"], None, None, st["layer_params"], None, st["layers"])
+            held = held_layer_bytes(self, row, tp, ep, etp, cand.param_dtype, cand.grad_dtype)
         pb, gb = weight_bytes(cand.param_dtype), DTYPE_BYTES[cand.grad_dtype]
         ob = optimizer_bytes_per_param(cand.param_dtype, cand.optim_dtype)
         n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
@@ -391,7 +420,7 @@ class TrainCostModel(ProfileMixin):
             "weights": pb * (full if zero < 3 else local),
             "gradients": gb * (full if zero < 2 else local),
             "optimizer_states": ob * (full if zero == 0 else local),
-            "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] if zero == 3 else 0.0,
+            "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] + held if zero == 3 else 0.0,
             "fp8_weight_cache": cache * (st["linear_params"] if zero < 3 else st["layer_params"]),
         }
 
@@ -403,7 +432,14 @@ class TrainCostModel(ProfileMixin):
         r = dp_traffic(self, prof, cand)
         win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
         win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
-        if cand.zero == 3:
+        if d["held"]:
+            # the layers stay gathered from their first forward (each gather behind that forward, the
+            # first layer's exposed) to one reduce-scatter each after the last backward
+            exposed = (max(0.0, r["gather_s"] - slow["fwd_s"]) + r["first_gather_s"]
+                       + max(0.0, r["reduce_s"] - slow["bwd_s"]) + max(0.0, r["replica_s"] - win_b))
+            total = r["gather_s"] + r["reduce_s"] + r["replica_s"]
+            nbytes, nic = r["held_bytes"] + r["step_bytes"], r["held_nic"] + r["step_nic"]
+        elif cand.zero == 3:
             per_mb = r["per_mb_s"]
             # the first layer's gather cannot be prefetched; the rest hides behind the micro-batch's compute
             exposed = n_mb * (max(0.0, per_mb - (slow["fwd_s"] + slow["bwd_s"])) + r["first_gather_s"])
@@ -480,10 +516,11 @@ class TrainCostModel(ProfileMixin):
         # unpacked once: this is the search's hot path (slices of the tuple key the caches below)
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
         etp = cand.etp
+        held = zero == 3 and not fsdp_reshards_after_forward(pp, schedule)  # holds_layers, inlined
         if not detail:
-            floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16])
+            floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16] + (held,))
             if floor is None:
-                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], v)
+                floor = self.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, *cand[12:16], v, held)
             if floor > self.capacity:
                 # hopeless whatever the micro-batching; rank such layouts by how close they come to fitting
                 return -floor, STATES_DO_NOT_FIT, None
@@ -497,7 +534,7 @@ class TrainCostModel(ProfileMixin):
             prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp, v)
             self._last_pkey, self._last_prof, self._last_dtype, self._last_etp = pkey, prof, dtype, etp
             self._last_v = v
-        dkey = (zero, dp_shard) + cand[12:]
+        dkey = (zero, dp_shard, held) + cand[12:]
         d = prof["dp"].get(dkey)
         if d is None:
             d = prof["dp"][dkey] = self._dp_entry(prof, cand)

@@ -89,7 +89,7 @@ def build_report(cost: "TrainCost", cand: "Candidate", prof: dict, d: dict, *, p
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
     if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, cand.param_dtype, cand.grad_dtype,
-                                               cand.optim_dtype, etp, v) > cost.capacity:
+                                      cand.optim_dtype, etp, v, cost.holds_layers(zero, pp, schedule)) > cost.capacity:
         # the stage with the most model state (not necessarily the one with the highest peak)
         fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
                               key=lambda kv: kv[1])
@@ -185,6 +185,24 @@ def link_words(name: str) -> str:
     return f"{words.get(kind, kind)} {rest.upper()}".strip() if kind in words else name
 
 
+def _gather_rule(lay: "Layout") -> str:
+    """The rule of the ``zero3_gather_buffers`` part (``memory_sources``)."""
+    from modelcarve.spec.support import fsdp_reshards_after_forward
+
+    if lay.zero != 3:
+        return f"none: ZeRO-{lay.zero} keeps whole parameters, nothing to gather"
+    if not fsdp_reshards_after_forward(lay.pp, lay.schedule):
+        return ("ZeRO-3 / FSDP2 under the zero-bubble schedule: every decoder layer of the stage held gathered (param "
+                "bytes) from its first forward, and its unsharded gradient from its first backward, to the step's one "
+                "reduce-scatter (reshard_after_forward=False, spec/support.py fsdp_reshards_after_forward: torch's "
+                "input step I lists the stage's parameters before its backward unshards them, so a resharded layer "
+                "would miss the weight step W; torch's pipeline stage syncs FSDP's gradients after the last backward "
+                "only); never less than the two-layer window")
+    return ("ZeRO-3 / FSDP2: one layer's parameters gathered and the next prefetched (2 x param bytes) plus its "
+            "unsharded gradient before the reduce-scatter (FSDP2's default forward prefetch of one unit, "
+            "reshard_after_forward)")
+
+
 def memory_sources(result: dict, options) -> dict[str, str]:
     """For each part of ``result``'s memory breakdown (an estimate of one layout), the rule that sized
     it and where the rule comes from, in words (``estimate`` prints them beside the bytes). ``options``:
@@ -213,9 +231,7 @@ def memory_sources(result: dict, options) -> dict[str, str]:
         "optimizer_states": f"Adam: two {lay.optim_dtype} moments + a {lay.optim_dtype} master copy when it differs from the "
                             f"parameters (12 B a parameter for bf16, Rajbhandari et al. 2020 K=12)"
                             + (", over the dp x cp shard (Megatron's distributed optimizer / ZeRO-1+)" if zero >= 1 else ""),
-        "zero3_gather_buffers": "ZeRO-3 / FSDP2: one layer's parameters gathered and the next prefetched (2 x param bytes) "
-                                "plus its unsharded gradient before the reduce-scatter (FSDP2's default forward prefetch of "
-                                "one unit, reshard_after_forward)" if zero == 3 else f"none: ZeRO-{zero} keeps whole parameters, nothing to gather",
+        "zero3_gather_buffers": _gather_rule(lay),
         "fp8_weight_cache": "Transformer Engine's FP8 row- and column-wise copies of each linear weight for the step "
                             "(2 B a linear parameter, MX scales +1/32)" if p_dt in ("fp8", "mxfp8") else f"none: {p_dt} GEMMs keep no FP8 weight copies",
         "activations": f"saved tensors per layer (plan/cost/activations.py: Korthikanti et al. 2022 Sec. 4 extended to "

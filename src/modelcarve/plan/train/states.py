@@ -128,7 +128,8 @@ def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", gr
 
 def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     """Data-parallel collectives of the stage with the most parameters: seconds and bytes
-    (per step, or per micro-batch for ZeRO-3). Depends only on the mesh, ZeRO and dtypes, so
+    (per step, or per micro-batch for ZeRO-3; ZeRO-3 with its layers kept gathered for the step:
+    ``gather_s``, ``reduce_s`` and ``held_bytes`` once a step). Depends only on the mesh, ZeRO and dtypes, so
     it is shared by every micro-batch size and recomputation mode. The cache key holds the
     fullest stage's parameters and layers too: virtual-stage counts that split the layers
     differently give another fullest stage, so the answer never depends on which was priced first."""
@@ -185,6 +186,14 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
         b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
         b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
         r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
+        # layers kept gathered for the step (zero-bubble: spec/support.py fsdp_reshards_after_forward):
+        # each unit all-gathered once and reduce-scattered once a step, layer by layer
+        r["gather_s"] = nl * (comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.all_gather_s(pb * pe / nl, se_n, se_t))
+        r["reduce_s"] = nl * (comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
+                              + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t))
+        h1 = comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
+        h2 = comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+        r["held_bytes"], r["held_nic"] = h1 + h2, comm.nic_bytes(h1, sd_t) + comm.nic_bytes(h2, se_t)
         replicas = dp // shard
         if replicas > 1:
             rep_t = cost.tier(replicas, tp * cp * shard)
@@ -213,8 +222,7 @@ def stage_row(cost: "TrainCost", kind: str, index: int, nls: int, n_moe: int, tp
     head when last / only)."""
     m = cost.model
     n_dense = nls - n_moe
-    layer_split = n_dense * cost.dense_split + n_moe * cost.moe_split
-    layer_rep = n_dense * cost.layer_rep + n_moe * cost.moe_rep
+    layer_split, layer_rep, params_exp = _layer_sums(cost, nls, n_moe, ep, etp)
     params_dense = layer_split / tp + layer_rep
     linear = layer_split / tp  # weights of the layers' GEMMs (what FP8 caches quantised)
     if kind in ("first", "only"):
@@ -223,6 +231,26 @@ def stage_row(cost: "TrainCost", kind: str, index: int, nls: int, n_moe: int, tp
         params_dense += cost.final_norm
         if not m.tied_embeddings or pp > 1:
             params_dense += cost.vocab_h / tp
-    params_exp = n_moe * cost.moe_experts / (ep * etp)
     layer = (cost.dense_split if n_dense else cost.moe_split) / tp + ((cost.moe_experts / (ep * etp)) if n_moe else 0.0)
     return (kind, index, n_moe, params_dense, params_exp, layer, linear + params_exp, nls)
+
+
+def _layer_sums(cost: "TrainCost", nls: int, n_moe: int, ep: int, etp: int) -> tuple[float, float, float]:
+    """Of ``nls`` decoder layers, ``n_moe`` of them MoE: (parameters TP splits, before the split;
+    parameters replicated over TP; expert parameters of one device)."""
+    n_dense = nls - n_moe
+    return (n_dense * cost.dense_split + n_moe * cost.moe_split, n_dense * cost.layer_rep + n_moe * cost.moe_rep,
+            n_moe * cost.moe_experts / (ep * etp))
+
+
+def held_layer_bytes(cost: "TrainCost", row: tuple, tp: int, ep: int, etp: int, p_dt: str, g_dt: str) -> float:
+    """Bytes ZeRO-3 holds beyond its two-unit window on a stage (``stage_row``'s ``row``) whose
+    schedule keeps FSDP's layers gathered for the step (spec/support.py
+    ``fsdp_reshards_after_forward`` False: zero-bubble with a pipeline): every decoder layer of the
+    stage gathered (``weight_bytes(p_dt)``) and its unsharded gradient (``g_dt``: torch's pipeline
+    stage turns FSDP's gradient sync off for every backward and reduce-scatters once, after the last:
+    ``perform_reduce_grad``), less what ``state_factors``' gather term already counts for one layer
+    (two gathered, one gradient); never below it (a one-layer stage holds what the window holds)."""
+    split, rep, exp = _layer_sums(cost, row[7], row[2], ep, etp)
+    pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
+    return max(0.0, (pb + gb) * (split / tp + rep + exp) - (2.0 * pb + gb) * row[5])

@@ -37,7 +37,7 @@ from modelcarve.runtime.parallel.grad_buckets import GradBuckets, plan_buckets
 from modelcarve.runtime.distributed.mesh import axis_group, merged_mesh
 from modelcarve.runtime.distributed.shards import grad_groups_of, partial_grads_of, shards_of, tied_copy_names
 from modelcarve.runtime.parallel.zero_optimizer import ShardedAdamW
-from modelcarve.spec.support import held_param_dtype
+from modelcarve.spec.support import fsdp_reshards_after_forward, held_param_dtype
 
 
 def _dp_mesh(mesh, layout):
@@ -59,15 +59,14 @@ def apply_data_parallel(chunks: list[nn.Module], mesh, layout) -> None:
 
     dp_mesh = _dp_mesh(mesh, layout)
     # zero-bubble: the layers stay unsharded from their first forward to the step's gradient reduction
-    # (torch's stage_backward_input lists the stage's parameters before its backward unshards them, so a
-    # layer resharded after its forward would leave its weights out of the deferred weight step W)
-    keep = layout.pp > 1 and layout.schedule == "zero-bubble"
+    # (spec/support.py's fsdp_reshards_after_forward says why; the planner prices the same rule)
+    reshard = fsdp_reshards_after_forward(layout.pp, layout.schedule)
     for chunk in chunks:
         expert_mesh = chunk.__dict__.get("_mc_expert_mesh")  # expert.py: EP-split experts shard over expert-dp only
         for block in chunk.layers.values():
             if expert_mesh is not None and hasattr(block.feed_forward, "experts"):
-                fully_shard(block.feed_forward.experts, mesh=expert_mesh, reshard_after_forward=not keep)
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=not keep)
+                fully_shard(block.feed_forward.experts, mesh=expert_mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(chunk, mesh=dp_mesh)
         for mod in chunk.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
