@@ -162,6 +162,41 @@ def fsdp_reshards_after_forward(pp: int, schedule: str) -> bool:
     return not (pp > 1 and schedule == "zero-bubble")
 
 
+def fsdp_holds_gradients(pp: int) -> bool:
+    """Whether FSDP2 (zero=3) holds the unsharded gradients of a stage's units, and leaves each
+    unit gathered after its backward, until the step's end, under a pipeline of ``pp`` ranks: the
+    rule the per-op predictor (plan/predict/step_traffic.py ``fsdp_units``) and the full-scale
+    planner (plan/train/model.py ``holds_layers``) follow.
+
+    True for every schedule with a pipeline (gpipe, 1f1b, interleaved-1f1b, zero-bubble): torch's
+    ``PipelineStage.backward_maybe_with_nosync`` calls ``set_requires_gradient_sync(False)`` and
+    ``set_reshard_after_backward(False)`` (recursive) on the stage's FSDP root before every backward,
+    and only ``perform_reduce_grad``, after the stage's last backward (``_add_reduce_grad``; the
+    single-stage schedules call it at the end of ``_step_microbatches``), reduce-scatters and
+    reshards. So the stage's (chunk's) gradients accumulate unsharded to the step's one
+    reduce-scatter per unit, every layer stays gathered from a backward to its next forward (which
+    reshards it, ``fsdp_reshards_after_forward``), and the root unit (embedding, final norm, head:
+    FSDP2's root, never resharded after forward) stays gathered from its first forward to the
+    step's end. False without a pipeline: the trainer's own backward reduce-scatters and reshards
+    every unit each micro-batch."""
+    return pp > 1
+
+
+def fsdp_layer_gathers(pp: int, schedule: str, microbatches: int) -> int:
+    """All-gathers of each FSDP2 decoder layer in one training step of ``microbatches``
+    micro-batches (each chunk's, under an interleaved schedule): a layer is gathered by every
+    forward or backward that finds it sharded. Without a pipeline FSDP2 reshards after every
+    forward and backward: ``2 m``. With one (``fsdp_holds_gradients``) a layer is resharded after
+    each forward only, so each forward and the action after each forward finds it sharded: a chunk's
+    actions start with a forward and end with a backward, so ``m + 1``; under zero-bubble it is not
+    resharded after forward either (``fsdp_reshards_after_forward``): ``1``."""
+    if not fsdp_holds_gradients(pp):
+        return 2 * microbatches
+    if not fsdp_reshards_after_forward(pp, schedule):
+        return 1
+    return microbatches + 1
+
+
 def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
     """What the training runtime does not execute of a layout ``Layout.validate`` accepts."""
     problems = []

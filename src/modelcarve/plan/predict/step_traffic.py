@@ -95,9 +95,8 @@ from modelcarve.plan.predict.activations import (interleaved_activation_bytes, r
                                                  zero_bubble_activation_bytes)
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.spec.ranks import coords, group_along, rank_of
-from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.stages import rank_layers, rank_stage_ids, stage_counts
-from modelcarve.spec.support import fsdp_reshards_after_forward, held_param_dtype
+from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, held_param_dtype
 
 if TYPE_CHECKING:
     from modelcarve.spec.layout import Layout
@@ -377,39 +376,23 @@ def fsdp_units(spec: "ModelSpec", layout: "Layout", rank: int, nl: int) -> list[
     2m gathers per layer, m of the root (FSDP2 keeps the root unsharded from forward to backward),
     m reduce-scatters. Under torch.distributed.pipelining the stage asks FSDP2 to keep the
     parameters unsharded after every backward but the last and to reduce-scatter only after the
-    last; layers still reshard after each forward and the root stays unsharded from its first
-    forward to the last backward. So a layer is gathered by each action of the schedule's order
-    (plan/predict/timeline.py ``action_order``) that finds it sharded, the root once, and every
-    unit is reduce-scattered once per step. Under zero-bubble the runtime does not reshard the layers
-    after forward (runtime/parallel/data_parallel.py: torch's input step I lists the stage's parameters
-    before its backward unshards them, so a resharded layer's weights would miss the weight step W):
-    every unit gathered once a step."""
+    last (spec/support.py ``fsdp_holds_gradients``); layers still reshard after each forward and the
+    root stays unsharded from its first forward to the last backward. So a layer is gathered by each
+    action of the chunk's order that finds it sharded, ``m + 1`` (spec/support.py
+    ``fsdp_layer_gathers``), the root once, and every unit is reduce-scattered once per step. Under
+    zero-bubble the runtime does not reshard the layers after forward (runtime/parallel/data_parallel.py:
+    torch's input step I lists the stage's parameters before its backward unshards them, so a
+    resharded layer's weights would miss the weight step W): every unit gathered once a step."""
     m = layout.num_microbatches
-    if layout.pp == 1:
+    gathers = fsdp_layer_gathers(layout.pp, layout.schedule, m)
+    if not fsdp_holds_gradients(layout.pp):
         root = sum(root_tensors(spec, layout.tp, True, True)) * MASTER_BYTES
-        return [(root, nl, 2 * m, m, m)]
+        return [(root, nl, gathers, m, m)]
     p, v = layout.pp, layout.virtual_stages
     last_stage = p * v - 1
     counts = stage_counts(spec.num_layers, p, v)
-    order = action_order(layout.schedule, p, m, v, coords(layout, rank)["pp"])
-    out = []
-    for stage in rank_stage_ids(p, v, coords(layout, rank)["pp"]):
-        root = sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES
-        if not fsdp_reshards_after_forward(p, layout.schedule):  # the layers stay gathered: one gather a step
-            out.append((root, counts[stage], 1, 1, 1))
-            continue
-        acts = [kind for kind, st, _mb in order if st == stage]
-        backs, sharded, gathers = acts.count("B"), True, 0
-        for kind in acts:
-            if sharded:
-                gathers += 1
-            if kind == "B":
-                backs -= 1
-                sharded = backs == 0  # resharded after the last backward only
-            else:
-                sharded = True  # resharded after every forward
-        out.append((root, counts[stage], gathers, 1, 1))
-    return out
+    return [(sum(root_tensors(spec, layout.tp, stage == 0, stage == last_stage)) * MASTER_BYTES, counts[stage],
+             gathers, 1, 1) for stage in rank_stage_ids(p, v, coords(layout, rank)["pp"])]
 
 
 def shard_groups(layout: "Layout", rank: int, dp_cp: tuple) -> tuple[int, tuple, tuple | None]:

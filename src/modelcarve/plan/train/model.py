@@ -34,9 +34,11 @@ What a step costs (per device; see the helpers' docstrings for each formula)
 * DP: gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1; ZeRO-2
   keeps only its gradient shard, so it reduce-scatters after every micro-batch), or
   per-micro-batch parameter all-gathers and gradient reduce-scatters (ZeRO-3/FSDP; HSDP adds an
-  all-reduce across replicas; under zero-bubble with a pipeline FSDP keeps the layers gathered for
-  the step, as the runtime runs it: one all-gather and one reduce-scatter a step per unit, the
-  stage's layers held unsharded, ``holds_layers``); gradient reduction hides behind the last micro-batch's backward,
+  all-reduce across replicas; with a pipeline, as torch's pipelining runs FSDP under every schedule,
+  the stage's gradients stay unsharded and its layers gathered after each backward until the step's
+  one reduce-scatter per unit, the root unit gathered for the step: ``holds_layers``; each layer
+  gathered ``m + 1`` times a step, once under zero-bubble, spec/support.py ``fsdp_layer_gathers``);
+  gradient reduction hides behind the last micro-batch's backward,
   the parameter all-gather behind the first forward (when ``overlap_grad_reduce`` /
   ``overlap_param_gather``), ZeRO-3 traffic behind each micro-batch's compute.
 * Bubble by schedule (plan/cost/schedule.py); the optimiser step streams its state through HBM.
@@ -77,7 +79,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
 from modelcarve.spec.stages import rank_holdings, stage_kind
-from modelcarve.spec.support import fsdp_reshards_after_forward
+from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -299,8 +301,9 @@ class TrainCostModel(ProfileMixin):
                      p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1, held: bool = False) -> list[float]:
         """Weights + gradients + optimiser states (+ ZeRO-3 gather buffers, + FP8 weight caches)
         per stage kind, bytes, in ``stage_params`` order; independent of micro-batching, so
-        cached per mesh and ZeRO. ``held``: the schedule keeps FSDP's layers gathered for the
-        step (``holds_layers``); ZeRO-3 then adds each stage's ``held_layer_bytes``."""
+        cached per mesh and ZeRO. ``held``: FSDP holds the stage's gradients unsharded and its
+        layers gathered to the step's end (``holds_layers``: any pipeline); ZeRO-3 then adds each
+        stage's ``held_layer_bytes``."""
         etp = etp or tp
         held = held and zero == 3
         key = (tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v, held)
@@ -332,9 +335,9 @@ class TrainCostModel(ProfileMixin):
 
     def states_floor(self, tp: int, cp: int, pp: int, dp: int, ep: int, zero: int, dp_shard: int,
                      p_dt: str, g_dt: str, o_dt: str, etp: int = 0, v: int = 1, held: bool = False) -> float:
-        """Model states of the fullest stage plus the runtime reserve: no micro-batching, nor any
-        schedule that keeps FSDP's layers gathered as ``held`` says (``holds_layers``), can bring a
-        layout below this."""
+        """Model states of the fullest stage plus the runtime reserve: no micro-batching or
+        schedule can bring a layout below this (``held``: ``holds_layers``, which reads the
+        pipeline's size only)."""
         etp = etp or tp
         held = held and zero == 3
         key = (tp, cp, pp, dp, ep, zero, dp_shard, v, p_dt, g_dt, o_dt, etp, held)  # the hot path's slice + held
@@ -351,6 +354,7 @@ class TrainCostModel(ProfileMixin):
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         pk = prof["key"]
         held = self.holds_layers(cand.zero, cand.pp, cand.schedule)
+        gathers = fsdp_layer_gathers(cand.pp, cand.schedule, prof["n_mb"]) if held else 0
         states, top_states, reserved, bucket = self.dp_static(pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard,
                                                               cand.param_dtype, cand.grad_dtype, cand.optim_dtype, held)
         buffers = prof["buffers"] + bucket
@@ -363,15 +367,26 @@ class TrainCostModel(ProfileMixin):
             "floor_bytes": top_states + base,
             "exposed_s": None,
             "held": held,
+            "layer_gathers": gathers,
         }
 
     @staticmethod
-    def holds_layers(zero: int, pp: int, schedule: str) -> bool:
-        """ZeRO-3 whose schedule keeps the layers gathered for the whole step (spec/support.py
-        ``fsdp_reshards_after_forward`` False: zero-bubble with a pipeline, as the runtime runs it):
-        the stage's layers held unsharded (``held_layer_bytes``), one all-gather and one
-        reduce-scatter a step per unit (``_dp_comm``)."""
-        return zero == 3 and not fsdp_reshards_after_forward(pp, schedule)
+    def holds_layers(zero: int, pp: int, _schedule: str = "") -> bool:
+        """ZeRO-3 under a pipeline, any schedule (spec/support.py ``fsdp_holds_gradients``: torch's
+        pipeline stage turns FSDP's gradient sync and its reshard after backward off until the step's
+        ``perform_reduce_grad``): the stage's gradients held unsharded and its layers and root unit
+        gathered (``held_layer_bytes``), one reduce-scatter a step per unit, each layer gathered
+        ``fsdp_layer_gathers`` times a step (``_dp_comm``)."""
+        return zero == 3 and fsdp_holds_gradients(pp)
+
+    @staticmethod
+    def fsdp_mode(zero: int, pp: int, schedule: str) -> int:
+        """What of a schedule the DP entry depends on (its cache key's third item): 0 FSDP's
+        gradients not held (or no ZeRO-3), 1 held with the layers resharded after forward
+        (``m + 1`` gathers a step), 2 held with the layers kept gathered (zero-bubble: one)."""
+        if zero != 3 or not fsdp_holds_gradients(pp):
+            return 0
+        return 1 if fsdp_reshards_after_forward(pp, schedule) else 2
 
     def dp_static(self, mesh: tuple, etp: int, v: int, zero: int, dp_shard: int, p_dt: str, g_dt: str,
                   o_dt: str, held: bool = False) -> tuple:
@@ -407,8 +422,8 @@ class TrainCostModel(ProfileMixin):
     def _parts(self, st: dict, cand: Candidate, tp: int, cp: int, pp: int, dp: int, ep: int, etp: int) -> dict[str, float]:
         zero, dp_shard = cand.zero, cand.dp_shard
         held = 0.0
-        if self.holds_layers(zero, pp, cand.schedule):  # the stage's layers gathered for the step
-            row = (None, None, st["moe_layers"], None, None, st["layer_params"], None, st["layers"])
+        if self.holds_layers(zero, pp):  # the stage's gradients unsharded, its units gathered
+            row = (None, None, st["moe_layers"], st["params_dense"], None, st["layer_params"], None, st["layers"])
             held = held_layer_bytes(self, row, tp, ep, etp, cand.param_dtype, cand.grad_dtype)
         pb, gb = weight_bytes(cand.param_dtype), DTYPE_BYTES[cand.grad_dtype]
         ob = optimizer_bytes_per_param(cand.param_dtype, cand.optim_dtype)
@@ -433,12 +448,17 @@ class TrainCostModel(ProfileMixin):
         win_b = slow["bwd_s"] if o.overlap_grad_reduce else 0.0
         win_f = slow["fwd_s"] if o.overlap_param_gather else 0.0
         if d["held"]:
-            # the layers stay gathered from their first forward (each gather behind that forward, the
-            # first layer's exposed) to one reduce-scatter each after the last backward
+            # the root gathered once and the layers' first pass behind the first forward (the first
+            # layer's exposed), each further pass of the layers (one a micro-batch: the backward after
+            # a forward finds them resharded) behind a backward, one reduce-scatter a unit after the
+            # last backward (spec/support.py fsdp_holds_gradients, fsdp_layer_gathers)
+            g = d["layer_gathers"]
             exposed = (max(0.0, r["gather_s"] - slow["fwd_s"]) + r["first_gather_s"]
+                       + (g - 1) * (max(0.0, r["layer_gather_s"] - slow["bwd_s"]) + r["first_gather_s"])
                        + max(0.0, r["reduce_s"] - slow["bwd_s"]) + max(0.0, r["replica_s"] - win_b))
-            total = r["gather_s"] + r["reduce_s"] + r["replica_s"]
-            nbytes, nic = r["held_bytes"] + r["step_bytes"], r["held_nic"] + r["step_nic"]
+            total = r["gather_s"] + (g - 1) * r["layer_gather_s"] + r["reduce_s"] + r["replica_s"]
+            nbytes = r["held_bytes"] + (g - 1) * r["layer_gather_bytes"] + r["step_bytes"]
+            nic = r["held_nic"] + (g - 1) * r["layer_gather_nic"] + r["step_nic"]
         elif cand.zero == 3:
             per_mb = r["per_mb_s"]
             # the first layer's gather cannot be prefetched; the rest hides behind the micro-batch's compute
@@ -516,7 +536,7 @@ class TrainCostModel(ProfileMixin):
         # unpacked once: this is the search's hot path (slices of the tuple key the caches below)
         tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
         etp = cand.etp
-        held = zero == 3 and not fsdp_reshards_after_forward(pp, schedule)  # holds_layers, inlined
+        held = zero == 3 and fsdp_holds_gradients(pp)  # holds_layers, inlined
         if not detail:
             floor = self._floors.get(cand[:5] + cand[8:10] + cand[11:16] + (held,))
             if floor is None:
@@ -534,7 +554,7 @@ class TrainCostModel(ProfileMixin):
             prof = self.profile(tp, cp, pp, dp, ep, mbs, sp, recompute, self.seq, dtype, etp, v)
             self._last_pkey, self._last_prof, self._last_dtype, self._last_etp = pkey, prof, dtype, etp
             self._last_v = v
-        dkey = (zero, dp_shard, held) + cand[12:]
+        dkey = (zero, dp_shard, self.fsdp_mode(zero, pp, schedule) if held else 0) + cand[12:]
         d = prof["dp"].get(dkey)
         if d is None:
             d = prof["dp"][dkey] = self._dp_entry(prof, cand)

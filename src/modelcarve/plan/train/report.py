@@ -187,20 +187,24 @@ def link_words(name: str) -> str:
 
 def _gather_rule(lay: "Layout") -> str:
     """The rule of the ``zero3_gather_buffers`` part (``memory_sources``)."""
-    from modelcarve.spec.support import fsdp_reshards_after_forward
+    from modelcarve.spec.support import fsdp_holds_gradients, fsdp_reshards_after_forward
 
     if lay.zero != 3:
         return f"none: ZeRO-{lay.zero} keeps whole parameters, nothing to gather"
-    if not fsdp_reshards_after_forward(lay.pp, lay.schedule):
-        return ("ZeRO-3 / FSDP2 under the zero-bubble schedule: every decoder layer of the stage held gathered (param "
-                "bytes) from its first forward, and its unsharded gradient from its first backward, to the step's one "
-                "reduce-scatter (reshard_after_forward=False, spec/support.py fsdp_reshards_after_forward: torch's "
-                "input step I lists the stage's parameters before its backward unshards them, so a resharded layer "
-                "would miss the weight step W; torch's pipeline stage syncs FSDP's gradients after the last backward "
-                "only); never less than the two-layer window")
-    return ("ZeRO-3 / FSDP2: one layer's parameters gathered and the next prefetched (2 x param bytes) plus its "
-            "unsharded gradient before the reduce-scatter (FSDP2's default forward prefetch of one unit, "
-            "reshard_after_forward)")
+    if not fsdp_holds_gradients(lay.pp):
+        return ("ZeRO-3 / FSDP2: one layer's parameters gathered and the next prefetched (2 x param bytes) plus its "
+                "unsharded gradient before the reduce-scatter (FSDP2's default forward prefetch of one unit, "
+                "reshard_after_forward)")
+    held = ("from its first forward (reshard_after_forward=False, spec/support.py fsdp_reshards_after_forward: "
+            "torch's input step I lists the stage's parameters before its backward unshards them, so a resharded "
+            "layer would miss the weight step W)" if not fsdp_reshards_after_forward(lay.pp, lay.schedule) else
+            "from each backward to its next forward (resharded after forward; the peak counts them beside the "
+            "micro-batches in flight: at most one micro-batch's activations high)")
+    return (f"ZeRO-3 / FSDP2 under the {lay.schedule} pipeline: every unsharded gradient of the stage (grad bytes) "
+            "from its first backward to the step's one reduce-scatter (spec/support.py fsdp_holds_gradients: torch's "
+            "pipeline stage turns FSDP's gradient sync and reshard after backward off until perform_reduce_grad), "
+            "the root unit (embedding / final norm / head) gathered from its first forward, and every decoder layer "
+            f"gathered (param bytes) {held}; never less than the two-layer window")
 
 
 def memory_sources(result: dict, options) -> dict[str, str]:

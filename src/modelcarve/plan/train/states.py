@@ -128,8 +128,10 @@ def model_state_bytes_per_param(zero: int, n: int, param_dtype: str = "bf16", gr
 
 def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     """Data-parallel collectives of the stage with the most parameters: seconds and bytes
-    (per step, or per micro-batch for ZeRO-3; ZeRO-3 with its layers kept gathered for the step:
-    ``gather_s``, ``reduce_s`` and ``held_bytes`` once a step). Depends only on the mesh, ZeRO and dtypes, so
+    (per step, or per micro-batch for ZeRO-3; ZeRO-3 under a pipeline, whose gradients torch holds
+    to the step's end: ``gather_s`` every unit once, ``reduce_s``, ``held_bytes`` once a step, and
+    ``layer_gather_s`` / ``_bytes`` / ``_nic`` the decoder layers' pass alone, repeated
+    ``fsdp_layer_gathers - 1`` times). Depends only on the mesh, ZeRO and dtypes, so
     it is shared by every micro-batch size and recomputation mode. The cache key holds the
     fullest stage's parameters and layers too: virtual-stage counts that split the layers
     differently give another fullest stage, so the answer never depends on which was priced first."""
@@ -139,7 +141,7 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
     big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
     pd, pe = big["params_dense"], big["params_expert"]
-    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"])
+    key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"], big["moe_layers"])
     cached = cost._traffic.get(key)
     if cached is not None:
         return cached
@@ -186,9 +188,16 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
         b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
         b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
         r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
-        # layers kept gathered for the step (zero-bubble: spec/support.py fsdp_reshards_after_forward):
-        # each unit all-gathered once and reduce-scattered once a step, layer by layer
+        # under a pipeline (spec/support.py fsdp_holds_gradients): each unit all-gathered once and
+        # reduce-scattered once a step, layer by layer, and the decoder layers alone (the dense ones
+        # less the root unit: embedding, final norm, head) gathered again per fsdp_layer_gathers
         r["gather_s"] = nl * (comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.all_gather_s(pb * pe / nl, se_n, se_t))
+        split, rep, _exp = _layer_sums(cost, big["layers"], big["moe_layers"], ep, etp)
+        ld = split / tp + rep
+        r["layer_gather_s"] = nl * (comm.all_gather_s(pb * ld / nl, shard * cp, sd_t)
+                                    + comm.all_gather_s(pb * pe / nl, se_n, se_t))
+        g1, g2 = comm.all_gather_bytes(pb * ld, shard * cp), comm.all_gather_bytes(pb * pe, se_n)
+        r["layer_gather_bytes"], r["layer_gather_nic"] = g1 + g2, comm.nic_bytes(g1, sd_t) + comm.nic_bytes(g2, se_t)
         r["reduce_s"] = nl * (comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
                               + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t))
         h1 = comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
@@ -244,13 +253,20 @@ def _layer_sums(cost: "TrainCost", nls: int, n_moe: int, ep: int, etp: int) -> t
 
 
 def held_layer_bytes(cost: "TrainCost", row: tuple, tp: int, ep: int, etp: int, p_dt: str, g_dt: str) -> float:
-    """Bytes ZeRO-3 holds beyond its two-unit window on a stage (``stage_row``'s ``row``) whose
-    schedule keeps FSDP's layers gathered for the step (spec/support.py
-    ``fsdp_reshards_after_forward`` False: zero-bubble with a pipeline): every decoder layer of the
-    stage gathered (``weight_bytes(p_dt)``) and its unsharded gradient (``g_dt``: torch's pipeline
-    stage turns FSDP's gradient sync off for every backward and reduce-scatters once, after the last:
-    ``perform_reduce_grad``), less what ``state_factors``' gather term already counts for one layer
-    (two gathered, one gradient); never below it (a one-layer stage holds what the window holds)."""
+    """Bytes ZeRO-3 holds beyond its two-unit window on a stage (``stage_row``'s ``row``) under a
+    pipeline (spec/support.py ``fsdp_holds_gradients``, every schedule): torch's pipeline stage
+    turns FSDP's gradient sync and its reshard after backward off for every backward and
+    reduce-scatters once, after the last (``perform_reduce_grad``), so every unit's unsharded
+    gradient (``g_dt``) accumulates from its first backward to the step's end, every decoder layer
+    stays gathered (``weight_bytes(p_dt)``) from a backward to its next forward (zero-bubble: from
+    its first forward, ``fsdp_reshards_after_forward``) and the root unit (embedding, final norm,
+    head: the stage's dense parameters beyond its layers; FSDP2's root, not resharded after forward)
+    from its first forward. So all of them, gathered and with their gradients, less what
+    ``state_factors``' gather term already counts for one layer (two gathered, one gradient); never
+    below it. Added to the states, so beside the peak micro-batches in flight: exact where the
+    layers stay gathered (zero-bubble), and where a forward reshards them at most one micro-batch's
+    activations of the stage high (the layers are gathered from a backward to the next forward)."""
     split, rep, exp = _layer_sums(cost, row[7], row[2], ep, etp)
     pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
-    return max(0.0, (pb + gb) * (split / tp + rep + exp) - (2.0 * pb + gb) * row[5])
+    root = row[3] - (split / tp + rep)
+    return max(0.0, (pb + gb) * (split / tp + rep + exp + root) - (2.0 * pb + gb) * row[5])

@@ -20,7 +20,7 @@ from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
 from modelcarve.plan.train.space import _compute, _precisions, inflight_of, layout_blocks
 from modelcarve.spec.errors import LayoutError
-from modelcarve.spec.support import fsdp_reshards_after_forward
+from modelcarve.spec.support import fsdp_holds_gradients
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -46,8 +46,9 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       candidate's family, the best of its reject category), so a candidate whose bound is no
       higher than each score its outcome meets changes nothing but the counts, which are kept.
     * Whole groups: the states floor and the DP memory floor depend on the (v, precision) of
-      a candidate and, of its schedule, only on whether it keeps FSDP's layers gathered for the
-      step (spec/support.py ``fsdp_reshards_after_forward``; a group's third key), so when every group of a ZeRO setting is rejected
+      a candidate and not on its schedule (FSDP's gradients held to the step's end read the
+      pipeline's size only: spec/support.py ``fsdp_holds_gradients``, a group's third key, the
+      same for every spec of a block), so when every group of a ZeRO setting is rejected
       by one of them, its candidates are counted together; the best rejected of a category is
       then the first candidate of the first group holding its best score, as the loop's
       strict ``>`` keeps the first of equals.
@@ -142,11 +143,12 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             ahead: dict = {}  # (mbs, ep, etp, vj) -> the sp=True "none" block's (screen profile, slots, kinds)
         shape = shapes.get(id(scheds))
         if shape is None or shape[0] is not scheds:
-            # specs: (schedule, v, precision, scaling, (v, precision index, FSDP layers held)) in the
+            # specs: (schedule, v, precision, scaling, (v, precision index, FSDP gradients held)) in the
             # candidates' order; groups: each such key with its number of specs and its first, in order of
             # first appearance (the states floor and the DP memory depend on nothing else of a spec)
-            specs = [(sched, v, prec, scaling, (v, j, not fsdp_reshards_after_forward(pp, sched)))
-                     for sched, v in scheds for j, (prec, scaling) in enumerate(precisions)]
+            held = fsdp_holds_gradients(pp)
+            specs = [(sched, v, prec, scaling, (v, j, held)) for sched, v in scheds
+                     for j, (prec, scaling) in enumerate(precisions)]
             groups: dict = {}
             for spec in specs:
                 held = groups.get(spec[4])
@@ -579,7 +581,7 @@ def _exact(cost: TrainCostModel, cand: Candidate, step_base: float) -> float:
     its ``step_base``, the same number from the screen profile as from the full one)."""
     dtype = "fp8cs" if cand.param_dtype == "fp8" and cand.fp8_scaling == "current" else cand.param_dtype
     prof = cost.profile(*cand[:8], cost.seq, dtype, cand.etp, cand.virtual_stages)
-    dkey = (cand.zero, cand.dp_shard, cost.holds_layers(cand.zero, cand.pp, cand.schedule)) + cand[12:]
+    dkey = (cand.zero, cand.dp_shard, cost.fsdp_mode(cand.zero, cand.pp, cand.schedule)) + cand[12:]
     d = prof["dp"].get(dkey)
     if d is None:
         d = prof["dp"][dkey] = cost._dp_entry(prof, cand)
