@@ -103,13 +103,16 @@ def test_still_refused_per_op():
     refused = {
         "alibi positions": (dataclasses.replace(llama, position_kind="alibi"), dp),
         "an offset learned-position table": (dataclasses.replace(llama, position_kind="learned", position_offset=2), dp),
-        # zero-bubble under full recomputation: a row-parallel bias's own weight group (tp) and gpt2's
-        # LayerNorm / GELU layer in the weight step are not modelled (4.0% under on the tiny gpt2)
-        "output / MLP biases over tp / cp under the zero-bubble schedule with full recomputation":
-            (biased, Layout.parse(f"pp=2,tp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")),
-        "LayerNorm under the zero-bubble schedule with full recomputation":
-            (dataclasses.replace(llama, norm_kind="layernorm"), Layout.parse(f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")),
+        # zero-bubble: gpt2's LayerNorm layer over tp, any recompute mode (its last stage's activations
+        # measured 103,824 bytes where the walk gives 122,244 without recomputation, 161,536 / 451,200 under
+        # full; biases over tp / cp and gpt2 at tp = 1 and over cp are judged:
+        # tests/verify/test_verify_against_plan_zb_extras.py)
+        "LayerNorm over tp under the zero-bubble schedule":
+            (dataclasses.replace(llama, norm_kind="layernorm"), Layout.parse(f"pp=2,tp=2,gbs=4,schedule=zero-bubble,{FP32}")),
     }
+    for spec, layout in ((biased, Layout.parse(f"pp=2,tp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}")),
+                         (dataclasses.replace(llama, norm_kind="layernorm"), Layout.parse(f"pp=2,gbs=4,schedule=zero-bubble,recompute=full,{FP32}"))):
+        predict_rank(spec, layout, 1)  # no longer refused
     for why, (spec, layout) in refused.items():
         with pytest.raises(NotModelled, match=why):
             predict_rank(spec, layout, 0)

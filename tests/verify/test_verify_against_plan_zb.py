@@ -25,8 +25,8 @@ merges a Linear's bias into its weight's group (the ``addmm`` node both feed), s
 is still recomputed once per weight under ``full`` (activations 1,552,128 bytes on the last stage, measured
 and predicted); W frees a LayerNorm's input, mean and inverse std (its own node) where an RMSNorm's
 normalised output, and the first stage keeps the position lookup's int64 positions: gpt2 exact without
-recomputation (99,712 / 194,436) and under ``selective`` (91,008 / 181,380). Still refused: gpt2 under
-``full`` (4.0% under: 802,432 predicted, 835,712 measured) and biases under ``full`` over tp / cp.
+recomputation (99,712 / 194,436) and under ``selective`` (91,008 / 181,380). Under ``full`` over tp / cp
+and gpt2's: tests/verify/test_verify_against_plan_zb_extras.py (still refused: gpt2 over tp, any mode).
 """
 
 from __future__ import annotations

@@ -255,6 +255,15 @@ def recompute_unchecked(spec: "ModelSpec", layout: "Layout") -> str | None:
     return None
 
 
+def _block_input_shared(spec: "ModelSpec", T: float, h: int, rep: int, resid: int) -> float:
+    """Bytes of the first norm's saved input that are the checkpointed block's input itself (no new
+    tensor when recomputed): RMSNorm's fp32 input where the residual stream is fp32 (``x.float()`` is
+    ``x``), LayerNorm's input always (it normalises ``x`` as it comes)."""
+    if spec.norm_kind == "layernorm":
+        return resid * T * h / rep
+    return FP32 * T * h / rep if resid == FP32 else 0
+
+
 def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c: int, resid: int,
                     mode: str, ring: bool = False) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """One layer and micro-batch under ``mode`` (``full`` / ``selective``; module doc): the bytes it
@@ -266,7 +275,7 @@ def recompute_terms(spec: "ModelSpec", T: float, seq: int, tp: int, sp: bool, c:
     heads, kv = spec.num_heads / tp, max(spec.num_kv_heads // tp, 1)
     saved = layer_terms(spec, T, seq, tp, sp, c, resid, ring)
     if mode == "full":
-        shared = FP32 * T * h / rep if resid == FP32 else 0  # the first norm's fp32 input is the block input
+        shared = _block_input_shared(spec, T, h, rep, resid)
         return {"block_input": resid * T * h / rep}, {}, dict(saved, block_input_shared=-shared)
     freed = {"mlp": saved["mlp"], "mlp_input": saved["mlp_input"], "ffn_norm": _norm(T, h, rep, resid, spec.norm_kind == "layernorm"),
              "proj_input": saved["proj_input"]}
@@ -398,12 +407,21 @@ def layer_weight_frees(spec: "ModelSpec", layout: "Layout", mlp: list[float] | N
     """``weight_step_walk``'s ``frees`` of one layer, per weight group in parameter order (attention norm,
     projections, q / k norms or MLA's latents, ffn norm, then the MLP's w1, w3, w2 or ``mlp``): the bytes
     whose last saving weight node is that group's, per recomputed copy (``weight_step_parts``, split).
-    Checked on GQA layers with and without q / k norms in fp32; MLA's and autocast's splits are not."""
+    LayerNorm's own node saves its input, mean and inverse std (the first's input is the block input,
+    re-saved as no copy); a two-matrix MLP (gpt2's GELU) has two groups, w1's input and w2's. A row-parallel
+    bias's group under tp saves nothing and recomputes nothing: no entry (step_traffic.weight_groups).
+    Checked on GQA layers with and without q / k norms in fp32, with biases and on gpt2's layer (tp = 1
+    and cp = 2: exact); MLA's and autocast's splits are not."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     seq = layout.seq // layout.cp
     T, r, rep, t = layout.mbs * seq, residual_bytes(layout), layout.tp if layout.sp else 1, layout.tp
     terms = layer_terms(spec, T, seq, t, layout.sp, c, r, layout.cp > 1)
-    norm, cast = r * T * spec.hidden_size / rep, c != r  # autocast: each projection saves its own cast
+    cast = c != r  # autocast: each projection saves its own cast
+    if spec.norm_kind == "layernorm":  # its own node saves input, mean and inverse std; the first's input is the block's
+        ffn_norm = _norm(T, spec.hidden_size, rep, r, True)
+        norm = ffn_norm - _block_input_shared(spec, T, spec.hidden_size, rep, r)
+    else:  # RMSNorm's weight product saves the normalised output
+        norm = ffn_norm = r * T * spec.hidden_size / rep
     ai = terms["attn_input"]
     if spec.attention_kind == "mla":
         qr, kvr = spec.q_lora_rank or 0, spec.kv_lora_rank
@@ -414,10 +432,11 @@ def layer_weight_frees(spec: "ModelSpec", layout: "Layout", mlp: list[float] | N
         attention.append(terms["proj_input"])
         if spec.qk_norm:
             attention += [c * T * spec.num_heads / t * spec.head_dim, c * T * max(spec.num_kv_heads // t, 1) * spec.head_dim]
-    if mlp is None:
+    if mlp is None:  # SwiGLU's w1, w3 (one input, or a cast each), w2; a two-matrix MLP's w1 and w2
         mi = terms["mlp_input"]
-        mlp = ([mi / 2, mi / 2] if cast else [0.0, mi]) + [c * T * spec.ffn_size / t]
-    return [norm] + attention + [norm] + mlp
+        mlp = ([mi / 2, mi / 2] if cast else [0.0, mi]) if spec.ffn_kind == "swiglu" else [mi]
+        mlp.append(c * T * spec.ffn_size / t)
+    return [norm] + attention + [ffn_norm] + mlp
 
 
 def dense_recompute_parts(spec: "ModelSpec", layout: "Layout"):

@@ -201,9 +201,9 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
     edp_group = expert_group_along(layout, rank, "edp") if ep_split else dp_group
     msgs: list = []
     folded = layout.folded and tp > 1
-    # each layer's recomputed forwards (zero-bubble's W: one per weight group, i.e. per parameter tensor)
+    # each layer's recomputed forwards (zero-bubble's W: one per weight group; ring attention's K/V too)
     ranges = stage_ranges(spec.num_layers, layout.pp, layout.virtual_stages)
-    n_params = {False: len(dense_layer), True: len(moe_dense) + len(experts)}
+    n_params = {False: st.weight_groups(spec), True: len(moe_dense) + len(experts)}
     stages = rank_stage_ids(layout.pp, layout.virtual_stages, stage)
     redo = {(s, i): st.layer_recomputations(layout, s, n_params[spec.is_moe_layer(i)]) for s in stages for i in ranges[s]}
     scheduled = layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule == "zero-bubble")
@@ -230,7 +230,8 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         op = "reduce_scatter" if layout.sp else "all_reduce"
         msgs.append(st.Message(op, tp_group, "fp32", hidden * (st.MASTER_BYTES - act), n_moe * m))
     if layout.cp > 1:  # ring attention in every layer, MoE or not (step_traffic's)
-        msgs += st.ring_sends(spec, layout, rank, nl, m, tokens)
+        msgs += st.ring_sends(spec, layout, rank, nl, m, tokens,
+                              redo=m * sum(redo.values()) if layout.recompute == "full" else None)
     if ep_split:  # each dispatcher call's forward runs once and again in each recomputation of its layer
         if scheduled:
             layer_of = {}

@@ -37,7 +37,7 @@ plan/cost/activations.py for saved activations), dtype-aware: a value carried in
   stop): the attention output's all-reduce (sp: reduce-scatter and both norm outputs' all-gathers),
   not the MLP's output one; ``selective`` recomputes no collective. Under the zero-bubble schedule a
   layer of any stage but the first is recomputed in the input step I and again once per weight group
-  of the weight step W (one parameter each, its own graph task: ``layer_recomputations``), each time
+  of the weight step W (one per weight tensor, its own graph task: ``layer_recomputations``, ``weight_groups``), each time
   with those messages (tiny-llama pp=2,tp=2 last stage: 10 recomputations a layer, 475,904 bytes of
   tp all-reduce measured and predicted; MoE's EP all-to-alls likewise, moe_traffic.ep_messages);
 * pipeline (the fp32 residual stream): every stage but the last sends each micro-batch's output forward, every stage but
@@ -74,8 +74,9 @@ Groups are global rank tuples in the runtime's rank arithmetic (``rank = ((pp_i 
 ``axis_of`` (the layout axes the group varies over, e.g. the norm's all-reduce on ``pp=2,tp=2``
 is ``pp_tp``, never ``world``), as the comm log names the runtime's. ``NotModelled`` is raised for what
 this model does not cover (MoE: moe_traffic.py; under zero-bubble with full recomputation LayerNorm /
-learned positions (gpt2: 4.0% under) and output / MLP biases over tp / cp (``_extras_unchecked``;
-without recomputation, under selective and the biases at tp = cp = 1 exact), in MoE models (``check_moe_biases``) or with MLA's biases; ALiBi and an offset position
+learned positions over tp, any recompute mode (gpt2: the last stage's activations, ``_extras_unchecked``; gpt2 at
+tp = 1 and over cp, and output / MLP biases over tp / cp exact, ``weight_groups``), biases in MoE models
+(``check_moe_biases``) or with MLA's biases; ALiBi and an offset position
 table (OPT: the runtime refuses both, spec/support.py); activations
 under a recompute mode other than full / selective: activations.py's ``recompute_unchecked``): the verify
 table marks those quantities as unpredicted instead of guessing. Ring attention under recomputation (GQA,
@@ -156,7 +157,7 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
     if spec.attention_kind == "mla" and (spec.qkv_bias or spec.o_bias):
         problems.append("MLA with attention biases")
     if layout.pp > 1 and layout.schedule == "zero-bubble" and _extras_unchecked(spec, layout):
-        problems.append(f"{_extras_unchecked(spec, layout)} under the zero-bubble schedule with full recomputation")
+        problems.append(f"{_extras_unchecked(spec, layout)} under the zero-bubble schedule")
     if layout.ep > 1:
         problems.append("expert parallelism")
     if problems:
@@ -165,21 +166,18 @@ def _check_supported(spec: "ModelSpec", layout: "Layout") -> None:
 
 def _extras_unchecked(spec: "ModelSpec", layout: "Layout") -> str:
     """The layers beyond llama's this model has that the zero-bubble schedule is not checked with, or
-    ''. Checked (tiny gpt2, tiny llama with ``attention_bias`` / ``mlp_bias``, pp=2, fp32): without
-    recomputation and under ``selective`` both exact; under ``full`` the biased llama exact at tp = cp = 1
-    (torch's weight step merges a Linear's bias into its weight's group: the ``addmm`` node they share, so
-    the layer still recomputes once per weight, 9 groups: 1,552,128 bytes measured and predicted), but
-    over tp / cp the row-parallel biases (added after the reduction, a node of their own) may make
-    groups of their own, unmeasured (``layer_recomputations`` counts every tensor); gpt2's LayerNorm / GELU
-    layer under ``full`` is 4.0% under (``layer_weight_frees`` is llama's: 802,432 predicted, 835,712
-    measured on the last stage)."""
-    if layout.recompute != "full":
+    ''. Checked (tiny gpt2, tiny llama with ``attention_bias`` / ``mlp_bias``, pp=2, fp32): exact without
+    recomputation and under ``selective``; under ``full`` the messages exact with ``weight_groups``' count
+    (biased llama over tp, tp + sp and cp; gpt2 over cp and tp) and the activations exact with
+    activations.py's LayerNorm / GELU weight frees (gpt2 835,712 bytes on the last stage, over cp 417,856;
+    biased llama over cp 702,336; over tp 1.9% over as tiny-llama's own). Refused: gpt2 over tp, in every
+    recompute mode: its last stage holds less than the walk's held graph (tp=2, m = 4: 103,824 measured,
+    122,244 predicted without recomputation; 85,008 / 115,716 selective; 161,536 / 451,200 full; not found)."""
+    if layout.tp == 1:
         return ""
     extras = [what for present, what in ((spec.position_kind == "learned", "learned positions"),
                                          (spec.norm_kind == "layernorm", "LayerNorm")) if present]
-    if (spec.o_bias or spec.mlp_bias) and (layout.tp > 1 or layout.cp > 1):
-        extras.insert(0, "output / MLP biases over tp / cp")
-    return ", ".join(extras)
+    return ", ".join(extras) + " over tp" if extras else ""
 
 
 def check_moe_biases(spec: "ModelSpec") -> None:
@@ -229,6 +227,23 @@ def layer_tensors(spec: "ModelSpec", tp: int) -> list[int]:
     if spec.qk_norm:  # Qwen3's per-head RMSNorm of q and k: one head_dim weight each, replicated
         tensors += [hd, hd]
     return tensors
+
+
+def weight_groups(spec: "ModelSpec") -> int:
+    """How many of torch's weight groups of one dense decoder layer recompute its checkpointed region
+    in the zero-bubble weight step W (``layer_recomputations``). torch.distributed.pipelining's
+    ``get_param_groups`` keys a parameter's group on the first node of the input-to-output graph its
+    gradient path reaches, merging parameters that reach the same one: a Linear's bias shares its
+    weight's ``addmm`` (every bias at tp = 1, the column-parallel ones under tp), LayerNorm's bias its
+    weight's ``native_layer_norm``; a row-parallel bias under tp (runtime/parallel/tensor.py adds it
+    after the reduction) reaches its ``add`` alone and makes a group of its own, but ``add`` saves no
+    tensor, so its ``autograd.grad`` unpacks nothing and the checkpoint does not recompute. So one
+    recomputation per weight tensor: the layer's tensors less its biases (tiny biased llama pp=2 over
+    tp=2 and cp=2, and gpt2 over tp=2 and cp=2: 9 and 8 a layer, measured)."""
+    swiglu = spec.ffn_kind == "swiglu"
+    biases = (3 * int(spec.qkv_bias) + int(spec.o_bias) + (3 if swiglu else 2) * int(spec.mlp_bias)
+              + spec.layer_norms * (norm_tensors(spec) - 1))
+    return len(layer_tensors(spec, 1)) - biases
 
 
 def norm_tensors(spec: "ModelSpec") -> int:
@@ -299,10 +314,10 @@ def predict_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layers
     dp_group, tp_group, pp_group = (group_along(layout, rank, a) for a in ("dp_cp", "tp", "pp"))
 
     if tp > 1:
-        redo = m * sum(n * layer_recomputations(layout, s, len(layer)) for s, n in rank_stage_layers(spec, layout, stage, nl))
+        redo = m * sum(n * layer_recomputations(layout, s, weight_groups(spec)) for s, n in rank_stage_layers(spec, layout, stage, nl))
         msgs += tp_messages(spec, layout, tp_group, nl, first, last, m, hidden, act, tokens, rank, redo=redo)
     if layout.cp > 1:  # zero-bubble's W re-runs the ring's forward once per weight group too (full)
-        redo = (m * sum(n * layer_recomputations(layout, s, len(layer)) for s, n in rank_stage_layers(spec, layout, stage, nl))
+        redo = (m * sum(n * layer_recomputations(layout, s, weight_groups(spec)) for s, n in rank_stage_layers(spec, layout, stage, nl))
                 if layout.recompute == "full" else None)
         msgs += ring_sends(spec, layout, rank, nl, m, tokens, redo=redo)
     if layout.pp > 1:
@@ -452,10 +467,10 @@ def ring_sends(spec: "ModelSpec", layout: "Layout", rank: int, nl: int, m: int, 
 
 def layer_recomputations(layout: "Layout", stage: int, n_params: int) -> int:
     """How often one layer's checkpointed forward runs again in one micro-batch's backward on pipeline
-    stage ``stage`` (``n_params``: the layer's parameter tensors on the rank): none without
+    stage ``stage`` (``n_params``: the layer's weight groups that recompute, ``weight_groups``): none without
     ``recompute=full`` (``selective``'s core holds no collective), once in its backward, and under the
     zero-bubble schedule on every stage but the first (whose W is its full backward) once in the input
-    step I and once more for each weight group of W (one parameter each: torch's
+    step I and once more for each weight group of W (a weight, with its bias: torch's
     ``stage_backward_weight`` runs one ``autograd.grad`` per group, a new graph task, so the checkpoint
     recomputes the region anew for it; activations.py ``weight_step_walk``)."""
     if layout.recompute != "full":
