@@ -16,8 +16,7 @@ plan/predict/step_traffic.py's prediction beside the measured one:
   given the routing each rank's EP dispatchers sent during the step (``_RecordRouting``, gathered
   by ``gather_routing``), and ``payload:all_to_all_apriori`` (uniform routing x the planner's load
   imbalance) is reported beside the measured all-to-all bytes, not judged;
-* a quantity the per-op model does not cover (a folded expert mesh with expert TP of its
-  own, biases in MoE / MLA layers, LayerNorm or biases under zero-bubble with full recomputation,
+* a quantity the per-op model does not cover (biases in MoE / MLA layers, LayerNorm or biases under zero-bubble with full recomputation,
   ...) gets ``predicted`` None and ``ok`` None, never a guess, and one
   ``model`` row says why. Such a row is NOT a pass: ``unjudged(rows)`` lists the reasons,
   ``passed`` is False while there is one, and ``verify --against-plan`` exits 2 with the reason

@@ -12,11 +12,17 @@ runtime/parallel/expert.py save, tensor by tensor (checked with saved_tensors_ho
 * grouping by expert: the gather index ``8 S`` (``order // k``) and the scatter index ``8 S``
   (``index_copy``), and under EP the regrouping index ``8 R`` of the received rows;
 * the experts (GroupedExperts, per expert on its rows): the rows ``c R H``, the gate and up
-  projections, the SiLU output and their product ``4 c R F``, the experts' output ``c R H``
-  (kept by the regrouping ``index_copy``);
-* the combine: the rows back ``c S H`` (EP: the all-to-all's output, kept by ``index_copy``;
-  without EP that is the experts' output already counted, ``R = S``), its ``[T, k, H]`` view ``c S H``
-  and the routing weights ``c T k``.
+  projections, the SiLU output and their product ``4 c R F``, the experts' output ``R H`` (kept by
+  an ``index_copy``, which autocast promotes to its widest input: without EP moe.py's, in the
+  block's dtype; under EP the dispatcher's regrouping, in the compute dtype);
+* the combine: under EP the rows back, cast to the block's dtype by moe.py's ``index_copy`` (without
+  EP that is the experts' output already counted, ``R = S``), its ``[T, k, H]`` view and the routing
+  weights, in the block's dtype;
+* expert TP of a folded mesh (etp > 1, expert.py FoldedDispatcher): the experts run on the rows
+  of the whole ETP group (``R``, moe_traffic.received_rows' pair with this rank's own ``n``), with
+  their own regrouping index ``8 R``; the dispatcher's ``index_copy`` keeps the summed partial outputs
+  of the ``n`` rows, ``c n H`` (tiny-moe tp=4,ep=2,etp=2: 100 bytes over in fp32 and bf16, the aux
+  loads and masks as everywhere; bf16 was 7-12 KB over while the experts' output was priced in fp32).
 
 The dense part of an MoE layer (norms, attention) is activations.py's ``layer_terms`` without its
 MLP terms. Peak: the largest micro-batch (no pipeline: one micro-batch in flight; micro-batches
@@ -102,26 +108,43 @@ def dense_layer_terms(spec: "ModelSpec", layout: "Layout") -> dict[str, float]:
     return layer_terms(spec, T, s, layout.tp, layout.sp, c, residual_bytes(layout), layout.cp > 1)
 
 
-def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int, ep_split: bool) -> dict[str, float]:
+def expert_rows(received: int | tuple[int, int]) -> tuple[int, int]:
+    """(rows the rank's EP dispatcher received, rows its experts run on) of one MoE block: the same
+    number, or under expert TP of a folded mesh the pair moe_traffic.received_rows gives."""
+    return (received, received) if isinstance(received, int) else received
+
+
+def moe_block_terms(spec: "ModelSpec", layout: "Layout", T: int, received: int | tuple[int, int],
+                    ep_split: bool) -> dict[str, float]:
     """Saved bytes of one MoE block and micro-batch on one rank (module doc)."""
     c = 2 if layout.param_dtype in ("bf16", "fp16") else FP32
     r = residual_bytes(layout)  # the block's own dtype: fp32, or bf16 where the parameters are held in bf16
     h, E, k = spec.hidden_size, spec.num_experts, spec.top_k
     f = spec.expert_ffn_size // layout.expert_tp
-    S, R = T * k, received
+    S, (n, R) = T * k, expert_rows(received)
     out = {
         "router": FP32 * T * h + FP32 * T * E + INDEX * T * k + FP32 * T * k + FP32 * T,
         # the aux loss's per-sequence load; under context parallelism the block skips the aux loss
         # unless its coefficient is set (moe.py: it would cost a collective), so nothing is saved
         "aux_load": FP32 * layout.mbs * E if layout.cp == 1 else 0,
-        "indices": 2 * INDEX * S + (INDEX * R if ep_split else 0),
+        "indices": 2 * INDEX * S + (INDEX * n if ep_split else 0),
         # the rows themselves; under autocast (fp32 block, bf16 compute) each of the two input projections
         # casts its own copy
         "expert_rows": r * R * h if c == r else 2 * c * R * h,
         "experts": 4 * c * R * f,
-        "expert_out": r * R * h,  # the experts' output in the block's dtype (a cast under autocast)
-        "combine": (c * S * h if ep_split else 0) + r * S * h + r * T * k,
+        # the experts' output as an index_copy keeps its source (autocast promotes index_copy to its widest
+        # input): without EP moe.py's, a cast to the block's dtype; under EP the dispatcher's regrouping
+        # index_copy keeps it in the compute dtype
+        "expert_out": (c if ep_split else r) * R * h,
+        # the combine: under EP moe.py's index_copy keeps the all-to-all's output cast to the block's dtype;
+        # the weighted sum keeps that index_copy's output and the routing weights
+        "combine": (r * S * h if ep_split else 0) + r * S * h + r * T * k,
     }
+    if not isinstance(received, int):  # expert TP (FoldedDispatcher): its own regrouping index of the ETP
+        # group's rows, and the summed partial outputs of this rank's n rows (compute dtype), which the
+        # EP dispatcher's index_copy keeps
+        out["indices"] += INDEX * R
+        out["expert_out"] += c * n * h
     if spec.router_scoring == "sigmoid":  # the top-k weights' normalisation: the scores' view and the row sums
         out["router"] += FP32 * T * E + FP32 * T
     if spec.num_shared_experts:  # a SwiGLU MLP on the block's input (the router's saved input), split over tp
@@ -212,7 +235,7 @@ def moe_weight_step_frees(spec: "ModelSpec", layout: "Layout", layers: int, n_mo
     f = spec.expert_ffn_size // layout.expert_tp
     for R in (received if received is not None else [T_moe * spec.top_k] * n_moe):
         terms = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)
-        out += FP32 * T_moe * h + terms["expert_rows"] + c * R * f
+        out += FP32 * T_moe * h + terms["expert_rows"] + c * expert_rows(R)[1] * f
         if spec.num_shared_experts:
             out += c * T_moe * shared_ffn(spec, layout)
     return out + head
@@ -230,7 +253,7 @@ def moe_weight_groups(spec: "ModelSpec", layout: "Layout", received: list[int] |
     for R in (received if received is not None else [T_moe * spec.top_k] * n_moe):
         rows = moe_block_terms(spec, layout, T_moe, R, layout.ep > 1)["expert_rows"]
         one = c == residual_bytes(layout)  # one tensor of rows, or autocast's two casts
-        groups = [FP32 * T_moe * h] + ([0.0, rows] if one else [rows / 2, rows / 2]) + [c * R * f]
+        groups = [FP32 * T_moe * h] + ([0.0, rows] if one else [rows / 2, rows / 2]) + [c * expert_rows(R)[1] * f]
         if spec.num_shared_experts:
             groups += [0.0, groups[0], c * T_moe * shared_ffn(spec, layout)]
             groups[0] = 0.0

@@ -38,8 +38,17 @@ the expert mesh (spec/ranks.py), on one rank:
   Under ``recompute=full`` the recomputed block stops at its last saved tensor, the combine, before
   the output all-gather: the EP exchanges run again (below), the all-gather does not. Under cp each
   TP rank routes its ``1 / tp`` of the rank's zig-zag tokens, the EP group carved from the cp x tp
-  ranks. Expert TP of its own (etp > 1: FoldedDispatcher's all-gather of the counts and the row
-  all-to-alls over the ETP group) is not modelled (``check_moe_supported``).
+  ranks.
+* expert TP of a folded mesh (etp > 1, ``etp_messages``): the experts' ``w1/w3`` columns and ``w2`` rows
+  split over the ETP group (spec/ranks.py: ETP innermost, then EP, then EDP over the stage's
+  ``tp x cp x dp`` ranks); per dispatcher call, after the EP exchange, FoldedDispatcher all-gathers
+  the ETP peers' ``[E/ep]`` int64 local counts, sends each peer a copy of the ``n`` rows this rank
+  received and gets back the partial outputs of its rows from each (``etp x n`` and ``sum(sizes)``
+  rows, ``sizes`` the peers' ``n``, read off the recorded routing), both reversed in backward;
+  its experts run on the whole ETP group's rows (moe_activations.expert_rows);
+* ``etp`` != ``tp`` without expert parallelism: the runtime never folds there (``folded`` needs
+  ep > 1), so tensor.py splits the experts over tp and the forecast is that of ``etp`` = tp
+  (``runtime_layout``).
 
 Pipelines: each rank its stages' layers (spec/stages.py ``rank_layer_ids``, dense first layers
 where they fall), step_traffic's sends (every chunk's under an interleaved schedule), loss broadcast
@@ -70,8 +79,12 @@ tests/verify/test_verify_against_plan_folded.py: tiny-moe and the tiny Qwen3-MoE
 tp and tp x sp, pp=2 1F1B, tp x dp x ep=4, cp=2 x tp=2 with ep 2 and 4: bytes to the byte, fp32
 activations within 156 bytes; tiny-moe tp=2,ep=2,etp=1 full: 216,064 / 179,200 bytes of all-to-all on
 ranks 0 / 1, 116,120 / 91,464 bytes of activations measured against 116,136 / 91,480 predicted).
-Not covered (``NotModelled``): a folded expert mesh with expert TP of its own (etp > 1); ``etp`` !=
-``tp`` without expert parallelism (the runtime folds only under ep > 1, so it splits the experts over tp).
+Expert TP on a folded mesh and ``etp`` != ``tp`` under ep = 1 are checked on gloo ranks
+(tests/verify/test_verify_against_plan_etp.py: tiny-moe tp=4,ep=2,etp=2 with and without sp, full and
+selective recomputation, bf16; dp=4,ep=2,etp=2 under ZeRO-1; cp=2 x dp=2; the tiny Qwen3-MoE; tp=4 / tp=2
+x dp=2 / dp=4 with ep=1 and etp != tp): every byte equal, activations as elsewhere (+100 bytes on tiny-moe
+tp=4 in fp32 and bf16: the aux loads over, the masks under). Not covered (``NotModelled``): ``etp`` != ``tp``
+under ep = 1 where tp does not divide the expert ffn size (layout validation does not catch it there).
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
@@ -84,7 +97,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from modelcarve.plan.predict import step_traffic as st
-from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes, moe_scheduled_activation_bytes
+from modelcarve.plan.predict.moe_activations import moe_rank_activation_bytes, moe_scheduled_activation_bytes, rank_tokens
 from modelcarve.plan.predict.timeline import action_order
 from modelcarve.spec.ranks import coords, expert_coords, expert_group_along, group_along
 from modelcarve.spec.stages import rank_layer_ids, rank_stage_ids, stage_ranges
@@ -124,15 +137,19 @@ def forecast_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layer
 def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
     st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
-    problems = []
-    if layout.folded and layout.expert_tp > 1:
-        problems.append(f"a folded expert mesh with expert tensor parallelism (etp={layout.expert_tp}: "
-                        "its ETP group's count all-gather and row all-to-alls)")
+    if layout.ep == 1 and layout.expert_tp != layout.tp and spec.expert_ffn_size % layout.tp:
+        raise st.NotModelled(f"not modelled per op: etp={layout.expert_tp} != tp={layout.tp} without expert parallelism "
+                             f"(the runtime splits the experts over tp, which does not divide the expert ffn size "
+                             f"{spec.expert_ffn_size})")
+
+
+def runtime_layout(layout: "Layout") -> "Layout":
+    """The expert mesh the runtime builds: without expert parallelism it never folds (spec/layout.py
+    ``folded`` needs ep > 1), so tensor.py splits every expert over tp whatever ``etp`` says, and
+    ``etp`` = tp is what runs (expert.py is not applied at all under ep = 1)."""
     if layout.ep == 1 and layout.expert_tp != layout.tp:
-        problems.append(f"etp={layout.expert_tp} != tp={layout.tp} without expert parallelism (the runtime "
-                        "folds only under ep > 1: it splits the experts over tp)")
-    if problems:
-        raise st.NotModelled("not modelled per op: " + ", ".join(problems))
+        return layout.replace(etp=0)
+    return layout
 
 
 def dense_equivalent(spec: "ModelSpec") -> "ModelSpec":
@@ -174,6 +191,7 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                      routing: dict | None = None, order: list | None = None) -> st.RankPrediction:
     """Messages and memory of one rank of an MoE model for one training step (module doc)."""
     check_moe_supported(spec, layout)
+    layout = runtime_layout(layout)
     if layout.ep > 1 and routing is None:
         raise st.NotModelled("not modelled per op: expert parallelism without the measured routing "
                              "(predict_rank(..., routing=...): the all-to-all rows depend on it)")
@@ -242,6 +260,8 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         else:
             forwards = [1 + redo[(stage, i)] for _mb in range(m) for i in moe_ids]
         msgs += ep_messages(spec, layout, rank, routing, n_moe * m, forwards)
+        if layout.folded and layout.expert_tp > 1:
+            msgs += etp_messages(spec, layout, rank, routing, forwards)
     if layout.pp > 1:  # step_traffic's: the stage's sends, the loss broadcast, the tied embedding's sum
         msgs += st.pipeline_sends(layout, rank, hidden * 4 // (tp if layout.sp else 1))  # sp: the sequence shard
         msgs.append(st.Message("broadcast", group_along(layout, rank, "pp"), "fp32", 4))
@@ -287,13 +307,13 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
         calls = forward_calls(spec, layout, order)
         received = None
         if ep_split:
-            received = {key: [sum(ep_splits(layout, rank, routing, call)[1]) for call in ids] for key, ids in calls.items()}
+            received = {key: [received_rows(layout, rank, routing, call) for call in ids] for key, ids in calls.items()}
         held = {s: (len(ranges[s]), sum(spec.is_moe_layer(i) for i in ranges[s])) for s in {s for _k, s, _mb in order}}
         acts = moe_scheduled_activation_bytes(spec, layout, order, held, received)
     else:
         received = None
         if ep_split:
-            received = [[sum(ep_splits(layout, rank, routing, mb * n_moe + i)[1]) for i in range(n_moe)] for mb in range(m)]
+            received = [[received_rows(layout, rank, routing, mb * n_moe + i) for i in range(n_moe)] for mb in range(m)]
         acts = moe_rank_activation_bytes(spec, layout, moe_ids, nl, received, first, last, st._in_flight(layout, stage),
                                          ids=ids)
     fused = st.activation_bytes(spec, layout, nl, first, last, in_flight=st._in_flight(layout, stage))
@@ -381,6 +401,45 @@ def ep_splits(layout: "Layout", rank: int, routing: dict, call: int) -> tuple[li
     return send, recv, me
 
 
+def received_rows(layout: "Layout", rank: int, routing: dict, call: int) -> int | tuple[int, int]:
+    """The rows this rank's EP dispatcher received in ``call``; under expert TP of a folded mesh
+    (etp > 1) the pair (those rows, the rows its expert slices run on: every ETP peer's,
+    ``etp_sizes``), as moe_activations.expert_rows reads it."""
+    n = sum(ep_splits(layout, rank, routing, call)[1])
+    if layout.folded and layout.expert_tp > 1:
+        return n, sum(etp_sizes(layout, rank, routing, call))
+    return n
+
+
+def etp_sizes(layout: "Layout", rank: int, routing: dict, call: int) -> list[int]:
+    """The rows each rank of ``rank``'s ETP group received from its EP dispatcher in ``call``, in
+    ETP order (FoldedDispatcher's ``sizes``: its peers' gathered counts summed)."""
+    return [sum(ep_splits(layout, peer, routing, call)[1]) for peer in expert_group_along(layout, rank, "etp")]
+
+
+def etp_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, forwards: list[int]) -> list:
+    """Expert TP over the ETP group of a folded mesh (expert.py ``FoldedDispatcher.run_experts``, etp > 1),
+    per dispatcher call with ``n`` rows received here and ``sizes`` the ETP peers' (``etp_sizes``):
+    in each forward run the all-gather of the ``[E/ep]`` int64 local counts (``8 E / ep`` bytes from
+    each of the ``etp`` ranks; outside autograd, so in recomputations too), the rows to every peer
+    (``etp x n`` rows of the dispatched dtype, all but this rank's copy sent) and the partial outputs
+    back (``sum(sizes)`` rows of the experts' dtype, all but this rank's own ``n``); in backward both
+    reversed, the partial outputs' gradient first."""
+    group = expert_group_along(layout, rank, "etp")
+    etp, h = layout.expert_tp, spec.hidden_size
+    me = group.index(rank)
+    xd, yd = dispatch_bytes(layout)
+    names = {2: "bf16", 4: "fp32"}
+    local = spec.num_experts // layout.ep
+    out: list = [st.Message("all_gather", group, "int64", etp * local * COUNT_BYTES, sum(forwards))]
+    for call, runs in enumerate(forwards):
+        sizes = etp_sizes(layout, rank, routing, call)
+        n, got = sizes[me], sum(sizes)
+        for rows, own, size in ((etp * n, n, xd), (got, n, yd)) * runs + ((etp * n, n, yd), (got, n, xd)):
+            out.append(SplitMessage("all_to_all", group, names[size], rows * h * size, 1, (rows - own) * h * size))
+    return [mm for mm in out if mm.payload]
+
+
 def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, calls: int,
                 forwards: list[int] | None = None) -> list:
     """The EP all-to-alls of one step given the measured routing (module doc): per call the count
@@ -411,8 +470,10 @@ def ep_messages(spec: "ModelSpec", layout: "Layout", rank: int, routing: dict, c
 def apriori_all_to_all_bytes(spec: "ModelSpec", layout: "Layout", calls: int, runs: int | None = None) -> float:
     """All-to-all payload of a step at uniform routing times ``LOAD_IMBALANCE`` (reported only):
     per call ``T k`` rows dispatched and combined, forward and backward (and the forward again
-    under recompute=full), plus the counts (each forward)."""
+    under recompute=full), plus the counts (each forward); under expert TP of a folded mesh the ETP
+    group's rows too (``etp`` copies of the rows out, their partial outputs back)."""
     xd, yd = dispatch_bytes(layout)
-    rows = layout.mbs * layout.seq // layout.cp * spec.top_k * LOAD_IMBALANCE
+    rows = rank_tokens(layout)[2] * spec.top_k * LOAD_IMBALANCE
     runs = runs if runs is not None else calls * (2 if layout.recompute == "full" else 1)  # the calls' forward runs
-    return (calls + runs) * rows * spec.hidden_size * (xd + yd) + runs * spec.num_experts * COUNT_BYTES
+    copies = 1 + (layout.expert_tp if layout.folded and layout.expert_tp > 1 else 0)
+    return (calls + runs) * copies * rows * spec.hidden_size * (xd + yd) + runs * spec.num_experts * COUNT_BYTES
