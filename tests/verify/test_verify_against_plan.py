@@ -56,7 +56,6 @@ CASES = [
     f"cp=2,gbs=2,{FP32}",
     f"cp=2,zero=2,gbs=4,{FP32}",  # 2 micro-batches: twice the ring's sends, one reduce-scatter over dp x cp
     f"cp=2,gbs=2,recompute=full,{FP32}",  # ring attention under recomputation: its forward K/V passes run again (3 of each send)
-    f"tp=2,etp=1,gbs=2,{FP32}",  # tiny-moe: etp != tp without EP runs as etp = tp (moe_traffic.runtime_layout): judged
     # recomputation (plan/predict/activations.py recompute_peak; full repeats each block's forward
     # collectives up to its last saved tensor): every row judged, activations exact in fp32 (tp: up to 28 bytes of masks)
     f"dp=2,gbs=4,recompute=full,{FP32}",
@@ -79,7 +78,7 @@ CASES = [
     f"pp=2,gbs=4,schedule=zero-bubble,recompute=selective,{FP32}",
 ]
 ETP_NO_EP = f"tp=2,etp=1,gbs=2,{FP32}"
-MODELS: dict[str, str] = {ETP_NO_EP: "tiny-moe"}  # a case's model where it is not tiny-llama
+MODELS: dict[str, str] = {}  # a case's model where it is not tiny-llama
 ZERO_BUBBLE = [c for c in CASES if "zero-bubble" in c]
 # still refused (step_traffic._extras_unchecked): gpt2's LayerNorm layer over tp under zero-bubble, on 4
 # ranks of the tiny gpt2 checkpoint (tests/hf_tiny.py); judged in-world in test_verify_against_plan_etp.py
@@ -262,12 +261,20 @@ def test_zero_bubble_weight_step_recomputes_tp_collectives_by_hand():
         assert sum(m.payload * m.calls for m in tp) == total == (180_224 if rank == 0 else 475_904)
 
 
-def test_etp_without_ep_is_judged_as_etp_equal_tp(reports):
-    """tiny-moe ``tp=2,etp=1`` (ep = 1): the runtime never folds without EP and splits the experts over
-    tp, so every row is judged against the ``etp`` = tp forecast (was refused as not modelled)."""
-    report = reports[CASES.index(ETP_NO_EP)]
-    assert report["passed"] and all(c["passed"] for c in report["checks"])
-    assert all(r["predicted"] is not None for r in report["against_plan"])
+def test_etp_without_ep_is_refused_by_the_runtime():
+    """tiny-moe ``tp=2,etp=1`` (ep = 1): the planner prices Megatron's fold (experts not split over
+    tp), the runtime has no expert mesh without EP and would split them over tp: ``run`` / ``verify``
+    refuse it in one line instead of running a layout other than the one asked for."""
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.layout import Layout
+    from modelcarve.spec.support import runtime_problems
+
+    spec = get_model("tiny-moe")
+    problems = runtime_problems(Layout.parse(ETP_NO_EP), spec)
+    assert len(problems) == 1 and "etp=1 != tp=2 without expert parallelism" in problems[0]
+    assert "\n" not in problems[0] and "ep > 1" in problems[0]
+    assert runtime_problems(Layout.parse(f"tp=2,gbs=2,{FP32}"), spec) == []
+    assert runtime_problems(Layout.parse(f"tp=2,etp=2,gbs=2,{FP32}"), spec) == []
 
 
 def test_judged_layouts_leave_nothing_unjudged(reports, reports4):

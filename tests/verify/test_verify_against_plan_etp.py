@@ -6,9 +6,8 @@ real gloo ranks (one 4-rank world, tiny models): every row judged, bytes equal t
   local counts, sends every peer a copy of the rows it received and gets back the partial outputs of
   its rows from each; both all-to-alls reversed in backward (plan/predict/moe_traffic.py
   ``etp_messages``). Its experts run on the whole ETP group's rows (moe_activations.expert_rows).
-* ``etp`` != ``tp`` without expert parallelism: the runtime never folds under ep = 1 (spec/layout.py
-  ``folded``), tensor.py splits the experts over tp, so it runs, and is priced, as ``etp`` = tp
-  (moe_traffic.runtime_layout).
+* (``etp`` != ``tp`` without expert parallelism: the runtime has no expert mesh under ep = 1 and
+  refuses it, spec/support.py ``runtime_problems``: test_verify_against_plan.py.)
 
 Measured on tiny-moe ``tp=4,ep=2,etp=2`` (fp32, two micro-batches; rank 3's experts get no rows in
 one call): all-to-all 221,696 / 233,984 / 172,544 / 160,256 bytes on ranks 0-3 (EP and ETP groups both
@@ -46,11 +45,6 @@ ETP = [
     ("tiny-moe", f"tp=4,ep=2,etp=2,gbs=2,{BF16}"),
     (Q3, f"dp=4,ep=2,etp=2,gbs=8,recompute=full,{FP32}"),
 ]
-NO_EP = [
-    ("tiny-moe", f"tp=4,etp=1,gbs=2,{FP32}"),
-    ("tiny-moe", f"tp=2,dp=2,etp=1,gbs=4,{FP32}"),
-    ("tiny-moe", f"dp=4,etp=2,gbs=4,{FP32}"),
-]
 UNMODELLED = [("gpt2", f"pp=2,tp=2,gbs=4,schedule=zero-bubble,{FP32}", "LayerNorm over tp under the zero-bubble schedule")]
 # the measured bytes, rank by rank: (case, quantity, axis) -> [rank 0 .. 3]
 BYTES = {
@@ -70,12 +64,12 @@ def reports(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("etp")
     save_biased(root)
     paths = dict(checkpoint) | {"gpt2": str(root / "gpt2")}
-    jobs = [(paths.get(m, m), layout) for m, layout, *_ in ETP + NO_EP + UNMODELLED]
+    jobs = [(paths.get(m, m), layout) for m, layout, *_ in ETP + UNMODELLED]
     return run_distributed(against_plan_worker, 4, jobs, timeout=900)[0]
 
 
 def test_every_row_judged_and_exact(reports):
-    for (model, layout), report in zip(ETP + NO_EP, reports):
+    for (model, layout), report in zip(ETP, reports):
         assert_every_row_judged(f"{model}: {layout}", report)
         assert report["passed"] and all(c["passed"] for c in report["checks"]), layout
         for r in report["against_plan"]:
@@ -92,23 +86,10 @@ def test_expert_tp_bytes_by_rank(reports):
         assert got == {rank: (b, b) for rank, b in enumerate(want)}, (ETP[case], quantity, axis)
 
 
-def test_etp_without_ep_prices_as_etp_equal_tp(reports):
-    from modelcarve.plan.predict.moe_traffic import forecast_rank
-    from modelcarve.spec.catalog import get_model
-    from modelcarve.spec.layout import Layout
-
-    spec = get_model("tiny-moe")
-    for _model, layout in NO_EP:
-        a = Layout.parse(layout)
-        same = forecast_rank(spec, a.replace(etp=0), 0)
-        assert forecast_rank(spec, a, 0).messages == same.messages
-        assert forecast_rank(spec, a, 0).memory == same.memory
-
-
 def test_still_refused_is_not_a_pass(reports):
     from modelcarve.verify.against_plan import passed, unjudged
 
-    for (_model, layout, reason), report in zip(UNMODELLED, reports[len(ETP + NO_EP):]):
+    for (_model, layout, reason), report in zip(UNMODELLED, reports[len(ETP):]):
         rows = report["against_plan"]
         assert not passed(rows) and any(reason in why for why in unjudged(rows)), (layout, unjudged(rows))
         assert report["passed"] is False

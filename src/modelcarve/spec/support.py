@@ -205,6 +205,12 @@ def runtime_problems(layout: "Layout", spec: "ModelSpec") -> list[str]:
         problems.append(f"folded experts (etp={layout.expert_tp}, tp={layout.tp}): each TP rank routes seq/cp / tp "
                         f"tokens, but seq/cp = {layout.seq // layout.cp} is not divisible by tp={layout.tp}; "
                         f"choose seq a multiple of {layout.cp * layout.tp}")
+    if spec.is_moe and layout.ep == 1 and layout.etp and layout.etp != layout.tp:
+        # the planner prices Megatron's fold (experts etp-way split, replicated over the rest); the
+        # runtime builds an expert mesh only under EP (expert.py) and would split them over tp
+        problems.append(f"etp={layout.etp} != tp={layout.tp} without expert parallelism is not implemented by the "
+                        f"runtime (it folds the expert mesh only under ep > 1); drop etp, or set etp={layout.tp}, "
+                        f"or use ep > 1")
     if layout.param_dtype not in TRAIN_PARAM_DTYPES:
         problems.append(f"param_dtype={layout.param_dtype} is not implemented by the runtime; use bf16 or fp32")
     if layout.recompute not in RECOMPUTE_RUNTIME:

@@ -46,9 +46,9 @@ the expert mesh (spec/ranks.py), on one rank:
   received and gets back the partial outputs of its rows from each (``etp x n`` and ``sum(sizes)``
   rows, ``sizes`` the peers' ``n``, read off the recorded routing), both reversed in backward;
   its experts run on the whole ETP group's rows (moe_activations.expert_rows);
-* ``etp`` != ``tp`` without expert parallelism: the runtime never folds there (``folded`` needs
-  ep > 1), so tensor.py splits the experts over tp and the forecast is that of ``etp`` = tp
-  (``runtime_layout``).
+* ``etp`` != ``tp`` without expert parallelism is refused: the runtime builds an expert mesh only
+  under EP (``folded`` needs ep > 1) and refuses it (spec/support.py ``runtime_problems``), while
+  the full-scale planner prices Megatron's fold (the experts split etp-way only).
 
 Pipelines: each rank its stages' layers (spec/stages.py ``rank_layer_ids``, dense first layers
 where they fall), step_traffic's sends (every chunk's under an interleaved schedule), loss broadcast
@@ -137,19 +137,9 @@ def forecast_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_layer
 def check_moe_supported(spec: "ModelSpec", layout: "Layout") -> None:
     """step_traffic's checks on the model's dense equivalent, then what this module leaves out."""
     st._check_supported(dense_equivalent(spec), layout.replace(ep=1, etp=0))
-    if layout.ep == 1 and layout.expert_tp != layout.tp and spec.expert_ffn_size % layout.tp:
-        raise st.NotModelled(f"not modelled per op: etp={layout.expert_tp} != tp={layout.tp} without expert parallelism "
-                             f"(the runtime splits the experts over tp, which does not divide the expert ffn size "
-                             f"{spec.expert_ffn_size})")
-
-
-def runtime_layout(layout: "Layout") -> "Layout":
-    """The expert mesh the runtime builds: without expert parallelism it never folds (spec/layout.py
-    ``folded`` needs ep > 1), so tensor.py splits every expert over tp whatever ``etp`` says, and
-    ``etp`` = tp is what runs (expert.py is not applied at all under ep = 1)."""
     if layout.ep == 1 and layout.expert_tp != layout.tp:
-        return layout.replace(etp=0)
-    return layout
+        raise st.NotModelled(f"not modelled per op: etp={layout.expert_tp} != tp={layout.tp} without expert "
+                             "parallelism (the training runtime does not run it: spec/support.runtime_problems)")
 
 
 def dense_equivalent(spec: "ModelSpec") -> "ModelSpec":
@@ -191,7 +181,6 @@ def predict_moe_rank(spec: "ModelSpec", layout: "Layout", rank: int, *, stage_la
                      routing: dict | None = None, order: list | None = None) -> st.RankPrediction:
     """Messages and memory of one rank of an MoE model for one training step (module doc)."""
     check_moe_supported(spec, layout)
-    layout = runtime_layout(layout)
     if layout.ep > 1 and routing is None:
         raise st.NotModelled("not modelled per op: expert parallelism without the measured routing "
                              "(predict_rank(..., routing=...): the all-to-all rows depend on it)")
