@@ -10,11 +10,13 @@ real gloo ranks (one 4-rank world, tiny models): every row judged, bytes equal t
   refuses it, spec/support.py ``runtime_problems``: test_verify_against_plan.py.)
 
 Measured on tiny-moe ``tp=4,ep=2,etp=2`` (fp32, two micro-batches; rank 3's experts get no rows in
-one call): all-to-all 221,696 / 233,984 / 172,544 / 160,256 bytes on ranks 0-3 (EP and ETP groups both
-``tp_sub``), the ETP count all-gather 512 bytes (64 a call, 8 calls), the output all-gather over tp
-65,536, predicted the same. ``dp=4,ep=2,etp=2``: the ETP group (ranks 0, 1) is named ``ep`` by the
-axis rule and the EP group (0, 2) ``edp``: 326,656 / 320,512 / 197,632 / 203,776 and 148,224 /
-145,152 / 114,432 / 117,504 bytes, 256 bytes of counts. Activations: the known 100 bytes over on
+one call), rows named by the expert mesh (collectives.axis_of): the EP dispatch all-to-all 70,144 /
+74,240 / 61,952 / 57,856 bytes on ranks 0-3, the ETP row all-to-alls 151,552 / 159,744 / 110,592 /
+102,400, the ETP count all-gather 512 bytes (64 a call, 8 calls), the output all-gather over tp 65,536,
+predicted the same. ``dp=4,ep=2,etp=2`` (ETP groups 0-1 and 2-3, EP groups 0-2 and 1-3): EP 148,224 /
+145,152 / 114,432 / 117,504, ETP 326,656 / 320,512 / 197,632 / 203,776 bytes, 256 bytes of counts.
+(Before, the ETP group was named ``ep`` and the EP group ``edp`` by the dp x cp sub-group heuristic,
+and both ``tp_sub`` under tp=4.) Activations: the known 100 bytes over on
 tiny-moe tp=4 (four MoE layers' aux loads over, the masks under), 128 under dp=4, in fp32 and bf16.
 
 Still refused (exit 2 through the CLI: tests/verify/test_verify_against_plan.py): gpt2's LayerNorm
@@ -48,12 +50,13 @@ ETP = [
 UNMODELLED = [("gpt2", f"pp=2,tp=2,gbs=4,schedule=zero-bubble,{FP32}", "LayerNorm over tp under the zero-bubble schedule")]
 # the measured bytes, rank by rank: (case, quantity, axis) -> [rank 0 .. 3]
 BYTES = {
-    (0, "payload:all_to_all", "tp_sub"): [221_696, 233_984, 172_544, 160_256],
-    (0, "payload:all_gather", "tp_sub"): [512] * 4,
+    (0, "payload:all_to_all", "ep"): [70_144, 74_240, 61_952, 57_856],
+    (0, "payload:all_to_all", "etp"): [151_552, 159_744, 110_592, 102_400],
+    (0, "payload:all_gather", "etp"): [512] * 4,
     (0, "payload:all_gather", "tp"): [65_536] * 4,
-    (1, "payload:all_to_all", "ep"): [326_656, 320_512, 197_632, 203_776],
-    (1, "payload:all_to_all", "edp"): [148_224, 145_152, 114_432, 117_504],
-    (1, "payload:all_gather", "ep"): [256] * 4,
+    (1, "payload:all_to_all", "ep"): [148_224, 145_152, 114_432, 117_504],
+    (1, "payload:all_to_all", "etp"): [326_656, 320_512, 197_632, 203_776],
+    (1, "payload:all_gather", "etp"): [256] * 4,
 }
 
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modelcarve.plan.cost.comm import all_gather_bytes, reduce_scatter_bytes, ring_all_reduce_bytes
-from modelcarve.spec.ranks import MESH_AXES, coords
+from modelcarve.spec.ranks import MESH_AXES, coords, expert_group_along
 
 _state: dict = {"ranks_per_node": None}
 
@@ -70,7 +70,8 @@ def tier_of(ranks, per_node: int, me: int | None = None) -> str:
 
 def axis_of(ranks, layout) -> str:
     """The layout axes a group spans, named by the mesh axes whose coordinate varies over it, in
-    mesh order joined by '_': 'tp', 'pp', 'dp', 'dp_cp', 'pp_dp_cp_tp', ...; 'ep', 'edp',
+    mesh order joined by '_': 'tp', 'pp', 'dp', 'dp_cp', 'pp_dp_cp_tp', ...; 'etp', 'ep', 'edp' for a
+    group of the expert mesh that is no whole attention axis (spec/ranks.py ``expert_group_along``),
     'dp_cp_shard' / 'dp_cp_replicate' for the sub-groups of the dp x cp ranks, '<axes>_sub' for
     another sub-group (e.g. a tied embedding's first and last stage when pp > 2), 'self' for one
     rank. Never 'world': a group over every rank is named by what varies over it (on ``tp=2``
@@ -89,6 +90,10 @@ def axis_of(ranks, layout) -> str:
     name = "_".join(varying)
     if len(ranks) == full:
         return name
+    if layout.ep > 1:  # a group of the expert mesh (spec/ranks.py: EDP x EP x ETP per stage), by its own axes
+        for axis in ("etp", "ep", "edp"):
+            if sorted(expert_group_along(layout, ranks[0], axis)) == ranks:
+                return axis
     if set(varying) <= {"dp", "cp"}:  # a sub-group of the dp x cp ranks (EP, expert-dp, HSDP)
         consecutive = _consecutive_f(cs, layout)
         if layout.ep > 1 and len(ranks) == layout.ep and consecutive:
