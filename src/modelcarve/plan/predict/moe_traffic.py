@@ -79,12 +79,11 @@ tests/verify/test_verify_against_plan_folded.py: tiny-moe and the tiny Qwen3-MoE
 tp and tp x sp, pp=2 1F1B, tp x dp x ep=4, cp=2 x tp=2 with ep 2 and 4: bytes to the byte, fp32
 activations within 156 bytes; tiny-moe tp=2,ep=2,etp=1 full: 216,064 / 179,200 bytes of all-to-all on
 ranks 0 / 1, 116,120 / 91,464 bytes of activations measured against 116,136 / 91,480 predicted).
-Expert TP on a folded mesh and ``etp`` != ``tp`` under ep = 1 are checked on gloo ranks
-(tests/verify/test_verify_against_plan_etp.py: tiny-moe tp=4,ep=2,etp=2 with and without sp, full and
-selective recomputation, bf16; dp=4,ep=2,etp=2 under ZeRO-1; cp=2 x dp=2; the tiny Qwen3-MoE; tp=4 / tp=2
-x dp=2 / dp=4 with ep=1 and etp != tp): every byte equal, activations as elsewhere (+100 bytes on tiny-moe
-tp=4 in fp32 and bf16: the aux loads over, the masks under). Not covered (``NotModelled``): ``etp`` != ``tp``
-under ep = 1 where tp does not divide the expert ffn size (layout validation does not catch it there).
+Expert TP on a folded mesh is checked on gloo ranks (tests/verify/test_verify_against_plan_etp.py:
+tiny-moe tp=4,ep=2,etp=2 with and without sp, full and selective recomputation, bf16; dp=4,ep=2,etp=2
+under ZeRO-1; cp=2 x dp=2; the tiny Qwen3-MoE): every byte equal, activations as elsewhere (+100 bytes
+on tiny-moe tp=4 in fp32 and bf16: the aux loads over, the masks under). Not covered (``NotModelled``,
+and refused by the runtime): ``etp`` != ``tp`` under ep = 1.
 DeepSeek-V3's sigmoid, group-limited router is priced with the softmax router's saved tensors
 (its own differ by a few hundred bytes a layer: 0.4-1.5% of a rank's activations on the tiny
 deepseek_v3 checkpoint, tests/verify/test_verify_against_plan_mla.py); the bytes do not depend on it.
