@@ -94,3 +94,18 @@ def test_schedule_costs_are_the_planners_stages_plus_the_head():
     assert v2["f"][3] == pytest.approx(c["f"][0] / 2 + head_f, rel=1e-12)
     with pytest.raises(ValueError, match="no pipeline"):
         schedule_costs(spec, cluster, Layout.parse("dp=2,gbs=2,seq=64"))
+
+
+def test_probed_device_runs_gemms_at_its_measured_rate():
+    """A probed device's peaks are achieved rates (``gemm_efficiency`` 1.0, plan/cost/efficiency.py
+    ``achieved``): the training planner prices its GEMMs at them, with none of the GPU-fitted ramp
+    or tile model on top, as the serving planner does. The head of small-llama at seq 64:
+    2 x 64 x 8192 x 384 / 2.5e11 = 1.6106 ms (the GPU model's 0.7 x 64/128 x 8192/8256 x 384/448 = 0.30 of
+    the peak gave 3.4x that);
+    the loss's 14 bytes a logit: 14 x 64 x 8192 / 2.5e10 = 0.2936 ms."""
+    from modelcarve.plan.cost.efficiency import gemm_time_s, matmul_efficiency, memory_bound_time_s
+
+    dev = _cluster().device
+    assert matmul_efficiency(dev, 64, 8192, 384, "fp32") == 1.0
+    assert gemm_time_s(dev, 64, 8192, 384, 1.0, "fp32") == pytest.approx(2 * 64 * 8192 * 384 / 2.5e11, rel=1e-12)
+    assert memory_bound_time_s(dev, 14.0 * 64 * 8192) == pytest.approx(14.0 * 64 * 8192 / 2.5e10, rel=1e-12)

@@ -120,6 +120,14 @@ def peak_fraction(device: "DeviceSpec") -> float:
     return DEFAULT_PEAK_FRACTION
 
 
+def achieved(device) -> bool:
+    """Whether ``device``'s peaks are achieved rates (a probed device: ``DeviceSpec.gemm_efficiency``
+    > 0, ``hardware --probe`` writes 1.0), so no efficiency model applies on top of them: the one
+    rule the training planner (``matmul_efficiency``, ``memory_bound_time_s``) and the serving
+    planner (plan/serve/rates.py) follow."""
+    return getattr(device, "gemm_efficiency", 0.0) > 0.0
+
+
 def _ramp(d: float) -> float:
     return d / (d + RAMP_DIM)
 
@@ -132,6 +140,8 @@ def matmul_efficiency(device: "DeviceSpec", m: float, n: float, k: float, dtype:
     """Achievable fraction (0..1) of ``device``'s dense ``dtype`` peak for an (m x k) @ (k x n) GEMM."""
     if m <= 0 or n <= 0 or k <= 0:
         return 1.0
+    if achieved(device):  # measured rates (a probed CPU): the GPU-fitted ramp and tile model do not apply
+        return device.gemm_efficiency
     eff = peak_fraction(device) * _ramp(m) * _ramp(n) * _ramp(k) * _padded(m) * _padded(n)
     if dtype == "fp8":
         eff *= FP8_PEAK_RATIO
@@ -152,5 +162,6 @@ def gemm_time_s(device: "DeviceSpec", m: float, n: float, k: float, batch: float
 
 
 def memory_bound_time_s(device: "DeviceSpec", nbytes: float) -> float:
-    """Seconds for a kernel that streams ``nbytes`` through HBM (element-wise ops, norms, softmax)."""
-    return nbytes / (device.hbm_bytes_per_s * HBM_EFFICIENCY)
+    """Seconds for a kernel that streams ``nbytes`` through HBM (element-wise ops, norms, softmax);
+    on a probed device at its measured rate (``achieved``) times its ``gemm_efficiency``."""
+    return nbytes / (device.hbm_bytes_per_s * (device.gemm_efficiency if achieved(device) else HBM_EFFICIENCY))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from modelcarve.plan.cost import comm, efficiency
-from modelcarve.plan.cost.efficiency import HBM_EFFICIENCY, RAMP_DIM, TILE, matmul_efficiency, peak_fraction
+from modelcarve.plan.cost.efficiency import HBM_EFFICIENCY, RAMP_DIM, TILE, achieved, matmul_efficiency, peak_fraction
 from modelcarve.spec.hardware import ClusterSpec
 
 DECODE_HBM_EFFICIENCY = 0.80
@@ -58,12 +58,6 @@ CSV's header has the issue-28 diagnosis: ~6-8 us per prompt token on B200 that i
 
 _EFF_CACHE: dict[tuple, float] = {}
 _TIER_CACHE: dict[tuple, tuple] = {}
-
-
-def achieved(device) -> bool:
-    """Whether ``device``'s peaks are achieved rates (a probed device: ``DeviceSpec.gemm_efficiency``
-    > 0), so no efficiency model applies on top of them."""
-    return getattr(device, "gemm_efficiency", 0.0) > 0.0
 
 
 def decode_hbm_efficiency(device) -> float:
