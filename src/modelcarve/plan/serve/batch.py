@@ -50,7 +50,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     step, slope, other, other_slope, grows = _step_slope(c, top)
     walk = walk_s(c) if pp > 1 else 0.0  # no round beats one walk through the stages (time.round_s)
     round_s = (pp * step if pp * step > walk else walk) + c.step_s if max_b >= pp else _round_s(c, max_b)
-    per_seq = drain / prefill_overlap(pp if pp < max_b else max_b, max_b, out) / out
+    per_seq = drain / prefill_overlap(pp, max_b, out) / out
     if tpot_bound - (round_s + (max_b - 1) * per_seq) >= 0 and ttft_bound - (prefill + (round_s if max_b > 1 else 0.0)) >= 0:
         return max_b, (round_s, round_s + (max_b - 1) * per_seq, prefill + (round_s if max_b > 1 else 0.0), max_b / (round_s + max_b * per_seq))
     lo_round = 0.0
@@ -60,7 +60,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     tpot_over, ttft_over = tpot_bound * (1 + 1e-12), ttft_bound * (1 + 1e-12)
     while True:
         b = 1 if q == 1 else (q - 1) * pp + 1  # the band's first batch
-        per_seq = drain / prefill_overlap(pp if pp < b else b, b, out) / out
+        per_seq = drain / prefill_overlap(pp, b, out) / out
         tpot_slack = tpot_bound - (round_s + (b - 1) * per_seq)
         if tpot_slack >= 0 and ttft_bound - (prefill + (round_s if b > 1 else 0.0)) >= 0:
             lo, lo_round = q, round_s
@@ -111,7 +111,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
     b_lo, b_hi = (1 if lo == 1 else (lo - 1) * pp + 1), min(lo * pp, max_b)
     while b_lo < b_hi:
         mid = (b_lo + b_hi + 1) // 2
-        per_seq = drain / prefill_overlap(pp if pp < mid else mid, mid, out) / out
+        per_seq = drain / prefill_overlap(pp, mid, out) / out
         # band 1 (one sequence a micro-batch): the round grows with the batch up to pp sequences
         # (time.round_s: pp steps of the fullest stage may exceed the walk), not shared
         r = _round_s(c, mid) if lo == 1 else round_s
@@ -121,7 +121,7 @@ def _largest_batch(c, max_b: int, ttft_bound: float, tpot_bound: float) -> tuple
             b_hi = mid - 1
     if lo == 1:
         round_s = _round_s(c, b_lo)
-    per_seq = drain / prefill_overlap(pp if pp < b_lo else b_lo, b_lo, out) / out
+    per_seq = drain / prefill_overlap(pp, b_lo, out) / out
     ttft = prefill + (round_s if b_lo > 1 else 0.0)
     return b_lo, (round_s, round_s + (b_lo - 1) * per_seq, ttft, b_lo / (round_s + b_lo * per_seq))
 

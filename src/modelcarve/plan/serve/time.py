@@ -378,9 +378,9 @@ def decode_tpot_s(c: LayoutCosts, batch: int) -> float:
     return round_s(c, batch)
 
 
-def prefill_overlap(micro: int, batch: int, output_len: int) -> float:
-    """How many prefills share the stretch of decode time one prefill adds, with ``micro``
-    micro-batches of ``batch`` sequences in flight (``micro = 1`` without a pipeline: 1).
+def prefill_overlap(pp: int, batch: int, output_len: int) -> float:
+    """How many prefills share the stretch of decode time one prefill adds, with ``batch`` sequences
+    in ``micro = min(pp, batch)`` micro-batches in flight (``pp = 1``, no pipeline: 1).
 
     Each sequence prefills once per ``output_len`` rounds, so ``q = batch / output_len`` prefills
     fall in a round on average. Under a pipeline only ``micro`` micro-batches are ever in flight
@@ -389,9 +389,10 @@ def prefill_overlap(micro: int, batch: int, output_len: int) -> float:
     (``k`` prefills keep each stage busy ``k / micro`` walks; one alone still walks every stage):
     a lone prefill delays every request by its whole walk, not ``1 / micro`` of it. Per prefill,
     with ``k`` taken as ``q``: ``q <= 1`` no sharing (1), ``1 <= q <= micro`` ``q``, beyond ``micro``
-    (a prefill in every micro-batch of every round). Measured on CPU (pp=2, ~97M llama, 64-token
+    ``micro`` (a prefill in every micro-batch of every round). Measured on CPU (pp=2, ~97M llama, 64-token
     prompts, 16 new tokens, 0.65 requests/s): TPOT p50 39.0 ms where the decode walk is ~30 ms,
     i.e. one other request's ~130 ms prefill over 15 tokens, as 1 gives; ``micro`` gave 29.0 ms."""
+    micro = pp if pp < batch else batch
     q = batch / output_len
     if q >= micro:
         return float(micro)
@@ -408,9 +409,8 @@ def _rates(c: LayoutCosts, batch: int) -> tuple[float, float, float, float]:
     TPOT carries the other ``batch - 1`` requests' prefills; the throughput carries all ``batch``."""
     if c.prefill_s < 0:
         _ensure_prefill(c)
-    micro = c.pp if c.pp < batch else batch
     rnd = round_s(c, batch)
-    per_seq = c.input_len * c.prefill_token_s / prefill_overlap(micro, batch, c.output_len) / c.output_len
+    per_seq = c.input_len * c.prefill_token_s / prefill_overlap(c.pp, batch, c.output_len) / c.output_len
     tpot = rnd + (batch - 1) * per_seq
     ttft = c.prefill_s + (rnd if batch > 1 else 0.0)
     return rnd, tpot, ttft, batch / (rnd + batch * per_seq)
