@@ -72,7 +72,7 @@ def axis_of(ranks, layout) -> str:
     """The layout axes a group spans, named by the mesh axes whose coordinate varies over it, in
     mesh order joined by '_': 'tp', 'pp', 'dp', 'dp_cp', 'pp_dp_cp_tp', ...; 'etp', 'ep', 'edp' for a
     group of the expert mesh that is no whole attention axis (spec/ranks.py ``expert_group_along``),
-    'dp_cp_shard' / 'dp_cp_replicate' for the sub-groups of the dp x cp ranks, '<axes>_sub' for
+    'dp_cp_shard' / 'dp_cp_replicate' for the other sub-groups of the dp x cp ranks, '<axes>_sub' for
     another sub-group (e.g. a tied embedding's first and last stage when pp > 2), 'self' for one
     rank. Never 'world': a group over every rank is named by what varies over it (on ``tp=2``
     over 2 ranks the world is the tp group, 'tp'; the gradient norm's all-reduce on ``pp=2,tp=2``
@@ -94,13 +94,8 @@ def axis_of(ranks, layout) -> str:
         for axis in ("etp", "ep", "edp"):
             if sorted(expert_group_along(layout, ranks[0], axis)) == ranks:
                 return axis
-    if set(varying) <= {"dp", "cp"}:  # a sub-group of the dp x cp ranks (EP, expert-dp, HSDP)
-        consecutive = _consecutive_f(cs, layout)
-        if layout.ep > 1 and len(ranks) == layout.ep and consecutive:
-            return "ep"
-        if layout.ep > 1 and len(ranks) == layout.dp * layout.cp // layout.ep and not consecutive:
-            return "edp"
-        return "dp_cp_shard" if consecutive else "dp_cp_replicate"
+    if set(varying) <= {"dp", "cp"}:  # another sub-group of the dp x cp ranks (HSDP's shard / replicate)
+        return "dp_cp_shard" if _consecutive_f(cs, layout) else "dp_cp_replicate"
     return name + "_sub"
 
 
