@@ -353,7 +353,7 @@ class TrainCostModel(ProfileMixin):
         """Model states per stage for one (profile, ZeRO, dtypes): constant across schedules, so
         cached in the profile; the data-parallel traffic is added by ``_dp_comm`` when needed."""
         pk = prof["key"]
-        held = self.holds_layers(cand.zero, cand.pp, cand.schedule)
+        held = self.holds_layers(cand.zero, cand.pp)
         gathers = fsdp_layer_gathers(cand.pp, cand.schedule, prof["n_mb"]) if held else 0
         states, top_states, reserved, bucket = self.dp_static(pk[:5], pk[8], pk[9], cand.zero, cand.dp_shard,
                                                               cand.param_dtype, cand.grad_dtype, cand.optim_dtype, held)
@@ -371,7 +371,7 @@ class TrainCostModel(ProfileMixin):
         }
 
     @staticmethod
-    def holds_layers(zero: int, pp: int, _schedule: str = "") -> bool:
+    def holds_layers(zero: int, pp: int) -> bool:
         """ZeRO-3 under a pipeline, any schedule (spec/support.py ``fsdp_holds_gradients``: torch's
         pipeline stage turns FSDP's gradient sync and its reshard after backward off until the step's
         ``perform_reduce_grad``): the stage's gradients held unsharded and its layers and root unit

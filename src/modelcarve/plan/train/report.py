@@ -27,7 +27,7 @@ def build_report(cost: "TrainCost", cand: "Candidate", prof: dict, d: dict, *, p
                  inflight: float, fits: bool, n_mb: int, idle: float, t_mb: float, p2p: float, p2p_total: float, step: float,
                  tokens_per_s: float) -> dict:
     """The estimate JSON of candidate ``cand`` from the cost model's profile and DP entry."""
-    tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, schedule, v = cand[:12]
+    tp, cp, pp, dp, ep, mbs, sp, recompute, zero, dp_shard, _schedule, v = cand[:12]
     etp = cand.etp
     seq, tokens = cost.seq, prof["tokens"]
     p_dt = cand.param_dtype
@@ -89,7 +89,7 @@ def build_report(cost: "TrainCost", cand: "Candidate", prof: dict, d: dict, *, p
     cap = cost.capacity / GIB
     where = "the device" if worst == "only" else f"the {worst} pipeline stage"
     if not fits and cost.states_floor(tp, cp, pp, dp, ep, zero, dp_shard, cand.param_dtype, cand.grad_dtype,
-                                      cand.optim_dtype, etp, v, cost.holds_layers(zero, pp, schedule)) > cost.capacity:
+                                      cand.optim_dtype, etp, v, cost.holds_layers(zero, pp)) > cost.capacity:
         # the stage with the most model state (not necessarily the one with the highest peak)
         fullest, states = max(((k, sum(cost.state_parts(prof, cand, k).values())) for k in prof["stages"]),
                               key=lambda kv: kv[1])
