@@ -212,15 +212,21 @@ def available_bytes_per_rank(per_node: int) -> tuple[int, str]:
     return avail // max(1, per_node), f"available RAM {avail / 2**30:.1f} GiB / {per_node} ranks on this node"
 
 
-def _mem_available() -> int:
+def meminfo_bytes(field: str) -> int | None:
+    """``/proc/meminfo``'s ``field`` (``MemAvailable``, ``MemTotal``) in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def _mem_available() -> int:
+    avail = meminfo_bytes("MemAvailable")
+    return avail if avail is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def predicted_bytes(layout: Layout, spec, on_gpu: bool) -> int:

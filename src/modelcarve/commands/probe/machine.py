@@ -313,14 +313,10 @@ def summarise(per_rank: list[dict], ranks: int, threads: int) -> dict:
 
 
 def _mem_total() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 * 2**30
+    from modelcarve.commands.launching.prelaunch import meminfo_bytes
+
+    total = meminfo_bytes("MemTotal")
+    return total if total is not None else 16 * 2**30
 
 
 def cluster_dict(probe: dict) -> dict:
