@@ -17,10 +17,8 @@ drain, 1 otherwise.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import socket
 import tempfile
 
 from modelcarve.spec.errors import ModelcarveError
@@ -53,16 +51,9 @@ def check_port(host: str, port: int) -> None:
     """Refuse a port that is taken (or an address not of this machine) in one line, before any rank."""
     if not 0 < port < 65536:
         raise ModelcarveError(f"--port {port} is not a TCP port (1-65535)")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is not "in use"
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise ModelcarveError(f"port {port} on {host} is already in use; stop what listens there or choose "
-                                      "another with --port") from None
-            raise ModelcarveError(f"cannot listen on {host}:{port}: {err.strerror}; check --host") from None
+    from modelcarve.serve.server import bind_listener
+
+    bind_listener(host, port).close()
 
 
 def _prepare(args):

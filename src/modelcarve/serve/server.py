@@ -18,9 +18,39 @@ otherwise, with one line saying how many). A second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import socket
 import sys
 import time
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), or one line saying why not.
+
+    Rank 0 binds it before the engine is built and hands it to uvicorn: the engine's collectives
+    (gloo's pairs, torchrun's store) open ephemeral ports meanwhile, and one of them could take
+    the port a caller had found free. The pre-launch check (commands/serve.check_port) binds
+    through here too, so both refuse in the same words."""
+    from modelcarve.spec.errors import ModelcarveError
+
+    if not 0 <= port < 65536:
+        raise ModelcarveError(f"--port {port} is not a TCP port (1-65535)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is not "in use"
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ModelcarveError(f"port {port} on {host} is already in use; stop what listens there or choose "
+                                  "another with --port") from None
+        raise ModelcarveError(f"cannot listen on {host}:{port}: {err.strerror}; check --host") from None
+    except (OverflowError, socket.gaierror) as err:
+        sock.close()
+        raise ModelcarveError(f"cannot listen on {host}:{port}: {err}; check --host and --port") from None
+    return sock
 
 
 def _context_len(engine) -> int:
@@ -78,8 +108,9 @@ def _make_server_class():
 
 def run_http(engine, *, model: str, layout: str, host: str, port: int, served_model_name: str | None,
              api_key: str | None, max_queue: int, drain_timeout: float, world_size: int,
-             log_level: str = "warning") -> None:
-    """Serve ``engine`` on rank 0 until a signal drains it; raises (exit 1) when the drain was not clean."""
+             log_level: str = "warning", sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` on rank 0 until a signal drains it; raises (exit 1) when the drain was not clean.
+    ``sock``: the socket bind_listener bound for ``host:port`` (bound here when not given)."""
     import uvicorn
 
     from modelcarve.serve.app import ServedModel, create_app
@@ -95,6 +126,8 @@ def run_http(engine, *, model: str, layout: str, host: str, port: int, served_mo
     app = create_app(bridge, metrics, served, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    sock = sock or bind_listener(host, port)
+    port = sock.getsockname()[1]
     server = _make_server_class()(config)
     server.bridge, server.drain_timeout_s = bridge, drain_timeout
     stats = bridge.stats()
@@ -107,7 +140,7 @@ def run_http(engine, *, model: str, layout: str, host: str, port: int, served_mo
     bridge.on_broken = broken
     bridge.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     except SystemExit:  # uvicorn exits 1 when it cannot bind
         server.started = False
     finally:
@@ -136,6 +169,7 @@ def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dt
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     extra = dict(max_num_seqs=max_num_seqs) if max_num_seqs else {}
+    sock = bind_listener(host, port) if int(os.environ.get("RANK", "0")) == 0 else None  # before any collective
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=model, layout=layout, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                                  kv_cache_bytes=kv_cache_bytes, timeout_s=timeout_s, **extra))
@@ -149,7 +183,8 @@ def serve_worker(model: str, layout: str, weight_dtype: str | None = None, kv_dt
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sys.stderr.write(f"modelcarve: engine ready on {world} rank(s) in {time.perf_counter() - t0:.1f} s\n")
     run_http(engine, model=model, layout=layout_name or str(layout), host=host, port=port, served_model_name=served_model_name,
-             api_key=api_key, max_queue=max_queue, drain_timeout=drain_timeout, world_size=world, log_level=log_level)
+             api_key=api_key, max_queue=max_queue, drain_timeout=drain_timeout, world_size=world, log_level=log_level,
+             sock=sock)
 
 
 def main(argv: list[str] | None = None) -> int:
