@@ -1,12 +1,13 @@
-"""The engine's packed and fused linears: ``PackedLinear`` (one oneDNN-packed weight copy), and a
-llama-shaped decoder block in a few ops (``FusedBlock``), both built once at load.
+"""The engine's packed and fused linears: ``PackedLinear`` (one packed weight copy: bf16 in the
+engine's own kernel's layout, ``native.py``, where it is built here; otherwise, and fp32 always,
+oneDNN's), and a llama-shaped decoder block in a few ops (``FusedBlock``), both built once at load.
 
 Per token, the reference block (runtime/model/transformer.py) runs about 45 small tensor ops and
 7 linears through 11 ``nn.Module`` calls; at batch 1 the linears stream the weights and the
 rest is host work (~2 ms a step on the ~110M llama of benchmarks/serve_vs_peers.py). For a
 block the engine recognises (``fuse_blocks``), ``FusedBlock`` computes the same function with:
 
-* one oneDNN-packed linear for ``wq | wk | wv`` and one for ``w1 | w3`` (the weights
+* one packed linear (``pack_weight``) for ``wq | wk | wv`` and one for ``w1 | w3`` (the weights
   concatenated along the output dimension, packed once; each output element is the same dot
   product as before), replacing the per-module ``PackedLinear`` copies (memory unchanged);
 * rotary embedding applied to q and k together on the fused projection's rows
@@ -35,6 +36,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from modelcarve.runtime.engine import native
+
 
 MIN_ROWS = int(os.environ.get("MODELCARVE_ENGINE_MIN_ROWS", "4"))
 """Row count a packed linear runs at least (``packed_linear``): fewer rows are padded with zeros up
@@ -48,8 +51,21 @@ its own dot products (no row depends on another's), so the padding changes no re
 the summation order of the kernel. ``MODELCARVE_ENGINE_MIN_ROWS=1`` turns it off."""
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
-    """``x W^T + b`` of a 2-D ``x`` through a oneDNN-packed weight, at no fewer than ``MIN_ROWS`` rows."""
+def pack_weight(weight: torch.Tensor):
+    """A linear's weight packed once, at load: bf16 in the engine's own kernel's layout
+    (``native.NativeWeight``) where that kernel is built here, else oneDNN's blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight``)."""
+    weight = weight.detach()
+    if weight.dtype == torch.bfloat16 and native.NativeWeight.fits(weight) and native.available():
+        return native.NativeWeight(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(x: torch.Tensor, packed, bias) -> torch.Tensor:
+    """``x W^T + b`` of a 2-D ``x`` through a weight ``pack_weight`` packed: the native kernel at any
+    row count, oneDNN's at no fewer than ``MIN_ROWS`` rows."""
+    if type(packed) is native.NativeWeight:
+        return packed(x, bias)
     rows = x.shape[0]
     if 0 < rows < MIN_ROWS:
         pad = x.new_zeros(MIN_ROWS, x.shape[1])
@@ -59,8 +75,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
 
 
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight reordered once, at load,
-    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
+    """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight packed once, at load
+    (``pack_weight``): bf16 for the native kernel where it is built (``native.py``: ~1.4x oneDNN's
+    bf16 rate at 1-6 rows, as fast or faster up to 512), else, and fp32 always, into oneDNN's
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
     ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
     thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x
     faster than the BLAS sgemm of ``F.linear``; fp32 batch-1 TPOT 25.3 -> 15.1 ms against BLAS gemv
@@ -74,7 +92,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
         self.out_features, self.in_features = lin.weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
+        self.packed = pack_weight(lin.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
@@ -92,7 +110,7 @@ class PackedRowParallel(torch.nn.Module):
         super().__init__()
         self.weight, self.bias, self.group, self.sp = row.weight, row.bias, row.group, row.sp
         self.out_features, self.in_features = row.weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(row.weight.detach(), None)
+        self.packed = pack_weight(row.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, None)
@@ -113,7 +131,7 @@ def _packed_cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     biases = [lin.bias for lin in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None), bias
+    return pack_weight(weight), bias
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,10 +4,11 @@
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
 (runtime/engine/quant.py) -- or, for fp32 / bf16 weights on CPU, gives the layers' and the head's
-linears a oneDNN-packed copy made once at load (``PackedLinear``, fused.py, when it fits in a quarter
-of free memory) --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the
-minimum over ranks), installs paged attention (paged_attention.py) and runs the layers that
-qualify as fused blocks (fused.py ``FusedBlock``: one packed linear for q|k|v and one for w1|w3,
+linears a packed copy made once at load (``PackedLinear``, fused.py: bf16 for the native kernel
+of native.py where it is built, else oneDNN's layout; when it fits in a quarter of free memory)
+--, sizes and allocates the paged KV cache (kv_cache.py; the block count is the minimum over
+ranks), installs paged attention (paged_attention.py) and runs the layers that qualify as fused
+blocks (fused.py ``FusedBlock``: one packed linear for q|k|v and one for w1|w3,
 cos/sin from a table made at load).
 
 ``execute(plan)`` runs one engine step on this rank. ``plan`` is a ``StepPlan`` (step_plan.py):
@@ -107,7 +108,7 @@ def _packable(mod, dtypes: tuple) -> bool:
 
 def prepack_linears(chunk, free_bytes: int) -> int:
     """Give the plain fp32 / bf16 CPU ``nn.Linear`` of every layer's attention and MLP (MoE routers
-    kept) and the LM head a oneDNN-packed copy (``PackedLinear``; a TP rank's row-parallel shards
+    kept) and the LM head a packed copy (``PackedLinear``; a TP rank's row-parallel shards
     ``PackedRowParallel``, which reduces as ``RowParallelLinear`` does) when those copies fit in
     ``PACK_FRACTION`` of ``free_bytes``; returns how many. Nothing happens without oneDNN (bf16:
     without its bf16 kernels, ``packable_dtypes``)."""

@@ -1,0 +1,159 @@
+"""The engine's own bf16 GEMM for decode-sized row counts (``native_gemm.cpp``), built on first use.
+
+    from modelcarve.runtime.engine import native
+    if native.available():                       # an avx512_bf16 CPU and a C++ compiler, built once
+        w = native.NativeWeight(weight)           # bf16 [n, k] -> its packed copy, made once
+        y = w(x, bias)                            # x bf16 [m, k] -> y bf16 [m, n] (bias bf16 [n] or None)
+
+Why: at a few rows a decode step's linears stream their weights from memory, and oneDNN's bf16
+kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth (the ~110M
+llama of benchmarks/serve_vs_peers.py: 13.9 ms a sweep of its 200 MB of bf16 linears, ~14 GB/s,
+where a plain read of 200 MB runs at ~27 GB/s here). The weight is stored instead in groups of
+64 rows, column pair by column pair (``native_gemm.cpp``): each group is one front-to-back stream
+and one AVX512-BF16 ``VDPBF16PS`` updates 16 rows' fp32 sums with no horizontal reduction.
+
+The arithmetic is ``F.linear``'s up to summation order: bf16 x bf16 products summed in fp32
+(``VDPBF16PS`` adds the two products of a pair, then the accumulator, rounding to nearest; it
+flushes bf16 denormal inputs to zero), the bias added in fp32, one rounding to bf16.
+
+Build: the source is compiled by the system's ``g++`` (``CXX``) into
+``~/.cache/modelcarve/native/`` (``MODELCARVE_CACHE``), keyed by the source's and the flags' hash,
+written atomically (ranks may build at once); loaded with ``ctypes`` (the call releases the GIL).
+Nothing is built, and the engine keeps oneDNN's kernel, where the CPU lacks avx512_bf16, no
+compiler is found, the build fails, or ``MODELCARVE_ENGINE_NATIVE=0``; ``reason()`` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_gemm.cpp")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma")
+MAX_ROWS = int(os.environ.get("MODELCARVE_ENGINE_NATIVE_MAX_ROWS", "16"))
+"""Row counts up to this run the native kernel; more rows (prefill chunks) stay on oneDNN."""
+
+_LIB = None
+_REASON = None
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags and " avx512bw" in flags and " avx512vl" in flags
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MODELCARVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "modelcarve")
+    return Path(root) / "native"
+
+
+def _build() -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
+    text = SOURCE.read_bytes()
+    key = hashlib.sha256(text + " ".join((cxx, *FLAGS)).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"native_gemm-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load():
+    global _LIB, _REASON
+    if _LIB is not None or _REASON is not None:
+        return _LIB
+    if os.environ.get("MODELCARVE_ENGINE_NATIVE", "1") == "0":
+        _REASON = "turned off (MODELCARVE_ENGINE_NATIVE=0)"
+    elif not _cpu_has_bf16():
+        _REASON = "this CPU has no avx512_bf16"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            fn = lib.mc_gemm_bf16
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            lib.mc_native_group.restype = ctypes.c_int
+            _LIB = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _REASON = f"build failed: {err}"
+    return _LIB
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded here (builds it on the first call)."""
+    return _load() is not None
+
+
+def reason() -> str | None:
+    """Why the native kernel is not used here (None when it is)."""
+    _load()
+    return _REASON
+
+
+GROUP = 64
+"""Weight rows per packed group (``native_gemm.cpp``'s GROUP, checked against the library at load)."""
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[n, k]`` (k even) -> the kernel's layout ``[ceil(n / 64), k / 2, 64, 2]`` (zero rows pad the last group)."""
+    n, k = weight.shape
+    groups = -(-n // GROUP)
+    padded = weight.new_zeros(groups * GROUP, k)
+    padded[:n] = weight
+    return padded.view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class NativeWeight:
+    """A bf16 weight ``[n, k]`` (k even) in the native kernel's layout; ``self(x, bias)`` is
+    ``F.linear(x, weight, bias)`` for a 2-D bf16 ``x`` of any row count (``bias``: bf16 ``[n]`` or None)."""
+
+    def __init__(self, weight: torch.Tensor):
+        lib = _load()
+        if lib is None or lib.mc_native_group() != GROUP:
+            raise RuntimeError(f"the native kernel is not available: {_REASON or 'group size mismatch'}")
+        w = weight.detach()
+        self.n, self.k = w.shape
+        self.packed = pack(w)
+        self._fn = lib.mc_gemm_bf16
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """A weight the kernel takes: 2-D bf16 on the CPU with an even number of columns."""
+        return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+                and weight.device.type == "cpu")
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16).contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)
+        if m:
+            self._fn(x.data_ptr(), m, x.stride(0), self.k, self.packed.data_ptr(), self.n,
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, torch.get_num_threads())
+        return y
