@@ -1,4 +1,4 @@
-"""The engine's own bf16 GEMM for decode-sized row counts (``native_gemm.cpp``), built on first use.
+"""The engine's own bf16 GEMM for decode-sized row counts (``native_kernels.cpp``), built on first use.
 
     from modelcarve.runtime.engine import native
     if native.available():                       # an avx512_bf16 CPU and a C++ compiler, built once
@@ -9,10 +9,14 @@ Why: at a few rows a decode step's linears stream their weights from memory, and
 kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth (the ~110M
 llama of benchmarks/serve_vs_peers.py: 13.9 ms a sweep of its 200 MB of bf16 linears, ~14 GB/s,
 where a plain read of 200 MB runs at ~27 GB/s here). The weight is stored instead in groups of
-64 rows, column pair by column pair (``native_gemm.cpp``): each group is one front-to-back stream
+64 rows, column pair by column pair (``native_kernels.cpp``): each group is one front-to-back stream
 and one AVX512-BF16 ``VDPBF16PS`` updates 16 rows' fp32 sums with no horizontal reduction.
 
-The arithmetic is ``F.linear``'s up to summation order: bf16 x bf16 products summed in fp32
+``decode_attention`` reads each sequence's keys and values in place through its block table (the
+gathered path copies every sequence's blocks, builds a mask and runs SDPA, ~360 us a layer for 16
+sequences of ~130 keys here) and computes in fp32 what ``paged_attention._attend`` computes.
+
+The GEMM's arithmetic is ``F.linear``'s up to summation order: bf16 x bf16 products summed in fp32
 (``VDPBF16PS`` adds the two products of a pair, then the accumulator, rounding to nearest; it
 flushes bf16 denormal inputs to zero), the bias added in fp32, one rounding to bf16.
 
@@ -35,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native_gemm.cpp")
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mfma")
 MAX_ROWS = int(os.environ.get("MODELCARVE_ENGINE_NATIVE_MAX_ROWS", "16"))
@@ -64,7 +68,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) on PATH")
     text = SOURCE.read_bytes()
     key = hashlib.sha256(text + " ".join((cxx, *FLAGS)).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"native_gemm-{key}.so"
+    out = _cache_dir() / f"native_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +101,12 @@ def _load():
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
             lib.mc_native_group.restype = ctypes.c_int
+            att = lib.mc_decode_attention
+            att.restype = None
+            att.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_int, ctypes.c_int]
             _LIB = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             _REASON = f"build failed: {err}"
@@ -115,7 +125,7 @@ def reason() -> str | None:
 
 
 GROUP = 64
-"""Weight rows per packed group (``native_gemm.cpp``'s GROUP, checked against the library at load)."""
+"""Weight rows per packed group (``native_kernels.cpp``'s GROUP, checked against the library at load)."""
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -157,3 +167,37 @@ class NativeWeight:
             self._fn(x.data_ptr(), m, x.stride(0), self.k, self.packed.data_ptr(), self.n,
                      None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, torch.get_num_threads())
         return y
+
+
+_ATT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def attention_fits(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes these: fp32 or bf16 on the CPU, the cache in q's dtype,
+    a head size that is a multiple of 16, and the kernel built here."""
+    return (q.dtype in _ATT_DTYPES and cache.dtype == q.dtype and q.device.type == "cpu"
+            and q.shape[-1] % 16 == 0 and available())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     ctx: torch.Tensor, block_size: int, window: int | None, scale: float) -> torch.Tensor:
+    """One decode step's attention, a query per sequence: ``q [n, heads, d]`` over the paged caches
+    ``[slots, kv_heads, d]`` through block tables ``tables [n, width]`` (int64), sequence ``i``
+    seeing keys ``0 .. ctx[i] - 1`` (the last ``window`` of them when set) -> ``[n, heads * d]``.
+    fp32 scores, softmax and weighted sum (``mc_decode_attention``), one rounding to q's dtype: what
+    ``paged_attention._attend`` computes on the gathered keys, without gathering them."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernel is not available: {_REASON}")
+    n, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    tables = tables.contiguous()
+    ctx = ctx.contiguous()
+    out = torch.empty(n, heads * d, dtype=q.dtype)
+    lib.mc_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                             tables.shape[1], ctx.data_ptr(), n, heads, kv_heads, d, block_size,
+                             window or 0, scale, out.data_ptr(), heads * d, _ATT_DTYPES[q.dtype],
+                             torch.get_num_threads())
+    return out

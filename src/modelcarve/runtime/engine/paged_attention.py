@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from modelcarve.runtime.engine import native
 from modelcarve.runtime.engine.quant import KV_KINDS as KV_QUANT
 
 BUCKET_FINE = 32
@@ -142,6 +143,10 @@ class StepContext:
             self.q_index = torch.where(self.q_valid, offsets[:, None] + j, 0)
             self.q_pos = torch.where(self.q_valid, start_t[:, None] + j, 0)
         self.slot_mapping = slots
+        self.tables = tables
+        """[n, blocks] every sequence's block table, padded with block 0."""
+        self.ctx_lens = torch.tensor(ctx, dtype=torch.long, device=device)
+        """[n] every sequence's context length once this step's k/v are written."""
         self.block_index = tables.view(-1)
         self.num_seqs = n
         first = rows[0][0]
@@ -310,6 +315,11 @@ class PagedGQA:
         ctx = self.cache.ctx
         self.store.write("k", ctx.slot_mapping, k)
         self.store.write("v", ctx.slot_mapping, v)
+        if ctx.decode and self.store.kind not in KV_QUANT and native.attention_fits(q, self.store.data["k"]):
+            # the native kernel reads each sequence's keys through its block table: no gather, no mask
+            scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+            return native.decode_attention(q, self.store.data["k"], self.store.data["v"], ctx.tables, ctx.ctx_lens,
+                                           self.store.block_size, self.window, scale)
         if ctx.groups is not None:
             return self._grouped(ctx, q).reshape(q.shape[0], -1)
         keys = ctx.keys(self.store, "k").permute(0, 2, 1, 3)
