@@ -60,14 +60,29 @@ def test_native_reads_strided_rows_and_threads_agree(monkeypatch):
 
 
 @needs_native
-def test_pack_weight_picks_native_for_bf16_only():
+@pytest.mark.parametrize("rows", [1, 4, 7])
+@pytest.mark.parametrize("n, k", [(80, 96), (130, 63), (768, 768)])
+def test_native_fp32_equals_f_linear(rows, n, k):
+    """The fp32 twin (``mc_gemm_f32``): the same bound without the bf16 rounding (fp32 out)."""
+    gen = torch.Generator().manual_seed(rows + n)
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    got = native.NativeWeight(w)(x, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    mag = x.double().abs() @ w.double().abs().T + b.double().abs()
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - ref).abs() <= (k + 2) * U32 * mag).all()
+
+
+@needs_native
+def test_pack_weight_picks_native():
     from modelcarve.runtime.engine.fused import pack_weight, packed_linear
 
     x, w, b = _case(3, 48, 32, True, seed=1)
-    packed = pack_weight(w)
-    assert type(packed) is native.NativeWeight
-    assert torch.equal(packed_linear(x, packed, b), native.NativeWeight(w)(x, b))
-    assert type(pack_weight(w.float())) is torch.Tensor  # fp32 stays on oneDNN
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = pack_weight(w.to(dtype))
+        assert type(packed) is native.NativeWeight
+        assert torch.equal(packed_linear(x.to(dtype), packed, b.to(dtype)), native.NativeWeight(w.to(dtype))(x.to(dtype), b.to(dtype)))
+    assert type(pack_weight(torch.zeros(4, 3, dtype=torch.bfloat16))) is torch.Tensor  # odd k: oneDNN
 
 
 def test_native_turned_off_says_why(monkeypatch):

@@ -11,13 +11,14 @@ others work too:
 
 * GEMM FLOP/s per dtype (fp32, bf16): ``2 n^3`` over the median time of ``n`` rows through an
   ``n x n`` linear layer as the engine runs it (``n = 512``: the size of a prefill chunk's GEMMs on
-  a ~100M model; fp32 weights in oneDNN's blocked layout, ``model_runner.PackedLinear``, which runs
+  a ~100M model; weights packed as the engine packs them, ``model_runner.PackedLinear`` (its native
+  kernel, runtime/engine/native.py, where built, else oneDNN's blocked layout), which runs
   prefill ~2x faster than the BLAS ``torch.mm`` this probe timed before);
 * weight-streaming rate: bytes over the median time of a GEMV as a one-row engine step runs it
-  (one row through a 64 MiB fp32 weight held as the engine holds its linears, in oneDNN's blocked
-  layout where it packs them: ~51 GB/s on one idle core here where BLAS's ``F.linear`` gemv read
-  ~28 GB/s, which priced a decode step ~40% slower than the engine ran it), far larger than the
-  caches: what a decode step's weight read achieves;
+  (one row through a 64 MiB fp32 weight held as the engine holds its linears, packed as
+  ``PackedLinear`` packs it: with oneDNN's blocked layout ~51 GB/s on one idle core here where
+  BLAS's ``F.linear`` gemv read ~28 GB/s, which priced a decode step ~40% slower than the engine
+  ran it), far larger than the caches: what a decode step's weight read achieves;
 * memory copy bandwidth: ``2 x bytes / time`` of copying a 64 MiB tensor (read + write, as
   STREAM's copy counts it; reported, not used by the planner);
 * gloo all-reduce, all-to-all and send/recv: latency (median time of an 8-byte message, divided
@@ -128,7 +129,7 @@ def _timed_together(fn, barrier, reps: int = TOGETHER_REPS) -> float:
 
 
 def _engine_linear(torch, dtype, n_in: int, n_out: int):
-    """An ``n_in -> n_out`` linear held as the engine holds it: in oneDNN's blocked layout
+    """An ``n_in -> n_out`` linear held as the engine holds it: packed (native kernel or oneDNN's layout)
     (``model_runner.PackedLinear``) where ``model_runner.packable_dtypes`` packs ``dtype`` on this
     CPU, else a plain ``nn.Linear`` (``F.linear``)."""
     from modelcarve.runtime.engine.model_runner import PackedLinear, packable_dtypes

@@ -1,6 +1,6 @@
-"""The engine's packed and fused linears: ``PackedLinear`` (one packed weight copy: bf16 in the
-engine's own kernel's layout, ``native.py``, where it is built here; otherwise, and fp32 always,
-oneDNN's), and a llama-shaped decoder block in a few ops (``FusedBlock``), both built once at load.
+"""The engine's packed and fused linears: ``PackedLinear`` (one packed weight copy: in the engine's
+own kernels' layout, ``native.py``, where they are built here, else oneDNN's), and a llama-shaped
+decoder block in a few ops (``FusedBlock``), both built once at load.
 
 Per token, the reference block (runtime/model/transformer.py) runs about 45 small tensor ops and
 7 linears through 11 ``nn.Module`` calls; at batch 1 the linears stream the weights and the
@@ -52,11 +52,11 @@ the summation order of the kernel. ``MODELCARVE_ENGINE_MIN_ROWS=1`` turns it off
 
 
 def pack_weight(weight: torch.Tensor):
-    """A linear's weight packed once, at load: bf16 in the engine's own kernel's layout
-    (``native.NativeWeight``) where that kernel is built here, else oneDNN's blocked layout
+    """A linear's weight packed once, at load: in the engine's own kernels' layout
+    (``native.NativeWeight``: fp32, bf16) where they are built here, else oneDNN's blocked layout
     (``torch.ops.mkldnn._reorder_linear_weight``)."""
     weight = weight.detach()
-    if weight.dtype == torch.bfloat16 and native.NativeWeight.fits(weight) and native.available():
+    if native.NativeWeight.fits(weight) and native.available():
         return native.NativeWeight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
@@ -76,8 +76,8 @@ def packed_linear(x: torch.Tensor, packed, bias) -> torch.Tensor:
 
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` (fp32 or bf16, CPU) with a second copy of its weight packed once, at load
-    (``pack_weight``): bf16 for the native kernel where it is built (``native.py``: ~1.4x oneDNN's
-    bf16 rate at 1-6 rows, as fast or faster up to 512), else, and fp32 always, into oneDNN's
+    (``pack_weight``): for the native kernels where they are built (``native.py``: ~1.4x oneDNN's
+    bf16 rate at 1-6 rows, ~1.3x fp32, as fast or faster up to 512 rows), else into oneDNN's
     blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), run by
     ``torch.ops.mkldnn._linear_pointwise`` at every row count. Measured here (2 busy cores, one
     thread, the ~110M llama of benchmarks/serve_vs_peers.py): fp32 decode at 2..16 rows ~1.2-1.4x

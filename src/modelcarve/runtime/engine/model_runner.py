@@ -4,8 +4,8 @@
 or a catalogue model's seeded random weights), applies the layout through ``parallelize`` (TP,
 the pipeline split, EP; DP replicas are whole copies), swaps quantised weights in
 (runtime/engine/quant.py) -- or, for fp32 / bf16 weights on CPU, gives the layers' and the head's
-linears a packed copy made once at load (``PackedLinear``, fused.py: bf16 for the native kernel
-of native.py where it is built, else oneDNN's layout; when it fits in a quarter of free memory)
+linears a packed copy made once at load (``PackedLinear``, fused.py: for the native kernels
+of native.py where they are built, else oneDNN's layout; when it fits in a quarter of free memory)
 --, sizes and allocates the paged KV cache (kv_cache.py; the block count is the minimum over
 ranks), installs paged attention (paged_attention.py) and runs the layers that qualify as fused
 blocks (fused.py ``FusedBlock``: one packed linear for q|k|v and one for w1|w3,

@@ -2,15 +2,18 @@
 
     from modelcarve.runtime.engine import native
     if native.available():                       # an avx512_bf16 CPU and a C++ compiler, built once
-        w = native.NativeWeight(weight)           # bf16 [n, k] -> its packed copy, made once
-        y = w(x, bias)                            # x bf16 [m, k] -> y bf16 [m, n] (bias bf16 [n] or None)
+        w = native.NativeWeight(weight)           # bf16 / fp32 [n, k] -> its packed copy, made once
+        y = w(x, bias)                            # x [m, k] -> y [m, n] in the weight's dtype
 
 Why: at a few rows a decode step's linears stream their weights from memory, and oneDNN's bf16
-kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth (the ~110M
+kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth (fp32: ~75%) (the ~110M
 llama of benchmarks/serve_vs_peers.py: 13.9 ms a sweep of its 200 MB of bf16 linears, ~14 GB/s,
 where a plain read of 200 MB runs at ~27 GB/s here). The weight is stored instead in groups of
 64 rows, column pair by column pair (``native_kernels.cpp``): each group is one front-to-back stream
-and one AVX512-BF16 ``VDPBF16PS`` updates 16 rows' fp32 sums with no horizontal reduction.
+and one AVX512-BF16 ``VDPBF16PS`` updates 16 rows' fp32 sums with no horizontal reduction (fp32:
+one FMA per column, x's value broadcast). The ~110M llama's 49 linears, one thread, rows 1 / 4 /
+16 / 64, ms: bf16 7.75 / 7.15 / 16.3 / 57.5 against oneDNN's 10.6 / 9.9 / 19.5 / 61.4; fp32 16.5 /
+15.4 / 33.2 / 115 against 20.4 / 20.0 / 37.4 / 120.
 
 ``decode_attention`` reads each sequence's keys and values in place through its block table (the
 gathered path copies every sequence's blocks, builds a mask and runs SDPA, ~360 us a layer for 16
@@ -101,6 +104,9 @@ def _load():
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
             lib.mc_native_group.restype = ctypes.c_int
+            f32 = lib.mc_gemm_f32
+            f32.restype = None
+            f32.argtypes = fn.argtypes
             att = lib.mc_decode_attention
             att.restype = None
             att.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -129,17 +135,21 @@ GROUP = 64
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[n, k]`` (k even) -> the kernel's layout ``[ceil(n / 64), k / 2, 64, 2]`` (zero rows pad the last group)."""
+    """``[n, k]`` -> the kernel's layout, zero rows padding the last 64-row group: bf16 (k even)
+    ``[ceil(n / 64), k / 2, 64, 2]`` (column pairs), fp32 ``[ceil(n / 64), k, 64]`` (columns)."""
     n, k = weight.shape
     groups = -(-n // GROUP)
     padded = weight.new_zeros(groups * GROUP, k)
     padded[:n] = weight
-    return padded.view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.bfloat16:
+        return padded.view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(groups, GROUP, k).permute(0, 2, 1).contiguous()
 
 
 class NativeWeight:
-    """A bf16 weight ``[n, k]`` (k even) in the native kernel's layout; ``self(x, bias)`` is
-    ``F.linear(x, weight, bias)`` for a 2-D bf16 ``x`` of any row count (``bias``: bf16 ``[n]`` or None)."""
+    """A bf16 or fp32 weight ``[n, k]`` in the native kernel's layout; ``self(x, bias)`` is
+    ``F.linear(x, weight, bias)`` for a 2-D ``x`` of the weight's dtype and any row count
+    (``bias``: ``[n]`` or None, cast to the weight's dtype)."""
 
     def __init__(self, weight: torch.Tensor):
         lib = _load()
@@ -147,22 +157,23 @@ class NativeWeight:
             raise RuntimeError(f"the native kernel is not available: {_REASON or 'group size mismatch'}")
         w = weight.detach()
         self.n, self.k = w.shape
+        self.dtype = w.dtype
         self.packed = pack(w)
-        self._fn = lib.mc_gemm_bf16
+        self._fn = lib.mc_gemm_bf16 if w.dtype == torch.bfloat16 else lib.mc_gemm_f32
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        """A weight the kernel takes: 2-D bf16 on the CPU with an even number of columns."""
-        return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
-                and weight.device.type == "cpu")
+        """A weight the kernels take: 2-D on the CPU, fp32, or bf16 with an even number of columns."""
+        return (weight.dim() == 2 and weight.device.type == "cpu"
+                and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
-            x = x.to(torch.bfloat16).contiguous()
-        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-            bias = bias.to(torch.bfloat16).contiguous()
+        if x.stride(-1) != 1 or x.dtype != self.dtype:
+            x = x.to(self.dtype).contiguous()
+        if bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
+            bias = bias.to(self.dtype).contiguous()
         m = x.shape[0]
-        y = torch.empty(m, self.n, dtype=torch.bfloat16, device=x.device)
+        y = torch.empty(m, self.n, dtype=self.dtype, device=x.device)
         if m:
             self._fn(x.data_ptr(), m, x.stride(0), self.k, self.packed.data_ptr(), self.n,
                      None if bias is None else bias.data_ptr(), y.data_ptr(), self.n, torch.get_num_threads())

@@ -1,6 +1,6 @@
 // The engine's native CPU kernels (runtime/engine/native.py builds and loads them):
 //
-// * mc_gemm_bf16: y = x W^T + b for bf16 x [m, k] and a bf16 weight W [n, k] packed by runtime/engine/native.py,
+// * mc_gemm_bf16 (and mc_gemm_f32 below, the fp32 twin): y = x W^T + b for bf16 x [m, k] and a bf16 weight W [n, k] packed by runtime/engine/native.py,
 // with fp32 accumulation (AVX512-BF16 VDPBF16PS) and one rounding to bf16 at the end.
 //
 // Packed layout: the rows of W in groups of 64 (the last group padded with zero rows), each group
@@ -98,6 +98,68 @@ void mc_gemm_bf16(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, const ui
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// mc_gemm_f32: the same for fp32 x and W: W packed [n_groups][k][64] (each column k of a 64-row
+// group is 256 contiguous bytes), one FMA per 16 rows and column with x's value broadcast.
+
+namespace {
+
+template <int MT>
+inline void tile_f32(const float* x, int64_t ldx, int64_t k, const float* group, const float* bias, float* y,
+                     int64_t ldy, int64_t col0, int64_t n) {
+    __m512 acc[MT][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    const float* w = group;
+    for (int64_t c = 0; c < k; ++c, w += GROUP) {
+        __m512 wv[NB];
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) {
+            const __m512 xv = _mm512_set1_ps(x[i * ldx + c]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+        const int64_t col = col0 + 16 * j;
+        if (col >= n) break;
+        const int64_t left = n - col;
+        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + i * ldy + col, mask, _mm512_add_ps(acc[i][j], b));
+    }
+}
+
+}  // namespace
+
+extern "C" void mc_gemm_f32(const float* x, int64_t m, int64_t ldx, int64_t k, const float* packed, int64_t n,
+                            const float* bias, float* y, int64_t ldy, int threads) {
+    const int64_t groups = (n + GROUP - 1) / GROUP;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+        const float* grp = packed + g * k * GROUP;
+        for (int64_t r = 0; r < m; r += MT_MAX) {
+            const int64_t left = m - r;
+            const float* xr = x + r * ldx;
+            float* yr = y + r * ldy;
+            switch (left < MT_MAX ? left : MT_MAX) {
+                case 1: tile_f32<1>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 2: tile_f32<2>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 3: tile_f32<3>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 4: tile_f32<4>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 5: tile_f32<5>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+                default: tile_f32<6>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+            }
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // mc_decode_attention: one decode step's attention over the paged KV cache, one query per sequence.
