@@ -22,6 +22,10 @@ file only calls it instead of its own core attention):
    padded queries see key 0 only, and are dropped;
 4. returns ``[1, heads, T, d_v]`` in the packed order, as the model's core attention would.
 
+On a decode step of a fused block (``PagedGQA.packed``) over an fp32 / bf16 cache, steps 2-3 are
+instead one call of the engine's native kernel (native.py ``decode_attention``, where it is built):
+each sequence's keys and values read in place through its block table, the same fp32 arithmetic.
+
 Step shapes (``bucket`` / ``StepShape``; ``StepContext(..., buckets=True)``, the engine's default):
 a step runs with its sizes padded to a fixed set (1, 2, 4, 8, 16, 32, then 48, 64, 96, 128, 192,
 ...: powers of two and, from 32, the 1.5x between them), so
