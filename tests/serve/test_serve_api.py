@@ -157,17 +157,25 @@ def test_eight_concurrent_streams_equal_solo(client):
     assert together == solo
 
 
+def _stop_case(client) -> tuple[str, str, str]:
+    """(prompt, its greedy 24-token text, a 3-character stop string first found at position >= 3 of
+    it and not blank): the first of PROMPTS whose text holds one."""
+    for prompt in PROMPTS:
+        text = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+        for at in range(3, len(text) - 3):
+            stop = text[at:at + 3]
+            if stop.strip() and text.find(stop) == at:
+                return prompt, text, stop
+    pytest.fail("no prompt's greedy text holds a 3-character stop string")
+
+
 def test_stop_string_is_cut_and_streamed_alike(client):
-    whole = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0)
-    text = whole.choices[0].text
-    stop = text[5:8]
-    if len(text) < 8 or not stop.strip():
-        pytest.skip("the greedy text is too short to pick a stop string from")
-    cut = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    prompt, text, stop = _stop_case(client)
+    cut = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].model_extra["stop_reason"] == stop
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True) if c.choices)
+        model=NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True) if c.choices)
     assert streamed == cut.choices[0].text
     assert cut.usage.completion_tokens == len(_ids(cut.choices[0]))
 
