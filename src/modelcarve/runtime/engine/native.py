@@ -1,4 +1,5 @@
-"""The engine's own bf16 GEMM for decode-sized row counts (``native_kernels.cpp``), built on first use.
+"""The engine's native CPU kernels (``native_kernels.cpp``), built on first use: a bf16 / fp32 GEMM
+(``NativeWeight``, every engine linear) and one decode step's paged attention (``decode_attention``).
 
     from modelcarve.runtime.engine import native
     if native.available():                       # an avx512_bf16 CPU and a C++ compiler, built once
@@ -6,14 +7,14 @@
         y = w(x, bias)                            # x [m, k] -> y [m, n] in the weight's dtype
 
 Why: at a few rows a decode step's linears stream their weights from memory, and oneDNN's bf16
-kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth (fp32: ~75%) (the ~110M
-llama of benchmarks/serve_vs_peers.py: 13.9 ms a sweep of its 200 MB of bf16 linears, ~14 GB/s,
-where a plain read of 200 MB runs at ~27 GB/s here). The weight is stored instead in groups of
-64 rows, column pair by column pair (``native_kernels.cpp``): each group is one front-to-back stream
-and one AVX512-BF16 ``VDPBF16PS`` updates 16 rows' fp32 sums with no horizontal reduction (fp32:
-one FMA per column, x's value broadcast). The ~110M llama's 49 linears, one thread, rows 1 / 4 /
-16 / 64, ms: bf16 7.75 / 7.15 / 16.3 / 57.5 against oneDNN's 10.6 / 9.9 / 19.5 / 61.4; fp32 16.5 /
-15.4 / 33.2 / 115 against 20.4 / 20.0 / 37.4 / 120.
+kernel for 1-16 rows reads a packed weight at about half this core's read bandwidth, its fp32 one
+at ~75% (the ~110M llama of benchmarks/serve_vs_peers.py: 13.9 ms a sweep of its 200 MB of bf16
+linears, ~14 GB/s, where a plain read of 200 MB runs at ~27 GB/s here). The weight is stored
+instead in groups of 64 rows, column pair by column pair (fp32: column by column): each group is
+one front-to-back stream, and one AVX512-BF16 ``VDPBF16PS`` (fp32: one FMA, x's value broadcast)
+updates 16 rows' fp32 sums with no horizontal reduction. The ~110M llama's 49 linears, one
+thread, rows 1 / 4 / 16 / 64, ms: bf16 7.75 / 7.15 / 16.3 / 57.5 against oneDNN's 10.6 / 9.9 /
+19.5 / 61.4; fp32 16.5 / 15.4 / 33.2 / 115 against 20.4 / 20.0 / 37.4 / 120.
 
 ``decode_attention`` reads each sequence's keys and values in place through its block table (the
 gathered path copies every sequence's blocks, builds a mask and runs SDPA, ~360 us a layer for 16
@@ -21,13 +22,15 @@ sequences of ~130 keys here) and computes in fp32 what ``paged_attention._attend
 
 The GEMM's arithmetic is ``F.linear``'s up to summation order: bf16 x bf16 products summed in fp32
 (``VDPBF16PS`` adds the two products of a pair, then the accumulator, rounding to nearest; it
-flushes bf16 denormal inputs to zero), the bias added in fp32, one rounding to bf16.
+flushes bf16 denormal inputs to zero), the bias added in fp32, one rounding to bf16 (fp32: FMAs in
+fp32, the bias added last).
 
 Build: the source is compiled by the system's ``g++`` (``CXX``) into
 ``~/.cache/modelcarve/native/`` (``MODELCARVE_CACHE``), keyed by the source's and the flags' hash,
 written atomically (ranks may build at once); loaded with ``ctypes`` (the call releases the GIL).
-Nothing is built, and the engine keeps oneDNN's kernel, where the CPU lacks avx512_bf16, no
-compiler is found, the build fails, or ``MODELCARVE_ENGINE_NATIVE=0``; ``reason()`` says which.
+Nothing is built, and the engine keeps oneDNN's kernels and SDPA, where the CPU lacks
+avx512_bf16, no compiler is found, the build fails, or ``MODELCARVE_ENGINE_NATIVE=0``;
+``reason()`` says which.
 """
 
 from __future__ import annotations
@@ -45,9 +48,6 @@ import torch
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mfma")
-MAX_ROWS = int(os.environ.get("MODELCARVE_ENGINE_NATIVE_MAX_ROWS", "16"))
-"""Row counts up to this run the native kernel; more rows (prefill chunks) stay on oneDNN."""
-
 _LIB = None
 _REASON = None
 
@@ -80,7 +80,8 @@ def _build() -> Path:
     try:
         proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+            last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+            raise RuntimeError(f"{Path(cxx).name} failed: {last}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -187,7 +188,7 @@ def attention_fits(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether ``decode_attention`` takes these: fp32 or bf16 on the CPU, the cache in q's dtype,
     a head size that is a multiple of 16, and the kernel built here."""
     return (q.dtype in _ATT_DTYPES and cache.dtype == q.dtype and q.device.type == "cpu"
-            and q.shape[-1] % 16 == 0 and available())
+            and q.shape[-1] % 16 == 0 and cache.is_contiguous() and available())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

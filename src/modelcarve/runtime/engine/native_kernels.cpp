@@ -1,7 +1,9 @@
 // The engine's native CPU kernels (runtime/engine/native.py builds and loads them):
 //
-// * mc_gemm_bf16 (and mc_gemm_f32 below, the fp32 twin): y = x W^T + b for bf16 x [m, k] and a bf16 weight W [n, k] packed by runtime/engine/native.py,
-// with fp32 accumulation (AVX512-BF16 VDPBF16PS) and one rounding to bf16 at the end.
+// * mc_gemm_bf16: y = x W^T + b for bf16 x [m, k] and a bf16 weight W [n, k] packed by native.py,
+//   with fp32 accumulation (AVX512-BF16 VDPBF16PS) and one rounding to bf16 at the end;
+//   mc_gemm_f32 (below) is its fp32 twin.
+// * mc_decode_attention (below): one decode step's attention over the paged KV cache.
 //
 // Packed layout: the rows of W in groups of 64 (the last group padded with zero rows), each group
 // stored pair of columns by pair of columns: group g, pair p = (k 2p, k 2p + 1) is 64 rows x 2
@@ -9,7 +11,7 @@
 // ([n_groups][k / 2][64][2] uint16). One VDPBF16PS multiplies 16 rows' pair by x's pair
 // (broadcast) and adds both products into each row's fp32 accumulator: no horizontal sums.
 //
-//   Tiles: 6 rows of x by one 64-row group (24 zmm accumulators, 4 of weights, 1 of x), the group's
+// Tiles: 6 rows of x by one 64-row group (24 zmm accumulators, 4 of weights, 1 of x), the group's
 // weights re-read from cache for each further tile of 6 rows. Groups are split over OpenMP
 // threads (none are started for one thread).
 #include <immintrin.h>
