@@ -1,4 +1,4 @@
-"""The engine's native kernels (runtime/engine/native.py, native_kernels.cpp): the bf16 GEMM against
+"""The engine's native kernels (runtime/engine/native.py, native_kernels.cpp): the bf16 and fp32 GEMMs against
 ``F.linear``, the decode attention against the engine's gathered SDPA path.
 
 Bound, as tests/runtime/test_packed_linear.py derives it: both sides sum ``K`` products (and the
