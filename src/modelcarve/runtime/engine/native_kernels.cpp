@@ -26,8 +26,14 @@ constexpr int GROUP = 64;   // weight rows per packed group (4 zmm of 16 fp32 ac
 constexpr int NB = GROUP / 16;
 constexpr int MT_MAX = 6;   // x rows per tile
 
+// The lanes of a 16-wide vector that hold one of the ``left`` values still to go (all 16 if more).
+inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+struct Bf16 {  // x, W, bias and y bf16 (uint16_t), W in column pairs: ``depth`` = k / 2 pairs
 template <int MT>
-inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* group, const uint16_t* bias,
+static void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* group, const uint16_t* bias,
                  uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
     __m512 acc[MT][NB];
 #pragma GCC unroll 8
@@ -53,8 +59,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
     for (int j = 0; j < NB; ++j) {
         const int64_t col = col0 + 16 * j;
         if (col >= n) break;
-        const int64_t left = n - col;
-        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+        const __mmask16 mask = tail_mask(n - col);
         const __m512 b = bias ? _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
@@ -63,53 +68,14 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
         }
     }
 }
+};
 
-inline void rows_tile(int mt, const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* group, const uint16_t* bias,
-                      uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
-    switch (mt) {
-        case 1: tile<1>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-        case 2: tile<2>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-        case 3: tile<3>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-        case 4: tile<4>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-        case 5: tile<5>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-        default: tile<6>(x, ldx, pairs, group, bias, y, ldy, col0, n); break;
-    }
-}
-
-}  // namespace
-
-extern "C" {
-
-int mc_native_group(void) { return GROUP; }
-
-// x: [m, k] bf16 (row stride ldx elements), packed: see above, bias: bf16 [n] or null (added in fp32),
-// y: [m, n] bf16 (row stride ldy elements). k must be even.
-void mc_gemm_bf16(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, const uint16_t* packed, int64_t n,
-                  const uint16_t* bias, uint16_t* y, int64_t ldy, int threads) {
-    const int64_t pairs = k / 2;
-    const int64_t groups = (n + GROUP - 1) / GROUP;
-    const int64_t group_elems = pairs * 2 * GROUP;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-        const uint16_t* grp = packed + g * group_elems;
-        for (int64_t r = 0; r < m; r += MT_MAX) {
-            const int mt = static_cast<int>(m - r < MT_MAX ? m - r : MT_MAX);
-            rows_tile(mt, x + r * ldx, ldx, pairs, grp, bias, y + r * ldy, ldy, g * GROUP, n);
-        }
-    }
-}
-
-}  // extern "C"
-
-// ---------------------------------------------------------------------------------------------
-// mc_gemm_f32: the same for fp32 x and W: W packed [n_groups][k][64] (each column k of a 64-row
-// group is 256 contiguous bytes), one FMA per 16 rows and column with x's value broadcast.
-
-namespace {
-
+// mc_gemm_f32's tile: W packed [n_groups][k][64] (each column k of a 64-row group is 256
+// contiguous bytes), one FMA per 16 rows and column with x's value broadcast.
+struct F32 {  // x, W, bias and y fp32, W column by column: ``depth`` = k
 template <int MT>
-inline void tile_f32(const float* x, int64_t ldx, int64_t k, const float* group, const float* bias, float* y,
-                     int64_t ldy, int64_t col0, int64_t n) {
+static void tile(const float* x, int64_t ldx, int64_t k, const float* group, const float* bias, float* y,
+                 int64_t ldy, int64_t col0, int64_t n) {
     __m512 acc[MT][NB];
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i)
@@ -131,37 +97,57 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t k, const float* group,
     for (int j = 0; j < NB; ++j) {
         const int64_t col = col0 + 16 * j;
         if (col >= n) break;
-        const int64_t left = n - col;
-        const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+        const __mmask16 mask = tail_mask(n - col);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + i * ldy + col, mask, _mm512_add_ps(acc[i][j], b));
     }
 }
+};
 
-}  // namespace
-
-extern "C" void mc_gemm_f32(const float* x, int64_t m, int64_t ldx, int64_t k, const float* packed, int64_t n,
-                            const float* bias, float* y, int64_t ldy, int threads) {
+// y = x W^T + b for either kernel: the 64-row groups split over threads, each group's rows of x
+// in tiles of MT_MAX (the last one shorter), each tile one ``K::tile<MT>``.
+template <class K, typename T>
+void gemm(const T* x, int64_t m, int64_t ldx, int64_t k, int64_t depth, const T* packed, int64_t n, const T* bias,
+          T* y, int64_t ldy, int threads) {
     const int64_t groups = (n + GROUP - 1) / GROUP;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
-        const float* grp = packed + g * k * GROUP;
+        const T* grp = packed + g * k * GROUP;  // a group is k x 64 values in either layout
         for (int64_t r = 0; r < m; r += MT_MAX) {
-            const int64_t left = m - r;
-            const float* xr = x + r * ldx;
-            float* yr = y + r * ldy;
-            switch (left < MT_MAX ? left : MT_MAX) {
-                case 1: tile_f32<1>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
-                case 2: tile_f32<2>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
-                case 3: tile_f32<3>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
-                case 4: tile_f32<4>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
-                case 5: tile_f32<5>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
-                default: tile_f32<6>(xr, ldx, k, grp, bias, yr, ldy, g * GROUP, n); break;
+            const T* xr = x + r * ldx;
+            T* yr = y + r * ldy;
+            switch (m - r < MT_MAX ? m - r : MT_MAX) {
+                case 1: K::template tile<1>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 2: K::template tile<2>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 3: K::template tile<3>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 4: K::template tile<4>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
+                case 5: K::template tile<5>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
+                default: K::template tile<6>(xr, ldx, depth, grp, bias, yr, ldy, g * GROUP, n); break;
             }
         }
     }
 }
+
+}  // namespace
+
+extern "C" {
+
+int mc_native_group(void) { return GROUP; }
+
+// x: [m, k] bf16 (row stride ldx elements), packed: see above, bias: bf16 [n] or null (added in fp32),
+// y: [m, n] bf16 (row stride ldy elements). k must be even.
+void mc_gemm_bf16(const uint16_t* x, int64_t m, int64_t ldx, int64_t k, const uint16_t* packed, int64_t n,
+                  const uint16_t* bias, uint16_t* y, int64_t ldy, int threads) {
+    gemm<Bf16>(x, m, ldx, k, k / 2, packed, n, bias, y, ldy, threads);
+}
+
+void mc_gemm_f32(const float* x, int64_t m, int64_t ldx, int64_t k, const float* packed, int64_t n, const float* bias,
+                 float* y, int64_t ldy, int threads) {
+    gemm<F32>(x, m, ldx, k, k, packed, n, bias, y, ldy, threads);
+}
+
+}  // extern "C"
 
 // ---------------------------------------------------------------------------------------------
 // mc_decode_attention: one decode step's attention over the paged KV cache, one query per sequence.
@@ -286,15 +272,13 @@ extern "C" void mc_decode_attention(const void* q, int64_t ldq, const void* kc, 
             float* sc = &scores[h * keys];
             __m512 top = _mm512_set1_ps(-INFINITY);
             for (int64_t j = 0; j < keys; j += 16) {
-                const __mmask16 m = keys - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                                   : static_cast<__mmask16>((1u << (keys - j)) - 1u);
+                const __mmask16 m = tail_mask(keys - j);
                 top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, sc + j));
             }
             const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < keys; j += 16) {
-                const __mmask16 m = keys - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                                   : static_cast<__mmask16>((1u << (keys - j)) - 1u);
+                const __mmask16 m = tail_mask(keys - j);
                 const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), peak));
                 _mm512_mask_storeu_ps(sc + j, m, e);
                 sum = _mm512_mask_add_ps(sum, m, sum, e);

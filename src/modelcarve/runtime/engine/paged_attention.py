@@ -149,8 +149,9 @@ class StepContext:
         self.slot_mapping = slots
         self.tables = tables
         """[n, blocks] every sequence's block table, padded with block 0."""
-        self.ctx_lens = torch.tensor(ctx, dtype=torch.long, device=device)
-        """[n] every sequence's context length once this step's k/v are written."""
+        self.ctx_lens = torch.tensor(ctx, dtype=torch.long, device=device) if self.decode else None
+        """[n] every sequence's context length once this step's k/v are written (decode steps: the
+        native decode attention's input; None otherwise)."""
         self.block_index = tables.view(-1)
         self.num_seqs = n
         first = rows[0][0]
