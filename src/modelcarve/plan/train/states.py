@@ -180,28 +180,26 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
         se_t = cost.tier(se_n, etp * ep)
         # FSDP gathers and reduces layer by layer: one collective's latency per layer each
         nl = max(1, big["layers"])
-        per_mb = nl * (
-            2 * comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
-            + 2 * comm.all_gather_s(pb * pe / nl, se_n, se_t) + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
-        )
+        # one layer's all-gather and reduce-scatter (dense d, expert e), and the stage's bytes of each
+        ag_d, rs_d = comm.all_gather_s(pb * pd / nl, shard * cp, sd_t), comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
+        ag_e, rs_e = comm.all_gather_s(pb * pe / nl, se_n, se_t), comm.reduce_scatter_s(gb * pe / nl, se_n, se_t)
+        agb_d, rsb_d = comm.all_gather_bytes(pb * pd, shard * cp), comm.reduce_scatter_bytes(gb * pd, shard * cp)
+        agb_e, rsb_e = comm.all_gather_bytes(pb * pe, se_n), comm.reduce_scatter_bytes(gb * pe, se_n)
+        per_mb = nl * (2 * ag_d + rs_d + 2 * ag_e + rs_e)
         r["per_mb_s"], r["first_gather_s"] = per_mb, per_mb / (3.0 * nl)
-        b1 = 2 * comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
-        b2 = 2 * comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+        b1, b2 = 2 * agb_d + rsb_d, 2 * agb_e + rsb_e
         r["per_mb_bytes"], r["per_mb_nic"] = b1 + b2, comm.nic_bytes(b1, sd_t) + comm.nic_bytes(b2, se_t)
         # under a pipeline (spec/support.py fsdp_holds_gradients): each unit all-gathered once and
         # reduce-scattered once a step, layer by layer, and the decoder layers alone (the dense ones
         # less the root unit: embedding, final norm, head) gathered again per fsdp_layer_gathers
-        r["gather_s"] = nl * (comm.all_gather_s(pb * pd / nl, shard * cp, sd_t) + comm.all_gather_s(pb * pe / nl, se_n, se_t))
+        r["gather_s"] = nl * (ag_d + ag_e)
         split, rep, _exp = _layer_sums(cost, big["layers"], big["moe_layers"], ep, etp)
         ld = split / tp + rep
-        r["layer_gather_s"] = nl * (comm.all_gather_s(pb * ld / nl, shard * cp, sd_t)
-                                    + comm.all_gather_s(pb * pe / nl, se_n, se_t))
-        g1, g2 = comm.all_gather_bytes(pb * ld, shard * cp), comm.all_gather_bytes(pb * pe, se_n)
-        r["layer_gather_bytes"], r["layer_gather_nic"] = g1 + g2, comm.nic_bytes(g1, sd_t) + comm.nic_bytes(g2, se_t)
-        r["reduce_s"] = nl * (comm.reduce_scatter_s(gb * pd / nl, shard * cp, sd_t)
-                              + comm.reduce_scatter_s(gb * pe / nl, se_n, se_t))
-        h1 = comm.all_gather_bytes(pb * pd, shard * cp) + comm.reduce_scatter_bytes(gb * pd, shard * cp)
-        h2 = comm.all_gather_bytes(pb * pe, se_n) + comm.reduce_scatter_bytes(gb * pe, se_n)
+        r["layer_gather_s"] = nl * (comm.all_gather_s(pb * ld / nl, shard * cp, sd_t) + ag_e)
+        g1 = comm.all_gather_bytes(pb * ld, shard * cp)
+        r["layer_gather_bytes"], r["layer_gather_nic"] = g1 + agb_e, comm.nic_bytes(g1, sd_t) + comm.nic_bytes(agb_e, se_t)
+        r["reduce_s"] = nl * (rs_d + rs_e)
+        h1, h2 = agb_d + rsb_d, agb_e + rsb_e
         r["held_bytes"], r["held_nic"] = h1 + h2, comm.nic_bytes(h1, sd_t) + comm.nic_bytes(h2, se_t)
         replicas = dp // shard
         if replicas > 1:
