@@ -96,15 +96,20 @@ def test_every_row_answered_and_recompute_is_one_per_recipe():
 def test_calibration_summary_regression_bounds():
     import math
 
-    errs = {}
+    errs, later = {}, []
     for c in nemo_cases():
         est = TrainCostModel(c.model, c.cluster, c.options).estimate(c.layout)
-        errs[c.name] = (est["time"]["tokens_per_s"] / c.cluster.num_devices / c.published_tokens_per_device - 1,
-                        c.source.startswith("MB-"))
+        err = est["time"]["tokens_per_s"] / c.cluster.num_devices / c.published_tokens_per_device - 1
+        if c.source == "MB-26.02.01":  # the release after the fitted one: a forward-in-time check, fitted by nothing
+            later.append(abs(err))
+            continue
+        errs[c.name] = (err, c.source == "MB-25.11")
     mape = sum(abs(e) for e, _ in errs.values()) / len(errs)
     fitted = [abs(e) for e, f in errs.values() if f]
     assert mape <= 0.15, mape
     assert sum(fitted) / len(fitted) <= 0.13
+    # measured 22.9% over its 26 rows when added (2026-12-05); a guard against drifting further from it
+    assert len(later) == 26 and sum(later) / len(later) <= 0.25, sum(later) / len(later)
     # the row that was +143% before the dispatcher stall was modelled
     assert abs(errs["qwen3-30b-a3b mxfp8 8xB200 (MB-25.11)"][0]) <= 0.15
     assert all(math.isfinite(e) for e, _ in errs.values())

@@ -69,6 +69,9 @@ def test_balance_counts_embedding_and_head_as_one_layer_each():
         ("pp=4", 6, None),
         ("pp=2", 5, [4, 1]),
         ("pp=2,schedule=interleaved-1f1b,virtual_stages=3,gbs=2", 9, [1, 2, 1, 3, 1, 1]),
+        # more stages than layers: the first stage holds only the embedding, the last only the head
+        ("pp=2,schedule=interleaved-1f1b,virtual_stages=3,gbs=2", 4, None),
+        ("pp=2,schedule=interleaved-1f1b,virtual_stages=2,gbs=2", 4, [0, 2, 2, 0]),
     ],
 )
 def test_split_places_every_layer_once_and_keeps_fqns(layout_text, num_layers, per_stage):
@@ -132,8 +135,10 @@ def test_split_errors_say_what_to_do():
         split_model(build_model(spec), Layout.parse("pp=2"), 0, layers_per_stage=[4])
     with pytest.raises(LayoutError, match="summing to the model's 4 layers"):
         split_model(build_model(spec), Layout.parse("pp=2"), 0, layers_per_stage=[2, 3])
-    with pytest.raises(LayoutError, match="at most 4"):
+    with pytest.raises(LayoutError, match="at most 6"):
         split_model(build_model(spec), Layout.parse("pp=4,virtual_stages=2,schedule=interleaved-1f1b,gbs=4"), 0)
+    with pytest.raises(LayoutError, match="0 allowed for the first and the last"):
+        split_model(build_model(spec), Layout.parse("pp=4"), 0, layers_per_stage=[1, 0, 2, 1])
     with pytest.raises(LayoutError, match="outside"):
         split_model(build_model(spec), Layout.parse("pp=2"), 2)
 
@@ -148,8 +153,10 @@ def test_unrunnable_pipelines_are_refused_before_any_rank_starts():
     assert "needs at least pp=4 micro-batches, got 2; raise gbs to 4" in problem
     (problem,) = pipeline_problems(Layout.parse("pp=2,gbs=3,schedule=zero-bubble"), 4)
     assert "multiple of pp=2" in problem
-    (problem,) = pipeline_problems(Layout.parse("pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2"), 6)
-    assert "8 stages but the model has 6 layers" in problem
+    (problem,) = pipeline_problems(Layout.parse("pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2"), 5)
+    assert "8 stages but the model has 5 layers" in problem and "at most 7" in problem
+    # the first and the last stage may hold only the embedding and the head: 8 stages, 6 layers run
+    assert pipeline_problems(Layout.parse("pp=4,gbs=4,schedule=interleaved-1f1b,virtual_stages=2"), 6) == []
     # the CLI's pre-launch check (spec/support.py's check_training) includes these rules
     with pytest.raises(LayoutError, match="needs at least pp=2 micro-batches"):
         check_runtime(Layout.parse("pp=2,gbs=1,seq=16,schedule=1f1b"), _spec(4), world_size=2)
@@ -352,6 +359,10 @@ TWO_RANK_CASES = {
     "pp2 interleaved v2": dict(layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"),
     "pp2 zero-bubble": dict(layout=f"pp=2,gbs=4,schedule=zero-bubble,{BASE}"),
     "pp2 1f1b uneven tied": dict(layout=f"pp=2,gbs=4,schedule=1f1b,{BASE}", layers=5, per_stage=[4, 1], tied=True),
+    # 6 stages for 4 layers: [0, 1, 1, 1, 1, 0], the first stage the embedding alone, the last the head alone
+    "pp2 interleaved v3 empty end stages": dict(
+        layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=3,{BASE}", layers=4
+    ),
     "pp2 interleaved tied 6 layers": dict(
         layout=f"pp=2,gbs=4,schedule=interleaved-1f1b,virtual_stages=2,{BASE}", layers=6, tied=True
     ),

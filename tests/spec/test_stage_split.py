@@ -25,12 +25,15 @@ from modelcarve.runtime.parallel.pipeline_split import balance_layers, split_mod
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
-from modelcarve.spec.stages import rank_holdings, rank_layers, stage_counts, stage_kind
+from modelcarve.spec.stages import (max_stages, rank_holdings, rank_layers, stage_count_problem, stage_counts,
+                                    stage_kind)
 
 CLUSTER = parse_cluster("8xH100")
 # (num_layers, pp, virtual stages): even, uneven, one layer per stage, embedding/head-heavy ends
 MATRIX = [(4, 2, 1), (5, 2, 1), (6, 4, 1), (7, 3, 1), (9, 4, 1), (10, 4, 1), (13, 5, 1), (8, 8, 1),
-          (8, 2, 2), (10, 2, 2), (12, 3, 2), (12, 2, 3), (16, 4, 2), (17, 4, 2), (9, 3, 3), (16, 8, 2)]
+          (8, 2, 2), (10, 2, 2), (12, 3, 2), (12, 2, 3), (16, 4, 2), (17, 4, 2), (9, 3, 3), (16, 8, 2),
+          # more stages than layers: the first / last stage holds only the embedding / the head
+          (4, 2, 3), (6, 4, 2), (5, 3, 2), (3, 4, 1)]
 
 
 def _dense(num_layers: int):
@@ -141,3 +144,33 @@ def test_planner_layer_counts_of_a_published_uneven_layout():
     assert prof["memory"]["worst_stage"] in ("first", "middle", "last")
     rows = cost.stage_params(8, 16, 1)
     assert [(row[0], row[7]) for row in rows] == [("first", 7), ("middle", 8), ("last", 7)]
+
+
+def test_more_stages_than_layers_leaves_the_ends_to_the_embedding_and_head():
+    # Megatron-LM's --account-for-embedding/loss-in-pipeline-split: num_layers + 2 slots over pp x v
+    # stages. Megatron-Bridge's Llama 3.1 405B recipe runs 126 layers on pp=16 x v=8 = 128 stages.
+    assert stage_counts(126, 16, 8) == (0,) + (1,) * 126 + (0,)
+    assert rank_layers(126, 16, 8) == (7,) + (8,) * 14 + (7,)
+    assert stage_counts(4, 2, 3) == (0, 1, 1, 1, 1, 0) and rank_layers(4, 2, 3) == (2, 2)
+    assert stage_counts(126, 127) == (0,) + (1,) * 126  # one spare stage: the later end keeps a layer
+    assert max_stages(126) == 128 and stage_count_problem(126, 128) is None
+    assert "at most 128" in stage_count_problem(126, 129)
+    # with at least as many layers as stages the rule and the split are what they were: every stage a layer
+    assert min(stage_counts(8, 8)) == 1 and stage_counts(6, 4) == (1, 2, 2, 1)
+
+
+def test_llama_405b_on_128_virtual_stages_is_planned():
+    """The Megatron-Bridge 26.02.01 Llama 3.1 405B MXFP8 run on 256 GB200 (TP4 PP16 VP8): refused
+    before ("each stage needs at least one layer"), now validated and priced, its first and last
+    pipeline ranks holding 7 layers (the embedding / the head take one stage's place)."""
+    spec = get_model("llama-3.1-405b")
+    cluster = parse_cluster("64x4xGB200")
+    layout = Layout(tp=4, sp=True, pp=16, virtual_stages=8, schedule="interleaved-1f1b", dp=4, mbs=1, gbs=1536,
+                    seq=8192, recompute="full")
+    layout.validate(spec, cluster)
+    cost = TrainCostModel(spec, cluster, TrainOptions(global_batch=1536, seq=8192))
+    est = cost.estimate(layout)
+    assert est["fits"], est["memory"]["peak_bytes"] / 2**30
+    rows = cost.stage_params(4, 16, 1, 1, 8)
+    layers = {kind: nls for kind, _index, _moe, _pd, _pe, _layer, _lin, nls in rows}
+    assert layers["first"] == 7 and layers["last"] == 7 and layers["middle"] == 8

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from modelcarve.spec.errors import LayoutError
+from modelcarve.spec.stages import stage_count_problem
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -423,12 +424,9 @@ class Layout:
             problems.append(f"tp={self.tp} does not divide ffn size {model.ffn_size}; valid tp: {_fmt(_divisors(model.ffn_size))}")
         if model.is_moe and self.expert_tp == self.tp and model.expert_ffn_size % self.tp:
             problems.append(f"tp={self.tp} does not divide expert ffn size {model.expert_ffn_size}")
-        stages = self.pp * self.virtual_stages
-        if stages > model.num_layers:
-            problems.append(
-                f"pp x virtual_stages = {stages} exceeds the model's {model.num_layers} layers; "
-                f"each stage needs at least one layer"
-            )
+        stage_problem = stage_count_problem(model.num_layers, self.pp * self.virtual_stages)
+        if stage_problem:
+            problems.append(stage_problem)
         if self.ep > 1:
             if not model.is_moe:
                 problems.append(f"ep={self.ep} but {model.name} has no experts; use ep=1")

@@ -23,6 +23,13 @@ the most even layer counts, and on ties gives the extra layer to a later stage (
 early stages keep more micro-batches' activations alive). 126 layers on 16 stages:
 [7] + [8] * 14 + [7]; 96 on 8: [12] * 8; 6 on 4: [1, 2, 2, 1]; 5 on 2: [2, 3].
 
+Every middle stage holds at least one layer. The first and the last stage may hold none when
+the embedding or the LM head fills them (a cost above 0): as Megatron-LM does under the same two
+flags, where ``num_layers + 2`` slots split over ``pp x v`` stages. Megatron-Bridge's Llama 3.1
+405B recipe sets both and runs 126 layers on pp=16 x v=8 = 128 virtual stages: the first holds
+the embedding alone, the last the final norm and head alone, [0] + [1] * 126 + [0]. So at most
+``num_layers + 2`` stages (:func:`max_stages`); with fewer stages than layers nothing changes.
+
 The default split is cached per (num_layers, pp, v): the planners ask for it per candidate.
 """
 
@@ -34,24 +41,53 @@ from modelcarve.spec.errors import LayoutError
 
 __all__ = [
     "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
-    "rank_holdings", "stage_kind", "EMBEDDING_RANK",
+    "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem",
 ]
 
 EMBEDDING_RANK = 0
 """The pipeline rank holding the embedding (stage 0); the LM head is on rank ``pp - 1``."""
 
 
+def _least_layers(num_layers: int, num_stages: int, embed_cost: float, head_cost: float) -> list[int]:
+    """Fewest layers each stage may hold: one; with more stages than layers, none for an end
+    stage its embedding or head fills (with as many layers as stages, every split stays as it was)."""
+    least = [1] * num_stages
+    if 1 < num_stages and num_layers < num_stages:
+        least[0] = 0 if embed_cost > 0 else 1
+        least[-1] = 0 if head_cost > 0 else 1
+    return least
+
+
+def max_stages(num_layers: int, *, embed_cost: float = 1.0, head_cost: float = 1.0) -> int:
+    """Most pipeline stages (pp x virtual stages) ``num_layers`` layers can fill: every middle stage
+    needs a layer; the first and last may hold only the embedding / the head (module doc)."""
+    return num_layers + (1 if embed_cost > 0 else 0) + (1 if head_cost > 0 else 0)
+
+
+def stage_count_problem(num_layers: int, num_stages: int) -> str | None:
+    """Why ``num_stages`` pipeline stages cannot split ``num_layers`` layers (None when they can),
+    with the fix: the one rule the layout check, the runtime's pre-launch check and the split share."""
+    most = max_stages(num_layers)
+    if num_stages <= most:
+        return None
+    return (f"pp x virtual_stages = {num_stages} stages but the model has {num_layers} layers: every stage "
+            f"but the first and the last needs one (those two may hold only the embedding and the head); "
+            f"lower pp x virtual_stages to at most {most}")
+
+
 def balance_layers(
     num_layers: int, num_stages: int, *, embed_cost: float = 1.0, head_cost: float = 1.0
 ) -> list[int]:
     """Layer count per stage minimising the costliest stage (see the module doc for the costs)."""
-    if num_stages < 1 or num_layers < num_stages:
-        raise LayoutError(
-            f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one layer); "
-            f"lower pp x virtual_stages to at most {num_layers}"
-        )
     if embed_cost < 0 or head_cost < 0:
         raise LayoutError(f"embed_cost={embed_cost} and head_cost={head_cost} must be >= 0")
+    least = _least_layers(num_layers, max(num_stages, 1), embed_cost, head_cost)
+    if num_stages < 1 or num_layers < sum(least):
+        most = max_stages(num_layers, embed_cost=embed_cost, head_cost=head_cost)
+        raise LayoutError(
+            f"{num_layers} layers cannot fill {num_stages} pipeline stages (every stage but an end one its "
+            f"embedding or head fills needs at least one layer); lower pp x virtual_stages to at most {most}"
+        )
     extra = [0.0] * num_stages
     extra[0] += embed_cost
     extra[-1] += head_cost
@@ -60,16 +96,16 @@ def balance_layers(
         # Most layers each stage can take without costing more than ``limit``.
         return [int(limit - e + 1e-9) for e in extra]
 
-    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in extra})
+    candidates = sorted({n + e for n in range(0, num_layers + 1) for e in extra})
     for limit in candidates:
         caps = capacity(limit)
-        if min(caps) >= 1 and sum(caps) >= num_layers:
+        if all(c >= m for c, m in zip(caps, least)) and sum(caps) >= num_layers:
             break
     # Among the splits within that limit, the most even layer counts: fill one layer at a time
     # into the stage with the fewest layers that still has room (latest stage on ties: under
     # 1F1B the early stages keep more micro-batches' activations alive).
-    counts = [1] * num_stages
-    for _ in range(num_layers - num_stages):
+    counts = list(least)
+    for _ in range(num_layers - sum(least)):
         room = [i for i in range(num_stages) if counts[i] < caps[i]]
         counts[min(room, key=lambda i: (counts[i], -i))] += 1
     return counts

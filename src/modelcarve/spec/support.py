@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.hf_config import SUPPORTED_MODEL_TYPES
+from modelcarve.spec.stages import stage_count_problem
 from modelcarve.spec.layout import SCHEDULES  # all four run: torch.distributed.pipelining's schedules
 
 if TYPE_CHECKING:
@@ -120,11 +121,9 @@ def pipeline_problems(layout: "Layout", num_layers: int) -> list[str]:
             f"schedule {layout.schedule} needs the micro-batch count ({n}) to be a multiple of pp={pp}; "
             f"set gbs to a multiple of {pp * layout.mbs * layout.dp}"
         )
-    if stages > num_layers:
-        problems.append(
-            f"pp x virtual_stages = {stages} stages but the model has {num_layers} layers (each stage needs one); "
-            f"lower pp x virtual_stages to at most {num_layers}"
-        )
+    stage_problem = stage_count_problem(num_layers, stages)
+    if stage_problem:
+        problems.append(stage_problem)
     return problems
 
 

@@ -17,12 +17,14 @@ stays that name on whichever stage holds layer 5).
 
 How many layers per stage
 -------------------------
-Explicit: ``layers_per_stage=[3, 5, 4, 4]`` (one count per stage, in stage order, each >= 1,
-summing to the layer count). Default: spec/stages.py's :func:`balance_layers` (re-exported
+Explicit: ``layers_per_stage=[3, 5, 4, 4]`` (one count per stage, in stage order, each >= 1
+but the first and the last, which may hold only the embedding and the head, summing to the layer
+count). Default: spec/stages.py's :func:`balance_layers` (re-exported
 here), the one split every planner prices too: the embedding and the LM head cost one layer
 each on the first and last stage (Megatron-LM's ``--account-for-embedding-in-pipeline-split``
 / ``--account-for-loss-in-pipeline-split``). 6 layers on 4 stages: [1, 2, 2, 1]; 126 layers on
-16 stages: [7] + [8] * 14 + [7].
+16 stages: [7] + [8] * 14 + [7]; with more stages than layers the first and the last stage may
+hold only the embedding and the head (4 layers on 6 stages: [0, 1, 1, 1, 1, 0]).
 
 Tied embeddings
 ---------------
@@ -74,10 +76,11 @@ def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, sta
             f"layers_per_stage has {len(counts)} entries but the layout has pp x virtual_stages = {stages} "
             f"stages; give one count per stage"
         )
-    if min(counts) < 1 or sum(counts) != num_layers:
+    middle = counts[1:-1]
+    if min(counts) < 0 or (middle and min(middle) < 1) or (stages == 1 and counts[0] < 1) or sum(counts) != num_layers:
         raise LayoutError(
-            f"layers_per_stage={counts} must be counts >= 1 summing to the model's {num_layers} layers "
-            f"(they sum to {sum(counts)})"
+            f"layers_per_stage={counts} must be counts >= 1 (0 allowed for the first and the last stage, which "
+            f"hold the embedding and the head) summing to the model's {num_layers} layers (they sum to {sum(counts)})"
         )
     return counts
 
