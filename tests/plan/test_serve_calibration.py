@@ -87,8 +87,10 @@ def test_qwen3_30b_a3b_host_floor(rows):
 
 
 def test_disaggregated_phases_within_tolerance(rows):
-    """SGLang's 96-H100 DeepSeek deployment: prefill unit (EP32) and decode unit (EP72, as EP64), per device,
-    no constant fitted to them."""
+    """SGLang's 96-H100 DeepSeek deployment: prefill unit (EP32) and decode unit (EP72 with 32 redundant
+    experts, EPLB: 288 physical experts, 4 a GPU, as it ran), per device, no constant fitted to them."""
     disagg = [r for r in rows if r["source"] == "sglang-disagg"]
+    decode = [r for r in disagg if r["metric"] == "decode_tokens_per_s_per_device"]
+    assert [(r["devices"], r["layout"]) for r in decode] == [(72, "DP72-EP72-EPLB32")]
     assert {r["metric"] for r in disagg} == {"prefill_tokens_per_s_per_device", "decode_tokens_per_s_per_device"}
     assert all(abs(r["error"]) <= TOLERANCE for r in disagg)

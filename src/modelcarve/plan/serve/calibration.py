@@ -66,7 +66,8 @@ def predict(row: dict) -> dict:
         from modelcarve.plan.serve.disagg import phase_estimate
 
         ep = int(row.get("ep") or 1)
-        unit_layout = Layout(tp=tp, pp=pp, dp=ep, ep=ep, weight_dtype=row["weight_dtype"], kv_dtype=row["kv_dtype"])
+        unit_layout = Layout(tp=tp, pp=pp, dp=ep, ep=ep, redundant_experts=int(row.get("redundant_experts") or 0),
+                             weight_dtype=row["weight_dtype"], kv_dtype=row["kv_dtype"])
         phase = PHASE_METRICS[row["metric"]]
         result = phase_estimate(model, cluster, unit_layout, phase, **options)
         unit = result["unit"]
