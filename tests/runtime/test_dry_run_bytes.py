@@ -96,6 +96,21 @@ def test_full_scale_gradients_and_zero_totals(full_scale):
         # bucket padding (tolerance_bytes: under n elements x 12 bytes a bucket)
         assert abs(r["measured"]["optimizer_states"] - r["predicted"]["optimizer_states"]) <= tol, r
 
+@pytest.mark.parametrize("text", ["fsdp,dp=4,gbs=8,seq=64", "dp=4,gbs=8,seq=64", "pp=2,dp=2,fsdp,gbs=8,seq=64",
+                                  "zero=1,dp=1,tp=2,gbs=8,seq=64"])
+def test_layouts_the_runtime_holds_in_fp32_equal_the_planner(text):
+    """A bf16 layout the runtime keeps in fp32 parameters (zero=0, FSDP2, ZeRO over one replica:
+    spec/support.held_param_dtype) is compared with the planner's rules for fp32 parameters that
+    are their own master: 4 bytes of weights, 4 of gradients and 8 of Adam moments a parameter,
+    where Megatron's bf16 weights with an fp32 master (2 + 4 + 12) made every such dry run DIFFER."""
+    layout = Layout.parse(text)
+    report = dry_run_bytes("tiny-llama", layout, parse_cluster("4xH100"))
+    assert report["ok"], [r for r in report["rows"] if not r["ok"]][:1]
+    for r in report["rows"]:
+        assert r["predicted"]["optimizer_states"] == pytest.approx(2 * r["predicted"]["weights"], rel=1e-12)
+        assert r["predicted"]["gradients"] == pytest.approx(r["predicted"]["weights"], rel=1e-12)
+
+
 def test_full_scale_equals_planner(full_scale):
     assert full_scale["ok"], [r for r in full_scale["rows"] if not r["ok"]][:2]
 

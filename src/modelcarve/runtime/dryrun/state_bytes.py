@@ -32,7 +32,12 @@ tests/runtime/test_dry_run_bytes.py):
 
 The planner's figures (``planner_figures``) are plan/train/model.py's ``rank_state_parts`` of
 each pipeline rank (the layers spec/stages.py's split gives it: the split ``parallelize``
-builds) for the same cluster: weights, gradients, optimizer_states. ``compare`` marks a category different when it is off by more than
+builds) for the same cluster: weights, gradients, optimizer_states, priced for the parameters as
+the runtime holds them (spec/support.held_param_dtype, the one precision-policy rule): a bf16
+layout the runtime keeps in fp32 (zero=0, FSDP2, a ZeRO stage over one replica) is priced as fp32
+parameters that are their own master copy, 4 + 4 + 8 bytes a parameter, as torch-native trainers
+(FSDP2, DDP under autocast) hold them; ``estimate`` prices the same layout as Megatron holds it,
+bf16 weights with an fp32 master in the optimizer (2 + 4 + 12). ``compare`` marks a category different when it is off by more than
 ``tolerance_bytes(layout)``: the planner divides element counts by ``n`` as a real number, the
 buckets pad each group to a multiple of ``n``, so a category may exceed the planner's by under
 ``n`` elements per bucket, at most 12 bytes each: 12 x (n_dense + n_expert) bytes.
@@ -154,7 +159,10 @@ def planner_figures(spec, cluster, layout) -> dict[int, dict[str, float]]:
     from modelcarve.plan.goals import get_goal
 
     cost = get_goal("train").cost_model(spec, cluster, global_batch=layout.global_batch, seq=layout.seq)
-    cand = cost.full_candidate(cost.key(layout))
+    held = layout
+    if layout.param_dtype == "bf16" and held_param_dtype(layout) == "fp32":  # fp32 parameters, their own master
+        held = layout.replace(param_dtype="fp32")
+    cand = cost.full_candidate(cost.key(held))
     return {p: {c: cost.rank_state_parts(cand, p)[c] for c in CATEGORIES} for p in range(layout.pp)}
 
 
@@ -184,6 +192,8 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
                 "ok": all(abs(d) <= tol for d in diff.values()),
             })
     return {"model": spec.name, "layout": layout.short(), "world_size": layout.world_size,
+            "held_param_dtype": held_param_dtype(layout) if layout.param_dtype == "bf16" else layout.param_dtype,
+            "bf16_held_in_fp32": layout.param_dtype == "bf16" and held_param_dtype(layout) == "fp32",
             "distinct_ranks": len(rows), "rows": rows, "ok": all(r["ok"] for r in rows),
             "elapsed_s": round(time.perf_counter() - t0, 1)}
 
@@ -193,6 +203,9 @@ def format_report(report: dict) -> str:
     unit, gib = next((u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1)) if top >= b)
     lines = [f"{report['model']} {report['layout']}: world size {report['world_size']}, "
              f"{report['distinct_ranks']} distinct ranks ({report['elapsed_s']} s); {unit} predicted / measured"]
+    if report.get("bf16_held_in_fp32"):
+        lines.append("parameters held in fp32, their own master copy (torch-native mixed precision); "
+                     "estimate prices Megatron's bf16 weights with an fp32 master for this layout")
     lines.append(f"{'rank':>6} {'x ranks':>7} {'pp':>3} {'layers':>6}  " + "  ".join(f"{c:>24}" for c in CATEGORIES))
     for r in report["rows"]:
         cells = "  ".join(f"{r['predicted'][c] / gib:>11.3f} /{r['measured'][c] / gib:>11.3f}" for c in CATEGORIES)
