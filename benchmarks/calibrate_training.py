@@ -47,15 +47,12 @@ from loso import coordinate_descent, leave_one_source_out, mean_abs_log
 from loso import markdown as loso_markdown
 from modelcarve.plan.cost import efficiency
 from modelcarve.plan.train import calibration
-from modelcarve.plan.train.calibration import Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases, torchtitan_memory_cases
+from modelcarve.plan.train.calibration import (FIT_SOURCE, Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases,
+                                               torchtitan_memory_cases)
 from modelcarve.plan.search import search
 from modelcarve.plan.train.model import TrainCostModel
 
 GIB = 2**30
-
-FIT_SOURCE = "MB-25.11"
-"""The release the code's seven NeMo constants are fitted to (``fit_modern``); every other NeMo /
-Megatron-Bridge source (NeMo 24.07-25.04, the later Megatron-Bridge 26.02.01) is held out of that fit."""
 
 
 def predict(case: Case) -> dict:

@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 
 from modelcarve.plan.cost import efficiency
-from modelcarve.plan.train.calibration import _published_model, nemo_cases
+from modelcarve.plan.train.calibration import FIT_SOURCE, _published_model, nemo_cases
 from modelcarve.plan.train.layer import _causal_share, expert_launches, layer_cost
 from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.spec.catalog import get_model
@@ -78,20 +78,11 @@ def test_sliding_window_layers_in_the_attention_share():
 
 
 def test_every_row_answered_and_recompute_is_one_per_recipe():
-    import csv
-
-    from modelcarve.plan.train.calibration import REPO_DATA
-
     cases = nemo_cases()
     assert len(cases) >= 50 and not [c.name for c in cases if c.unanswered]
-    # the rows whose recompute is inferred (a preset's own per-system recompute is a fact, not inferred)
-    lines = (REPO_DATA / "training_published.csv").read_text().splitlines()
-    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
-    inferred = [r["recompute"] == "infer" for r in rows]
-    assert len(inferred) == len(cases)
     by_recipe: dict = {}
-    for c, infer in zip(cases, inferred):
-        if not infer:
+    for c in cases:
+        if not c.recompute_inferred:  # a preset's own per-system recompute is a fact, not inferred
             continue
         key = (c.source, c.model.name, c.name.split()[1], c.layout.short().replace("-FP8", "").replace("-MXFP8", ""),
                c.layout.mbs, c.layout.gbs, c.layout.seq)
@@ -114,7 +105,7 @@ def test_calibration_summary_regression_bounds():
         if c.source == "MB-26.02.01":  # the release after the fitted one: a forward-in-time check, fitted by nothing
             later.append(abs(err))
             continue
-        errs[c.name] = (err, c.source == "MB-25.11")
+        errs[c.name] = (err, c.source == FIT_SOURCE)
     mape = sum(abs(e) for e, _ in errs.values()) / len(errs)
     fitted = [abs(e) for e, f in errs.values() if f]
     assert mape <= 0.15, mape

@@ -59,6 +59,9 @@ class Case:
     source: str
     unanswered: str = ""
     """Why the planner cannot answer this row (unknown model type, device...); empty if it can."""
+    recompute_inferred: bool = False
+    """Whether the layout's recomputation is the least that fits (``least_recompute``: the row's
+    ``recompute`` column says 'infer') rather than what the recipe states."""
 
 
 def _rows(name: str) -> list[dict]:
@@ -208,6 +211,12 @@ _FALLBACK = {
 }
 
 
+FIT_SOURCE = "MB-25.11"
+"""The Megatron-Bridge release the seven NeMo constants are fitted to (benchmarks/calibrate_training.py
+``fit_modern``); every other NeMo / Megatron-Bridge source, the later 26.02.01 release among them, is
+held out of that fit."""
+
+
 RECOMPUTE_LADDER = ("none", "core_attn", "core_attn+layernorm+mlp_act", "core_attn+layernorm+mlp", "full")
 """Recomputation tried, cheapest first, for a published run that does not state its own."""
 
@@ -268,7 +277,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         cases.append(Case(
             name=name, model=model, cluster=cluster, layout=layout, options=options,
             published_tflops=float(row["tflops_per_gpu"]), published_tokens_per_device=float(row["tokens_per_gpu"]),
-            source=row["source"], unanswered=unanswered,
+            source=row["source"], unanswered=unanswered, recompute_inferred=stated == "infer" and layout is not None,
         ))
     # one recipe, one recomputation: the rows of a release that run the same model, precision and
     # layout on different systems use the recompute the tightest of them needed

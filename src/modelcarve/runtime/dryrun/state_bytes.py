@@ -152,6 +152,11 @@ def measure(model_name: str, layout) -> dict:
     return out
 
 
+def _bf16_held_in_fp32(layout) -> bool:
+    """A bf16 layout whose parameters the runtime holds in fp32 (spec/support.held_param_dtype)."""
+    return layout.param_dtype == "bf16" and held_param_dtype(layout) == "fp32"
+
+
 def planner_figures(spec, cluster, layout) -> dict[int, dict[str, float]]:
     """The planner's weights / gradients / optimizer_states bytes of every pipeline rank, from
     the layers the runtime's split gives that rank (spec/stages.py, the split ``parallelize``
@@ -159,9 +164,7 @@ def planner_figures(spec, cluster, layout) -> dict[int, dict[str, float]]:
     from modelcarve.plan.goals import get_goal
 
     cost = get_goal("train").cost_model(spec, cluster, global_batch=layout.global_batch, seq=layout.seq)
-    held = layout
-    if layout.param_dtype == "bf16" and held_param_dtype(layout) == "fp32":  # fp32 parameters, their own master
-        held = layout.replace(param_dtype="fp32")
+    held = layout.replace(param_dtype="fp32") if _bf16_held_in_fp32(layout) else layout  # their own master
     cand = cost.full_candidate(cost.key(held))
     return {p: {c: cost.rank_state_parts(cand, p)[c] for c in CATEGORIES} for p in range(layout.pp)}
 
@@ -192,8 +195,7 @@ def dry_run_bytes(model_name: str, layout, cluster) -> dict:
                 "ok": all(abs(d) <= tol for d in diff.values()),
             })
     return {"model": spec.name, "layout": layout.short(), "world_size": layout.world_size,
-            "held_param_dtype": held_param_dtype(layout) if layout.param_dtype == "bf16" else layout.param_dtype,
-            "bf16_held_in_fp32": layout.param_dtype == "bf16" and held_param_dtype(layout) == "fp32",
+            "bf16_held_in_fp32": _bf16_held_in_fp32(layout),
             "distinct_ranks": len(rows), "rows": rows, "ok": all(r["ok"] for r in rows),
             "elapsed_s": round(time.perf_counter() - t0, 1)}
 

@@ -77,7 +77,7 @@ def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, sta
             f"stages; give one count per stage"
         )
     middle = counts[1:-1]
-    if min(counts) < 0 or (middle and min(middle) < 1) or (stages == 1 and counts[0] < 1) or sum(counts) != num_layers:
+    if min(counts) < 0 or (middle and min(middle) < 1) or sum(counts) != num_layers:
         raise LayoutError(
             f"layers_per_stage={counts} must be counts >= 1 (0 allowed for the first and the last stage, which "
             f"hold the embedding and the head) summing to the model's {num_layers} layers (they sum to {sum(counts)})"
