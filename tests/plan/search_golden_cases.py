@@ -6,7 +6,10 @@ benchmark. ``answer`` reduces a search to what a user sees: the top ``TOP`` layo
 estimate JSON of each), the counts of candidates evaluated and rejected per reason, and the
 alternatives (each's short form, family or reject reason, and score). The golden files were
 written by ``python tests/plan/search_golden_cases.py`` on the commit before the speed work
-(187ce0a), and are never rewritten to make a test pass.
+(187ce0a), and are never rewritten to make a test pass. A change of the cost model itself re-records
+them, each in its own commit that says why: 2026-12-05, the MoE combine keeps no expert outputs
+(Megatron-Core 0.13+, plan/cost/activations.py): the MoE searches' activation memory and so their
+rejections and top 10 moved; the dense ones are unchanged.
 """
 
 from __future__ import annotations

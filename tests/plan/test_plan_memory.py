@@ -144,10 +144,43 @@ def test_mla_moe_layer_activations_by_hand():
         + 2 * T * nh * dv                                     # output projection input
         + 2 * T * h                                           # MoE input
         + 4 * T * m.num_experts                               # fp32 router logits
-        + 2 * 2 * T * m.top_k * imb * h                       # token copies out to and back from experts
+        + 2 * T * m.top_k * imb * h                           # token copies sent to the experts (fc1 input)
         + 6 * T * m.top_k * imb * m.expert_ffn_size           # routed SwiGLU intermediates
         + 6 * T * m.num_shared_experts * m.expert_ffn_size    # shared expert
     )
-    got = layer_activation_bytes(m, tokens=T, seq_ctx=T, tp=1, moe=True, attention="flash", dropout=False,
-                                 expert_tokens_factor=imb)
-    assert got == pytest.approx(expected)
+    kw = dict(tokens=T, seq_ctx=T, tp=1, moe=True, attention="flash", dropout=False, expert_tokens_factor=imb)
+    # Megatron-Core 0.13+: the router's weights multiply the expert activation, the combine keeps nothing
+    assert layer_activation_bytes(m, **kw) == pytest.approx(expected)
+    # before 0.13 (and torchtitan's score-before-experts): the combine keeps the experts' outputs too
+    old = layer_activation_bytes(m, probs_on_combine=True, **kw)
+    assert old - layer_activation_bytes(m, **kw) == pytest.approx(2 * T * m.top_k * imb * h)
+
+
+def test_fp8_param_gather_holds_fp8_weights_and_no_bf16_copy():
+    # GPT-3 175B TP8 PP8 DP16 ZeRO-1, FP8 with current scaling, bf16 gradient buffers (Megatron-Bridge's
+    # performance presets: fp8_param_gather, grad_reduce_in_fp32=False): on the first stage the 12
+    # layers' linear weights are FP8 row- + column-wise (2 B) with no bf16 copy beside them, the rest
+    # (norms, biases, embedding, position table) stays bf16
+    cluster = parse_cluster("128x8xH100")
+    text = "tp=8,pp=8,dp=16,zero=1,mbs=1,gbs=1536,seq=2048,recompute=full,param_dtype=fp8,fp8_scaling=current"
+    layout = Layout.parse(text + ",grad_dtype=bf16")
+    base = TrainCostModel(GPT, cluster, TrainOptions(global_batch=1536, seq=2048))
+    fp8w = TrainCostModel(GPT, cluster, TrainOptions(global_batch=1536, seq=2048, fp8_param_gather=True))
+    norms = 2 * 2 * h
+    est, ref = fp8w.estimate(layout), base.estimate(layout)
+    assert est["memory"]["worst_stage"] == ref["memory"]["worst_stage"] == "first"
+    first = 12 * (GPT.dense_layer_params - norms) / 8 + 12 * norms + 51200 * h / 8 + 2048 * h
+    bd, rb = est["memory"]["breakdown"], ref["memory"]["breakdown"]
+    lin = rb["fp8_weight_cache"] / 2.0  # TE's cache: 2 B a linear parameter (bf16 weights beside it)
+    assert rb["weights"] == pytest.approx(2 * first, rel=1e-9)
+    assert bd["weights"] == pytest.approx(2 * (first - lin), rel=1e-9)
+    assert bd["fp8_weight_cache"] == rb["fp8_weight_cache"]
+    assert bd["gradients"] == rb["gradients"] == pytest.approx(2 * first, rel=1e-9)  # bf16 gradient buffer
+    assert bd["optimizer_states"] == rb["optimizer_states"] == pytest.approx(12 * first / 16, rel=1e-9)
+    # the distributed optimizer all-gathers the FP8 data (1 B) of the linear weights, bf16 of the rest
+    # (ring all-gather over 16 ranks: each sends 15/16 of the gathered bytes): 1 B less a linear parameter
+    saved = ref["comm"]["bytes_per_step_by_axis"]["dp"] - est["comm"]["bytes_per_step_by_axis"]["dp"]
+    assert saved == pytest.approx(lin * 15 / 16, abs=2)
+    # ZeRO-3 (Megatron-FSDP) is not modelled under FP8 weights: unchanged
+    z3 = Layout.parse(text.replace("zero=1", "zero=3"))
+    assert fp8w.estimate(z3)["memory"]["breakdown"] == base.estimate(z3)["memory"]["breakdown"]

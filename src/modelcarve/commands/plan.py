@@ -72,6 +72,12 @@ def _common(p) -> None:
     p.add_argument("--loss", choices=["materialized", "fused", "chunked"],
                    help="training: cross entropy (default materialized: whole fp32 logits; fused: Megatron's "
                         "vocab-parallel loss; chunked: logits never whole)")
+    p.add_argument("--fp8-param-gather", dest="fp8_param_gather", action="store_true", default=None,
+                   help="training, FP8: linear weights held as FP8 tensors with no bf16 copy (Megatron's "
+                        "--fp8-param-gather; Megatron-Bridge's FP8 presets set it)")
+    p.add_argument("--moe-probs-on-combine", dest="moe_probs_on_combine", action="store_true", default=None,
+                   help="training, MoE: the combine weighs and keeps the experts' outputs (Megatron-Core before 0.13; "
+                        "default: 0.13+, which weighs the expert activation and keeps nothing more)")
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -90,7 +96,7 @@ def _common(p) -> None:
 def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
-             "precision", "loss", "memory_headroom", "offload_layers")
+             "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

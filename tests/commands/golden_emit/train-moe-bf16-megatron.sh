@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# modelcarve --emit-launch megatron: PP2v6-DP8-Z2-EP4, rank 1 for qwen3-30b-a3b on 2x8xH100
+# modelcarve --emit-launch megatron: PP2v6-DP8-Z1-EP4, rank 1 for qwen3-30b-a3b on 2x8xH100
 # mapping: Megatron-LM core_v0.19.2 (engines/megatron.json; checked against Megatron-LM megatron/training/arguments.py (megatron-core 0.19.2))
-# layout: PP2v6-DP8-Z2-EP4 tp=1 pp=2 dp=8 cp=1 ep=4 seq=4096
+# layout: PP2v6-DP8-Z1-EP4 tp=1 pp=2 dp=8 cp=1 ep=4 seq=4096
 torchrun \
   --nnodes 2 \
   --nproc-per-node 8 pretrain_gpt.py \
@@ -12,8 +12,7 @@ torchrun \
   --expert-tensor-parallel-size 1 \
   --num-virtual-stages-per-pipeline-rank 6 \
   --use-distributed-optimizer \
-  --use-megatron-fsdp \
-  --data-parallel-sharding-strategy optim_grads \
+  --num-distributed-optimizer-instances 1 \
   --micro-batch-size 1 \
   --global-batch-size 512 \
   --seq-length 4096 \

@@ -20,9 +20,16 @@ Extensions, term by term (same bookkeeping: every tensor a backward reads is cou
 * GQA: K and V have ``num_kv_heads`` heads, replicated when ``tp > num_kv_heads``.
 * SwiGLU: the gate and up projections' outputs (``2 x 2 sbf``) and the product fed to the down
   projection (``2 sbf``): ``6 sbf / t`` in place of GeLU's ``4 sbf / t``.
-* MoE: router logits in fp32 (``4 sbE``), the token copies sent to experts and returned
-  (``2 x 2 sbkh``, times the load-imbalance factor on the busiest device), each expert's SwiGLU
-  intermediates over its tokens (``6 sbk f_e / t``), and the shared experts as a dense MLP.
+* MoE: router logits in fp32 (``4 sbE``), the token copies sent to the experts (``2 sbkh``,
+  times the load-imbalance factor on the busiest device), each expert's SwiGLU intermediates over
+  its tokens (``6 sbk f_e / t``), and the shared experts as a dense MLP. Where the router's
+  weights multiply the experts' outputs at the combine (``probs_on_combine``: Megatron-Core
+  before 0.13, whose unpermute took the probabilities; torchtitan's ``score_before_experts``
+  keeps the same extra copy, the unscaled routed tokens its score gradient reads), the combine
+  also keeps the routed tokens it weighs: ``2 sbkh`` more. Megatron-Core 0.13 and later
+  (MR !2668 "Memory efficient token permutation", 2025-04) multiply them into the expert
+  activation instead (``weighted_bias_swiglu_impl``: the activation's backward reads the fc1
+  output it keeps anyway), so the combine keeps nothing: the default.
 * MLA: the compressed q and kv latents and their norm outputs (``4 sb (r_q + r_kv) + 2 sb d_rope``,
   replicated over TP as the down projections are), then per-head Q, K, V as in MHA.
 * Flash attention stores no ``s^2`` term, only the output (the projection input) and the fp32
@@ -92,6 +99,7 @@ def layer_activation_terms(
     expert_tp: int = 0,
     gemm_input_bytes: float | None = None,
     bytes_per_value: float = ACT_BYTES,
+    probs_on_combine: bool = False,
 ) -> dict[str, float]:
     """Bytes per component for one layer and one micro-batch of ``tokens`` tokens on one device.
 
@@ -100,7 +108,8 @@ def layer_activation_terms(
     ``expert_tp`` the expert tensor-parallel degree (0: ``tp``); ``gemm_input_bytes`` the bytes
     per saved linear-layer input (1 under FP8, see the module doc; default ``bytes_per_value``);
     ``bytes_per_value`` the bytes of one stored activation in the compute dtype (2 for bf16,
-    4 for fp32; the fp32 router logits and flash statistics stay 4)."""
+    4 for fp32; the fp32 router logits and flash statistics stay 4); ``probs_on_combine`` the
+    combine weighs the experts' outputs and keeps them (module doc: older Megatron-Core)."""
     h = model.hidden_size
     T = float(tokens)
     rep = tp if sp else 1  # divisor of the norm/dropout regions
@@ -150,7 +159,9 @@ def layer_activation_terms(
         etp = expert_tp or tp
         routed = T * k * expert_tokens_factor * etp / tp  # tokens this device's expert shards see
         terms["router"] = 4.0 * T * E / rep
-        terms["expert_tokens"] = (a + q) * routed * h  # the fc1 input (quantised under FP8) and the combine input
+        terms["expert_tokens"] = q * routed * h  # the fc1 input (quantised under FP8)
+        if probs_on_combine:
+            terms["combine_input"] = a * routed * h  # the experts' outputs the weighted combine reads
         terms["expert_ffn"] = _ffn_terms(model, routed, fe, etp, act, q, a)
         if model.num_shared_experts:
             terms["shared_ffn"] = _ffn_terms(model, T, model.num_shared_experts * fe, tp, act, q, a)

@@ -115,7 +115,8 @@ def moe_cases() -> list[Case]:
             mbs=int(row["mbs"]), gbs=int(row["gbs"]), seq=int(row["seq"]), zero=int(row["zero"]),
             recompute=row["recompute"],
         )
-        options = TrainOptions(global_batch=int(row["gbs"]), seq=int(row["seq"]), attention="flash", dropout=False)
+        options = TrainOptions(global_batch=int(row["gbs"]), seq=int(row["seq"]), attention="flash", dropout=False,
+                               moe_probs_on_combine=True)  # MCore v0.9: the unpermute weighs the outputs
         cases.append(Case(
             name=f"{row['model']} on {row['cluster']}", model=get_model(row["model"]), cluster=parse_cluster(row["cluster"]),
             layout=layout, options=options, published_tflops=float(row["tflops_per_gpu"]), source=row["source"],
@@ -151,6 +152,22 @@ MODERN = dict(attention="flash", dropout=False, overlap_grad_reduce=True, overla
 """Software options of the NeMo / Megatron-Bridge recipes (Megatron-Core with Transformer Engine):
 flash attention, no dropout, gradient-reduce / parameter-gather / pipeline-send overlap, the fused
 vocab-parallel cross entropy; published runs did run, so they are checked against the whole device."""
+BRIDGE_RECIPE = dict(fp8_param_gather=True, moe_probs_on_combine=False)
+"""What Megatron-Bridge's performance presets (25.11: v0.2.1, 26.02.01: v0.3.1) run beyond ``MODERN``,
+and the layout's ``grad_dtype=bf16`` beside it: every FP8 precision preset sets ``fp8_param_gather``
+(src/megatron/bridge/training/mixed_precision.py ``bf16_with_fp8_current_scaling_mixed`` /
+``bf16_with_mxfp8_mixed``, taken by scripts/performance/utils ``get_precision_config``), every
+model's performance script sets ``grad_reduce_in_fp32 = False`` (scripts/performance/configs/*/
+*_llm_pretrain.py), and their Megatron-Core (0.15+) weighs the expert activation, not the combine."""
+BF16_GRAD_SOURCES = ("NEMO-25.04", "NEMO-25.02")
+"""NeMo 2 releases whose FP8 performance scripts reduce gradients in bf16 (scripts/performance/llm/*.py: with
+``--fp8``, ``recipe.trainer.plugins.grad_reduce_in_fp32 = False``; every row of theirs here is FP8). NeMo 24.07
+predates those scripts: Megatron's default (fp32) stands."""
+NEMO2_RECIPE = dict(fp8_param_gather=False, moe_probs_on_combine=True)
+"""NeMo 2 releases 24.07-25.04 (Megatron-Core 0.8-0.12, before MR !2668 moved the router's weights
+into the expert activation): the combine keeps the experts' outputs; whether their FP8 recipes hold FP8
+weights was not checked, so Megatron's default (bf16 weights beside the FP8 copies) stands. Gradients:
+``BF16_GRAD_SOURCES``."""
 TP_COMM_OVERLAP = 0.75
 """Fraction of TP traffic the recipes' Transformer Engine comm-GEMM overlap hides (``tp_comm_overlap``,
 on for TP > 1 in the recipes); fitted to the Megatron-Bridge 25.11 rows (0.75 on the publisher-corrected
@@ -251,6 +268,8 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         gbs, mbs, seq = int(row["gbs"]), int(row["mbs"]), int(row["seq"])
         name = f"{row['model']} {row['precision']} {gpus}x{system} ({row['source']})"
         dtype, scaling = _PRECISION[row["precision"]]
+        bridge = row["source"].startswith("MB-")  # Megatron-Bridge's presets (BRIDGE_RECIPE); NeMo 2: MCore < 0.13
+        bf16_grads = bridge or row["source"] in BF16_GRAD_SOURCES
         try:
             model = _published_model(row["model"])
             dpn = get_device(system).devices_per_node
@@ -259,7 +278,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
                 tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep, mbs=mbs, gbs=gbs, seq=seq,
                 zero=3 if row["fsdp"] == "1" else 1, sp=tp > 1, recompute="none",
                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
-                param_dtype=dtype, fp8_scaling=scaling,
+                param_dtype=dtype, fp8_scaling=scaling, grad_dtype="bf16" if bf16_grads else "fp32",
             )
             layout.validate(model, cluster)
             unanswered = ""
@@ -268,7 +287,8 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         options = TrainOptions(global_batch=gbs, seq=seq, tp_overlap=overlap if tp > 1 else 0.0,
                                load_imbalance=1.0 if row["source"].startswith("MB-") else 1.25,
                                moe_dispatcher=row.get("dispatcher") or "fused",
-                               offload_layers=int(row.get("offload_layers") or 0), **MODERN)
+                               offload_layers=int(row.get("offload_layers") or 0),
+                               **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN)
         stated = row.get("recompute") or "infer"
         if layout is not None:
             layout = least_recompute(model, cluster, layout, options) if stated == "infer" else layout.replace(recompute=stated)

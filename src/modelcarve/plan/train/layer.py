@@ -203,6 +203,7 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         act_kwargs = dict(
             tokens=T, seq_ctx=seq, tp=tp, sp=sp, moe=moe, attention=o.attention, dropout=o.dropout,
             expert_tokens_factor=o.load_imbalance, expert_tp=etp, gemm_input_bytes=saved_input_bytes(cost._dtype),
+            probs_on_combine=o.moe_probs_on_combine,
         )
         act_terms = layer_activation_terms(m, recompute=recompute, **act_kwargs)
         work = 0.0

@@ -68,6 +68,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     RESERVED_BYTES,
     dp_traffic,
     fp8_cache_bytes,
+    fp8_weights,
     held_layer_bytes,
     model_state_bytes_per_param,
     optimizer_bytes_per_param,
@@ -145,6 +146,17 @@ class TrainOptions:
     memory_headroom: float = MEMORY_HEADROOM
     """Fraction of device memory a layout must leave free to count as fitting (``--memory-headroom``,
     default 0.05); 0 checks against the whole device (published runs that did run)."""
+    fp8_param_gather: bool = False
+    """FP8 layouts hold their linear layers' weights as FP8 tensors, not bf16 (Megatron
+    ``--fp8-param-gather``, Transformer Engine's ``fp8_model_init``; every FP8 precision preset of
+    Megatron-Bridge sets it): the quantised row- and column-wise copies are the weights, so no bf16
+    copy is kept beside them, and the distributed optimizer all-gathers them at one byte a
+    parameter (MXFP8: bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``).
+    plan/train/states.py."""
+    moe_probs_on_combine: bool = False
+    """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
+    its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
+    weighs the expert activation instead and the combine keeps nothing."""
 
 
 class TrainCostModel(ProfileMixin):
@@ -317,9 +329,12 @@ class TrainCostModel(ProfileMixin):
             per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
             n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
             cache = fp8_cache_bytes(p_dt)
+            # FP8 weights (fp8_weights): the quantised copies are the linear weights, no bf16 beside them
+            bf16_lin = weight_bytes(p_dt) if fp8_weights(p_dt, zero, self.options.fp8_param_gather) else 0.0
             states = self._states[key] = [
                 per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
                 + cache * (lin if zero < 3 else layer)  # FSDP caches only the gathered layer's quantised copy
+                - bf16_lin * lin
                 for _, _, _, pd, pe, layer, lin, _ in self.stage_params(tp, pp, ep, etp, v)
             ]
         return states
@@ -431,8 +446,9 @@ class TrainCostModel(ProfileMixin):
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
         cache = fp8_cache_bytes(cand.param_dtype)
+        bf16_lin = pb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather) else 0.0
         return {
-            "weights": pb * (full if zero < 3 else local),
+            "weights": pb * (full if zero < 3 else local) - bf16_lin * st["linear_params"],
             "gradients": gb * (full if zero < 2 else local),
             "optimizer_states": ob * (full if zero == 0 else local),
             "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] + held if zero == 3 else 0.0,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train.states import GIB
+from modelcarve.plan.train.states import GIB, fp8_weights
 
 if TYPE_CHECKING:
     from modelcarve.plan.train.candidate import Candidate
@@ -216,8 +216,12 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     lay = Layout(**result["layout"])
     p_dt, zero, m = lay.param_dtype, lay.zero, result["memory"]["worst_stage"]
     shard = {0: "whole", 1: "whole", 2: "whole", 3: "one 1/(dp x cp) shard"}[zero]
+    fp8w = fp8_weights(p_dt, zero, getattr(options, "fp8_param_gather", False))
     held = "bf16 parameters (2 B; FP8 recipes keep bf16 weights, Transformer Engine)" if p_dt in ("bf16", "fp8", "mxfp8") \
         else f"{p_dt} parameters"
+    if fp8w:
+        held = ("bf16 parameters outside the linear layers (embedding, norms, router); the linear weights are FP8 "
+                "(--fp8-param-gather), counted in the fp8 weight cache row")
     recompute = {
         "none": "nothing recomputed",
         "selective": "recompute=selective read as Megatron-LM's --recompute-granularity selective: the attention core "
@@ -236,8 +240,11 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                             f"parameters (12 B a parameter for bf16, Rajbhandari et al. 2020 K=12)"
                             + (", over the dp x cp shard (Megatron's distributed optimizer / ZeRO-1+)" if zero >= 1 else ""),
         "zero3_gather_buffers": _gather_rule(lay),
-        "fp8_weight_cache": "Transformer Engine's FP8 row- and column-wise copies of each linear weight for the step "
-                            "(2 B a linear parameter, MX scales +1/32)" if p_dt in ("fp8", "mxfp8") else f"none: {p_dt} GEMMs keep no FP8 weight copies",
+        "fp8_weight_cache": ("the linear weights themselves, FP8 row- and column-wise (2 B a linear parameter, MX "
+                             "scales +1/32; Megatron --fp8-param-gather / TE fp8_model_init: no bf16 copy)" if fp8w else
+                             "Transformer Engine's FP8 row- and column-wise copies of each linear weight for the step "
+                             "(2 B a linear parameter, MX scales +1/32)") if p_dt in ("fp8", "mxfp8")
+                            else f"none: {p_dt} GEMMs keep no FP8 weight copies",
         "activations": f"saved tensors per layer (plan/cost/activations.py: Korthikanti et al. 2022 Sec. 4 extended to "
                        f"GQA, SwiGLU, MoE, MLA, flash attention) x layers x micro-batches in flight ({sched}: "
                        f"plan/cost/schedule.py); {recompute}",

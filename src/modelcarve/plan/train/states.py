@@ -83,6 +83,26 @@ def weight_bytes(param_dtype: str) -> float:
     return 2.0 if param_dtype in FP8_DTYPES else DTYPE_BYTES[param_dtype]
 
 
+def fp8_weights(param_dtype: str, zero: int, fp8_param_gather: bool) -> bool:
+    """Whether the linear layers' weights are held as FP8 tensors with no bf16 copy: an FP8
+    ``param_dtype`` under Megatron's ``--fp8-param-gather`` (TrainOptions.fp8_param_gather) with
+    whole weights (ZeRO 0-2: the distributed optimizer). Each linear weight then takes its
+    row- and column-wise quantised copies (``fp8_cache_bytes``, the weight cache's size) instead of
+    2 B of bf16 plus the cache. Megatron-FSDP's FP8 shards (ZeRO-3) are not modelled: priced as
+    bf16 shards plus the gathered layer's cache."""
+    return fp8_param_gather and param_dtype in FP8_DTYPES and zero < 3
+
+
+def gathered_param_bytes(param_dtype: str, fp8_params: bool) -> float:
+    """Bytes a parameter all-gather of the distributed optimizer moves per linear parameter:
+    bf16 (2), or under FP8 weights the FP8 data (1 B, per-tensor scaling); MXFP8's block scales
+    run along one direction, so Megatron all-gathers bf16 into the gradient buffer and quantises
+    after (Megatron-Bridge ``reuse_grad_buf_for_mxfp8_param_ag``): 2."""
+    if fp8_params and param_dtype == "fp8":
+        return 1.0
+    return weight_bytes(param_dtype)
+
+
 def reserved_bytes(tp: int, cp: int, pp: int, dp: int, ep: int, edp: int) -> float:
     """Runtime memory outside the model's tensors for a layout's communicators (module doc)."""
     comms = sum(1 for n in (tp, cp, dp, ep, edp) if n > 1) + (2 if pp > 1 else 0)
@@ -162,9 +182,13 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
         r["step_bytes"], r["step_nic"] = b1 + b2, comm.nic_bytes(b1, dense_t) + comm.nic_bytes(b2, exp_t)
     elif zero in (1, 2):
         r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
-        r["gather_s"] = comm.all_gather_s(pb * pd, dp * cp, dense_t) + comm.all_gather_s(pb * pe, edp, exp_t)
+        # the parameter all-gather: bf16, or the FP8 data of FP8 weights (gathered_param_bytes)
+        gq = gathered_param_bytes(p_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather))
+        gd = pb * pd - (pb - gq) * (big["linear_params"] - pe)  # the dense stage's linear weights at gq
+        ge = gq * pe
+        r["gather_s"] = comm.all_gather_s(gd, dp * cp, dense_t) + comm.all_gather_s(ge, edp, exp_t)
         rs1, rs2 = comm.reduce_scatter_bytes(gb * pd, dp * cp), comm.reduce_scatter_bytes(gb * pe, edp)
-        ag1, ag2 = comm.all_gather_bytes(pb * pd, dp * cp), comm.all_gather_bytes(pb * pe, edp)
+        ag1, ag2 = comm.all_gather_bytes(gd, dp * cp), comm.all_gather_bytes(ge, edp)
         reduce_bytes, reduce_nic = rs1 + rs2, comm.nic_bytes(rs1, dense_t) + comm.nic_bytes(rs2, exp_t)
         gather_bytes, gather_nic = ag1 + ag2, comm.nic_bytes(ag1, dense_t) + comm.nic_bytes(ag2, exp_t)
         if zero == 1:
