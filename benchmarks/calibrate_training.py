@@ -299,6 +299,9 @@ def memory_markdown(rows: list[dict]) -> list[str]:
              "Rows: `data/training_memory_published.csv` (torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`: reserved",
              "memory, PyTorch's default allocator). One constant is fitted, the default allocator's overhead",
              "(`FRAGMENTATION_FIXED_SEGMENTS` = 0.20 of activations and buffers, on the first row); the others are held out.",
+             "Parameters as torchtitan's FSDP2 holds them (`param_policy=\"torch\"`: fp32, their own master, 4 + 4 + 8 bytes",
+             "a parameter sharded, since 2026-12-05): 1.87 GiB a GPU less than Megatron's 2 + 4 + 12, which the 0.20 was",
+             "chosen with (then -2.6% on the first row); not refitted to one row.",
              "", "| run | layout | recompute | seq | published GiB | predicted GiB | error | fitted on |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['layout']} | {r['recompute']} | {r['seq']} | {r['published_gib']} | {r['predicted_gib']} | "

@@ -41,10 +41,54 @@ def test_selective_means_what_the_framework_means(capsys):
     ops = _estimate(capsys, f"tp=8,pp=4,dp=2,{BASE},recompute=ops")
     selective = _estimate(capsys, layout)
     assert titan["layout"]["recompute"] == "ops" and megatron["layout"]["recompute"] == "selective"
-    assert titan["memory"] == ops["memory"] and megatron["memory"] == selective["memory"]
-    assert titan["memory"]["peak_bytes"] != megatron["memory"]["peak_bytes"]
+    assert megatron["memory"] == selective["memory"]
+    acts = ("activations", "recompute_working_layer", "logits")
+    assert {k: titan["memory"]["breakdown"][k] for k in acts} == {k: ops["memory"]["breakdown"][k] for k in acts}
+    assert titan["memory"]["breakdown"]["activations"] != megatron["memory"]["breakdown"]["activations"]
     assert any("op-level selective activation checkpointing" in n for n in titan["read_as"])
     assert any("attention core" in n for n in megatron["read_as"])
+
+
+def test_each_framework_holds_the_parameters_its_own_way(capsys):
+    # Llama 3.1 8B, FSDP over 8 GPUs (one stage holds every parameter): torchtitan's FSDP2 keeps fp32
+    # parameters that are their own master (4 + 4 + 8 = 16 B a parameter, sharded over 8); Megatron and
+    # DeepSpeed bf16 weights, fp32 gradients and an fp32 master + moments (2 + 4 + 12 = 18 B); modelcarve's
+    # runtime as FSDP2, and under its distributed optimizer (ZeRO-1 over 8 replicas) as Megatron
+    model = get_model("llama-3.1-8b")
+    P = model.total_params
+
+    def states(layout: str, *extra: str) -> float:
+        code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--layout", layout, "--json", *extra])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        bd = json.loads(out)["memory"]["breakdown"]
+        return bd["weights"] + bd["gradients"] + bd["optimizer_states"]
+
+    fsdp = "dp=8,fsdp,mbs=1,gbs=8,seq=4096"
+    assert states(fsdp, "--framework", "torchtitan") == pytest.approx(16 * P / 8, rel=1e-9)
+    assert states(fsdp, "--framework", "modelcarve") == pytest.approx(16 * P / 8, rel=1e-9)
+    assert states(fsdp, "--framework", "megatron") == pytest.approx(18 * P / 8, rel=1e-9)
+    assert states(fsdp) == pytest.approx(18 * P / 8, rel=1e-9)  # without --framework: Megatron's
+    zero1 = "dp=8,zero=1,mbs=1,gbs=8,seq=4096"
+    assert states(zero1, "--framework", "modelcarve") == pytest.approx((2 + 4) * P + 12 * P / 8, rel=1e-9)
+    ddp = "dp=8,mbs=1,gbs=8,seq=4096"
+    assert states(ddp, "--framework", "modelcarve") == pytest.approx(16 * P, rel=1e-9)
+
+
+def test_plan_for_torchtitan_prices_its_parameters(capsys):
+    code = main(["plan", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--global-batch", "32", "--seq", "4096",
+                 "--engine", "torchtitan", "--top", "3", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    P = get_model("llama-3.1-8b").total_params
+    for item in json.loads(out)["layouts"]:
+        lay, bd = item["layout"], item["memory"]["breakdown"]
+        if lay["zero"] == 3 and lay["pp"] == 1 and lay["tp"] == 1:
+            n = (lay["dp_shard"] or lay["dp"]) * lay["cp"]
+            assert bd["weights"] + bd["gradients"] + bd["optimizer_states"] == pytest.approx(16 * P / n, rel=1e-9)
+            break
+    else:
+        pytest.fail("no FSDP layout without TP / PP among torchtitan's top 3")
 
 
 LAYOUTS = [

@@ -100,6 +100,27 @@ def _options(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def _param_policy(engine: str) -> str:
+    """How ``engine`` holds a training run's parameters (its table's ``param_policy``; DeepSpeed's
+    bf16 optimizer keeps bf16 weights and an fp32 master, as Megatron does): plan/train/states.py."""
+    if engine == "deepspeed":
+        return "megatron"
+    from modelcarve.commands.emit import table
+
+    return table(engine).get("param_policy", "megatron")
+
+
+_POLICY_NOTES = {
+    "megatron": "{engine} holds bf16 weights and an fp32 master copy in the optimizer: 2 + 12 bytes a parameter "
+                "beside the gradients",
+    "torch": "{engine} holds fp32 parameters, their own master copy, and computes in bf16 (FSDP2 "
+             "MixedPrecisionPolicy / autocast): 4 + 8 bytes a parameter beside the fp32 gradients",
+    "modelcarve": "{engine} holds fp32 parameters, their own master copy, except under its distributed optimizer "
+                  "(zero=1/2 over dp x cp > 1: bf16 + an fp32 master), spec/support.held_param_dtype",
+}
+"""The sentence ``estimate --framework`` prints for the parameter policy it priced."""
+
+
 def _load(args):
     from modelcarve.plan.goals import get_goal
     from modelcarve.spec.catalog import get_model
@@ -140,6 +161,12 @@ def _estimate(args) -> int:
                         max_batch=args.launch_batch or args.batch or args.max_batch)
         return code
     options = _options(args)
+    if args.goal == "train" and args.framework:
+        options["param_policy"] = _param_policy(args.framework)
+        note = _POLICY_NOTES[options["param_policy"]].format(engine=args.framework)
+        notes.append(note)
+        if not args.json:
+            print(f"note: {note}")
     if args.goal == "train":
         if layout.gbs and options.get("global_batch") not in (None, layout.gbs):
             raise ModelcarveError(
@@ -201,6 +228,8 @@ def _plan(args) -> int:
     if is_serve_goal(args.goal):
         return run_serve_plan(args, model, cluster, top=args.top)
     options = _options(args)
+    if args.goal == "train" and args.engine:
+        options["param_policy"] = _param_policy(args.engine)
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
     result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)

@@ -141,7 +141,13 @@ def held_param_dtype(layout: "Layout") -> str:
     layout — zero=0, FSDP2 (zero=3), a ZeRO stage over one replica (plain AdamW), fp32 — holds
     fp32 parameters, which are then their own master weights, and a bf16 layout computes under
     autocast. Gradients and optimiser state are fp32 everywhere (``runtime_problems``)."""
-    if layout.param_dtype == "bf16" and layout.zero in (1, 2) and layout.dp * layout.cp > 1:
+    return held_dtype_of(layout.param_dtype, layout.zero, layout.dp * layout.cp)
+
+
+def held_dtype_of(param_dtype: str, zero: int, replicas: int) -> str:
+    """``held_param_dtype`` from the three fields it reads (``replicas``: dp x cp), for the planner's
+    candidates, which are not Layouts (plan/train/states.py ``stored_param_dtype``)."""
+    if param_dtype == "bf16" and zero in (1, 2) and replicas > 1:
         return "bf16"
     return "fp32"
 

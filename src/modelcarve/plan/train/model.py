@@ -65,6 +65,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     FRAGMENTATION,
     GIB,
     MEMORY_HEADROOM,
+    PARAM_POLICIES,
     RESERVED_BYTES,
     dp_traffic,
     fp8_cache_bytes,
@@ -75,6 +76,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     reserved_bytes,
     stage_row,
     state_factors,
+    stored_param_dtype,
     weight_bytes,
 )
 from modelcarve.spec.errors import LayoutError
@@ -153,6 +155,12 @@ class TrainOptions:
     copy is kept beside them, and the distributed optimizer all-gathers them at one byte a
     parameter (MXFP8: bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``).
     plan/train/states.py."""
+    param_policy: str = "megatron"
+    """Who holds the parameters how (plan/train/states.py ``PARAM_POLICIES``): 'megatron' (bf16
+    weights + an fp32 master copy in the optimizer: Megatron, DeepSpeed), 'torch' (fp32 parameters,
+    their own master, bf16 compute: torchtitan's FSDP2, DDP under autocast), 'modelcarve' (this
+    project's runtime, spec/support.held_param_dtype). ``estimate --framework`` / ``plan --engine``
+    set it from the framework."""
     moe_probs_on_combine: bool = False
     """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
     its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
@@ -171,6 +179,8 @@ class TrainCostModel(ProfileMixin):
             raise LayoutError(f"loss={self.options.loss!r} must be one of: {', '.join(LOSS_KINDS)}")
         if not 0.0 <= self.options.memory_headroom < 0.5:
             raise LayoutError(f"memory headroom {self.options.memory_headroom} must be a fraction in [0, 0.5), e.g. 0.05")
+        if self.options.param_policy not in PARAM_POLICIES:
+            raise LayoutError(f"param_policy={self.options.param_policy!r} must be one of: {', '.join(PARAM_POLICIES)}")
         if not 0.0 <= self.options.fragmentation < 1.0:
             raise LayoutError(f"fragmentation {self.options.fragmentation} must be a fraction in [0, 1), e.g. 0.05")
         self._growth = 1.0 + self.options.fragmentation
@@ -326,7 +336,8 @@ class TrainCostModel(ProfileMixin):
                     self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v),
                     self.stage_params(tp, pp, ep, etp, v))]
         if states is None:
-            per_full, per_local, gather = state_factors(zero, p_dt, g_dt, o_dt)
+            s_dt = stored_param_dtype(p_dt, zero, dp * cp, self.options.param_policy)
+            per_full, per_local, gather = state_factors(zero, s_dt, g_dt, o_dt, p_dt)
             n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
             cache = fp8_cache_bytes(p_dt)
             # FP8 weights (fp8_weights): the quantised copies are the linear weights, no bf16 beside them
@@ -440,18 +451,20 @@ class TrainCostModel(ProfileMixin):
         if self.holds_layers(zero, pp):  # the stage's gradients unsharded, its units gathered
             row = (None, None, st["moe_layers"], st["params_dense"], None, st["layer_params"], None, st["layers"])
             held = held_layer_bytes(self, row, tp, ep, etp, cand.param_dtype, cand.grad_dtype)
-        pb, gb = weight_bytes(cand.param_dtype), DTYPE_BYTES[cand.grad_dtype]
-        ob = optimizer_bytes_per_param(cand.param_dtype, cand.optim_dtype)
+        s_dt = stored_param_dtype(cand.param_dtype, zero, dp * cp, self.options.param_policy)
+        pb, gb = weight_bytes(s_dt), DTYPE_BYTES[cand.grad_dtype]
+        ob = optimizer_bytes_per_param(s_dt, cand.optim_dtype)
+        cb = weight_bytes(cand.param_dtype)  # a ZeRO-3 layer is gathered in the compute dtype
         n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
         cache = fp8_cache_bytes(cand.param_dtype)
-        bf16_lin = pb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather) else 0.0
+        bf16_lin = cb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather) else 0.0
         return {
             "weights": pb * (full if zero < 3 else local) - bf16_lin * st["linear_params"],
             "gradients": gb * (full if zero < 2 else local),
             "optimizer_states": ob * (full if zero == 0 else local),
-            "zero3_gather_buffers": (2 * pb + gb) * st["layer_params"] + held if zero == 3 else 0.0,
+            "zero3_gather_buffers": (2 * cb + gb) * st["layer_params"] + held if zero == 3 else 0.0,
             "fp8_weight_cache": cache * (st["linear_params"] if zero < 3 else st["layer_params"]),
         }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train.states import GIB, fp8_weights
+from modelcarve.plan.train.states import GIB, fp8_weights, stored_param_dtype
 
 if TYPE_CHECKING:
     from modelcarve.plan.train.candidate import Candidate
@@ -222,6 +222,12 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     if fp8w:
         held = ("bf16 parameters outside the linear layers (embedding, norms, router); the linear weights are FP8 "
                 "(--fp8-param-gather), counted in the fp8 weight cache row")
+    policy = getattr(options, "param_policy", "megatron")
+    own_master = stored_param_dtype(p_dt, zero, lay.dp * lay.cp, policy) != p_dt
+    if own_master:
+        who = {"torch": "torchtitan's FSDP2 MixedPrecisionPolicy / DDP under autocast",
+               "modelcarve": "modelcarve's runtime, spec/support.held_param_dtype"}[policy]
+        held = f"fp32 parameters, their own master copy, {p_dt} compute ({who})"
     recompute = {
         "none": "nothing recomputed",
         "selective": "recompute=selective read as Megatron-LM's --recompute-granularity selective: the attention core "
@@ -236,8 +242,10 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                    "layers by the runtime's split (spec/stages.py, Megatron's --account-for-embedding/loss-in-pipeline-split)",
         "gradients": f"{lay.grad_dtype} gradients of the held parameters"
                      + (", reduce-scattered to the dp x cp shard (ZeRO-2/3)" if zero >= 2 else ", whole until the reduction"),
-        "optimizer_states": f"Adam: two {lay.optim_dtype} moments + a {lay.optim_dtype} master copy when it differs from the "
-                            f"parameters (12 B a parameter for bf16, Rajbhandari et al. 2020 K=12)"
+        "optimizer_states": (f"Adam: two {lay.optim_dtype} moments; the fp32 parameters are their own master (8 B a "
+                             f"parameter)" if own_master else
+                             f"Adam: two {lay.optim_dtype} moments + a {lay.optim_dtype} master copy when it differs from the "
+                             f"parameters (12 B a parameter for bf16, Rajbhandari et al. 2020 K=12)")
                             + (", over the dp x cp shard (Megatron's distributed optimizer / ZeRO-1+)" if zero >= 1 else ""),
         "zero3_gather_buffers": _gather_rule(lay),
         "fp8_weight_cache": ("the linear weights themselves, FP8 row- and column-wise (2 B a linear parameter, MX "

@@ -59,7 +59,9 @@ it near the low end)."""
 FRAGMENTATION_FIXED_SEGMENTS = 0.20
 """The same overhead with PyTorch's default allocator (fixed segments, eager kernels): fitted to
 torchtitan's published reserved memory of Llama 3.1 8B with FSDP and op-level SAC on 8 H100 (82.4
-GiB, benchmarks/llama3_h100_202412_torchtitan.md Table 1); its other rows are the check."""
+GiB, benchmarks/llama3_h100_202412_torchtitan.md Table 1); its other rows are the check. Chosen
+when those rows were priced with Megatron's parameters (-2.6% on that row); with FSDP2's own
+(``param_policy="torch"``, 1.87 GiB less) -4.9%, kept rather than refitted to one row."""
 MEMORY_HEADROOM = 0.05
 """Default fraction of device memory a planned layout must leave free (``--memory-headroom``):
 winners are not placed at 97-99% of memory, where a longer sequence or a driver update OOMs."""
@@ -81,6 +83,30 @@ def fp8_cache_bytes(param_dtype: str) -> float:
 def weight_bytes(param_dtype: str) -> float:
     """Bytes per stored weight: FP8 training keeps its weights in bf16."""
     return 2.0 if param_dtype in FP8_DTYPES else DTYPE_BYTES[param_dtype]
+
+
+PARAM_POLICIES = ("megatron", "torch", "modelcarve")
+"""Who holds the parameters how (TrainOptions.param_policy): 'megatron' (Megatron-LM / Megatron-Bridge,
+DeepSpeed: bf16 weights, an fp32 master copy in the optimizer); 'torch' (torchtitan and torch-native
+trainers: FSDP2's MixedPrecisionPolicy or DDP under autocast keep fp32 parameters, which are their own
+master, and compute in bf16: 4 + 4 + 8 bytes a parameter); 'modelcarve' (this project's runtime:
+spec/support.held_param_dtype, bf16 + master only under its distributed optimizer)."""
+
+
+def stored_param_dtype(param_dtype: str, zero: int, replicas: int, policy: str) -> str:
+    """The dtype a layout's parameters are stored in under ``policy`` (``PARAM_POLICIES``):
+    ``param_dtype`` itself (FP8: bf16 weights, ``weight_bytes``), or fp32 where the parameters are
+    their own master copy: every torch-native layout, FP8 ones too (torchao's float8 linears cast
+    fp32 parameters each forward; its FP8 all-gather is not modelled), and the runtime's by its rule."""
+    if param_dtype == "fp32" or policy == "megatron":
+        return param_dtype
+    if policy == "torch":
+        return "fp32"
+    if param_dtype not in ("bf16", "fp16"):
+        return param_dtype
+    from modelcarve.spec.support import held_dtype_of
+
+    return held_dtype_of(param_dtype, zero, replicas)
 
 
 def fp8_weights(param_dtype: str, zero: int, fp8_param_gather: bool) -> bool:
@@ -111,9 +137,10 @@ DP_BUCKET_BYTES = 2 * 40e6
 """Gradient-reduction buckets in flight (two of Megatron's 40 MB buckets)."""
 
 
-def state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, float, float]:
+def state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str, compute_dt: str | None = None) -> tuple[float, float, float]:
     """Bytes per parameter held in full, bytes per parameter sharded over the ZeRO group, and
-    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``."""
+    bytes per parameter of one layer gathered in full (ZeRO-3), for ZeRO stage ``zero``; ``p_dt``
+    the stored dtype, ``compute_dt`` the one a ZeRO-3 layer is gathered in (default ``p_dt``)."""
     pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
     ob = optimizer_bytes_per_param(p_dt, o_dt)
     if zero == 0:
@@ -122,7 +149,7 @@ def state_factors(zero: int, p_dt: str, g_dt: str, o_dt: str) -> tuple[float, fl
         return pb + gb, ob, 0.0
     if zero == 2:
         return pb, gb + ob, 0.0
-    return 0.0, pb + gb + ob, 2 * pb + gb
+    return 0.0, pb + gb + ob, 2 * weight_bytes(compute_dt or p_dt) + gb
 
 
 def optimizer_bytes_per_param(param_dtype: str = "bf16", optim_dtype: str = "fp32") -> float:
@@ -159,14 +186,15 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     etp = prof["key"][8]
     zero, dp_shard = cand.zero, cand.dp_shard
     p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
+    s_dt = stored_param_dtype(p_dt, zero, dp * cp, cost.options.param_policy)
     big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
     pd, pe = big["params_dense"], big["params_expert"]
     key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"], big["moe_layers"])
     cached = cost._traffic.get(key)
     if cached is not None:
         return cached
-    pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]
-    ob = optimizer_bytes_per_param(p_dt, o_dt)
+    pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]  # pb: the compute dtype, what ZeRO-3 gathers
+    sb, ob = weight_bytes(s_dt), optimizer_bytes_per_param(s_dt, o_dt)  # as stored (ZeRO-1/2 gather that)
     shard = (dp_shard or dp) if zero else 1
     n_dense = shard * cp if zero else 1
     # expert mesh ETP x EP x EDP over the same ranks as TP x CP x DP (MoE parallel folding)
@@ -183,8 +211,8 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     elif zero in (1, 2):
         r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
         # the parameter all-gather: bf16, or the FP8 data of FP8 weights (gathered_param_bytes)
-        gq = gathered_param_bytes(p_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather))
-        gd = pb * pd - (pb - gq) * (big["linear_params"] - pe)  # the dense stage's linear weights at gq
+        gq = gathered_param_bytes(s_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather))
+        gd = sb * pd - (sb - gq) * (big["linear_params"] - pe)  # the dense stage's linear weights at gq
         ge = gq * pe
         r["gather_s"] = comm.all_gather_s(gd, dp * cp, dense_t) + comm.all_gather_s(ge, edp, exp_t)
         rs1, rs2 = comm.reduce_scatter_bytes(gb * pd, dp * cp), comm.reduce_scatter_bytes(gb * pe, edp)
@@ -242,7 +270,7 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
         b4 = comm.ring_all_reduce_bytes(gb * cost.vocab_h / tp, 2)
         r["step_bytes"] += b4
         r["step_nic"] += comm.nic_bytes(b4, emb_t)
-    r["optimizer_s"] = memory_bound_time_s(cost.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + pb))
+    r["optimizer_s"] = memory_bound_time_s(cost.device, (pd / n_dense + pe / n_exp) * (2 * ob + gb + sb))
     cost._traffic[key] = r
     return r
 

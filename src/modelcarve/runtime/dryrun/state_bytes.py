@@ -33,11 +33,12 @@ tests/runtime/test_dry_run_bytes.py):
 The planner's figures (``planner_figures``) are plan/train/model.py's ``rank_state_parts`` of
 each pipeline rank (the layers spec/stages.py's split gives it: the split ``parallelize``
 builds) for the same cluster: weights, gradients, optimizer_states, priced for the parameters as
-the runtime holds them (spec/support.held_param_dtype, the one precision-policy rule): a bf16
-layout the runtime keeps in fp32 (zero=0, FSDP2, a ZeRO stage over one replica) is priced as fp32
-parameters that are their own master copy, 4 + 4 + 8 bytes a parameter, as torch-native trainers
-(FSDP2, DDP under autocast) hold them; ``estimate`` prices the same layout as Megatron holds it,
-bf16 weights with an fp32 master in the optimizer (2 + 4 + 12). ``compare`` marks a category different when it is off by more than
+the runtime holds them: the planner's ``param_policy="modelcarve"`` (plan/train/states.py
+``stored_param_dtype``, which reads spec/support.held_param_dtype, the one precision-policy rule):
+a bf16 layout the runtime keeps in fp32 (zero=0, FSDP2, a ZeRO stage over one replica) is priced
+as fp32 parameters that are their own master copy, 4 + 4 + 8 bytes a parameter, as torch-native
+trainers (FSDP2, DDP under autocast) hold them, which ``estimate --framework modelcarve`` prints
+too; plain ``estimate`` prices Megatron's bf16 weights with an fp32 master (2 + 4 + 12). ``compare`` marks a category different when it is off by more than
 ``tolerance_bytes(layout)``: the planner divides element counts by ``n`` as a real number, the
 buckets pad each group to a multiple of ``n``, so a category may exceed the planner's by under
 ``n`` elements per bucket, at most 12 bytes each: 12 x (n_dense + n_expert) bytes.
@@ -163,9 +164,9 @@ def planner_figures(spec, cluster, layout) -> dict[int, dict[str, float]]:
     builds); the search prices the fullest middle rank, so the others are asked for one by one."""
     from modelcarve.plan.goals import get_goal
 
-    cost = get_goal("train").cost_model(spec, cluster, global_batch=layout.global_batch, seq=layout.seq)
-    held = layout.replace(param_dtype="fp32") if _bf16_held_in_fp32(layout) else layout  # their own master
-    cand = cost.full_candidate(cost.key(held))
+    cost = get_goal("train").cost_model(spec, cluster, global_batch=layout.global_batch, seq=layout.seq,
+                                        param_policy="modelcarve")
+    cand = cost.full_candidate(cost.key(layout))
     return {p: {c: cost.rank_state_parts(cand, p)[c] for c in CATEGORIES} for p in range(layout.pp)}
 
 
@@ -206,8 +207,9 @@ def format_report(report: dict) -> str:
     lines = [f"{report['model']} {report['layout']}: world size {report['world_size']}, "
              f"{report['distinct_ranks']} distinct ranks ({report['elapsed_s']} s); {unit} predicted / measured"]
     if report.get("bf16_held_in_fp32"):
-        lines.append("parameters held in fp32, their own master copy (torch-native mixed precision); "
-                     "estimate prices Megatron's bf16 weights with an fp32 master for this layout")
+        lines.append("parameters held in fp32, their own master copy (torch-native mixed precision), as "
+                     "estimate --framework modelcarve prices them; plain estimate prices Megatron's bf16 weights "
+                     "with an fp32 master")
     lines.append(f"{'rank':>6} {'x ranks':>7} {'pp':>3} {'layers':>6}  " + "  ".join(f"{c:>24}" for c in CATEGORIES))
     for r in report["rows"]:
         cells = "  ".join(f"{r['predicted'][c] / gib:>11.3f} /{r['measured'][c] / gib:>11.3f}" for c in CATEGORIES)
