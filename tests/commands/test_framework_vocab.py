@@ -96,6 +96,7 @@ LAYOUTS = [
     "tp=4,pp=2,cp=2,dp=4,zero=1,recompute=full", "tp=8,dp=8,zero=1,param_dtype=fp8", "tp=2,dp=32,zero=3",
     "tp=8,pp=2,dp=4", "tp=2,pp=2,dp=16,zero=3,dp_shard=8,recompute=ops", "dp=64,zero=3", "tp=8,cp=2,dp=4,zero=3",
     "tp=4,pp=4,dp=4,schedule=gpipe", "tp=8,pp=4,dp=2,zero=1,recompute=core_attn+mlp_act",
+    "tp=8,pp=2,dp=4,zero=1,grad_dtype=bf16", "tp=2,dp=32,zero=3,grad_dtype=bf16",
 ]
 
 

@@ -102,6 +102,10 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
                 fields["sp"] = when == "sp"
             elif ">" in when and when.split(">")[0] == "zero":
                 floors["zero"] = max(floors.get("zero", 0), int(when.split(">")[1]) + 1)
+            elif "==" in when:  # e.g. Megatron's --grad-reduce-in-bf16: grad_dtype==bf16
+                key, value = when.split("==")
+                fields[key] = value
+                notes.append(f"{title(engine)}'s {flag} read as {key}={value}")
             i += 1
             continue
         if i + 1 >= len(tokens):
