@@ -75,6 +75,26 @@ def test_each_framework_holds_the_parameters_its_own_way(capsys):
     assert states(ddp, "--framework", "modelcarve") == pytest.approx(16 * P, rel=1e-9)
 
 
+def test_megatron_precision_flags_read_into_layout_and_options(capsys):
+    # --grad-reduce-in-bf16 is a layout field (grad_dtype), --fp8-param-gather a planner option: the estimate
+    # of Megatron's flags equals, to the byte, the one of our spelling with the option given directly
+    flags = ("--tensor-model-parallel-size 8 --sequence-parallel --use-distributed-optimizer --micro-batch-size 1 "
+             "--global-batch-size 64 --seq-length 4096 --bf16 --fp8-format hybrid --fp8-recipe tensorwise")
+    ours = f"tp=8,sp,zero=1,dp=8,{BASE},param_dtype=fp8,fp8_scaling=current"
+    read = _estimate(capsys, flags + " --fp8-param-gather --grad-reduce-in-bf16", "--framework", "megatron")
+    direct = _estimate(capsys, ours + ",grad_dtype=bf16", "--fp8-param-gather")
+    plain = _estimate(capsys, ours)
+    assert read["layout"] == direct["layout"] and read["memory"] == direct["memory"]
+    assert any("--fp8-param-gather read as the planner option fp8_param_gather" in n for n in read["read_as"])
+    bd, pb = read["memory"]["breakdown"], plain["memory"]["breakdown"]
+    assert bd["gradients"] == pytest.approx(pb["gradients"] / 2)  # bf16 gradient buffer
+    assert pb["weights"] - bd["weights"] == pytest.approx(pb["fp8_weight_cache"])  # no bf16 copy of the linears
+    # emitted back, the layout's field is written and the planner option is not
+    layout = Layout.parse(ours + ",grad_dtype=bf16")
+    cmd = argv("megatron", layout, get_model("llama-3.1-70b"), parse_cluster("8x8xH100"), serving=False)
+    assert "--grad-reduce-in-bf16" in cmd and "--fp8-param-gather" not in cmd
+
+
 def test_plan_for_torchtitan_prices_its_parameters(capsys):
     code = main(["plan", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--global-batch", "32", "--seq", "4096",
                  "--engine", "torchtitan", "--top", "3", "--json"])

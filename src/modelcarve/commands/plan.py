@@ -111,8 +111,8 @@ def _param_policy(engine: str) -> str:
 
 
 _POLICY_NOTES = {
-    "megatron": "{engine} holds bf16 weights and an fp32 master copy in the optimizer: 2 + 12 bytes a parameter "
-                "beside the gradients",
+    "megatron": "{engine} holds 16-bit weights (FP8 ones under --fp8-param-gather) and an fp32 master copy in the "
+                "optimizer: 12 bytes a parameter of optimizer state with the two moments",
     "torch": "{engine} holds fp32 parameters, their own master copy, and computes in bf16 (FSDP2 "
              "MixedPrecisionPolicy / autocast): 4 + 8 bytes a parameter beside the fp32 gradients",
     "modelcarve": "{engine} holds fp32 parameters, their own master copy, except under its distributed optimizer "
@@ -141,10 +141,11 @@ def _estimate(args) -> int:
     _out_needs_emit_launch(args)
 
     model, cluster, goal = _load(args)
-    notes = []
+    notes, framework_options = [], {}
     if args.framework:
-        from modelcarve.commands.emit.vocab import read_layout
+        from modelcarve.commands.emit.vocab import read_layout, read_options
 
+        framework_options = read_options(args.framework, args.layout)
         args.layout, notes = read_layout(args.framework, args.layout, devices=cluster.num_devices)
         if not args.json:
             for note in notes:
@@ -162,6 +163,7 @@ def _estimate(args) -> int:
         return code
     options = _options(args)
     if args.goal == "train" and args.framework:
+        options.update(framework_options)
         options["param_policy"] = _param_policy(args.framework)
         note = _POLICY_NOTES[options["param_policy"]].format(engine=args.framework)
         notes.append(note)

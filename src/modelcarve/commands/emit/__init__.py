@@ -293,7 +293,7 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
              options_file=options_file, titan_module=_titan_module(model), titan_config=f"{_titan_module(model)}_custom")
     out = [part.format(**c) for part in t["command"]]
     for arg in t["args"]:
-        if "comment" in arg:
+        if "comment" in arg or "option" in arg:  # a planner option, not a layout field: read, not written
             continue
         if "when" in arg and not _cond(arg["when"], c):
             continue

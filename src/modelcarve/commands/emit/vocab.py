@@ -96,6 +96,10 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
         if arg is None:
             raise ModelcarveError(f"{title(engine)}: {flag} is not a flag modelcarve reads; it reads "
                                   f"{', '.join(sorted(by_flag))}")
+        if "option" in arg:  # a switch of the planner's options, not the layout (read_options)
+            notes.append(f"{title(engine)}'s {flag} read as the planner option {arg['option']}")
+            i += 1
+            continue
         if "value" not in arg:  # a switch: what its condition says
             when = arg.get("when", "")
             if when in ("sp", "!sp"):
@@ -180,6 +184,17 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
         elif value is not False:
             parts.append(f"{key}={value}")
     return ",".join(parts), notes
+
+
+def read_options(engine: str, text: str) -> dict:
+    """The planner options (plan/train/model.py TrainOptions) that ``text``, ``engine``'s own flags,
+    switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``); empty for
+    our keys' form and for engines without such flags."""
+    text = text.strip()
+    if engine == "deepspeed" or not text.startswith("--"):
+        return {}
+    switches = {arg["flag"]: arg["option"] for arg in table(engine)["args"] if "option" in arg}
+    return {switches[word]: True for word in shlex.split(text) if word in switches}
 
 
 def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str, list[str]]:
