@@ -34,8 +34,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     through here too, so both refuse in the same words."""
     from modelcarve.spec.errors import ModelcarveError
 
-    if not 0 <= port < 65536:
-        raise ModelcarveError(f"--port {port} is not a TCP port (1-65535)")
+    if not 0 <= port < 65536:  # 0: the system picks a free port (tests); the CLI asks for 1-65535 (check_port)
+        raise ModelcarveError(f"port {port} is not a TCP port (0-65535, 0 for a free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is not "in use"
