@@ -9,7 +9,9 @@ written by ``python tests/plan/search_golden_cases.py`` on the commit before the
 (187ce0a), and are never rewritten to make a test pass. A change of the cost model itself re-records
 them, each in its own commit that says why: 2026-12-05, the MoE combine keeps no expert outputs
 (Megatron-Core 0.13+, plan/cost/activations.py): the MoE searches' activation memory and so their
-rejections and top 10 moved; the dense ones are unchanged.
+rejections and top 10 moved; the dense ones are unchanged. 2026-12-05 again: context parallelism's
+ring-attention buffers (plan/train/profile.py ``cp_ring_bytes``) join the comm buffers: every suite's
+CP layouts hold a little more, a few more candidates are rejected, no top 10 changes order.
 """
 
 from __future__ import annotations

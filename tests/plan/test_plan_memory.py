@@ -184,3 +184,28 @@ def test_fp8_param_gather_holds_fp8_weights_and_no_bf16_copy():
     # ZeRO-3 (Megatron-FSDP) is not modelled under FP8 weights: unchanged
     z3 = Layout.parse(text.replace("zero=1", "zero=3"))
     assert fp8w.estimate(z3)["memory"]["breakdown"] == base.estimate(z3)["memory"]["breakdown"]
+
+
+def test_context_parallel_ring_buffers_by_hand():
+    # Transformer Engine's p2p ring attention holds, for one layer, every K+V chunk the forward receives
+    # (cp of them) or, in the backward, two send / receive buffers of a K+V chunk and its gradient plus a
+    # dQ buffer: the larger. DeepSeek-V3 (MLA: 128 heads, q/k 192, v 128), CP4 of 4,096 tokens, tp=1
+    from modelcarve.plan.train.profile import cp_ring_bytes
+    from modelcarve.spec.catalog import get_model
+
+    ds = get_model("deepseek-v3")
+    T = 4096 / 4
+    kv = 2 * T * 128 * (192 + 128)          # bf16 K and V of the local chunk: 80 MiB
+    q = 2 * T * 128 * 192
+    assert cp_ring_bytes(ds, T, 1, 4) == max(4 * kv, 4 * kv + q) == 385_875_968
+    # GQA shares its 8 KV heads: Llama 3.1 70B at TP8 keeps one, CP2 of 8,192 tokens
+    llama = get_model("llama-3.1-70b")
+    kv, q = 2 * 4096 * 1 * (128 + 128), 2 * 4096 * 64 / 8 * 128
+    assert cp_ring_bytes(llama, 4096, 8, 2) == max(2 * kv, 4 * kv + q)
+    # the estimate's comm buffers carry it, beside the pipeline / MoE buffers and the gradient buckets
+    cluster = parse_cluster("16x8xH100")
+    cost = TrainCostModel(ds, cluster, TrainOptions(global_batch=960, seq=4096))
+    est = cost.estimate(Layout.parse("cp=4,pp=16,dp=2,ep=8,zero=1,mbs=1,gbs=960,seq=4096"))
+    with_ring, without = cost.screen_buffers(T, 1, 16, 8, False, 4)[1], cost.screen_buffers(T, 1, 16, 8, False, 1)[1]
+    assert with_ring - without == cp_ring_bytes(ds, T, 1, 4)
+    assert est["memory"]["breakdown"]["comm_buffers"] == pytest.approx(with_ring + 2 * 40e6, rel=1e-12)

@@ -265,7 +265,9 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                    "chunked": f"chunked cross entropy ({options.loss_chunk} tokens a chunk) + the fp32 hidden-state "
                               "gradient"}.get(options.loss, options.loss) if m in ("last", "only") else "not on this stage",
         "comm_buffers": "pipeline send / receive buffers (2 per direction), the sequence-parallel gather, MoE dispatch "
-                        "buffers, and two of Megatron's 40 MB gradient buckets in flight",
+                        "buffers, " + ("context parallelism's ring buffers (max(cp, 4) K+V chunks of one layer and a dQ "
+                                       "buffer: Transformer Engine's p2p ring attention), " if lay.cp > 1 else "")
+                        + "and two of Megatron's 40 MB gradient buckets in flight",
         "allocator_fragmentation": f"{options.fragmentation:.0%} of activations and buffers: PyTorch's caching allocator "
                                    "(expandable segments: 3-10% measured above allocated; fixed segments 20%, fitted to "
                                    "torchtitan's published Llama 3.1 8B peak)",
