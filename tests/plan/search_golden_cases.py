@@ -11,7 +11,9 @@ them, each in its own commit that says why: 2026-12-05, the MoE combine keeps no
 (Megatron-Core 0.13+, plan/cost/activations.py): the MoE searches' activation memory and so their
 rejections and top 10 moved; the dense ones are unchanged. 2026-12-05 again: context parallelism's
 ring-attention buffers (plan/train/profile.py ``cp_ring_bytes``) join the comm buffers: every suite's
-CP layouts hold a little more, a few more candidates are rejected, no top 10 changes order.
+CP layouts hold a little more, a few more candidates are rejected, no top 10 changes order; and the MoE
+dispatch buffers count the tokens an expert-TP shard sees (T k etp / tp, as the activations do): the MoE
+suites reject a few more, no top 10 changes order.
 """
 
 from __future__ import annotations

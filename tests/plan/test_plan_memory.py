@@ -206,6 +206,21 @@ def test_context_parallel_ring_buffers_by_hand():
     cluster = parse_cluster("16x8xH100")
     cost = TrainCostModel(ds, cluster, TrainOptions(global_batch=960, seq=4096))
     est = cost.estimate(Layout.parse("cp=4,pp=16,dp=2,ep=8,zero=1,mbs=1,gbs=960,seq=4096"))
-    with_ring, without = cost.screen_buffers(T, 1, 16, 8, False, 4)[1], cost.screen_buffers(T, 1, 16, 8, False, 1)[1]
+    with_ring, without = cost.screen_buffers(T, 1, 16, 8, False, 4, 1)[1], cost.screen_buffers(T, 1, 16, 8, False, 1, 1)[1]
     assert with_ring - without == cp_ring_bytes(ds, T, 1, 4)
     assert est["memory"]["breakdown"]["comm_buffers"] == pytest.approx(with_ring + 2 * 40e6, rel=1e-12)
+
+
+def test_moe_dispatch_buffers_hold_the_tokens_the_expert_shards_see():
+    # Mixtral 8x7B at TP2 with EP4: expert TP 2 (each expert split like the dense layers) all-gathers the
+    # received tokens over the expert-TP group, so a device's dispatch buffers hold T k etp / tp routed
+    # tokens, sent and combined back in bf16 (x the load imbalance), as the expert activations count them
+    from modelcarve.spec.catalog import get_model
+
+    m = get_model("mixtral-8x7b")
+    cost = TrainCostModel(m, parse_cluster("2x8xH100"), TrainOptions(global_batch=64, seq=4096))
+    T, h, k, imb = 4096.0, m.hidden_size, m.top_k, cost.options.load_imbalance
+    base = cost.screen_buffers(T, 2, 1, 1, True, 1, 2)[1]  # no EP: no dispatch buffers
+    for etp in (1, 2):
+        got = cost.screen_buffers(T, 2, 1, 4, True, 1, etp)[1] - base
+        assert got == pytest.approx(2 * 2 * T * k * etp / 2 * h * imb, rel=1e-12)

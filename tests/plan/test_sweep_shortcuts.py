@@ -116,7 +116,7 @@ def test_sequence_parallelism_never_lowers_the_tokens_per_s_bound(case):
             def bound(with_sp):
                 lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, with_sp, "none", cost.seq, dtype, etp, v)
                 t_mb, _rows, buffers, p2p_s, n_mb, tokens = lean[:6]
-                assert buffers == cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, with_sp, cp)[1]
+                assert buffers == cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, with_sp, cp, etp)[1]
                 return tokens / cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
 
             assert bound(False) <= bound(True)

@@ -161,7 +161,7 @@ class ProfileMixin:
             t = compute_s + tp_s + cp_s + ep_s
             if t > t_mb:  # the first slowest, as max() picks it
                 t_mb, slow = t, i
-        p2p_bytes, buffers = self.screen_buffers(T, tp, pp, ep, sp, cp)
+        p2p_bytes, buffers = self.screen_buffers(T, tp, pp, ep, sp, cp, etp)
         if pp > 1:
             tier = self._tiers.get((pp, dp * cp * tp))
             p2p_s = comm.p2p_s(p2p_bytes, tier if tier is not None else self.tier(pp, dp * cp * tp))
@@ -170,17 +170,19 @@ class ProfileMixin:
         gbs = o.global_batch or mbs * dp
         return t_mb, rows, buffers, p2p_s, gbs // (mbs * dp), gbs * seq, sums, slow
 
-    def screen_buffers(self, T: float, tp: int, pp: int, ep: int, sp: bool, cp: int) -> tuple[float, float]:
+    def screen_buffers(self, T: float, tp: int, pp: int, ep: int, sp: bool, cp: int, etp: int) -> tuple[float, float]:
         """(bytes of one pipeline send, the ``buffers`` of ``screen_profile``) for micro-batches of ``T``
         tokens per device (``mbs seq / cp``): the send and receive buffers, SP's gathered input, the
         MoE dispatch buffers of one micro-batch and context parallelism's ring buffers
-        (``cp_ring_bytes``)."""
+        (``cp_ring_bytes``). The dispatch buffers hold the routed tokens a device's experts see, sent
+        and combined back (bf16): ``T k etp / tp`` of them, as the expert activations count them
+        (Megatron's all-to-all dispatcher all-gathers the received tokens over the expert-TP group)."""
         m, o = self.model, self.options
         h = m.hidden_size
         act = 2.0 * T * h
         p2p_bytes = act / tp if (o.scatter_gather_p2p and tp > 1) or sp else act
         buffers = (2 * p2p_bytes if pp > 1 else 0.0) + (act if sp else 0.0) + (
-            2.0 * 2.0 * T * m.top_k * h / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
+            2.0 * 2.0 * T * m.top_k * h * etp / tp * o.load_imbalance if m.is_moe and ep > 1 else 0.0)
         if cp > 1:
             buffers += cp_ring_bytes(m, T, tp, cp)
         return p2p_bytes, buffers

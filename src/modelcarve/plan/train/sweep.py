@@ -205,7 +205,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                         cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc, dtype_s, etp, v, n_mb, growth,
                         lean[1]), None, pp, n_mb, cost, lean, slots_sp)
                     ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp)
-                    buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp, cp)[1]
+                    buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp, cp, etp)[1]
                     s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(_memory(
                         cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth), kinds_sp)]
                     borrowed = (buffers, max(kind[2] for kind in kinds_sp))
