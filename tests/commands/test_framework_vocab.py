@@ -75,6 +75,27 @@ def test_each_framework_holds_the_parameters_its_own_way(capsys):
     assert states(ddp, "--framework", "modelcarve") == pytest.approx(16 * P, rel=1e-9)
 
 
+def test_each_framework_keeps_its_own_moe_combine(capsys):
+    # Megatron-Core 0.13+ multiplies the router's weights into the expert activation (the combine keeps
+    # nothing); torchtitan (score_before_experts) and modelcarve's runtime (it weighs the experts' outputs)
+    # keep one more bf16 copy of the routed tokens: the same memory as --moe-probs-on-combine says
+    def acts(*extra: str) -> tuple[float, list]:
+        code = main(["estimate", "--model", "qwen3-30b-a3b", "--cluster", "1x8xH100", "--layout",
+                     "dp=8,ep=8,fsdp,mbs=1,gbs=8,seq=4096", "--json", *extra])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        d = json.loads(out)
+        return d["memory"]["breakdown"]["activations"], d.get("read_as", [])
+
+    plain, _ = acts()
+    combine, _ = acts("--moe-probs-on-combine")
+    assert combine > plain
+    assert acts("--framework", "megatron")[0] == plain
+    for engine in ("torchtitan", "modelcarve"):
+        got, notes = acts("--framework", engine)
+        assert got == combine and any("one more bf16 copy" in n for n in notes), engine
+
+
 def test_megatron_precision_flags_read_into_layout_and_options(capsys):
     # --grad-reduce-in-bf16 is a layout field (grad_dtype), --fp8-param-gather a planner option: the estimate
     # of Megatron's flags equals, to the byte, the one of our spelling with the option given directly

@@ -100,14 +100,17 @@ def _options(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def _param_policy(engine: str) -> str:
-    """How ``engine`` holds a training run's parameters (its table's ``param_policy``; DeepSpeed's
-    bf16 optimizer keeps bf16 weights and an fp32 master, as Megatron does): plan/train/states.py."""
+def _planner_options(engine: str) -> dict:
+    """The training planner's options that describe how ``engine`` runs (its table's
+    ``planner_options``): ``param_policy`` (how it holds the parameters, plan/train/states.py;
+    DeepSpeed's bf16 optimizer keeps bf16 weights and an fp32 master, as Megatron does) and
+    ``moe_probs_on_combine`` (torchtitan's score-before-experts and modelcarve's runtime, which
+    weighs the experts' outputs, keep one more copy of the routed tokens; Megatron-Core 0.13+ does not)."""
     if engine == "deepspeed":
-        return "megatron"
+        return {"param_policy": "megatron"}
     from modelcarve.commands.emit import table
 
-    return table(engine).get("param_policy", "megatron")
+    return {"param_policy": "megatron", **table(engine).get("planner_options", {})}
 
 
 _POLICY_NOTES = {
@@ -164,11 +167,15 @@ def _estimate(args) -> int:
     options = _options(args)
     if args.goal == "train" and args.framework:
         options.update(framework_options)
-        options["param_policy"] = _param_policy(args.framework)
-        note = _POLICY_NOTES[options["param_policy"]].format(engine=args.framework)
-        notes.append(note)
+        options.update(_planner_options(args.framework))
+        framework_notes = [_POLICY_NOTES[options["param_policy"]].format(engine=args.framework)]
+        if model.is_moe and options.get("moe_probs_on_combine"):
+            framework_notes.append(f"{args.framework} weighs the routed tokens by the router's scores outside the "
+                                   "expert activation: one more bf16 copy of them kept per MoE layer")
+        notes += framework_notes
         if not args.json:
-            print(f"note: {note}")
+            for note in framework_notes:
+                print(f"note: {note}")
     if args.goal == "train":
         if layout.gbs and options.get("global_batch") not in (None, layout.gbs):
             raise ModelcarveError(
@@ -231,7 +238,7 @@ def _plan(args) -> int:
         return run_serve_plan(args, model, cluster, top=args.top)
     options = _options(args)
     if args.goal == "train" and args.engine:
-        options["param_policy"] = _param_policy(args.engine)
+        options.update(_planner_options(args.engine))
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
     result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)
