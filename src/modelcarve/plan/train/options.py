@@ -1,0 +1,82 @@
+"""The options of a training estimate: workload and system facts a layout does not carry (global
+batch, sequence, attention kernel, overlap, MoE dispatch, loss, allocator, headroom) and how the
+framework runs (``param_policy``, ``fp8_param_gather``, ``moe_probs_on_combine``), read by every part
+of the training cost model (plan/train/model.py, which re-exports ``TrainOptions``).
+
+Usage::
+
+    from modelcarve.plan.train.options import TrainOptions
+    TrainOptions(global_batch=1536, seq=2048, param_policy="torch")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelcarve.plan.train.states import FRAGMENTATION, MEMORY_HEADROOM
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """Workload and system facts a layout does not carry."""
+
+    global_batch: int = 0
+    """Sequences per optimiser step; 0 takes the layout's gbs."""
+    seq: int = 0
+    """Sequence length; 0 takes the layout's seq."""
+    attention: str = "flash"
+    """'flash' (no s^2 activations, causal blocks skipped) or 'materialized' (Megatron 2021)."""
+    dropout: bool = False
+    """Dropout layers present (their masks are stored); Megatron's 2021 GPT runs had them."""
+    overlap_grad_reduce: bool = True
+    """Gradient reduction overlaps the last backward (torch DDP, Megatron-Core); False: after it."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2 parameter all-gather overlaps the next forward."""
+    tp_overlap: float = 0.0
+    """Fraction of TP communication hidden behind GEMMs (0 without TE comm-GEMM overlap)."""
+    load_imbalance: float = 1.25
+    """Tokens on the busiest expert rank / the mean (MoE): scales expert compute and all-to-all."""
+    moe_dispatcher: str = "fused"
+    """MoE token dispatcher: 'fused' (DeepEP / HybridEP: kernels size their own buffers) or 'alltoall'
+    (dropless all-to-all: the per-expert counts go to the host each pass; plan/cost/efficiency.py)."""
+    scatter_gather_p2p: bool = True
+    """Pipeline sends carry 1/t of the activation and all-gather over NVLink (Megatron)."""
+    overlap_p2p: bool = True
+    """Interleaved-schedule pipeline sends overlap compute (Megatron-Core with virtual stages);
+    False: every send is on the critical path (Megatron 2021)."""
+    loss: str = "materialized"
+    """Cross entropy: 'materialized' (logits of the micro-batch whole, fp32 copies: 10 bytes per
+    logit), 'fused' (Megatron's fused vocab-parallel loss: 2 bytes per logit), 'chunked' (fused
+    linear + cross entropy over chunks of ``loss_chunk`` tokens, Liger / torchtune style: the
+    logits are never materialised whole)."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the chunked loss."""
+    fragmentation: float = FRAGMENTATION
+    """Caching-allocator overhead as a fraction of activations and transient buffers: 0.05 with
+    expandable segments (Megatron recipes set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``);
+    ``FRAGMENTATION_FIXED_SEGMENTS`` (0.20) for PyTorch's default allocator, fitted to torchtitan's
+    published reserved memory (benchmarks/calibrate_training.py)."""
+    offload_layers: int = 0
+    """Layers whose saved activations go to host memory in the forward pass and come back for the
+    backward (Megatron-Core ``--cpu-offloading-num-layers``; pp=1 only, as Megatron-Core requires;
+    plan/cost/offload.py). ``estimate --offload-layers N``."""
+    memory_headroom: float = MEMORY_HEADROOM
+    """Fraction of device memory a layout must leave free to count as fitting (``--memory-headroom``,
+    default 0.05); 0 checks against the whole device (published runs that did run)."""
+    fp8_param_gather: bool = False
+    """FP8 layouts hold their linear layers' weights as FP8 tensors, not bf16 (Megatron
+    ``--fp8-param-gather``, Transformer Engine's ``fp8_model_init``; every FP8 precision preset of
+    Megatron-Bridge sets it): the quantised row- and column-wise copies are the weights, so no bf16
+    copy is kept beside them, and the distributed optimizer all-gathers them at one byte a
+    parameter (MXFP8: bf16 into the gradient buffer, ``reuse_grad_buf_for_mxfp8_param_ag``).
+    plan/train/states.py."""
+    param_policy: str = "megatron"
+    """Who holds the parameters how (plan/train/states.py ``PARAM_POLICIES``): 'megatron' (bf16
+    weights + an fp32 master copy in the optimizer: Megatron, DeepSpeed), 'torch' (fp32 parameters,
+    their own master, bf16 compute: torchtitan's FSDP2, DDP under autocast), 'modelcarve' (this
+    project's runtime, spec/support.held_param_dtype). ``estimate --framework`` / ``plan --engine``
+    set it from the framework."""
+    moe_probs_on_combine: bool = False
+    """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
+    its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
+    weighs the expert activation instead and the combine keeps nothing."""
