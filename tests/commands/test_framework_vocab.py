@@ -18,7 +18,7 @@ import pytest
 
 from modelcarve.cli import main
 from modelcarve.commands.emit import argv, can_express
-from modelcarve.commands.emit.vocab import read_layout
+from modelcarve.commands.emit.vocab import read_layout, read_options
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.errors import ModelcarveError
 from modelcarve.spec.hardware import parse_cluster
@@ -110,10 +110,20 @@ def test_megatron_precision_flags_read_into_layout_and_options(capsys):
     bd, pb = read["memory"]["breakdown"], plain["memory"]["breakdown"]
     assert bd["gradients"] == pytest.approx(pb["gradients"] / 2)  # bf16 gradient buffer
     assert pb["weights"] - bd["weights"] == pytest.approx(pb["fp8_weight_cache"])  # no bf16 copy of the linears
-    # emitted back, the layout's field is written and the planner option is not
+    # emitted back: the layout's field always, the planner option when the plan was priced with it (and
+    # Megatron accepts it: an FP8 layout with the distributed optimizer), and both read back
     layout = Layout.parse(ours + ",grad_dtype=bf16")
-    cmd = argv("megatron", layout, get_model("llama-3.1-70b"), parse_cluster("8x8xH100"), serving=False)
+    model, cluster = get_model("llama-3.1-70b"), parse_cluster("8x8xH100")
+    cmd = argv("megatron", layout, model, cluster, serving=False)
     assert "--grad-reduce-in-bf16" in cmd and "--fp8-param-gather" not in cmd
+    cmd = argv("megatron", layout, model, cluster, serving=False, planner_options={"fp8_param_gather": True})
+    assert "--fp8-param-gather" in cmd
+    flags = shlex.join(cmd[cmd.index("pretrain_gpt.py") + 1:])
+    assert read_options("megatron", flags) == {"fp8_param_gather": True}
+    assert Layout.parse(read_layout("megatron", flags, devices=64)[0]) == layout
+    for other in (layout.replace(param_dtype="bf16"), layout.replace(zero=0)):  # Megatron would refuse the flag
+        assert "--fp8-param-gather" not in argv("megatron", other, model, cluster, serving=False,
+                                                planner_options={"fp8_param_gather": True})
 
 
 def test_plan_for_torchtitan_prices_its_parameters(capsys):

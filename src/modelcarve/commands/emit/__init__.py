@@ -81,8 +81,11 @@ def context(layout: Layout, model=None, *, serving: bool = False, max_batch: int
     return c
 
 
-def _cond(text: str, c: dict) -> bool:
-    """A table's ``when``: ``name``, ``!name``, ``name>N``, ``name==V``, ``name!=V``."""
+def _cond(text, c: dict) -> bool:
+    """A table's ``when``: ``name``, ``!name``, ``name>N``, ``name==V``, ``name!=V``, or a list of
+    them that must all hold."""
+    if isinstance(text, list):
+        return all(_cond(part, c) for part in text)
     for op in ("==", "!=", ">"):
         if op in text:
             name, value = text.split(op, 1)
@@ -282,8 +285,10 @@ def model_ref(model) -> str:
 
 def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batch: int | None = None,
          node_rank: int = 0, master_addr: str = "$MASTER_ADDR", master_port: int = 29500,
-         options_file: str | None = None) -> list[str]:
-    """The engine's command line for ``layout`` (its table's flags, in order)."""
+         options_file: str | None = None, planner_options: dict | None = None) -> list[str]:
+    """The engine's command line for ``layout`` (its table's flags, in order); a flag naming a planner
+    ``option`` (Megatron's ``--fp8-param-gather``) is written when ``planner_options`` has it on and
+    its ``when`` holds: the plan was priced with it."""
     t = table(engine)
     c = context(layout, model, serving=serving, max_batch=max_batch)
     nodes = max(1, -(-layout.world_size // cluster.devices_per_node))
@@ -293,7 +298,9 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
              options_file=options_file, titan_module=_titan_module(model), titan_config=f"{_titan_module(model)}_custom")
     out = [part.format(**c) for part in t["command"]]
     for arg in t["args"]:
-        if "comment" in arg or "option" in arg:  # a planner option, not a layout field: read, not written
+        if "comment" in arg:
+            continue
+        if "option" in arg and not (planner_options or {}).get(arg["option"]):  # priced without it
             continue
         if "when" in arg and not _cond(arg["when"], c):
             continue
@@ -346,8 +353,9 @@ def _yaml(tree: dict, indent: int = 0) -> str:
 
 
 def render(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batch: int | None = None,
-           label: str = "") -> dict[str, str]:
-    """The files of ``--emit-launch ENGINE``: {file name: text}; ``launch.sh`` always."""
+           label: str = "", planner_options: dict | None = None) -> dict[str, str]:
+    """The files of ``--emit-launch ENGINE``: {file name: text}; ``launch.sh`` always
+    (``planner_options``: the options the plan was priced with, see ``argv``)."""
     t = table(engine)
     head = [
         "#!/usr/bin/env bash",
@@ -379,7 +387,8 @@ def render(engine: str, layout: Layout, model, cluster, *, serving: bool, max_ba
     opts = "extra_llm_api_options.yaml" if extra else None
     if extra:
         files[opts] = f"# {title(engine)} --extra_llm_api_options\n" + _yaml(extra) + "\n"
-    cmd = argv(engine, layout, model, cluster, serving=serving, max_batch=max_batch, options_file=opts)
+    cmd = argv(engine, layout, model, cluster, serving=serving, max_batch=max_batch, options_file=opts,
+               planner_options=planner_options)
     if engine == "trtllm" and layout.dp > 1 and not context(layout)["dp_attention"]:
         head.append(f"# {t['replicas']}: {layout.dp} replicas, ports 8000..{8000 + layout.dp - 1}")
         body = [f"CUDA_VISIBLE_DEVICES={','.join(str(r * layout.tp * layout.pp + i) for i in range(layout.tp * layout.pp))} "

@@ -37,7 +37,7 @@ def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, l
     from modelcarve.commands.planning.serve_goals import is_serve_goal
 
     files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
-                   label=label)
+                   label=label, planner_options={"fp8_param_gather": bool(getattr(args, "fp8_param_gather", None))})
     written = write(files, args.out)
     if args.out:
         sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")
