@@ -220,8 +220,7 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     held = "bf16 parameters (2 B; FP8 recipes keep bf16 weights, Transformer Engine)" if p_dt in ("bf16", "fp8", "mxfp8") \
         else f"{p_dt} parameters"
     if fp8w:
-        held = ("bf16 parameters outside the linear layers (embedding, norms, router); the linear weights are FP8 "
-                "(--fp8-param-gather), counted in the fp8 weight cache row")
+        held = "bf16 parameters outside the linear layers (embedding, norms, router)"
     policy = getattr(options, "param_policy", "megatron")
     own_master = stored_param_dtype(p_dt, zero, lay.dp * lay.cp, policy) != p_dt
     if own_master:
@@ -239,7 +238,8 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     sched = lay.schedule if lay.pp > 1 else "no pipeline"
     return {
         "weights": f"{held}, {shard} (ZeRO-3 / FSDP2 shard over dp x cp: Rajbhandari et al. 2020); the {m} stage's "
-                   "layers by the runtime's split (spec/stages.py, Megatron's --account-for-embedding/loss-in-pipeline-split)",
+                   "layers by the runtime's split (spec/stages.py, Megatron's --account-for-embedding/loss-in-pipeline-split)"
+                   + ("; the linear weights are FP8 (--fp8-param-gather): the fp8 weight cache row" if fp8w else ""),
         "gradients": f"{lay.grad_dtype} gradients of the held parameters"
                      + (", reduce-scattered to the dp x cp shard (ZeRO-2/3)" if zero >= 2 else ", whole until the reduction"),
         "optimizer_states": (f"Adam: two {lay.optim_dtype} moments; the fp32 parameters are their own master (8 B a "
