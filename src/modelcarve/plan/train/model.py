@@ -275,7 +275,8 @@ class TrainCostModel(ProfileMixin):
             n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
             cache = fp8_cache_bytes(p_dt)
             # FP8 weights (fp8_weights): the quantised copies are the linear weights, no bf16 beside them
-            bf16_lin = weight_bytes(p_dt) if fp8_weights(p_dt, zero, self.options.fp8_param_gather) else 0.0
+            bf16_lin = weight_bytes(p_dt) if fp8_weights(p_dt, zero, self.options.fp8_param_gather,
+                                                         self.options.param_policy) else 0.0
             states = self._states[key] = [
                 per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
                 + cache * (lin if zero < 3 else layer)  # FSDP caches only the gathered layer's quantised copy
@@ -393,7 +394,8 @@ class TrainCostModel(ProfileMixin):
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
         cache = fp8_cache_bytes(cand.param_dtype)
-        bf16_lin = cb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather) else 0.0
+        bf16_lin = cb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather,
+                                     self.options.param_policy) else 0.0
         return {
             "weights": pb * (full if zero < 3 else local) - bf16_lin * st["linear_params"],
             "gradients": gb * (full if zero < 2 else local),

@@ -216,7 +216,7 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     lay = Layout(**result["layout"])
     p_dt, zero, m = lay.param_dtype, lay.zero, result["memory"]["worst_stage"]
     shard = {0: "whole", 1: "whole", 2: "whole", 3: "one 1/(dp x cp) shard"}[zero]
-    fp8w = fp8_weights(p_dt, zero, getattr(options, "fp8_param_gather", False))
+    fp8w = fp8_weights(p_dt, zero, getattr(options, "fp8_param_gather", False), getattr(options, "param_policy", "megatron"))
     held = "bf16 parameters (2 B; FP8 recipes keep bf16 weights, Transformer Engine)" if p_dt in ("bf16", "fp8", "mxfp8") \
         else f"{p_dt} parameters"
     if fp8w:

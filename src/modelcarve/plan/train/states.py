@@ -109,14 +109,15 @@ def stored_param_dtype(param_dtype: str, zero: int, replicas: int, policy: str) 
     return held_dtype_of(param_dtype, zero, replicas)
 
 
-def fp8_weights(param_dtype: str, zero: int, fp8_param_gather: bool) -> bool:
+def fp8_weights(param_dtype: str, zero: int, fp8_param_gather: bool, policy: str = "megatron") -> bool:
     """Whether the linear layers' weights are held as FP8 tensors with no bf16 copy: an FP8
     ``param_dtype`` under Megatron's ``--fp8-param-gather`` (TrainOptions.fp8_param_gather) with
     whole weights (ZeRO 0-2: the distributed optimizer). Each linear weight then takes its
     row- and column-wise quantised copies (``fp8_cache_bytes``, the weight cache's size) instead of
     2 B of bf16 plus the cache. Megatron-FSDP's FP8 shards (ZeRO-3) are not modelled: priced as
-    bf16 shards plus the gathered layer's cache."""
-    return fp8_param_gather and param_dtype in FP8_DTYPES and zero < 3
+    bf16 shards plus the gathered layer's cache. Megatron's flag: under another ``policy`` (fp32
+    parameters of their own) it changes nothing."""
+    return fp8_param_gather and param_dtype in FP8_DTYPES and zero < 3 and policy == "megatron"
 
 
 def gathered_param_bytes(param_dtype: str, fp8_params: bool) -> float:
@@ -211,7 +212,7 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     elif zero in (1, 2):
         r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
         # the parameter all-gather: bf16, or the FP8 data of FP8 weights (gathered_param_bytes)
-        gq = gathered_param_bytes(s_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather))
+        gq = gathered_param_bytes(s_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather, cost.options.param_policy))
         gd = sb * pd - (sb - gq) * (big["linear_params"] - pe)  # the dense stage's linear weights at gq
         ge = gq * pe
         r["gather_s"] = comm.all_gather_s(gd, dp * cp, dense_t) + comm.all_gather_s(ge, edp, exp_t)
