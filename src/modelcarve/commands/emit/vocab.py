@@ -187,7 +187,7 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
 
 
 def read_options(engine: str, text: str) -> dict:
-    """The planner options (plan/train/model.py TrainOptions) that ``text``, ``engine``'s own flags,
+    """The planner options (plan/train/options.py TrainOptions) that ``text``, ``engine``'s own flags,
     switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``); empty for
     our keys' form and for engines without such flags."""
     text = text.strip()

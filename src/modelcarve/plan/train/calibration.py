@@ -161,10 +161,10 @@ model's performance script sets ``grad_reduce_in_fp32 = False`` (scripts/perform
 *_llm_pretrain.py), and their Megatron-Core (0.15+) weighs the expert activation, not the combine."""
 BF16_GRAD_SOURCES = ("NEMO-25.04", "NEMO-25.02")
 """NeMo 2 releases whose FP8 performance scripts reduce gradients in bf16 (scripts/performance/llm/*.py: with
-``--fp8``, ``recipe.trainer.plugins.grad_reduce_in_fp32 = False``; every row of theirs here is FP8). NeMo 24.07
-predates those scripts: Megatron's default (fp32) stands."""
+``--fp8``, ``recipe.trainer.plugins.grad_reduce_in_fp32 = False``; every row of theirs here is FP8). NeMo 24.07's
+setting was not checked: Megatron's default (fp32) stands."""
 NEMO2_RECIPE = dict(fp8_param_gather=False, moe_probs_on_combine=True)
-"""NeMo 2 releases 24.07-25.04 (Megatron-Core 0.8-0.12, before MR !2668 moved the router's weights
+"""NeMo releases 24.07-25.04 (Megatron-Core 0.8-0.12, before MR !2668 moved the router's weights
 into the expert activation): the combine keeps the experts' outputs; whether their FP8 recipes hold FP8
 weights was not checked, so Megatron's default (bf16 weights beside the FP8 copies) stands. Gradients:
 ``BF16_GRAD_SOURCES``."""
@@ -268,7 +268,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         gbs, mbs, seq = int(row["gbs"]), int(row["mbs"]), int(row["seq"])
         name = f"{row['model']} {row['precision']} {gpus}x{system} ({row['source']})"
         dtype, scaling = _PRECISION[row["precision"]]
-        bridge = row["source"].startswith("MB-")  # Megatron-Bridge's presets (BRIDGE_RECIPE); NeMo 2: MCore < 0.13
+        bridge = row["source"].startswith("MB-")  # Megatron-Bridge's presets (BRIDGE_RECIPE); NeMo's: MCore < 0.13
         bf16_grads = bridge or row["source"] in BF16_GRAD_SOURCES
         try:
             model = _published_model(row["model"])
