@@ -32,9 +32,8 @@ registry sits above them. ``register`` adds another (tests, extensions).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
-
 import importlib
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
 from modelcarve.spec.errors import ModelcarveError
 

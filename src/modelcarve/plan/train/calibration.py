@@ -285,7 +285,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         except (SpecError, LayoutError) as err:
             model, cluster, layout, unanswered = None, None, None, str(err)
         options = TrainOptions(global_batch=gbs, seq=seq, tp_overlap=overlap if tp > 1 else 0.0,
-                               load_imbalance=1.0 if row["source"].startswith("MB-") else 1.25,
+                               load_imbalance=1.0 if bridge else 1.25,
                                moe_dispatcher=row.get("dispatcher") or "fused",
                                offload_layers=int(row.get("offload_layers") or 0),
                                **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN)

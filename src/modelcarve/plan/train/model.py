@@ -69,14 +69,13 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
     RESERVED_BYTES,
     dp_traffic,
     fp8_cache_bytes,
-    fp8_weights,
     held_layer_bytes,
     model_state_bytes_per_param,
     optimizer_bytes_per_param,
+    param_storage,
     reserved_bytes,
     stage_row,
     state_factors,
-    stored_param_dtype,
     weight_bytes,
 )
 from modelcarve.spec.errors import LayoutError
@@ -270,13 +269,12 @@ class TrainCostModel(ProfileMixin):
                     self.stage_states(tp, cp, pp, dp, ep, zero, dp_shard, p_dt, g_dt, o_dt, etp, v),
                     self.stage_params(tp, pp, ep, etp, v))]
         if states is None:
-            s_dt = stored_param_dtype(p_dt, zero, dp * cp, self.options.param_policy)
+            s_dt, fp8w = param_storage(p_dt, zero, dp * cp, self.options)
             per_full, per_local, gather = state_factors(zero, s_dt, g_dt, o_dt, p_dt)
             n_dense, n_exp = self._shards(tp, cp, dp, ep, zero, dp_shard, etp)
             cache = fp8_cache_bytes(p_dt)
             # FP8 weights (fp8_weights): the quantised copies are the linear weights, no bf16 beside them
-            bf16_lin = weight_bytes(p_dt) if fp8_weights(p_dt, zero, self.options.fp8_param_gather,
-                                                         self.options.param_policy) else 0.0
+            bf16_lin = weight_bytes(p_dt) if fp8w else 0.0
             states = self._states[key] = [
                 per_full * (pd + pe) + per_local * (pd / n_dense + pe / n_exp) + gather * layer
                 + cache * (lin if zero < 3 else layer)  # FSDP caches only the gathered layer's quantised copy
@@ -386,7 +384,7 @@ class TrainCostModel(ProfileMixin):
         if self.holds_layers(zero, pp):  # the stage's gradients unsharded, its units gathered
             row = (None, None, st["moe_layers"], st["params_dense"], None, st["layer_params"], None, st["layers"])
             held = held_layer_bytes(self, row, tp, ep, etp, cand.param_dtype, cand.grad_dtype)
-        s_dt = stored_param_dtype(cand.param_dtype, zero, dp * cp, self.options.param_policy)
+        s_dt, fp8w = param_storage(cand.param_dtype, zero, dp * cp, self.options)
         pb, gb = weight_bytes(s_dt), DTYPE_BYTES[cand.grad_dtype]
         ob = optimizer_bytes_per_param(s_dt, cand.optim_dtype)
         cb = weight_bytes(cand.param_dtype)  # a ZeRO-3 layer is gathered in the compute dtype
@@ -394,8 +392,7 @@ class TrainCostModel(ProfileMixin):
         pd, pe = st["params_dense"], st["params_expert"]
         full, local = pd + pe, pd / n_dense + pe / n_exp
         cache = fp8_cache_bytes(cand.param_dtype)
-        bf16_lin = cb if fp8_weights(cand.param_dtype, zero, self.options.fp8_param_gather,
-                                     self.options.param_policy) else 0.0
+        bf16_lin = cb if fp8w else 0.0
         return {
             "weights": pb * (full if zero < 3 else local) - bf16_lin * st["linear_params"],
             "gradients": gb * (full if zero < 2 else local),

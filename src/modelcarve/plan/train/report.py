@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train.states import GIB, fp8_weights, stored_param_dtype
+from modelcarve.plan.train.states import GIB, param_storage
 
 if TYPE_CHECKING:
     from modelcarve.plan.train.candidate import Candidate
@@ -216,16 +216,15 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     lay = Layout(**result["layout"])
     p_dt, zero, m = lay.param_dtype, lay.zero, result["memory"]["worst_stage"]
     shard = {0: "whole", 1: "whole", 2: "whole", 3: "one 1/(dp x cp) shard"}[zero]
-    fp8w = fp8_weights(p_dt, zero, getattr(options, "fp8_param_gather", False), getattr(options, "param_policy", "megatron"))
+    stored, fp8w = param_storage(p_dt, zero, lay.dp * lay.cp, options)
     held = "bf16 parameters (2 B; FP8 recipes keep bf16 weights, Transformer Engine)" if p_dt in ("bf16", "fp8", "mxfp8") \
         else f"{p_dt} parameters"
     if fp8w:
         held = "bf16 parameters outside the linear layers (embedding, norms, router)"
-    policy = getattr(options, "param_policy", "megatron")
-    own_master = stored_param_dtype(p_dt, zero, lay.dp * lay.cp, policy) != p_dt
+    own_master = stored != p_dt
     if own_master:
         who = {"torch": "torchtitan's FSDP2 MixedPrecisionPolicy / DDP under autocast",
-               "modelcarve": "modelcarve's runtime, spec/support.held_param_dtype"}[policy]
+               "modelcarve": "modelcarve's runtime, spec/support.held_param_dtype"}[options.param_policy]
         held = f"fp32 parameters, their own master copy, {p_dt} compute ({who})"
     recompute = {
         "none": "nothing recomputed",

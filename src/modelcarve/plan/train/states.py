@@ -120,6 +120,15 @@ def fp8_weights(param_dtype: str, zero: int, fp8_param_gather: bool, policy: str
     return fp8_param_gather and param_dtype in FP8_DTYPES and zero < 3 and policy == "megatron"
 
 
+def param_storage(param_dtype: str, zero: int, replicas: int, options) -> tuple[str, bool]:
+    """(``stored_param_dtype``, ``fp8_weights``) of a layout under ``options``' ``param_policy`` and
+    ``fp8_param_gather`` (a TrainOptions; ``replicas``: dp x cp): the pair every state figure reads
+    (the states, their parts, the data-parallel traffic and estimate's rule words)."""
+    policy = options.param_policy
+    return (stored_param_dtype(param_dtype, zero, replicas, policy),
+            fp8_weights(param_dtype, zero, options.fp8_param_gather, policy))
+
+
 def gathered_param_bytes(param_dtype: str, fp8_params: bool) -> float:
     """Bytes a parameter all-gather of the distributed optimizer moves per linear parameter:
     bf16 (2), or under FP8 weights the FP8 data (1 B, per-tensor scaling); MXFP8's block scales
@@ -187,7 +196,7 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     etp = prof["key"][8]
     zero, dp_shard = cand.zero, cand.dp_shard
     p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
-    s_dt = stored_param_dtype(p_dt, zero, dp * cp, cost.options.param_policy)
+    s_dt, fp8w = param_storage(p_dt, zero, dp * cp, cost.options)
     big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
     pd, pe = big["params_dense"], big["params_expert"]
     key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"], big["moe_layers"])
@@ -212,7 +221,7 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     elif zero in (1, 2):
         r["reduce_s"] = comm.reduce_scatter_s(gb * pd, dp * cp, dense_t) + comm.reduce_scatter_s(gb * pe, edp, exp_t)
         # the parameter all-gather: bf16, or the FP8 data of FP8 weights (gathered_param_bytes)
-        gq = gathered_param_bytes(s_dt, fp8_weights(p_dt, zero, cost.options.fp8_param_gather, cost.options.param_policy))
+        gq = gathered_param_bytes(s_dt, fp8w)
         gd = sb * pd - (sb - gq) * (big["linear_params"] - pe)  # the dense stage's linear weights at gq
         ge = gq * pe
         r["gather_s"] = comm.all_gather_s(gd, dp * cp, dense_t) + comm.all_gather_s(ge, edp, exp_t)
