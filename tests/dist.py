@@ -89,9 +89,11 @@ def _child(fn, args, rank, world_size, port, out, init, collective_s, env):
 
 
 PRELOAD = ["torch", "torch.distributed", "modelcarve.runtime.train.launch", "modelcarve.verify.reference",
-           "modelcarve.runtime.engine.engine", "transformers"]
+           "modelcarve.verify.against_plan", "modelcarve.runtime.engine.engine", "transformers", "torch._dynamo"]
 """Imported once by the fork server (only imports: no tensor op, no thread, no process group runs
-there), so a rank's fork starts with them loaded; each rank still sets its own environment,
+there), so a rank's fork starts with them loaded. ``torch._dynamo`` is imported by torch itself on
+the first optimiser or checkpoint a rank builds (``torch._compile._disable_dynamo``): 0.5 s a rank,
+every world, when it was left to the ranks. Each rank still sets its own environment,
 threads (``torch.set_num_threads(1)``) and process group. The fork server inherits this
 process's environment when it starts (OMP_NUM_THREADS=1 under ``make test``)."""
 _CTX = None
