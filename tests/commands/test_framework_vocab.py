@@ -188,3 +188,38 @@ def test_plan_in_a_frameworks_terms(capsys):
         layout = Layout.from_dict(item["layout"])
         assert can_express("torchtitan", layout, model, serving=False), layout.short()
         assert layout.recompute != "selective" and layout.zero not in (1, 2)
+
+
+def test_plan_with_bf16_gradients(capsys):
+    """``plan --grad-dtype bf16`` (Megatron's --grad-reduce-in-bf16, every Megatron-Bridge recipe's
+    setting): every layout ranked holds bf16 gradients, so with bf16 weights and ZeRO below 2 the
+    gradient buffer is the weights' bytes (2 B a parameter each, the same parameters) where fp32
+    gradients are twice them; Megatron's launch carries the flag back; torchtitan, which reduces
+    in float32 only, is refused in one line that says so, not with an empty ranking."""
+    common = ["plan", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--global-batch", "512", "--seq", "8192",
+              "--top", "5", "--json"]
+    by_dtype = {}
+    for dtype in ("fp32", "bf16"):
+        assert main(common + ["--grad-dtype", dtype]) == 0
+        by_dtype[dtype] = json.loads(capsys.readouterr().out)
+    for dtype, result in by_dtype.items():
+        assert result["layouts"]
+        for item in result["layouts"]:
+            lay, bd = item["layout"], item["memory"]["breakdown"]
+            assert lay["grad_dtype"] == dtype and item["short"].endswith("-BF16G") == (dtype == "bf16")
+            if lay["zero"] < 2 and lay["param_dtype"] == "bf16":
+                assert bd["gradients"] == pytest.approx(bd["weights"] * (2 if dtype == "fp32" else 1), rel=1e-12)
+    assert main(common[:-1] + ["--grad-dtype", "bf16", "--emit-launch", "megatron"]) == 0
+    assert "--grad-reduce-in-bf16" in capsys.readouterr().out
+    assert main(common + ["--grad-dtype", "bf16", "--engine", "torchtitan"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "torchtitan can express: it refuses the best found" in err and "mixed_precision_reduce" in err
+
+
+def test_search_refuses_an_unknown_gradient_dtype():
+    from modelcarve.plan.search import search
+    from modelcarve.spec.errors import LayoutError
+
+    with pytest.raises(LayoutError, match="--grad-dtype fp16: gradients are held in fp32 or bf16"):
+        search(get_model("llama-3.1-8b"), parse_cluster("1x8xH100"), "train", top=1, global_batch=8, grad_dtype="fp16")

@@ -46,6 +46,10 @@ def register(sub) -> None:
     plan.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     plan.add_argument("--emit", metavar="PATH", help="write the best layout as the JSON the runtime reads")
     plan.add_argument("--plot", metavar="PNG", help="draw memory breakdown and per-link traffic of the top layouts")
+    plan.add_argument("--grad-dtype", choices=["fp32", "bf16"], default=None,
+                      help="training: the dtype every searched layout holds and reduces its gradients in (default "
+                           "fp32; bf16 is Megatron's --grad-reduce-in-bf16, set by every Megatron-Bridge performance "
+                           "recipe): the framework's setting, not one the search picks")
     plan.add_argument("--engine", "--framework", dest="engine", choices=ENGINES, default=None,
                       help="rank only the layouts this engine or framework can express, in its meanings "
                            "(torchtitan has op-level SAC, not Megatron's selective recompute; "
@@ -96,7 +100,8 @@ def _common(p) -> None:
 def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
-             "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine")
+             "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine",
+             "grad_dtype")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -122,6 +127,17 @@ _POLICY_NOTES = {
                   "(zero=1/2 over dp x cp > 1: bf16 + an fp32 master), spec/support.held_param_dtype",
 }
 """The sentence ``estimate --framework`` prints for the parameter policy it priced."""
+
+
+def _why_filtered(engine: str | None, model, ranking: list | None) -> str:
+    """``plan --engine`` that kept nothing: why the engine refuses the best layout found (often a
+    setting every layout shares, such as --grad-dtype bf16 under torchtitan), or nothing."""
+    if not engine or not ranking:
+        return ""
+    from modelcarve.commands.emit import problem
+
+    found = problem(engine, ranking[0], model, serving=False)
+    return f": it refuses the best found, {ranking[0].short()}: {found[0]}" if found else ""
 
 
 def _load(args):
@@ -244,7 +260,8 @@ def _plan(args) -> int:
     result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)
     if not result["layouts"]:
         raise nothing_qualifies(result, f"no layout of {model.name} fits on {cluster.name}"
-                                + (f" that {args.engine} can express" if args.engine else ""))
+                                + (f" that {args.engine} can express" if args.engine else "")
+                                + _why_filtered(args.engine, model, ranking))
     launch_winner(args, model, cluster, result, ranking)
     if args.emit:
         from modelcarve.spec.layout import Layout

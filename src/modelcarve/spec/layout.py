@@ -211,7 +211,8 @@ class Layout:
         return rank_of(self, pp=pp, dp=dp, cp=cp, tp=tp)
 
     def short(self) -> str:
-        """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2``."""
+        """One-line name, e.g. ``TP8-SP-PP4v2-DP2-Z1-EP2`` (``-FP8`` / ``-MXFP8`` for FP8 GEMMs, ``-BF16G`` for
+        gradients held and reduced in bf16)."""
         parts = []
         if self.tp > 1:
             parts.append(f"TP{self.tp}" + ("-SP" if self.sp else ""))
@@ -229,6 +230,8 @@ class Layout:
                          + (f"-EPLB{self.redundant_experts}" if self.redundant_experts else ""))
         if self.param_dtype in ("fp8", "mxfp8"):
             parts.append(self.param_dtype.upper())
+        if self.grad_dtype == "bf16":  # Megatron's --grad-reduce-in-bf16
+            parts.append("BF16G")
         return "-".join(parts)
 
     # --- serialisation ------------------------------------------------------------------

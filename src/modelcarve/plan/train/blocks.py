@@ -22,7 +22,7 @@ positions, their number)]): ``_kinds``' grouping, once per shape of a block's sp
 
 
 def _settings(cost: TrainCostModel, goal, model, cluster, zeros: list, zl: list, vj: tuple, spec: tuple, tp: int,
-              cp: int, pp: int, dp: int, ep: int, etp: int, mbs: int, sp: bool, rc: str) -> tuple:
+              cp: int, pp: int, dp: int, ep: int, etp: int, mbs: int, sp: bool, rc: str, g_dt: str = "fp32") -> tuple:
     """What the single-group test of a block reads of each ZeRO setting of the mesh, filling the
     sweep's ``statics`` and ``family`` of each (``zl``) as its loop does: ``(settings over the
     states floor, the highest of their scores, [(states per stage, the largest, family label, its
@@ -37,12 +37,12 @@ def _settings(cost: TrainCostModel, goal, model, cluster, zeros: list, zl: list,
     for i, ((zero, shard), (statics, family)) in enumerate(zip(zeros, zl)):
         static = statics.get(vj)
         if static is None:
-            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v, vj[2])
-            static = statics[vj] = (floor,) + cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32",
+            floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
+            static = statics[vj] = (floor,) + cost.dp_static((tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt,
                                                              "fp32", vj[2])
         if not family:  # family() reads tp, cp, pp, ep, zero and etp only
             family.append(goal.family(model, cluster, tuple.__new__(
-                Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, "fp32", "fp32", etp,
+                Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, g_dt, "fp32", etp,
                             scaling))))
         floor, states, top_states, reserved, bucket = static
         if floor > capacity:

@@ -13,7 +13,8 @@ overlap), dp dividing the global batch; ep dividing the experts and dp x cp (MoE
 micro-batch size dividing the per-replica batch up to ``MAX_MBS`` and ``MAX_MB_TOKENS``; SP on/off when tp > 1;
 recomputation none/selective/full (op-level modes are estimated when a layout names them, not
 searched); expert parallelism also folded over the TP ranks with expert TP 1 (MoE parallel
-folding); param_dtype bf16, or the one ``precision`` names (fp8, fp8-cs, mxfp8); ZeRO 0-3 when there is a data-parallel group, plus HSDP
+folding); param_dtype bf16, or the one ``precision`` names (fp8, fp8-cs, mxfp8); gradients fp32, or
+bf16 under ``grad_dtype="bf16"`` (the framework's setting, never searched: space.grad_dtype_of); ZeRO 0-3 when there is a data-parallel group, plus HSDP
 (ZeRO-3 sharded inside a node, replicated across); schedules 1F1B, GPipe, zero-bubble and
 interleaved 1F1B with every virtual-stage count that divides the layers per stage (when the
 micro-batch count is a multiple of pp, as Megatron requires).
@@ -27,7 +28,8 @@ from typing import TYPE_CHECKING, Iterator
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel, TrainOptions
 from modelcarve.plan.train.space import (MAX_MB_TOKENS, MAX_MBS, MAX_VIRTUAL, MIN_CP_CHUNK,  # noqa: F401 (re-exported)
-                                         _precisions, candidate_layout, enumerate_layouts, layout_blocks)
+                                         _precisions, candidate_layout, enumerate_layouts, grad_dtype_of,
+                                         layout_blocks)
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 from modelcarve.spec.support import training_problems
@@ -67,6 +69,7 @@ class TrainGoal:
             raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
         precisions = _precisions(cluster, options.get("precision"))
         yield from enumerate_layouts(model, cluster, gbs, seq, precisions=precisions,
+                                     grad_dtype=grad_dtype_of(options.get("grad_dtype")),
                                      **{k: options[k] for k in ("max_mbs",) if k in options})
 
     def prepare(self, model: "ModelSpec", cluster: "ClusterSpec", **options):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 from modelcarve.plan.cost.schedule import in_flight_microbatches
 from modelcarve.plan.factors import divisors
 from modelcarve.plan.train.candidate import FIELDS, Candidate
+from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import Layout
 
 if TYPE_CHECKING:
@@ -35,16 +36,18 @@ MAX_VIRTUAL = 8
 
 
 def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
-                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),)) -> Iterator[Candidate]:
+                      max_mbs: int = MAX_MBS, precisions: tuple = (("bf16", "delayed"),),
+                      grad_dtype: str = "fp32") -> Iterator[Candidate]:
     """Every valid training layout as a ``Candidate``, for each (param_dtype, fp8_scaling) in
-    ``precisions`` (bf16 unless the user asks for FP8)."""
+    ``precisions`` (bf16 unless the user asks for FP8), each with gradients in ``grad_dtype``
+    (``grad_dtype_of``: the framework's setting, not a choice the search makes)."""
     new = tuple.__new__  # Candidate(...) through its generated __new__ costs ~7% of a full search
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in layout_blocks(model, cluster, global_batch, seq, max_mbs):
         for zero, shard in zeros:
             for sched, v in scheds:
                 for prec, scaling in precisions:
                     yield new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched,
-                                          v, prec, "fp32", "fp32", etp, scaling))
+                                          v, prec, grad_dtype, "fp32", etp, scaling))
 
 
 def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
@@ -133,6 +136,23 @@ def _precisions(cluster: "ClusterSpec", precision: str | None) -> tuple:
     probe = Layout.parse(f"precision={precision}")
     probe.validate_precision(cluster)
     return ((probe.param_dtype, probe.fp8_scaling),)
+
+
+GRAD_DTYPES = ("fp32", "bf16")
+"""Gradient buffers a search may hold: fp32 (Megatron-LM's default with bf16, torch's FSDP2 reduce) or
+bf16 (Megatron's --grad-reduce-in-bf16, every Megatron-Bridge performance recipe)."""
+
+
+def grad_dtype_of(value: str | None) -> str:
+    """The gradient dtype every searched layout holds (``--grad-dtype``; default fp32). It is the
+    framework's setting, so the search does not pick it: bf16 always holds less and sends less, and
+    what it costs in precision is not a number the planner ranks."""
+    if value is None:
+        return "fp32"
+    if value not in GRAD_DTYPES:
+        raise LayoutError(f"--grad-dtype {value}: gradients are held in {' or '.join(GRAD_DTYPES)}; "
+                          f"give --grad-dtype fp32 (the default) or bf16")
+    return value
 
 
 def _schedules(L: int, pp: int, n_mb: int) -> list[tuple[str, int]]:

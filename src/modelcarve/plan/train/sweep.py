@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _settings
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
-from modelcarve.plan.train.space import _compute, _precisions, inflight_of, layout_blocks
+from modelcarve.plan.train.space import _compute, _precisions, grad_dtype_of, inflight_of, layout_blocks
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.support import fsdp_holds_gradients
 
@@ -116,6 +116,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     if not gbs:
         raise LayoutError("planning a training job needs the global batch: give --global-batch (sequences per step)")
     precisions = _precisions(cluster, options.get("precision"))
+    g_dt = grad_dtype_of(options.get("grad_dtype"))
     cost = goal.cost_model(model, cluster, **options)
     capacity, growth = cost.capacity, cost._growth
     best: list = []
@@ -182,7 +183,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             summary = summaries.get((ep, etp))
             if summary is None:
                 summary = summaries[(ep, etp)] = _settings(
-                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc)
+                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc, g_dt)
             n_closed, closed_best, opens, reserved, bucket, chain = summary
             quiet = True
             if n_closed:
@@ -311,12 +312,12 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             if single is not None:
                 static = statics.get(vj)
                 if static is None:
-                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v, vj[2])
+                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
                     static = statics[vj] = (floor,) + cost.dp_static(
-                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32", vj[2])
+                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
                 if not family:  # family() reads tp, cp, pp, ep, zero and etp only
                     family.append(goal.family(model, cluster, new(
-                        Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, "fp32", "fp32",
+                        Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, g_dt, "fp32",
                                     etp, scaling))))
                 floor, states, top_states, reserved, bucket = static
                 if floor > capacity:
@@ -381,9 +382,9 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
                 static = statics.get(vj)
                 if static is None:
-                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, "fp32", "fp32", etp, v, vj[2])
+                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
                     static = statics[vj] = (floor,) + cost.dp_static(
-                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, "fp32", "fp32", vj[2])
+                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
                 floor, states, top_states, reserved, bucket = static
                 if floor > capacity:
                     entries[vj] = (STATES_DO_NOT_FIT, -floor)
@@ -413,14 +414,14 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     held = best_rejected.get(category)
                     if held is None or score > held[0]:
                         cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                               "fp32", "fp32", etp, scaling))
+                                               g_dt, "fp32", etp, scaling))
                         best_rejected[category] = (score, cand, None)
                 position += n_spec
                 continue
             if not family:  # family() reads tp, cp, pp, ep, zero and etp only
                 sched, v, prec, scaling, _vj = specs[0]
                 family.append(goal.family(model, cluster, new(
-                    Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, "fp32", "fp32", etp,
+                    Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, g_dt, "fp32", etp,
                                 scaling))))
             fam = family[0]
             # the quiet case: no candidate of this ZeRO setting can change anything but the counts
@@ -497,7 +498,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     held = best_rejected.get(category)
                     if held is None or entry[1] > held[0]:
                         cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                               "fp32", "fp32", etp, scaling))
+                                               g_dt, "fp32", etp, scaling))
                         best_rejected[category] = (entry[1], cand, None)
                     continue
                 slot = slots[k]
@@ -533,7 +534,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             and (fam is None or (held is not None and bound <= held[0]))):
                         continue  # accepted; provably neither in the top nor its family's best
                     cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                   prec, "fp32", "fp32", etp, scaling))
+                                                   prec, g_dt, "fp32", etp, scaling))
                     score = _exact(cost, cand, step_base)
                     item = (score, position, cand)
                     if len(best) < top:
@@ -547,7 +548,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
                 if held is None or bound > held[0]:
                     cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                           prec, "fp32", "fp32", etp, scaling))
+                                           prec, g_dt, "fp32", etp, scaling))
                     score = _exact(cost, cand, step_base)
                     if held is None or score > held[0]:
                         best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
