@@ -223,3 +223,30 @@ def test_search_refuses_an_unknown_gradient_dtype():
 
     with pytest.raises(LayoutError, match="--grad-dtype fp16: gradients are held in fp32 or bf16"):
         search(get_model("llama-3.1-8b"), parse_cluster("1x8xH100"), "train", top=1, global_batch=8, grad_dtype="fp16")
+
+
+def test_plan_for_modelcarve_ranks_only_what_run_executes(capsys):
+    """``plan --engine modelcarve`` asks the runtime's own check (spec/support.training_problems,
+    the one ``modelcarve run`` refuses with), not a copy: every layout ranked runs, and a setting
+    the runtime lacks (bf16 gradients) is refused in one line with the runtime's reason."""
+    from modelcarve.spec.support import training_problems
+
+    common = ["plan", "--model", "qwen3-30b-a3b", "--cluster", "2x8xH100", "--global-batch", "256", "--seq", "4096",
+              "--top", "5", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)["layouts"]
+    assert main(common + ["--engine", "modelcarve"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["layouts"]
+    model = get_model("qwen3-30b-a3b")
+    assert ranked and all(not training_problems(Layout.from_dict(i["layout"]), model) for i in ranked)
+    assert all(i["runtime"]["runs"] for i in ranked)
+    assert plain
+    # FP8 GEMMs: the plain plan ranks layouts run refuses (marked, not dropped); the engine's plan refuses
+    assert main(common + ["--precision", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)["layouts"]
+    assert fp8 and not any(i["runtime"]["runs"] for i in fp8)
+    for extra, why in ((["--precision", "fp8"], "param_dtype=fp8 is not implemented by the runtime"),
+                       (["--grad-dtype", "bf16"], "grad_dtype=bf16 is not implemented by the runtime")):
+        assert main(common + ["--engine", "modelcarve", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err, err

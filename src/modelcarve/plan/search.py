@@ -161,5 +161,6 @@ def nothing_qualifies(result: dict, headline: str) -> ModelcarveError:
     reasons = "; ".join(f"{n} x {r}" for r, n in sorted(result["rejected"].items(), key=lambda kv: -kv[1]))
     closest = result["alternatives"][0].get("reject_reason") if result["alternatives"] else None
     return ModelcarveError(
-        f"{headline} ({result['evaluated']} evaluated: {reasons})" + (f"; the closest: {closest}" if closest else "")
+        f"{headline} ({result['evaluated']} evaluated" + (f": {reasons})" if reasons else ")")
+        + (f"; the closest: {closest}" if closest else "")
     )

@@ -204,6 +204,13 @@ def problem(engine: str, layout: Layout, model=None, *, serving: bool) -> tuple[
         found = _CHECKS[rule["check"]](t, layout, c, rule, "serve" if serving else "train")
         if found:
             return found
+    if t.get("training_checks") and not serving and model is not None:
+        # an engine that is our own runtime: its one check of "can this layout run", not a copy of it
+        from modelcarve.spec.support import training_problems
+
+        problems = training_problems(layout, model)
+        if problems:
+            return problems[0], None
     return None
 
 
