@@ -34,11 +34,13 @@ def register(sub) -> None:
     estimate.add_argument("--timeline", metavar="PNG", help="draw the planner's pipeline schedule of this layout per rank")
     estimate.add_argument("--max-batch-launch", dest="launch_batch", type=int, default=None, metavar="N",
                           help="--emit-launch of a serving layout: the engine's max concurrent sequences (default: --batch)")
-    estimate.add_argument("--framework", choices=ENGINES + ("deepspeed",), default=None,
+    estimate.add_argument("--framework", choices=ENGINES + ("deepspeed", "megatron-bridge"), default=None,
                           help="read --layout in this framework's words: its values (torchtitan's recompute=selective is "
                                "op-level SAC, Megatron's the attention core) or its own flags, e.g. \"--tensor-model-"
                                "parallel-size 8 --sequence-parallel ...\" (docs/engines/); deepspeed: a ds_config.json "
-                               "path or its JSON, then ,tp=/pp=/seq=/recompute= for what the config does not hold")
+                               "path or its JSON, then ,tp=/pp=/seq=/recompute= for what the config does not hold; "
+                               "megatron-bridge: a recipe's overrides, e.g. \"model.tensor_model_parallel_size=8 "
+                               "train.micro_batch_size=1 mixed_precision=bf16_with_mxfp8_mixed\"")
     estimate.set_defaults(func=_estimate)
 
     plan = sub.add_parser("plan", help="rank every valid layout for a goal, and say why the others lose")
@@ -111,7 +113,7 @@ def _planner_options(engine: str) -> dict:
     DeepSpeed's bf16 optimizer keeps bf16 weights and an fp32 master, as Megatron does) and
     ``moe_probs_on_combine`` (torchtitan's score-before-experts and modelcarve's runtime, which
     weighs the experts' outputs, keep one more copy of the routed tokens; Megatron-Core 0.13+ does not)."""
-    if engine == "deepspeed":
+    if engine in ("deepspeed", "megatron-bridge"):  # read-only vocabularies (no launch table)
         return {"param_policy": "megatron"}
     from modelcarve.commands.emit import table
 

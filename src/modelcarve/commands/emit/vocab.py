@@ -18,6 +18,11 @@ one table per engine serves both directions. Two forms:
   optimiser / FSDP, FP8); data parallelism Megatron leaves implicit is ``devices / (tp pp cp)``,
   torchtitan's is its replicate x shard degrees (shard > 1: FSDP, with replicas HSDP).
 
+Two frameworks without a launch table have readers of their own: DeepSpeed's config
+(deepspeed_vocab.py) and Megatron-Bridge's recipe overrides (bridge_vocab.py: ``model.*`` /
+``ddp.*`` / ``train.*`` fields are Megatron-Core's, so they are translated into Megatron-LM's flags
+and read by the Megatron reader here).
+
 Every translation that changed a word is returned as a note (``estimate`` prints them), so the
 user sees which meaning was used; a flag the table does not know is refused in one line.
 """
@@ -191,6 +196,10 @@ def read_options(engine: str, text: str) -> dict:
     switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``); empty for
     our keys' form and for engines without such flags."""
     text = text.strip()
+    if engine == "megatron-bridge":  # its overrides are Megatron-LM's flags by other names
+        from modelcarve.commands.emit.bridge_vocab import bridge_flags
+
+        engine, text = "megatron", bridge_flags(text)[0]
     if engine == "deepspeed" or not text.startswith("--"):
         return {}
     switches = {arg["flag"]: arg["option"] for arg in table(engine)["args"] if "option" in arg}
@@ -204,6 +213,12 @@ def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str
         from modelcarve.commands.emit.deepspeed_vocab import read_deepspeed
 
         return read_deepspeed(text, devices)
+    if engine == "megatron-bridge":  # Hydra overrides of Megatron-Core's configs: read as Megatron-LM's flags
+        from modelcarve.commands.emit.bridge_vocab import bridge_flags
+
+        flags, notes = bridge_flags(text)
+        layout, more = _flags("megatron", flags, devices)
+        return layout, notes + more
     if text.startswith("--"):
         return _flags(engine, text, devices)
     return _words(engine, text)

@@ -1,0 +1,112 @@
+"""``estimate --framework megatron-bridge``: a run described as a Megatron-Bridge recipe's overrides
+(commands/emit/bridge_vocab.py), read as Megatron-LM's flags of the same Megatron-Core fields and
+then through the one Megatron reader.
+
+* The published Megatron-Bridge 25.11 performance rows (data/training_published.csv), written as the
+  overrides their recipes take, read back to the very layout and planner options the calibration
+  prices them with (plan/train/calibration.py ``nemo_cases``, ``BRIDGE_RECIPE``): FP8 presets set
+  fp8_param_gather, the performance scripts' mixed_precision.grad_reduce_in_fp32=false is bf16 gradients.
+* Megatron-Bridge's own precedence: the mixed-precision config overwrites ddp's field of the same name,
+  so a lone ddp.grad_reduce_in_fp32=false under a preset leaves fp32 gradients (and says so).
+* The estimate of the overrides equals, to the byte, the estimate of our spelling with the option.
+* Bad words are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelcarve.cli import main
+from modelcarve.commands.emit.vocab import read_layout, read_options
+from modelcarve.spec.errors import ModelcarveError
+from modelcarve.spec.layout import Layout
+
+PRESET = {"bf16": "bf16_mixed", "fp8-cs": "bf16_with_fp8_current_scaling_mixed",
+          "fp8-ds": "bf16_with_fp8_delayed_scaling_mixed", "mxfp8": "bf16_with_mxfp8_mixed"}
+
+
+def _overrides(row: dict) -> str:
+    """A published row as the overrides of its recipe (scripts/performance sets the gradient field in both)."""
+    words = [f"model.tensor_model_parallel_size={row['tp']}", f"model.pipeline_model_parallel_size={row['pp']}",
+             f"model.context_parallel_size={row['cp']}", f"model.sequence_parallel={'true' if int(row['tp']) > 1 else 'false'}",
+             f"model.virtual_pipeline_model_parallel_size={row['vp'] if int(row['vp']) > 1 else 'null'}",
+             f"train.micro_batch_size={row['mbs']}", f"train.global_batch_size={row['gbs']}",
+             f"model.seq_length={row['seq']}", f"dataset.sequence_length={row['seq']}",
+             f"mixed_precision={PRESET[row['precision']]}", "mixed_precision.grad_reduce_in_fp32=false",
+             "ddp.grad_reduce_in_fp32=false", "model.recompute_granularity=null", "optimizer.lr=3e-4",
+             "train.train_iters=50"]
+    if int(row["ep"]) > 1:
+        words.append(f"model.expert_model_parallel_size={row['ep']}")
+    if row["fsdp"] == "1":
+        words += ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+    else:
+        words.append("ddp.use_distributed_optimizer=true")
+    return " ".join(words)
+
+
+def test_published_bridge_rows_read_as_the_calibration_prices_them():
+    import csv
+    import io
+
+    from modelcarve.plan.train.calibration import BRIDGE_RECIPE, REPO_DATA, nemo_cases
+
+    text = (REPO_DATA / "training_published.csv").read_text()
+    rows = list(csv.DictReader(io.StringIO("\n".join(l for l in text.splitlines() if not l.startswith("#")))))
+    cases = nemo_cases()
+    read = 0
+    for row, case in zip(rows, cases):
+        if not row["source"].startswith("MB-") or case.layout is None:
+            continue
+        got, notes = read_layout("megatron-bridge", _overrides(row), devices=case.cluster.num_devices)
+        assert Layout.parse(got) == case.layout.replace(recompute="none"), (case.name, got)
+        fp8 = row["precision"] != "bf16"
+        assert read_options("megatron-bridge", _overrides(row)) == ({"fp8_param_gather": True} if fp8 else {}), case.name
+        assert case.options.fp8_param_gather == BRIDGE_RECIPE["fp8_param_gather"]
+        assert any("optimizer.lr, train.train_iters" in n for n in notes)
+        read += 1
+    assert read >= 55  # 25.11 and 26.02.01
+
+
+def test_the_mixed_precision_config_decides_the_gradients():
+    base = "model.tensor_model_parallel_size=2 train.micro_batch_size=1 train.global_batch_size=16 model.seq_length=4096"
+    got, notes = read_layout("megatron-bridge", base + " ddp.grad_reduce_in_fp32=false", devices=16)
+    assert "grad_dtype" not in got  # bf16_mixed's grad_reduce_in_fp32=True overwrites ddp's
+    assert any("is overwritten by the mixed-precision config's grad_reduce_in_fp32=true" in n for n in notes)
+    assert any("mixed_precision not given: read as the recipes' bf16_mixed" in n for n in notes)
+    got, _ = read_layout("megatron-bridge", base + " mixed_precision=bf16-mixed mixed_precision.grad_reduce_in_fp32=false", devices=16)
+    assert Layout.parse(got).grad_dtype == "bf16" and Layout.parse(got).dp == 8
+    got, _ = read_layout("megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false", devices=16)
+    assert Layout.parse(got).param_dtype == "mxfp8"
+    assert read_options("megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false") == {}
+
+
+def test_estimate_of_bridge_words_equals_ours(capsys):
+    words = ("model.tensor_model_parallel_size=8 model.sequence_parallel=true ddp.use_distributed_optimizer=true "
+             "train.micro_batch_size=1 train.global_batch_size=64 model.seq_length=4096 "
+             "mixed_precision=bf16_with_fp8_current_scaling_mixed mixed_precision.grad_reduce_in_fp32=false "
+             "model.recompute_granularity=selective model.recompute_modules=[core_attn,mlp]")
+    ours = ("tp=8,sp,zero=1,dp=8,gbs=64,mbs=1,seq=4096,param_dtype=fp8,fp8_scaling=current,grad_dtype=bf16,"
+            "recompute=core_attn+mlp")
+    out = {}
+    for name, args in (("bridge", ["--layout", words, "--framework", "megatron-bridge"]),
+                       ("ours", ["--layout", ours, "--fp8-param-gather"])):
+        code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "64xH100", "--json", *args])
+        out[name] = json.loads(capsys.readouterr().out)
+        assert code in (0, 1)
+    assert out["bridge"]["layout"] == out["ours"]["layout"] and out["bridge"]["memory"] == out["ours"]["memory"]
+    assert out["bridge"]["time"] == out["ours"]["time"]
+
+
+@pytest.mark.parametrize("words,match", [
+    ("model.tensor_model_parallel_size", "is not an override; give section.field=value"),
+    ("model.num_layers=80", "model.num_layers is not a field modelcarve reads"),
+    ("mixed_precision=fp16_mixed", "mixed_precision=fp16_mixed is not a preset modelcarve reads"),
+    ("mixed_precision.fp4=nvfp4", "mixed_precision.fp4 is not a field modelcarve reads"),
+    ("model.seq_length=4096 dataset.sequence_length=8192", "model.seq_length and dataset.sequence_length disagree"),
+])
+def test_bad_words_refused_in_one_line(words, match):
+    with pytest.raises(ModelcarveError, match=match) as err:
+        read_layout("megatron-bridge", words, devices=8)
+    assert "\n" not in str(err.value)
