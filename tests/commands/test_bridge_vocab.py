@@ -33,7 +33,7 @@ def _overrides(row: dict) -> str:
              f"model.context_parallel_size={row['cp']}", f"model.sequence_parallel={'true' if int(row['tp']) > 1 else 'false'}",
              f"model.virtual_pipeline_model_parallel_size={row['vp'] if int(row['vp']) > 1 else 'null'}",
              f"train.micro_batch_size={row['mbs']}", f"train.global_batch_size={row['gbs']}",
-             f"model.seq_length={row['seq']}", f"dataset.sequence_length={row['seq']}",
+             f"model.seq_length={row['seq']}", f"dataset.seq_length={row['seq']}",
              f"mixed_precision={PRESET[row['precision']]}", "mixed_precision.grad_reduce_in_fp32=false",
              "ddp.grad_reduce_in_fp32=false", "model.recompute_granularity=null", "optimizer.lr=3e-4",
              "train.train_iters=50"]
@@ -104,7 +104,7 @@ def test_estimate_of_bridge_words_equals_ours(capsys):
     ("model.num_layers=80", "model.num_layers is not a field modelcarve reads"),
     ("mixed_precision=fp16_mixed", "mixed_precision=fp16_mixed is not a preset modelcarve reads"),
     ("mixed_precision.fp4=nvfp4", "mixed_precision.fp4 is not a field modelcarve reads"),
-    ("model.seq_length=4096 dataset.sequence_length=8192", "model.seq_length and dataset.sequence_length disagree"),
+    ("model.seq_length=4096 dataset.seq_length=8192", "model.seq_length and dataset.seq_length disagree"),
 ])
 def test_bad_words_refused_in_one_line(words, match):
     with pytest.raises(ModelcarveError, match=match) as err:

@@ -56,6 +56,7 @@ _VALUES = {
     "model.virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
     "model.seq_length": "--seq-length",
     "dataset.sequence_length": "--seq-length",
+    "dataset.seq_length": "--seq-length",  # GPTDatasetConfig's alias of MCore's sequence_length
     "train.micro_batch_size": "--micro-batch-size",
     "train.global_batch_size": "--global-batch-size",
     "model.recompute_granularity": "--recompute-granularity",
@@ -143,12 +144,13 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
     overrides, notes = _overrides(text), []
     precision = _precision(overrides, notes)
     flags: list[str] = []
-    seq = {k: overrides[k] for k in ("model.seq_length", "dataset.sequence_length") if overrides.get(k) is not None}
+    seq = {k: overrides[k] for k in ("model.seq_length", "dataset.seq_length", "dataset.sequence_length")
+           if overrides.get(k) is not None}
     if len(set(map(str, seq.values()))) > 1:
-        raise ModelcarveError(f"{TITLE}: model.seq_length and dataset.sequence_length disagree "
-                              f"({' vs '.join(map(str, seq.values()))}); give one sequence length")
-    if len(seq) == 2:  # the same length twice: one flag
-        del overrides["dataset.sequence_length"]
+        raise ModelcarveError(f"{TITLE}: {' and '.join(seq)} disagree ({' vs '.join(map(str, seq.values()))}); "
+                              f"give one sequence length")
+    for key in list(seq)[1:]:  # the same length more than once: one flag
+        del overrides[key]
     skipped = []
     for key, value in overrides.items():
         if key in _SWITCHES:
