@@ -167,6 +167,19 @@ def test_emitted_flags_read_back_to_the_same_layout(engine, cut):
     assert read >= 5, f"only {read} of the layouts are expressible in {engine}"
 
 
+def test_megatron_recompute_method_read_for_what_it_is():
+    """``--recompute-method uniform --recompute-num-layers 1`` is our full recompute; ``uniform`` over
+    chunks of N > 1 layers is read as it too, with a note of the difference; ``block`` (only the first N
+    layers of each stage) is not a policy the planner models, so it is refused, not read as full."""
+    flags = "--tensor-model-parallel-size 8 --recompute-granularity full --recompute-method uniform"
+    got, notes = read_layout("megatron", flags + " --recompute-num-layers 1", devices=64)
+    assert Layout.parse(got).recompute == "full" and not any("chunks of" in n for n in notes)
+    got, notes = read_layout("megatron", flags + " --recompute-num-layers 2", devices=64)
+    assert Layout.parse(got).recompute == "full" and any("--recompute-num-layers 2 (chunks of 2 layers" in n for n in notes)
+    with pytest.raises(ModelcarveError, match="--recompute-method block recomputes only the first"):
+        read_layout("megatron", flags.replace("uniform", "block") + " --recompute-num-layers 4", devices=64)
+
+
 def test_unknown_words_and_flags_are_refused_in_one_line():
     with pytest.raises(ModelcarveError, match="has no recompute=sometimes"):
         read_layout("torchtitan", "tp=2,recompute=sometimes")

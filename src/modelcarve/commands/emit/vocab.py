@@ -129,7 +129,19 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
             if name == "recompute_list":
                 modules = "+".join(words)
             continue
-        if name in _IGNORED or (name == "recompute" and arg.get("map") == "recompute_method"):
+        if name == "recompute" and arg.get("map") == "recompute_method":
+            if _inverse(t["maps"]["recompute_method"], word) is None:  # Megatron's block: N layers a stage only
+                raise ModelcarveError(
+                    f"{title(engine)}: {flag} {word} recomputes only the first --recompute-num-layers layers of each "
+                    f"stage, which modelcarve does not model; use {flag} "
+                    f"{t['maps']['recompute_method']['full']} (every layer) or selective recomputation")
+            continue
+        if name == "one" and word != "1":  # uniform over chunks of N layers: each chunk's input kept
+            notes.append(f"{title(engine)}'s {flag} {word} (chunks of {word} layers, each keeping only its input and "
+                         f"recomputed whole) read as recompute=full of one layer a chunk: the estimate keeps every "
+                         f"layer's input and recomputes one layer at a time")
+            continue
+        if name in _IGNORED:
             continue
         if "map" in arg:
             ours = _inverse(t["maps"][arg["map"]], word)
