@@ -245,7 +245,10 @@ def test_a_lost_node_ends_the_other(hosts, checkpoint, tmp_path):
             assert all(node.proc.poll() is None for node in nodes), [node.stderr()[-2000:] for node in nodes]
             assert time.monotonic() < deadline, "the two-node run did not start"
             time.sleep(0.5)
-        time.sleep(8)
+        # ... and are training: node 0 reports its steps as they end (8 s at most, as it waited before)
+        up = time.monotonic()
+        while "step 3:" not in nodes[0].stdout() and time.monotonic() - up < 8:
+            time.sleep(0.2)
         assert nodes[0].proc.poll() is None, nodes[0].stderr()[-2000:]
         nodes[1].kill()
         start = time.monotonic()
