@@ -80,31 +80,41 @@ class _Served:
         self.config, self.threads, self.tp = config, threads, tp
         self.proc, self.url, self.sent = None, None, 0
 
-    def __enter__(self) -> "_Served":
+    def start(self) -> "_Served":
+        """Spawn the server (it imports and loads on its own: several start side by side)."""
         import multiprocessing as mp
 
-        import httpx
-
         from modelcarve.commands.launching.torchrun import free_port
-        from modelcarve.spec.errors import ModelcarveError
 
         port = free_port()
         self.proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(self.config, port, self.threads, self.tp))
         self.proc.start()
         self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def ready(self) -> "_Served":
+        """Wait until the server answers /health (180 s at most); refuse in one line if it died."""
+        import httpx
+
+        from modelcarve.spec.errors import ModelcarveError
+
+        deadline = time.monotonic() + 180
+        while True:
+            if not self.proc.is_alive():
+                raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {self.proc.exitcode})")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ModelcarveError("hardware --probe: the probe model's server did not start within 180 s")
+            time.sleep(0.2)
+
+    def __enter__(self) -> "_Served":
+        self.start()
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                if not self.proc.is_alive():
-                    raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {self.proc.exitcode})")
-                try:
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ModelcarveError("hardware --probe: the probe model's server did not start within 180 s")
-                time.sleep(0.2)
+            return self.ready()
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -194,7 +204,14 @@ def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dic
         # spread is the machine's own, not a neighbour's -- the served tp=2 step's all-reduces vary
         # 0.9-2.0 ms a call here from one minute to the next -- and tp=2 was priced under what the
         # server then ran.)
-        up = {(tp, k): servers.enter_context(_Served(model, threads, tp)) for tp in tps for k, model in enumerate(models)}
+        # started side by side (each spawns and imports on its own), then each waited for; every one is
+        # stopped on the way out, whichever fails
+        up = {(tp, k): _Served(model, threads, tp) for tp in tps for k, model in enumerate(models)}
+        for server in up.values():
+            servers.push(server)
+            server.start()
+        for server in up.values():
+            server.ready()
         pooled = {key: ([], [], []) for key in up}
         for attempt in range(1 if quick else 2):
             for key, server in up.items():
