@@ -82,6 +82,29 @@ def test_the_mixed_precision_config_decides_the_gradients():
     assert read_options("megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false") == {}
 
 
+def test_dispatcher_kernels_and_the_mxfp8_buffer_rule():
+    """An MoE recipe's overrides as users pass them: the dispatcher is the planner's option; kernel and
+    fusion fields are skipped with a note; fp8_param_gather under MXFP8 without the reused gradient
+    buffer is what Megatron-Bridge itself refuses (MixedPrecisionConfig.finalize), and so is it here."""
+    base = ("model.tensor_model_parallel_size=1 model.expert_model_parallel_size=8 train.micro_batch_size=1 "
+            "train.global_batch_size=64 model.seq_length=4096 ddp.use_distributed_optimizer=true "
+            "mixed_precision=bf16_with_mxfp8_mixed model.moe_router_padding_for_fp8=true "
+            "model.moe_flex_dispatcher_backend=null model.moe_permute_fusion=true")
+    got, notes = read_layout("megatron-bridge", base + " model.moe_token_dispatcher_type=alltoall", devices=8)
+    assert Layout.parse(got).ep == 8 and Layout.parse(got).param_dtype == "mxfp8"
+    assert any("skipped: model.moe_flex_dispatcher_backend, model.moe_permute_fusion, model.moe_router_padding_for_fp8"
+               in n for n in notes)
+    assert read_options("megatron-bridge", base + " model.moe_token_dispatcher_type=alltoall") == {
+        "fp8_param_gather": True, "moe_dispatcher": "alltoall"}
+    assert read_options("megatron-bridge", base + " model.moe_token_dispatcher_type=flex")["moe_dispatcher"] == "fused"
+    off = " mixed_precision.fp8_param_gather=false mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"
+    assert read_options("megatron-bridge", base + off) == {}
+    with pytest.raises(ModelcarveError, match="needs reuse_grad_buf_for_mxfp8_param_ag=true"):
+        read_layout("megatron-bridge", base + " mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false", devices=8)
+    with pytest.raises(ModelcarveError, match="moe_token_dispatcher_type=allgather is not modelled"):
+        read_layout("megatron-bridge", base + " model.moe_token_dispatcher_type=allgather", devices=8)
+
+
 def test_estimate_of_bridge_words_equals_ours(capsys):
     words = ("model.tensor_model_parallel_size=8 model.sequence_parallel=true ddp.use_distributed_optimizer=true "
              "train.micro_batch_size=1 train.global_batch_size=64 model.seq_length=4096 "

@@ -33,7 +33,9 @@ training/mixed_precision.py):
 * ``ddp.use_megatron_fsdp`` or ``dist.use_megatron_fsdp`` with ``ddp.data_parallel_sharding_strategy``:
   Megatron-FSDP, as Megatron-LM's ``--use-megatron-fsdp``.
 
-Keys of sections that change nothing the planner prices (``optimizer.lr``, ``scheduler``, ``logger``,
+``model.moe_token_dispatcher_type`` is the planner's ``moe_dispatcher`` (alltoall; flex = DeepEP / HybridEP);
+``model`` fields that choose kernels, fusions or CUDA graphs are skipped with a note. Keys of sections that
+change nothing the planner prices (``optimizer.lr``, ``scheduler``, ``logger``,
 ``checkpoint``, ``train.train_iters``, ...) are listed in a note and skipped; any other ``model``,
 ``ddp`` or ``mixed_precision`` field, and fp16 presets, are refused in one line.
 """
@@ -86,7 +88,20 @@ PRESETS = {
 }
 """Megatron-Bridge's bf16 mixed-precision presets (training/mixed_precision.py @ v0.3.1): the fields
 the planner reads of each."""
-_PRECISION_FIELDS = ("fp8", "fp8_recipe", "fp8_param_gather", "fp8_param", "grad_reduce_in_fp32")
+_PRECISION_FIELDS = ("fp8", "fp8_recipe", "fp8_param_gather", "fp8_param", "grad_reduce_in_fp32",
+                     "reuse_grad_buf_for_mxfp8_param_ag")
+_DISPATCHERS = {"alltoall": "alltoall", "flex": "fused"}
+"""``model.moe_token_dispatcher_type`` -> the planner's ``moe_dispatcher`` (flex: DeepEP / HybridEP kernels that
+size their own buffers; Megatron's allgather dispatcher is not modelled)."""
+_KERNEL_FIELDS = frozenset({
+    "moe_router_padding_for_fp8", "moe_router_padding_for_quantization", "moe_flex_dispatcher_backend",
+    "moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm", "bias_activation_fusion", "bias_dropout_fusion",
+    "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
+    "cross_entropy_fusion_impl", "persist_layer_norm", "attention_backend", "cuda_graph_impl", "cuda_graph_scope",
+    "cuda_graph_warmup_steps",
+})
+"""``model`` fields that choose kernels, fusions or CUDA graphs: the planner prices none of them per field
+(its efficiency is one profile), so they are skipped with a note rather than refused."""
 _SKIPPED = ("optimizer.", "scheduler.", "logger.", "checkpoint.", "rng.", "tokenizer.", "profiling.", "ft.",
             "straggler.", "nvrx_straggler.", "rerun_state_machine.", "train.", "dataset.", "dist.")
 """Sections (or the rest of them) whose fields change nothing the planner prices."""
@@ -131,6 +146,11 @@ def _precision(overrides: dict, notes: list[str]) -> dict:
             raise ModelcarveError(f"{TITLE}: {key} is not a field modelcarve reads; it reads "
                                   f"{', '.join('mixed_precision.' + f for f in _PRECISION_FIELDS)}")
         fields["fp8_param_gather" if name == "fp8_param" else name] = overrides.pop(key)
+    reuse = fields.pop("reuse_grad_buf_for_mxfp8_param_ag", None)
+    if reuse is False and fields["fp8_param_gather"] and fields["fp8_recipe"] == "mxfp8":
+        raise ModelcarveError(f"{TITLE}: fp8_param_gather with the mxfp8 recipe needs "
+                              f"reuse_grad_buf_for_mxfp8_param_ag=true (MixedPrecisionConfig.finalize asserts it); "
+                              f"set it, or mixed_precision.fp8_param_gather=false")
     ddp = overrides.pop("ddp.grad_reduce_in_fp32", None)
     if ddp is not None and ddp != fields["grad_reduce_in_fp32"]:
         notes.append(f"{TITLE}: ddp.grad_reduce_in_fp32={str(ddp).lower()} is overwritten by the mixed-precision "
@@ -140,10 +160,25 @@ def _precision(overrides: dict, notes: list[str]) -> dict:
 
 
 def _translate(text: str) -> tuple[list[str], dict, list[str]]:
-    """(Megatron-LM flags, the mixed-precision fields in force, notes) for the overrides ``text``."""
+    """(Megatron-LM flags, planner options beyond them, notes) for the overrides ``text``."""
     overrides, notes = _overrides(text), []
     precision = _precision(overrides, notes)
     flags: list[str] = []
+    options: dict = {}
+    dispatcher = overrides.pop("model.moe_token_dispatcher_type", None)
+    if dispatcher is not None:
+        if dispatcher not in _DISPATCHERS:
+            raise ModelcarveError(f"{TITLE}: model.moe_token_dispatcher_type={dispatcher} is not modelled; "
+                                  f"give {' or '.join(_DISPATCHERS)}")
+        options["moe_dispatcher"] = _DISPATCHERS[dispatcher]
+        notes.append(f"{TITLE}'s model.moe_token_dispatcher_type={dispatcher} read as the planner option "
+                     f"moe_dispatcher={options['moe_dispatcher']}")
+    kernels = sorted(k for k in overrides if k.startswith("model.") and k.split(".", 1)[1] in _KERNEL_FIELDS)
+    for key in kernels:
+        del overrides[key]
+    if kernels:
+        notes.append(f"{TITLE}: kernel, fusion and CUDA-graph choices the planner does not price per field, "
+                     f"skipped: {', '.join(kernels)}")
     seq = {k: overrides[k] for k in ("model.seq_length", "dataset.seq_length", "dataset.sequence_length")
            if overrides.get(k) is not None}
     if len(set(map(str, seq.values()))) > 1:
@@ -176,12 +211,12 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
             flags.append("--fp8-param-gather")
     if precision["grad_reduce_in_fp32"] is False:
         flags.append("--grad-reduce-in-bf16")
-    return flags, precision, notes
+    return flags, options, notes
 
 
-def bridge_flags(text: str) -> tuple[str, list[str]]:
-    """``(Megatron-LM flags, notes)`` for Megatron-Bridge overrides (see the module doc);
-    ``vocab.read_layout`` / ``read_options`` read those flags as Megatron's."""
-    flags, _precision_fields, notes = _translate(text)
+def bridge_flags(text: str) -> tuple[str, dict, list[str]]:
+    """``(Megatron-LM flags, planner options no Megatron flag reads, notes)`` for Megatron-Bridge
+    overrides (see the module doc); ``vocab.read_layout`` / ``read_options`` read the flags as Megatron's."""
+    flags, options, notes = _translate(text)
     notes.append(f"{TITLE}'s overrides read as Megatron-LM's flags: {shlex.join(flags)}")
-    return shlex.join(flags), notes
+    return shlex.join(flags), options, notes

@@ -211,7 +211,8 @@ def read_options(engine: str, text: str) -> dict:
     if engine == "megatron-bridge":  # its overrides are Megatron-LM's flags by other names
         from modelcarve.commands.emit.bridge_vocab import bridge_flags
 
-        engine, text = "megatron", bridge_flags(text)[0]
+        flags, options, _notes = bridge_flags(text)
+        return {**read_options("megatron", flags), **options}
     if engine == "deepspeed" or not text.startswith("--"):
         return {}
     switches = {arg["flag"]: arg["option"] for arg in table(engine)["args"] if "option" in arg}
@@ -228,7 +229,7 @@ def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str
     if engine == "megatron-bridge":  # Hydra overrides of Megatron-Core's configs: read as Megatron-LM's flags
         from modelcarve.commands.emit.bridge_vocab import bridge_flags
 
-        flags, notes = bridge_flags(text)
+        flags, _options, notes = bridge_flags(text)
         layout, more = _flags("megatron", flags, devices)
         return layout, notes + more
     if text.startswith("--"):
