@@ -133,3 +133,32 @@ def test_bad_words_refused_in_one_line(words, match):
     with pytest.raises(ModelcarveError, match=match) as err:
         read_layout("megatron-bridge", words, devices=8)
     assert "\n" not in str(err.value)
+
+
+def test_plan_for_megatron_bridge(capsys):
+    """``plan --engine megatron-bridge`` ranks what Megatron-LM expresses (Megatron-Core underneath), FP8
+    layouts priced as its presets hold them: the linear weights are the FP8 tensors with no bf16 copy,
+    so each layout's weights are Megatron's less the FP8 cache row it already counts; the launch is
+    Megatron-LM's, with --fp8-param-gather; another engine's launch is refused in one line."""
+    from modelcarve.commands.emit import can_express
+    from modelcarve.spec.catalog import get_model
+
+    common = ["plan", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--global-batch", "512", "--seq", "8192",
+              "--precision", "fp8", "--top", "3", "--json"]
+    out = {}
+    for engine in ("megatron", "megatron-bridge"):
+        assert main(common + ["--engine", engine]) == 0
+        out[engine] = json.loads(capsys.readouterr().out)["layouts"]
+    model = get_model("llama-3.1-70b")
+    by_short = {i["short"]: i for i in out["megatron"]}
+    shared = [i for i in out["megatron-bridge"] if i["short"] in by_short]
+    assert shared, "no layout ranked by both"
+    for item in out["megatron-bridge"]:
+        assert can_express("megatron", Layout.from_dict(item["layout"]), model, serving=False)
+    for item in shared:
+        bridge, plain = item["memory"]["breakdown"], by_short[item["short"]]["memory"]["breakdown"]
+        assert plain["weights"] - bridge["weights"] == pytest.approx(plain["fp8_weight_cache"], rel=1e-12)
+    assert main(common[:-1] + ["--top", "1", "--engine", "megatron-bridge", "--emit-launch", "megatron"]) == 0
+    assert "--fp8-param-gather" in capsys.readouterr().out
+    assert main(common + ["--engine", "megatron-bridge", "--emit-launch", "torchtitan"]) == 2
+    assert "--engine megatron-bridge and --emit-launch torchtitan disagree" in capsys.readouterr().err

@@ -52,10 +52,11 @@ def register(sub) -> None:
                       help="training: the dtype every searched layout holds and reduces its gradients in (default "
                            "fp32; bf16 is Megatron's --grad-reduce-in-bf16, set by every Megatron-Bridge performance "
                            "recipe): the framework's setting, not one the search picks")
-    plan.add_argument("--engine", "--framework", dest="engine", choices=ENGINES, default=None,
+    plan.add_argument("--engine", "--framework", dest="engine", choices=ENGINES + tuple(BRIDGED), default=None,
                       help="rank only the layouts this engine or framework can express, in its meanings "
                            "(torchtitan has op-level SAC, not Megatron's selective recompute; "
-                           "commands/emit/engines/<engine>.json)")
+                           "commands/emit/engines/<engine>.json); megatron-bridge: Megatron-LM's layouts, FP8 ones "
+                           "priced as its presets hold them (fp8_param_gather), launched with --emit-launch megatron")
     plan.set_defaults(func=_plan)
 
 
@@ -97,6 +98,11 @@ def _common(p) -> None:
 
     add_serve_arguments(p)
     add_price_arguments(p)
+
+
+BRIDGED = {"megatron-bridge": "megatron"}
+"""Frameworks that run another engine's layouts (Megatron-Bridge runs Megatron-Core): ``plan --engine``
+ranks what that engine expresses, with the framework's own planner options."""
 
 
 def _options(args) -> dict:
@@ -244,8 +250,11 @@ def _plan(args) -> int:
 
     from modelcarve.spec import files
 
+    framework = args.engine
+    if framework in BRIDGED:  # a framework over another's engine: what that engine expresses, priced as it holds it
+        args.engine = BRIDGED[framework]
     if args.engine and args.emit_launch and args.engine != args.emit_launch:
-        raise ModelcarveError(f"--engine {args.engine} and --emit-launch {args.emit_launch} disagree; give one engine")
+        raise ModelcarveError(f"--engine {framework} and --emit-launch {args.emit_launch} disagree; give one engine")
     for flag, value in (("--emit", args.emit), ("--plot", args.plot)):
         if value:
             files.output_path(value, flag)  # before the search, not after it
@@ -256,7 +265,9 @@ def _plan(args) -> int:
         return run_serve_plan(args, model, cluster, top=args.top)
     options = _options(args)
     if args.goal == "train" and args.engine:
-        options.update(_planner_options(args.engine))
+        options.update(_planner_options(framework))
+        if framework == "megatron-bridge":  # every FP8 preset of it sets fp8_param_gather (bridge_vocab.PRESETS)
+            options["fp8_param_gather"] = args.fp8_param_gather = True  # priced so, and launched so
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
     result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)
