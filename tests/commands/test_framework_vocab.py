@@ -126,6 +126,19 @@ def test_megatron_precision_flags_read_into_layout_and_options(capsys):
                                                 planner_options={"fp8_param_gather": True})
 
 
+def test_launch_carries_what_the_estimate_was_priced_with(capsys):
+    """Megatron's --fp8-param-gather read from the framework's own flags prices the estimate, so its
+    --emit-launch megatron writes it back (the launch follows the options priced, not only the CLI's)."""
+    flags = ("--tensor-model-parallel-size 8 --sequence-parallel --use-distributed-optimizer --micro-batch-size 1 "
+             "--global-batch-size 64 --seq-length 4096 --bf16 --fp8-format hybrid --fp8-recipe tensorwise")
+    for extra, emitted in (("", False), (" --fp8-param-gather", True)):
+        code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--layout", flags + extra,
+                     "--framework", "megatron", "--emit-launch", "megatron"])
+        out = capsys.readouterr().out
+        assert code in (0, 1) and "pretrain_gpt.py" in out
+        assert ("--fp8-param-gather" in out.split("pretrain_gpt.py", 1)[1]) == emitted
+
+
 def test_plan_for_torchtitan_prices_its_parameters(capsys):
     code = main(["plan", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--global-batch", "32", "--seq", "4096",
                  "--engine", "torchtitan", "--top", "3", "--json"])

@@ -100,9 +100,10 @@ def _common(p) -> None:
     add_price_arguments(p)
 
 
-BRIDGED = {"megatron-bridge": "megatron"}
-"""Frameworks that run another engine's layouts (Megatron-Bridge runs Megatron-Core): ``plan --engine``
-ranks what that engine expresses, with the framework's own planner options."""
+BRIDGED = {"megatron-bridge": ("megatron", {"fp8_param_gather": True})}
+"""Frameworks that run another engine's layouts: name -> (that engine, the planner options its plans are
+priced with). Megatron-Bridge runs Megatron-Core, and every FP8 preset of it sets fp8_param_gather
+(commands/emit/bridge_vocab.py ``PRESETS``); ``plan --engine`` ranks what the engine expresses."""
 
 
 def _options(args) -> dict:
@@ -240,7 +241,7 @@ def _estimate(args) -> int:
     if not result["fits"]:
         out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
     print_costs(costs, serving=False)
-    emit_launch(args, model, cluster, layout)
+    emit_launch(args, model, cluster, layout, priced=options)
     return 0
 
 
@@ -252,7 +253,7 @@ def _plan(args) -> int:
 
     framework = args.engine
     if framework in BRIDGED:  # a framework over another's engine: what that engine expresses, priced as it holds it
-        args.engine = BRIDGED[framework]
+        args.engine = BRIDGED[framework][0]
     if args.engine and args.emit_launch and args.engine != args.emit_launch:
         raise ModelcarveError(f"--engine {framework} and --emit-launch {args.emit_launch} disagree; give one engine")
     for flag, value in (("--emit", args.emit), ("--plot", args.plot)):
@@ -266,8 +267,7 @@ def _plan(args) -> int:
     options = _options(args)
     if args.goal == "train" and args.engine:
         options.update(_planner_options(framework))
-        if framework == "megatron-bridge":  # every FP8 preset of it sets fp8_param_gather (bridge_vocab.PRESETS)
-            options["fp8_param_gather"] = args.fp8_param_gather = True  # priced so, and launched so
+        options.update(BRIDGED.get(framework, (None, {}))[1])
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")
     result, ranking = ranked_search(args, model, cluster, goal.name, args.top, options)
@@ -292,7 +292,7 @@ def _plan(args) -> int:
         print(json.dumps(result, indent=2))
         if args.emit_launch:
             layout, batch, label = args._launch
-            emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+            emit_launch(args, model, cluster, layout, max_batch=batch, label=label, priced=options)
         return 0
     from modelcarve.report.tables import console, plan_tables
 
@@ -307,5 +307,5 @@ def _plan(args) -> int:
     )
     if args.emit_launch:
         layout, batch, label = args._launch
-        emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+        emit_launch(args, model, cluster, layout, max_batch=batch, label=label, priced=options)
     return 0

@@ -28,7 +28,10 @@ def check_launch(args, model, cluster, layout) -> None:
     args._launch_layout = layout
 
 
-def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, label: str = "") -> None:
+def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, label: str = "",
+                priced: dict | None = None) -> None:
+    """Write ``--emit-launch``'s files for ``layout``; ``priced``: the training planner options the layout
+    was priced with (a flag such as Megatron's ``--fp8-param-gather`` is emitted when it was priced so)."""
     if not getattr(args, "emit_launch", None):
         return
     import sys
@@ -37,7 +40,7 @@ def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, l
     from modelcarve.commands.planning.serve_goals import is_serve_goal
 
     files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
-                   label=label, planner_options={"fp8_param_gather": bool(getattr(args, "fp8_param_gather", None))})
+                   label=label, planner_options={"fp8_param_gather": bool((priced or {}).get("fp8_param_gather"))})
     written = write(files, args.out)
     if args.out:
         sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")
