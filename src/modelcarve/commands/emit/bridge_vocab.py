@@ -195,7 +195,7 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
             if value is None:  # e.g. virtual_pipeline_model_parallel_size=null, recompute_granularity=null
                 continue
             flags.append(_VALUES[key])
-            flags.extend(str(v) for v in value) if isinstance(value, list) else flags.append(str(value))
+            flags.extend(str(v) for v in (value if isinstance(value, list) else [value]))
         elif key.startswith(_SKIPPED):
             skipped.append(key)
         else:

@@ -196,13 +196,13 @@ def dp_traffic(cost: "TrainCost", prof: dict, cand: tuple) -> dict:
     etp = prof["key"][8]
     zero, dp_shard = cand.zero, cand.dp_shard
     p_dt, g_dt, o_dt = cand.param_dtype, cand.grad_dtype, cand.optim_dtype
-    s_dt, fp8w = param_storage(p_dt, zero, dp * cp, cost.options)
     big = max(prof["stages"].values(), key=lambda st: st["params_dense"] + st["params_expert"])
     pd, pe = big["params_dense"], big["params_expert"]
     key = (tp, cp, pp, dp, ep, zero, dp_shard, etp, p_dt, g_dt, o_dt, pd, pe, big["layers"], big["moe_layers"])
     cached = cost._traffic.get(key)
     if cached is not None:
         return cached
+    s_dt, fp8w = param_storage(p_dt, zero, dp * cp, cost.options)  # the options are the cost model's, as the cache
     pb, gb = weight_bytes(p_dt), DTYPE_BYTES[g_dt]  # pb: the compute dtype, what ZeRO-3 gathers
     sb, ob = weight_bytes(s_dt), optimizer_bytes_per_param(s_dt, o_dt)  # as stored (ZeRO-1/2 gather that)
     shard = (dp_shard or dp) if zero else 1
