@@ -125,6 +125,11 @@ def test_chunked_and_fused_loss_logits_by_hand():
     assert logits["fused"] == pytest.approx(2 * T * V, abs=1)
     assert logits["chunked"] == pytest.approx(10 * 1024 * V + 4 * T * h, abs=1)
     assert logits["chunked"] < 0.12 * logits["materialized"]
+    # torch's cross entropy as torchtitan runs it: 12 B a logit, 16 B a local logit under TP's loss_parallel
+    assert goal.evaluate(LLAMA8, cl, layout, loss="torch")["memory"]["breakdown"]["logits"] == pytest.approx(
+        12 * T * V, abs=1)
+    tp2 = goal.evaluate(LLAMA8, parse_cluster("1x2xH200"), Layout.parse("tp=2,mbs=2,gbs=2,seq=8192"), loss="torch")
+    assert tp2["memory"]["breakdown"]["logits"] == pytest.approx(16 * T * V / 2, abs=1)
 
 
 def test_memory_headroom_and_explicit_runtime_reserve():
@@ -152,8 +157,9 @@ def test_every_published_nemo_and_bridge_row_is_answered():
 
 def test_memory_model_against_torchtitan_published_peaks():
     # reserved memory of Llama 3.1 8B runs that ran on 96 GB H100s (op-level SAC, full AC with CP up to 8)
+    # and of Llama 3.1 70B on 256 (TP 8 x FSDP 32, full AC)
     cases = torchtitan_memory_cases()
-    assert len(cases) == 6
+    assert len(cases) == 7
     for case in cases:
         est = TrainCostModel(case.model, case.cluster, case.options).estimate(case.layout)
         assert est["fits"], case.name

@@ -351,7 +351,8 @@ def torchtitan_memory_cases(path: Path | str | None = None) -> list[MemoryCase]:
         model = get_model(row["model"])
         layout.validate(model, cluster)
         options = TrainOptions(global_batch=layout.global_batch, seq=layout.seq, attention="flash", dropout=False,
-                               loss="materialized", memory_headroom=0.0, fragmentation=FRAGMENTATION_FIXED_SEGMENTS,
+                               loss="torch",  # torchtitan's cross entropy (with TP, DTensor's loss_parallel)
+                               memory_headroom=0.0, fragmentation=FRAGMENTATION_FIXED_SEGMENTS,
                                param_policy="torch")  # FSDP2 MixedPrecisionPolicy: fp32 parameters, bf16 compute
         cases.append(MemoryCase(name=f"{row['model']} {row['table']} on {gpus} H100", model=model, cluster=cluster,
                                 layout=layout, options=options, published_bytes=float(row["published_gib"]) * 2**30,

@@ -48,7 +48,10 @@ class TrainOptions:
     """Cross entropy: 'materialized' (logits of the micro-batch whole, fp32 copies: 10 bytes per
     logit), 'fused' (Megatron's fused vocab-parallel loss: 2 bytes per logit), 'chunked' (fused
     linear + cross entropy over chunks of ``loss_chunk`` tokens, Liger / torchtune style: the
-    logits are never materialised whole)."""
+    logits are never materialised whole) or 'torch' (torch's cross entropy on fp32 logits, as
+    torchtitan computes it: 12 bytes per logit at its backward's peak; with TP, DTensor's
+    ``loss_parallel``, which torchtitan turns on with TP: 16 bytes per local logit);
+    plan/train/profile.py ``LOSS_BYTES_PER_LOGIT``."""
     loss_chunk: int = 1024
     """Tokens per chunk of the chunked loss."""
     fragmentation: float = FRAGMENTATION

@@ -26,10 +26,26 @@ _GEMM_DTYPE = {"fp8cs": "fp8", "mxfp8": "fp8"}
 LOGITS_BYTES_PER_ELEM = 10.0
 """Bytes per logit on the last stage with an unfused cross entropy: bf16 logits, their fp32 copy
 in the cross entropy, and the fp32 softmax it keeps for backward."""
-LOSS_KINDS = ("materialized", "fused", "chunked")
+LOSS_KINDS = ("materialized", "fused", "chunked", "torch")
 FUSED_LOGITS_BYTES_PER_ELEM = 2.0
 """Megatron's fused vocab-parallel cross entropy (``--cross-entropy-loss-fusion``): the bf16
 logits are kept and the softmax gradient is written into them in place."""
+LOSS_BYTES_PER_LOGIT = {
+    "materialized": LOGITS_BYTES_PER_ELEM,
+    "fused": FUSED_LOGITS_BYTES_PER_ELEM,
+    # torch's F.cross_entropy on the logits cast to fp32, the bf16 logits freed before backward
+    # (torchtitan's train step: ``del pred``): the peak is in the loss's backward, beside the
+    # fp32 log-softmax it saved: the NLL gradient and the log-softmax gradient, fp32 each
+    "torch": 12.0,
+    # "torch" under TP: DTensor's loss_parallel, which torchtitan turns on with TP (logits sharded
+    # over the vocabulary); its log-softmax backward is decomposed, exp(output) a fourth fp32 tensor
+    "torch-parallel": 16.0,
+}
+"""Peak bytes of the loss side per (local) logit of a micro-batch, by ``TrainOptions.loss``
+(except ``chunked``, per chunk; ``torch-parallel`` is ``torch`` with tp > 1). The torch figures
+are measured with torch's own ``MemTracker`` over the step as torchtitan writes it
+(tests/plan/test_loss_memory.py); they coexist with every saved activation (the loss runs at the
+end of the forward)."""
 
 _PER_LAYER_SUMS = (
     "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
@@ -193,7 +209,7 @@ class ProfileMixin:
         h, V = self.model.hidden_size, self.model.vocab_size
         head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
         loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h))
+        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h, tp))
         return head
 
     def screen_rows(self, tp: int, cp: int, pp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
@@ -318,13 +334,14 @@ class ProfileMixin:
                 stage[key] = dense[key] * n_dense + moe[key] * n_moe
         prof["complete"] = True
 
-    def _logits_bytes(self, T: float, v_local: float, h: int) -> float:
+    def _logits_bytes(self, T: float, v_local: float, h: int, tp: int = 1) -> float:
         """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
-        whole logits with fp32 copies, the fused loss's bf16 logits, or one chunk's logits plus
-        the fp32 gradient of the hidden states the chunked loss accumulates."""
+        whole logits with fp32 copies (``LOSS_BYTES_PER_LOGIT``: Megatron's unfused loss, torch's
+        cross entropy, DTensor's loss_parallel), the fused loss's bf16 logits, or one chunk's
+        logits plus the fp32 gradient of the hidden states the chunked loss accumulates."""
         loss = self.options.loss
-        if loss == "fused":
-            return FUSED_LOGITS_BYTES_PER_ELEM * T * v_local
         if loss == "chunked":
             return LOGITS_BYTES_PER_ELEM * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
-        return LOGITS_BYTES_PER_ELEM * T * v_local
+        if loss == "torch" and tp > 1:
+            loss = "torch-parallel"
+        return LOSS_BYTES_PER_LOGIT[loss] * T * v_local

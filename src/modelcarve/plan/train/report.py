@@ -262,7 +262,14 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                    "fused": "Megatron's fused vocab-parallel cross entropy (--cross-entropy-loss-fusion): bf16 logits, "
                             "softmax gradient in place (2 B a logit)",
                    "chunked": f"chunked cross entropy ({options.loss_chunk} tokens a chunk) + the fp32 hidden-state "
-                              "gradient"}.get(options.loss, options.loss) if m in ("last", "only") else "not on this stage",
+                              "gradient",
+                   "torch": ("DTensor's loss_parallel (torchtitan with TP, vocabulary-sharded logits): the "
+                             "decomposed log-softmax backward holds the saved log-softmax, the NLL gradient, "
+                             "exp(output) and the result (16 B a local logit, measured with torch's MemTracker)"
+                             if lay.tp > 1 else
+                             "torch's cross entropy on fp32 logits, bf16 logits freed before backward (torchtitan): "
+                             "its backward holds the saved log-softmax, the NLL and log-softmax gradients (12 B a "
+                             "logit, measured with torch's MemTracker)")}.get(options.loss, options.loss) if m in ("last", "only") else "not on this stage",
         "comm_buffers": "pipeline send / receive buffers (2 per direction), the sequence-parallel gather, MoE dispatch "
                         "buffers, " + ("context parallelism's ring buffers (max(cp, 4) K+V chunks of one layer and a dQ "
                                        "buffer: Transformer Engine's p2p ring attention), " if lay.cp > 1 else "")

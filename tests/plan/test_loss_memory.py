@@ -1,0 +1,76 @@
+"""The loss side's memory per logit, measured on torch itself: the bytes the planner prices for
+torch's cross entropy (``loss="torch"``) and for DTensor's ``loss_parallel`` (``"torch-parallel"``)
+are the peak that torch's own ``MemTracker`` sees, over a forward and backward written as
+torchtitan's train step writes it (``loss = cross_entropy(pred.flatten(0, 1).float(), labels)``,
+``del pred``, ``loss.backward()``).
+
+The logits come from a bf16 matmul of two tracked leaves (hidden states ``T x H``, head ``V x H``),
+so the peak holds those leaves (``2 (T H + V H)`` bytes) and the loss's tensors; what else a step
+allocates are per-row vectors (the max and sum of each row: fp32, ``T`` long) and scalars, each at
+most 8 bytes a row: the tolerance is ``64 T`` bytes, against ``12 T V`` (T = 1,024, V = 4,096:
+0.13% of the figure). One process, a one-rank gloo group for the DTensor mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+
+from modelcarve.plan.train.profile import LOSS_BYTES_PER_LOGIT  # noqa: E402
+
+T, H, V = 1024, 64, 4096
+
+
+def _peak(step) -> int:
+    """Peak bytes MemTracker sees on the CPU during ``step(h, w, labels)``, less the two leaves."""
+    torch.manual_seed(0)
+    h = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, V, (T,))
+    tracker = MemTracker()
+    tracker.track_external(h, w)
+    with tracker:
+        step(h, w, labels)
+    snap = tracker.get_tracker_snapshot("peak")
+    (device,) = [d for d in snap if d.type == "cpu"]
+    return snap[device]["Total"] - 2 * (T * H + V * H)
+
+
+def _torch_step(h, w, labels):
+    pred = h @ w.t()
+    loss = F.cross_entropy(pred.float(), labels)
+    del pred  # torchtitan frees the bf16 logits before backward
+    loss.backward()
+
+
+def test_torch_cross_entropy_peaks_at_twelve_bytes_per_logit():
+    peak = _peak(_torch_step)
+    priced = LOSS_BYTES_PER_LOGIT["torch"] * T * V
+    assert priced <= peak <= priced + 64 * T, (peak / (T * V), LOSS_BYTES_PER_LOGIT["torch"])
+
+
+def test_loss_parallel_peaks_at_sixteen_bytes_per_local_logit(tmp_path):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def step(h, w, labels):
+            pred = DTensor.from_local(h @ w.t(), mesh, [Shard(1)], run_check=False)  # vocab-sharded logits
+            with loss_parallel():
+                loss = F.cross_entropy(pred.float(), DTensor.from_local(labels, mesh, [Replicate()], run_check=False))
+                del pred
+                loss.backward()
+
+        peak = _peak(step)
+    finally:
+        dist.destroy_process_group()
+    priced = LOSS_BYTES_PER_LOGIT["torch-parallel"] * T * V
+    assert priced <= peak <= priced + 64 * T, (peak / (T * V), LOSS_BYTES_PER_LOGIT["torch-parallel"])
