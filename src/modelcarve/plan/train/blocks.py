@@ -2,12 +2,14 @@
 
     n_closed, closed_best, opens, reserved, bucket = _settings(cost, goal, model, cluster, zeros, zl, vj, spec, ...)
     memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype, etp, v, n_mb, growth)
+    by_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype, etp, v, n_mb)
     kinds = _kinds(specs, vj, memory, bound, pp, n_mb, cost, lean, slots)
 
 A block's ZeRO settings as its memory test reads them (``_settings``, once per mesh), its specs
 grouped by the micro-batches they hold in flight (``_plan``), each group's per-stage memory in
-flight (``_memory``, shared between blocks whose memory rows are the same numbers) and the
-highest tokens/s bound of each group (``_kinds``). The sweep's docstring states why each is exact.
+flight (``_memory``, shared between blocks whose memory rows are the same numbers, kept by recompute
+mode: ``_recomputes``) and the highest tokens/s bound of each group (``_kinds``). The sweep's
+docstring states why each is exact.
 """
 
 from __future__ import annotations
@@ -102,33 +104,43 @@ def _plan(specs: list, vj: tuple) -> list:
 
 def _memory(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int, cp: int, pp: int, ep: int,
             mbs: int, sp: bool, rc: str, dtype: str, etp: int, v: int, n_mb: int, growth: float,
-            rows: list | None = None) -> list:
+            rows: list | None = None, by_rc: dict | None = None) -> list:
     """Per in-flight kind of group ``vj`` (``_plan``'s order): ``(grown, count)``, each stage's
     activations in flight and buffers as ``peak_bytes`` sums them (``_grown``) from the rows of
     ``screen_rows(tp, cp, pp, ep, mbs, sp, rc, seq, dtype, etp, v)`` (``rows``: those rows, when
-    the caller has them), and the number of specs holding it.
-
-    Shared in ``shared`` by every block whose rows are the same numbers: the rows read the layers'
-    activation and working bytes (layer.py, kept per tokens ``T = mbs seq / cp``, tp, sp, recompute,
-    dtype and expert TP), the head's logits (per T, tp and dtype) and, of the stage rows, only
-    each one's kind, rank, MoE layers and layers (``_holding``); nothing else of cp, mbs or ep
-    (none at all of ep), unless activations are offloaded (then compute times enter: not shared)."""
-    if cost._offload:
+    the caller has them), and the number of specs holding it; kept in ``by_rc`` (``_recomputes``' of
+    the same block, when the caller has it) under ``rc``."""
+    if by_rc is None:
+        by_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype, etp, v, n_mb)
+    memory = by_rc.get(rc)
+    if memory is None:
         if rows is None:
             rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
-        return [(_grown(rows, sched, pp, n_mb, kv, growth), count) for _key, sched, kv, _ks, count in _plan(specs, vj)]
+        memory = by_rc[rc] = [(_grown(rows, sched, pp, n_mb, kv, growth), count)
+                              for _key, sched, kv, _ks, count in _plan(specs, vj)]
+    return memory
+
+
+def _recomputes(cost: TrainCostModel, shared: dict, specs: list, vj: tuple, tp: int, cp: int, pp: int, ep: int,
+                mbs: int, sp: bool, dtype: str, etp: int, v: int, n_mb: int) -> dict:
+    """Where ``_memory`` keeps its lists, by recompute mode: one dict for the three blocks of a rest
+    (they differ in nothing else), shared in ``shared`` by every block whose rows are the same
+    numbers: the rows read the layers' activation and working bytes (layer.py, kept per tokens ``T =
+    mbs seq / cp``, tp, sp, recompute, dtype and expert TP), the head's logits (per T, tp and dtype)
+    and, of the stage rows, only each one's kind, rank, MoE layers and layers (``_holding``); nothing
+    else of cp, mbs or ep (none at all of ep), unless activations are offloaded (then compute times
+    enter: a fresh dict, the three blocks' alone)."""
+    if cost._offload:
+        return {}
     hkey = (tp, pp, ep, etp, v)
     hid = shared.get(hkey)  # the holdings' id, kept beside the lists (keys of another length)
     if hid is None:
         hid = shared[hkey] = _holding(cost, shared, tp, pp, ep, etp, v)
-    key = (mbs * cost.seq / cp, tp, sp, rc, dtype, etp, hid, n_mb, id(specs), vj)
-    memory = shared.get(key)
-    if memory is None:
-        if rows is None:
-            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
-        memory = shared[key] = [(_grown(rows, sched, pp, n_mb, kv, growth), count)
-                                for _key, sched, kv, _ks, count in _plan(specs, vj)]
-    return memory
+    key = (mbs * cost.seq / cp, tp, sp, dtype, etp, hid, n_mb, id(specs), vj)
+    by_rc = shared.get(key)
+    if by_rc is None:
+        by_rc = shared[key] = {}
+    return by_rc
 
 
 def _holding(cost: TrainCostModel, shared: dict, tp: int, pp: int, ep: int, etp: int, v: int) -> int:

@@ -15,7 +15,7 @@ import gc
 import heapq
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _settings
+from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _recomputes, _settings
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
 from modelcarve.plan.train.space import _compute, _precisions, grad_dtype_of, inflight_of, layout_blocks
@@ -81,7 +81,13 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       settings' states form a chain (each no larger than the next at every stage,
       ``blocks._settings``), each memory sum is no smaller along it (``x <= y`` implies
       ``x + z <= y + z``), so the settings whose largest stage overflows on its own are a suffix
-      and those whose candidates of one in-flight kind fit a prefix: only its edges are tested.
+      and those whose candidates of one in-flight kind fit a prefix: only its edges are tested,
+      each kind's edge found by testing the prefix's two ends first (most kinds fit every open
+      setting or none), then by halving what is left; any order of tests finds the one edge. When
+      every kind has one bound (the recomputation bounds), the tests the loop would make kind by
+      kind, each of which must pass for the block to be quiet, are made once: against the widest
+      prefix that fits and, if any kind does not fit all, the activations' best; the counts are
+      the same sums.
     * Sequence parallelism: a recompute="none" block without SP is followed (after its
       recomputing blocks) by the same block with SP, and each of its candidates' bound is at most
       that block's candidate's of the same schedule: SP divides the element-wise bytes (norms,
@@ -93,7 +99,10 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       fails, the block builds its own, as any other. Its recomputing blocks take the same bound.
     * Shared memory rows: a block's per-stage memory in flight (``blocks._memory``) is the same
       list for every block with the same tokens per micro-batch, tp, sp, recompute, dtype, expert
-      TP, stage holdings and micro-batch count (whatever its cp, mbs and ep), so it is built once.
+      TP, stage holdings and micro-batch count (whatever its cp, mbs and ep), so it is built once;
+      the three recompute modes' lists of a block are kept in one dict (``blocks._recomputes``),
+      which the "none" block hands its recomputing blocks with its bounds: they differ from it in
+      the recompute mode alone, so they look nothing else up.
     """
     # the cyclic collector has nothing to find in the sweep's short-lived tuples and lists, yet
     # would scan them every few hundred allocations: paused for the sweep (no number changes)
@@ -172,7 +181,8 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
         # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
         # a setting that is not quiet goes the general way
         single = groups[0] if len(groups) == 1 else None
-        s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound) from the sp=True block
+        s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound, _recomputes) from the sp=True block
+        own_rc = None  # _recomputes(...) of the single group, when this block looked it up
         settings = zip(zeros, zl)
         if single is not None:
             vj, (count, (_sched, v, prec, scaling, _vj)) = single
@@ -192,41 +202,52 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             n_act = 0
             if quiet and opens:
                 seq = cost.seq
+                most = None  # the one bound of every kind (the recompute shortcut), else s_kinds' own
                 if upper is not None and vj in upper:
-                    buffers, most = upper[vj]
-                    s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
-                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth)]
+                    buffers, most, by_rc = upper[vj]
+                    memory = by_rc.get(rc) if by_rc is not None else None
+                    if memory is None:
+                        memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                         growth, None, by_rc)
+                    if chain is None:
+                        s_kinds = [(grown, n_grown, most) for grown, n_grown in memory]
                 elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
                     # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
                     # sp=True block that follows, built now and kept for it, bound this block's
                     lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, True, rc, cost.seq, dtype_s, etp, v,
                                                keep=False)
                     slots_sp = [None] * n_spec
-                    kinds_sp = _kinds(specs, vj, _memory(
-                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc, dtype_s, etp, v, n_mb, growth,
-                        lean[1]), None, pp, n_mb, cost, lean, slots_sp)
-                    ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp)
+                    by_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, dtype_s, etp, v, n_mb)
+                    kinds_sp = _kinds(specs, vj, _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc,
+                                                         dtype_s, etp, v, n_mb, growth, lean[1], by_rc),
+                                      None, pp, n_mb, cost, lean, slots_sp)
+                    ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp, by_rc)
                     buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp, cp, etp)[1]
-                    s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(_memory(
-                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth), kinds_sp)]
-                    borrowed = (buffers, max(kind[2] for kind in kinds_sp))
+                    by_rc = own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v,
+                                                 n_mb)
+                    memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                     growth, None, by_rc)
+                    s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(memory, kinds_sp)]
+                    borrowed = (buffers, max(kind[2] for kind in kinds_sp), by_rc)
                 else:
                     kept = ahead.pop((mbs, ep, etp, vj), None) if rc == "none" and sp else None
                     if kept is not None:  # built by the sp=False block before: the same numbers
-                        lean, slots, s_kinds = kept
+                        lean, slots, s_kinds, own_rc = kept
                         leans[vj], kinds_of[vj] = lean, s_kinds
                     else:
                         lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s,
                                                                etp, v, keep=False)
+                        own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v, n_mb)
                         s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
                             cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
-                            lean[1]), None, pp, n_mb, cost, lean, slots)
+                            lean[1], own_rc), None, pp, n_mb, cost, lean, slots)
                     buffers = lean[2]
                 base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
                 if chain is not None:
                     # the open settings' states rise stage by stage along the chain (blocks._settings), so
                     # in floating point each test's sum does too: those over capacity on their own are a
-                    # suffix, those whose candidates of a kind fit a prefix; only the edges are tested
+                    # suffix, those whose candidates of a kind fit a prefix: each kind's edge is found by
+                    # testing the ends first (most kinds fit all or none), then halving
                     n_open = j0 = len(chain)
                     while j0 and chain[j0 - 1][1] + base > capacity:
                         j0 -= 1
@@ -234,34 +255,94 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                         if held_act is None or -(chain[j0][1] + base) > held_act[0]:
                             quiet = False
                         n_act += (n_open - j0) * count
-                    for grown, n_grown, most in s_kinds if quiet else ():
-                        lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                        while lo < hi:
-                            mid = (lo + hi) // 2
-                            for st, g in zip(chain[mid][0], grown):
-                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                    hi = mid
-                                    break
-                            else:
-                                lo = mid + 1
-                        if lo:  # some fit
-                            if low is None or most > low:
-                                quiet = False
-                                break
-                            for _states, _top, fam, _i, _n in chain[:lo]:
+                    if not quiet:
+                        pass
+                    elif most is not None:  # one bound for every kind: the widest prefix that fits, and any short
+                        widest = 0
+                        short = False
+                        for grown, n_grown in memory:
+                            lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                            if hi:
+                                for st, g in zip(chain[0][0], grown):
+                                    if st + g + base > capacity:  # the expression peak_bytes compares
+                                        hi = 0
+                                        break
+                                else:
+                                    lo = 1
+                                    if lo < hi:
+                                        for st, g in zip(chain[hi - 1][0], grown):
+                                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                                hi -= 1
+                                                break
+                                        else:
+                                            lo = hi
+                                        while lo < hi:
+                                            mid = (lo + hi) // 2
+                                            for st, g in zip(chain[mid][0], grown):
+                                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                                    hi = mid
+                                                    break
+                                            else:
+                                                lo = mid + 1
+                            if lo > widest:
+                                widest = lo
+                            if lo < j0:  # some do not fit
+                                short = True
+                                n_act += n_grown * (j0 - lo)
+                        if widest and (low is None or most > low):
+                            quiet = False
+                        elif short and (held_act is None or most > held_act[0]):
+                            quiet = False
+                        else:
+                            for _states, _top, fam, _i, _n in chain[:widest]:
                                 if fam is not None:
                                     held_fam = best_family.get(fam)
                                     if held_fam is None or most > held_fam[0]:
                                         quiet = False
                                         break
-                            if not quiet:
-                                break
-                        if lo < j0:  # some do not
-                            if held_act is None or most > held_act[0]:
-                                quiet = False
-                                break
-                            n_act += n_grown * (j0 - lo)
-                    if not quiet and borrowed is not None:  # the loop below takes this block's own bounds
+                    else:
+                        for grown, n_grown, most in s_kinds:
+                            lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                            if hi:
+                                for st, g in zip(chain[0][0], grown):
+                                    if st + g + base > capacity:  # the expression peak_bytes compares
+                                        hi = 0
+                                        break
+                                else:
+                                    lo = 1
+                                    if lo < hi:
+                                        for st, g in zip(chain[hi - 1][0], grown):
+                                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                                hi -= 1
+                                                break
+                                        else:
+                                            lo = hi
+                                        while lo < hi:
+                                            mid = (lo + hi) // 2
+                                            for st, g in zip(chain[mid][0], grown):
+                                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                                    hi = mid
+                                                    break
+                                            else:
+                                                lo = mid + 1
+                            if lo:  # some fit
+                                if low is None or most > low:
+                                    quiet = False
+                                    break
+                                for _states, _top, fam, _i, _n in chain[:lo]:
+                                    if fam is not None:
+                                        held_fam = best_family.get(fam)
+                                        if held_fam is None or most > held_fam[0]:
+                                            quiet = False
+                                            break
+                                if not quiet:
+                                    break
+                            if lo < j0:  # some do not
+                                if held_act is None or most > held_act[0]:
+                                    quiet = False
+                                    break
+                                n_act += n_grown * (j0 - lo)
+                    if not quiet:  # the loop below takes this block's own bounds (or the shortcut's, per kind)
                         s_base = s_kinds = borrowed = None
                     opens = ()
                 for states, top_states, fam, i, n_before in opens:
@@ -329,7 +410,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 else:
                     if s_base is None:
                         if upper is not None and vj in upper:
-                            buffers, most = upper[vj]
+                            buffers, most, _by_rc = upper[vj]
                             s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
                                 cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
                                 growth)]
@@ -572,7 +653,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 for _grown, _n, most in kinds:
                     if highest is None or most > highest:
                         highest = most
-                covered[vj] = (lean[2], highest)
+                covered[vj] = (lean[2], highest, own_rc if single is not None else None)
             none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
     return best, rejected, best_rejected, best_family, position
 
