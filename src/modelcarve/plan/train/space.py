@@ -50,11 +50,26 @@ def enumerate_layouts(model: "ModelSpec", cluster: "ClusterSpec", global_batch: 
                                           v, prec, grad_dtype, "fp32", etp, scaling))
 
 
+RECOMPUTES = ("none", "selective", "full")
+"""Activation recomputation modes tried, in the search's order."""
+
+
 def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
                   max_mbs: int = MAX_MBS) -> Iterator[tuple]:
     """The search space in blocks, in ``enumerate_layouts``' order: ``(tp, cp, pp, dp, mbs, ep, etp,
     sp, recompute, zeros, schedules)``, each block standing for every ``(zero, dp_shard)`` in
-    ``zeros`` x ``(schedule, virtual_stages)`` in ``schedules`` x precision, in that order."""
+    ``zeros`` x ``(schedule, virtual_stages)`` in ``schedules`` x precision, in that order: each
+    rest of ``layout_rests`` with each of ``RECOMPUTES`` in turn."""
+    for tp, cp, pp, dp, mbs, ep, etp, sp, zeros, scheds in layout_rests(model, cluster, global_batch, seq, max_mbs):
+        for rc in RECOMPUTES:
+            yield tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds
+
+
+def layout_rests(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int, seq: int,
+                 max_mbs: int = MAX_MBS) -> Iterator[tuple]:
+    """``layout_blocks`` without the recompute mode: ``(tp, cp, pp, dp, mbs, ep, etp, sp, zeros,
+    schedules)``, each standing for its blocks with recompute ``"none"``, ``"selective"`` and
+    ``"full"``, in that order (the sweep reads a rest's three blocks together)."""
     n = cluster.num_devices
     L = model.num_layers
     moe = model.is_moe
@@ -99,8 +114,7 @@ def layout_blocks(model: "ModelSpec", cluster: "ClusterSpec", global_batch: int,
                         scheds = inner_cache[key] = _schedules(L, pp, n_mb)
                     for ep, etp in eps:
                         for sp in sps:
-                            for rc in ("none", "selective", "full"):
-                                yield tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds
+                            yield tp, cp, pp, dp, mbs, ep, etp, sp, zeros, scheds
 
 
 def _grown(rows: list, sched: str, pp: int, n_mb: int, v: int, growth: float) -> list:

@@ -4,7 +4,8 @@
 
 ``plan/search.py`` calls a goal's ``sweep`` when it has one instead of screening candidate by
 candidate; ``TrainGoal.sweep`` (plan/train/goal.py) is this function. It walks
-``plan/train/space.py``'s ``layout_blocks`` and gives the very answer of the one-by-one loop (the
+``plan/train/space.py``'s ``layout_blocks`` (rest by rest: ``layout_rests``, each rest's blocks with
+recompute "none", "selective" and "full" in turn) and gives the very answer of the one-by-one loop (the
 exact shortcuts are stated in ``sweep``'s docstring); tests/plan/test_search_golden.py and
 tests/plan/test_sweep_shortcuts.py hold it to that.
 """
@@ -18,7 +19,14 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _recomputes, _settings
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import TrainCostModel
-from modelcarve.plan.train.space import _compute, _precisions, grad_dtype_of, inflight_of, layout_blocks
+from modelcarve.plan.train.space import (
+    RECOMPUTES,
+    _compute,
+    _precisions,
+    grad_dtype_of,
+    inflight_of,
+    layout_rests,
+)
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.support import fsdp_holds_gradients
 
@@ -32,7 +40,9 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
     exactly as that loop leaves them (the heap ``best`` holds ``(score, position, candidate)``,
     position in ``candidates``' order, so its order is the loop's).
 
-    It walks ``layout_blocks`` and decides each candidate's reject category exactly as
+    It walks ``layout_blocks`` (as ``layout_rests`` and each rest's ``RECOMPUTES``: what a block reads
+    of its rest alone, its specs, ZeRO settings and their summary, is looked up once for the three)
+    and decides each candidate's reject category exactly as
     ``TrainCostModel._evaluate`` does: the same states floor, the same DP memory sums
     (``dp_static``), the same profile numbers (``screen_profile``, which ``profile`` is built
     from) and the same per-stage sum ``peak_bytes`` compares with capacity; it computes a
@@ -62,8 +72,8 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       The scores tested against may be read before the block and not after a setting that
       only counted rejections: a score held only ever rises, so a stale one is never higher
       and at worst sends a setting the exact way.
-    * Recomputation bounds: a block with recompute "selective" or "full" comes right after the
-      "none" block of the same (tp, cp, pp, mbs, ep, etp, sp), and each of its candidates'
+    * Recomputation bounds: a block with recompute "selective" or "full" comes after the "none"
+      block of the same rest (tp, cp, pp, mbs, ep, etp, sp), and each of its candidates'
       bound is at most the "none" candidate's of the same schedule and precision: a layer's
       forward and backward are the same numbers (``layer_base``), recomputation adds a
       non-negative time, the TP and EP collectives are counted 6 times instead of 4, the CP,
@@ -135,13 +145,13 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
     position = 0
     new = tuple.__new__
     heappush, heapreplace = heapq.heappush, heapq.heapreplace
-    blocks = layout_blocks(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
+    # the blocks, rest by rest: each rest's three recompute modes in turn ("none" first)
+    rests = layout_rests(model, cluster, gbs, seq, **{k: options[k] for k in ("max_mbs",) if k in options})
     shapes: dict = {}  # id(schedules) -> (schedules, specs, groups): a block's candidates after its ZeRO
     _KIND_PLANS.clear()  # keyed by id(specs) of this sweep's shapes
     shared: dict = {}  # _memory's: per-stage memory in flight by what it reads, and the stage holdings' ids
     mesh = None
-    none_info: tuple = (None, {})  # the last recompute="none" block's rest and, per group, (buffers, bound)
-    for tp, cp, pp, dp, mbs, ep, etp, sp, rc, zeros, scheds in blocks:
+    for tp, cp, pp, dp, mbs, ep, etp, sp, zeros, scheds in rests:
         n_mb = gbs // (mbs * dp)
         if (tp, cp, pp) != mesh:
             mesh = (tp, cp, pp)
@@ -166,277 +176,199 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             shape = shapes[id(scheds)] = (scheds, specs, list(groups.items()))
         _, specs, groups = shape
         n_spec = len(specs)
-        # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
-        # and buffers (as peak_bytes sums them); built when first needed
-        slots: list = [None] * n_spec
-        leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
-        kinds_of: dict = {}  # (v, precision index) -> _kinds(...): the specs by memory in flight, with bounds
-        # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
-        upper = none_info[1] if rc != "none" and none_info[0] == (tp, cp, pp, mbs, ep, etp, sp) else None
         zl = per_zero.get((ep, etp))
         if zl is None:
             zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
-        low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
-        held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
         # one group (a single (v, precision)): the quiet test first, the base bytes once per block;
         # a setting that is not quiet goes the general way
         single = groups[0] if len(groups) == 1 else None
-        s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound, _recomputes) from the sp=True block
-        own_rc = None  # _recomputes(...) of the single group, when this block looked it up
-        settings = zip(zeros, zl)
         if single is not None:
             vj, (count, (_sched, v, prec, scaling, _vj)) = single
             dtype_s = "fp8cs" if prec == "fp8" and scaling == "current" else prec  # _compute, inlined
-            # the whole block at once: when every ZeRO setting of it would be quiet in the loop below
-            # (the same tests, against the same scores: a quiet setting changes only the counts), its
-            # counts are added together; else the loop decides setting by setting
             summary = summaries.get((ep, etp))
             if summary is None:
                 summary = summaries[(ep, etp)] = _settings(
-                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, rc, g_dt)
-            n_closed, closed_best, opens, reserved, bucket, chain = summary
-            quiet = True
-            if n_closed:
-                held = best_rejected.get(STATES_DO_NOT_FIT)
-                quiet = held is not None and closed_best <= held[0]
-            n_act = 0
-            if quiet and opens:
-                seq = cost.seq
-                most = None  # the one bound of every kind (the recompute shortcut), else s_kinds' own
-                if upper is not None and vj in upper:
-                    buffers, most, by_rc = upper[vj]
-                    memory = by_rc.get(rc) if by_rc is not None else None
-                    if memory is None:
+                    cost, goal, model, cluster, zeros, zl, vj, single[1][1], tp, cp, pp, dp, ep, etp, mbs, sp, "none",
+                    g_dt)
+            n_closed, closed_best, summary_opens, reserved, bucket, chain = summary
+        covered = None  # the recompute="none" block's, per group: (buffers, highest bound, _recomputes)
+        for rc in RECOMPUTES:
+            # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
+            # and buffers (as peak_bytes sums them); built when first needed
+            slots: list = [None] * n_spec
+            leans: dict = {}  # (v, precision index) -> the cost model's screen_profile
+            kinds_of: dict = {}  # (v, precision index) -> _kinds(...): the specs by memory in flight, with bounds
+            # recomputation after recompute="none" of the same rest: that block's bounds bound this one's
+            upper = covered
+            low = best[0][0] if len(best) == top else None  # the top's lowest once it is full
+            held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+            s_base = s_kinds = borrowed = None  # borrowed: (buffers, highest bound, _recomputes) from the sp=True block
+            own_rc = None  # _recomputes(...) of the single group, when this block looked it up
+            settings = zip(zeros, zl)
+            if single is not None:
+                # the whole block at once: when every ZeRO setting of it would be quiet in the loop below
+                # (the same tests, against the same scores: a quiet setting changes only the counts), its
+                # counts are added together; else the loop decides setting by setting
+                opens = summary_opens
+                quiet = True
+                if n_closed:
+                    held = best_rejected.get(STATES_DO_NOT_FIT)
+                    quiet = held is not None and closed_best <= held[0]
+                n_act = 0
+                if quiet and opens:
+                    seq = cost.seq
+                    most = None  # the one bound of every kind (the recompute shortcut), else s_kinds' own
+                    if upper is not None and vj in upper:
+                        buffers, most, by_rc = upper[vj]
+                        memory = by_rc.get(rc) if by_rc is not None else None
+                        if memory is None:
+                            memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                             growth, None, by_rc)
+                        if chain is None:
+                            s_kinds = [(grown, n_grown, most) for grown, n_grown in memory]
+                    elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
+                        # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
+                        # sp=True block that follows, built now and kept for it, bound this block's
+                        lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, True, rc, cost.seq, dtype_s, etp, v,
+                                                   keep=False)
+                        slots_sp = [None] * n_spec
+                        by_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, dtype_s, etp, v, n_mb)
+                        kinds_sp = _kinds(specs, vj, _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc,
+                                                             dtype_s, etp, v, n_mb, growth, lean[1], by_rc),
+                                          None, pp, n_mb, cost, lean, slots_sp)
+                        ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp, by_rc)
+                        buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp, cp, etp)[1]
+                        by_rc = own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v,
+                                                     n_mb)
                         memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
                                          growth, None, by_rc)
-                    if chain is None:
-                        s_kinds = [(grown, n_grown, most) for grown, n_grown in memory]
-                elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
-                    # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
-                    # sp=True block that follows, built now and kept for it, bound this block's
-                    lean = cost.screen_profile(tp, cp, pp, dp, ep, mbs, True, rc, cost.seq, dtype_s, etp, v,
-                                               keep=False)
-                    slots_sp = [None] * n_spec
-                    by_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, dtype_s, etp, v, n_mb)
-                    kinds_sp = _kinds(specs, vj, _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, True, rc,
-                                                         dtype_s, etp, v, n_mb, growth, lean[1], by_rc),
-                                      None, pp, n_mb, cost, lean, slots_sp)
-                    ahead[(mbs, ep, etp, vj)] = (lean, slots_sp, kinds_sp, by_rc)
-                    buffers = cost.screen_buffers(mbs * cost.seq / cp, tp, pp, ep, sp, cp, etp)[1]
-                    by_rc = own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v,
-                                                 n_mb)
-                    memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
-                                     growth, None, by_rc)
-                    s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(memory, kinds_sp)]
-                    borrowed = (buffers, max(kind[2] for kind in kinds_sp), by_rc)
-                else:
-                    kept = ahead.pop((mbs, ep, etp, vj), None) if rc == "none" and sp else None
-                    if kept is not None:  # built by the sp=False block before: the same numbers
-                        lean, slots, s_kinds, own_rc = kept
-                        leans[vj], kinds_of[vj] = lean, s_kinds
+                        s_kinds = [(grown, n_grown, kind[2]) for (grown, n_grown), kind in zip(memory, kinds_sp)]
+                        borrowed = (buffers, max(kind[2] for kind in kinds_sp), by_rc)
                     else:
-                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s,
-                                                               etp, v, keep=False)
-                        own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v, n_mb)
-                        s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
-                            cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
-                            lean[1], own_rc), None, pp, n_mb, cost, lean, slots)
-                    buffers = lean[2]
-                base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
-                if chain is not None:
-                    # the open settings' states rise stage by stage along the chain (blocks._settings), so
-                    # in floating point each test's sum does too: those over capacity on their own are a
-                    # suffix, those whose candidates of a kind fit a prefix: each kind's edge is found by
-                    # testing the ends first (most kinds fit all or none), then halving
-                    n_open = j0 = len(chain)
-                    while j0 and chain[j0 - 1][1] + base > capacity:
-                        j0 -= 1
-                    if j0 < n_open:  # the highest score among them is the first's
-                        if held_act is None or -(chain[j0][1] + base) > held_act[0]:
-                            quiet = False
-                        n_act += (n_open - j0) * count
-                    if not quiet:
-                        pass
-                    elif most is not None:  # one bound for every kind: the widest prefix that fits, and any short
-                        widest = 0
-                        short = False
-                        for grown, n_grown in memory:
-                            lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                            if hi:
-                                for st, g in zip(chain[0][0], grown):
-                                    if st + g + base > capacity:  # the expression peak_bytes compares
-                                        hi = 0
-                                        break
-                                else:
-                                    lo = 1
-                                    if lo < hi:
-                                        for st, g in zip(chain[hi - 1][0], grown):
-                                            if st + g + base > capacity:  # the expression peak_bytes compares
-                                                hi -= 1
-                                                break
-                                        else:
-                                            lo = hi
-                                        while lo < hi:
-                                            mid = (lo + hi) // 2
-                                            for st, g in zip(chain[mid][0], grown):
-                                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                                    hi = mid
-                                                    break
-                                            else:
-                                                lo = mid + 1
-                            if lo > widest:
-                                widest = lo
-                            if lo < j0:  # some do not fit
-                                short = True
-                                n_act += n_grown * (j0 - lo)
-                        if widest and (low is None or most > low):
-                            quiet = False
-                        elif short and (held_act is None or most > held_act[0]):
-                            quiet = False
+                        kept = ahead.pop((mbs, ep, etp, vj), None) if rc == "none" and sp else None
+                        if kept is not None:  # built by the sp=False block before: the same numbers
+                            lean, slots, s_kinds, own_rc = kept
+                            leans[vj], kinds_of[vj] = lean, s_kinds
                         else:
-                            for _states, _top, fam, _i, _n in chain[:widest]:
-                                if fam is not None:
-                                    held_fam = best_family.get(fam)
-                                    if held_fam is None or most > held_fam[0]:
-                                        quiet = False
-                                        break
-                    else:
-                        for grown, n_grown, most in s_kinds:
-                            lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                            if hi:
-                                for st, g in zip(chain[0][0], grown):
-                                    if st + g + base > capacity:  # the expression peak_bytes compares
-                                        hi = 0
-                                        break
-                                else:
-                                    lo = 1
-                                    if lo < hi:
-                                        for st, g in zip(chain[hi - 1][0], grown):
-                                            if st + g + base > capacity:  # the expression peak_bytes compares
-                                                hi -= 1
-                                                break
-                                        else:
-                                            lo = hi
-                                        while lo < hi:
-                                            mid = (lo + hi) // 2
-                                            for st, g in zip(chain[mid][0], grown):
+                            lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s,
+                                                                   etp, v, keep=False)
+                            own_rc = _recomputes(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, dtype_s, etp, v, n_mb)
+                            s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth,
+                                lean[1], own_rc), None, pp, n_mb, cost, lean, slots)
+                        buffers = lean[2]
+                    base = s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                    if chain is not None:
+                        # the open settings' states rise stage by stage along the chain (blocks._settings), so
+                        # in floating point each test's sum does too: those over capacity on their own are a
+                        # suffix, those whose candidates of a kind fit a prefix: each kind's edge is found by
+                        # testing the ends first (most kinds fit all or none), then halving
+                        n_open = j0 = len(chain)
+                        while j0 and chain[j0 - 1][1] + base > capacity:
+                            j0 -= 1
+                        if j0 < n_open:  # the highest score among them is the first's
+                            if held_act is None or -(chain[j0][1] + base) > held_act[0]:
+                                quiet = False
+                            n_act += (n_open - j0) * count
+                        if not quiet:
+                            pass
+                        elif most is not None:  # one bound for every kind: the widest prefix that fits, and any short
+                            widest = 0
+                            short = False
+                            for grown, n_grown in memory:
+                                lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                                if hi:
+                                    for st, g in zip(chain[0][0], grown):
+                                        if st + g + base > capacity:  # the expression peak_bytes compares
+                                            hi = 0
+                                            break
+                                    else:
+                                        lo = 1
+                                        if lo < hi:
+                                            for st, g in zip(chain[hi - 1][0], grown):
                                                 if st + g + base > capacity:  # the expression peak_bytes compares
-                                                    hi = mid
+                                                    hi -= 1
                                                     break
                                             else:
-                                                lo = mid + 1
-                            if lo:  # some fit
-                                if low is None or most > low:
-                                    quiet = False
-                                    break
-                                for _states, _top, fam, _i, _n in chain[:lo]:
+                                                lo = hi
+                                            while lo < hi:
+                                                mid = (lo + hi) // 2
+                                                for st, g in zip(chain[mid][0], grown):
+                                                    if st + g + base > capacity:  # the expression peak_bytes compares
+                                                        hi = mid
+                                                        break
+                                                else:
+                                                    lo = mid + 1
+                                if lo > widest:
+                                    widest = lo
+                                if lo < j0:  # some do not fit
+                                    short = True
+                                    n_act += n_grown * (j0 - lo)
+                            if widest and (low is None or most > low):
+                                quiet = False
+                            elif short and (held_act is None or most > held_act[0]):
+                                quiet = False
+                            else:
+                                for _states, _top, fam, _i, _n in chain[:widest]:
                                     if fam is not None:
                                         held_fam = best_family.get(fam)
                                         if held_fam is None or most > held_fam[0]:
                                             quiet = False
                                             break
-                                if not quiet:
-                                    break
-                            if lo < j0:  # some do not
-                                if held_act is None or most > held_act[0]:
-                                    quiet = False
-                                    break
-                                n_act += n_grown * (j0 - lo)
-                    if not quiet:  # the loop below takes this block's own bounds (or the shortcut's, per kind)
-                        s_base = s_kinds = borrowed = None
-                    opens = ()
-                for states, top_states, fam, i, n_before in opens:
-                    n_act_before = n_act
-                    if top_states + base > capacity:
-                        if held_act is None or -(top_states + base) > held_act[0]:
-                            quiet = False
-                            break
-                        n_act += count
-                        continue
-                    held_fam = best_family.get(fam) if fam is not None else None
-                    for grown, n_grown, most in s_kinds:
-                        for st, g in zip(states, grown):
-                            if st + g + base > capacity:  # the expression peak_bytes compares
-                                break
-                        else:  # fits
-                            if low is None or most > low or (fam is not None and (
-                                    held_fam is None or most > held_fam[0])):
+                        else:
+                            for grown, n_grown, most in s_kinds:
+                                lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                                if hi:
+                                    for st, g in zip(chain[0][0], grown):
+                                        if st + g + base > capacity:  # the expression peak_bytes compares
+                                            hi = 0
+                                            break
+                                    else:
+                                        lo = 1
+                                        if lo < hi:
+                                            for st, g in zip(chain[hi - 1][0], grown):
+                                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                                    hi -= 1
+                                                    break
+                                            else:
+                                                lo = hi
+                                            while lo < hi:
+                                                mid = (lo + hi) // 2
+                                                for st, g in zip(chain[mid][0], grown):
+                                                    if st + g + base > capacity:  # the expression peak_bytes compares
+                                                        hi = mid
+                                                        break
+                                                else:
+                                                    lo = mid + 1
+                                if lo:  # some fit
+                                    if low is None or most > low:
+                                        quiet = False
+                                        break
+                                    for _states, _top, fam, _i, _n in chain[:lo]:
+                                        if fam is not None:
+                                            held_fam = best_family.get(fam)
+                                            if held_fam is None or most > held_fam[0]:
+                                                quiet = False
+                                                break
+                                    if not quiet:
+                                        break
+                                if lo < j0:  # some do not
+                                    if held_act is None or most > held_act[0]:
+                                        quiet = False
+                                        break
+                                    n_act += n_grown * (j0 - lo)
+                        if not quiet:  # the loop below takes this block's own bounds (or the shortcut's, per kind)
+                            s_base = s_kinds = borrowed = None
+                        opens = ()
+                    for states, top_states, fam, i, n_before in opens:
+                        n_act_before = n_act
+                        if top_states + base > capacity:
+                            if held_act is None or -(top_states + base) > held_act[0]:
                                 quiet = False
                                 break
+                            n_act += count
                             continue
-                        n_act += n_grown
-                        if held_act is None or most > held_act[0]:
-                            quiet = False
-                            break
-                    if not quiet:
-                        # the settings before this one were quiet: counted; the loop takes it from here
-                        if n_before:
-                            rejected[STATES_DO_NOT_FIT] += n_before * count
-                        if n_act_before:
-                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act_before
-                        position += n_spec * i
-                        settings = zip(zeros[i:], zl[i:])
-                        if borrowed is not None:  # the loop takes this block's own bounds
-                            s_base = s_kinds = borrowed = None
-                        break
-            if quiet:
-                if n_closed:
-                    rejected[STATES_DO_NOT_FIT] += n_closed * count
-                if n_act:
-                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
-                position += n_spec * len(zeros)
-                settings = ()
-        if settings:  # not counted as a whole: what the setting-by-setting loop keeps per block
-            grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
-            upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
-        for (zero, shard), (statics, family) in settings:
-            if single is not None:
-                static = statics.get(vj)
-                if static is None:
-                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
-                    static = statics[vj] = (floor,) + cost.dp_static(
-                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
-                if not family:  # family() reads tp, cp, pp, ep, zero and etp only
-                    family.append(goal.family(model, cluster, new(
-                        Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, g_dt, "fp32",
-                                    etp, scaling))))
-                floor, states, top_states, reserved, bucket = static
-                if floor > capacity:
-                    held = best_rejected.get(STATES_DO_NOT_FIT)
-                    if held is not None and -floor <= held[0]:
-                        rejected[STATES_DO_NOT_FIT] += count
-                        position += n_spec
-                        continue
-                else:
-                    if s_base is None:
-                        if upper is not None and vj in upper:
-                            buffers, most, _by_rc = upper[vj]
-                            s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
-                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
-                                growth)]
-                        else:
-                            lean = leans.get(vj)
-                            if lean is None:
-                                lean = leans[vj] = cost.screen_profile(
-                                    tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp, v,
-                                    keep=False)
-                            buffers = lean[2]
-                            s_kinds = kinds_of.get(vj)
-                            if s_kinds is None:
-                                s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
-                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
-                                    growth, lean[1]), None, pp, n_mb, cost, lean, slots)
-                        s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
-                    base = s_base
-                    if top_states + base > capacity:
-                        if held_act is not None and -(top_states + base) <= held_act[0]:
-                            rejected[ACTIVATIONS_DO_NOT_FIT] += count
-                            position += n_spec
-                            continue
-                    else:
-                        fam = family[0]
                         held_fam = best_family.get(fam) if fam is not None else None
-                        n_act = 0
                         for grown, n_grown, most in s_kinds:
                             for st, g in zip(states, grown):
                                 if st + g + base > capacity:  # the expression peak_bytes compares
@@ -444,217 +376,299 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             else:  # fits
                                 if low is None or most > low or (fam is not None and (
                                         held_fam is None or most > held_fam[0])):
+                                    quiet = False
                                     break
                                 continue
                             n_act += n_grown
                             if held_act is None or most > held_act[0]:
+                                quiet = False
                                 break
-                        else:  # quiet
-                            if n_act:
-                                rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
-                                                                                0) + n_act
+                        if not quiet:
+                            # the settings before this one were quiet: counted; the loop takes it from here
+                            if n_before:
+                                rejected[STATES_DO_NOT_FIT] += n_before * count
+                            if n_act_before:
+                                rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act_before
+                            position += n_spec * i
+                            settings = zip(zeros[i:], zl[i:])
+                            if borrowed is not None:  # the loop takes this block's own bounds
+                                s_base = s_kinds = borrowed = None
+                            break
+                if quiet:
+                    if n_closed:
+                        rejected[STATES_DO_NOT_FIT] += n_closed * count
+                    if n_act:
+                        rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                    position += n_spec * len(zeros)
+                    settings = ()
+            if settings:  # not counted as a whole: what the setting-by-setting loop keeps per block
+                grown_of: dict = {}  # ((v, precision index), in-flight kind) -> per-stage activations and buffers
+                upper_kinds: dict = {}  # (v, precision index) -> _kinds of the shortcut (memory only, one bound)
+            for (zero, shard), (statics, family) in settings:
+                if single is not None:
+                    static = statics.get(vj)
+                    if static is None:
+                        floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
+                        static = statics[vj] = (floor,) + cost.dp_static(
+                            (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
+                    if not family:  # family() reads tp, cp, pp, ep, zero and etp only
+                        family.append(goal.family(model, cluster, new(
+                            Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, _sched, v, prec, g_dt, "fp32",
+                                        etp, scaling))))
+                    floor, states, top_states, reserved, bucket = static
+                    if floor > capacity:
+                        held = best_rejected.get(STATES_DO_NOT_FIT)
+                        if held is not None and -floor <= held[0]:
+                            rejected[STATES_DO_NOT_FIT] += count
                             position += n_spec
                             continue
-            # per group: (category, score) when every candidate of it is rejected whatever its
-            # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
-            # else (None, None, states per stage, base bytes) for the per-schedule memory check
-            entries: dict = {}
-            open_groups = False
-            for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
-                static = statics.get(vj)
-                if static is None:
-                    floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
-                    static = statics[vj] = (floor,) + cost.dp_static(
-                        (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
-                floor, states, top_states, reserved, bucket = static
-                if floor > capacity:
-                    entries[vj] = (STATES_DO_NOT_FIT, -floor)
+                    else:
+                        if s_base is None:
+                            if upper is not None and vj in upper:
+                                buffers, most, _by_rc = upper[vj]
+                                s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                    growth)]
+                            else:
+                                lean = leans.get(vj)
+                                if lean is None:
+                                    lean = leans[vj] = cost.screen_profile(
+                                        tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq, dtype_s, etp, v,
+                                        keep=False)
+                                buffers = lean[2]
+                                s_kinds = kinds_of.get(vj)
+                                if s_kinds is None:
+                                    s_kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                        growth, lean[1]), None, pp, n_mb, cost, lean, slots)
+                            s_base = (buffers + bucket) * growth + reserved  # reserved, bucket: ZeRO-free
+                        base = s_base
+                        if top_states + base > capacity:
+                            if held_act is not None and -(top_states + base) <= held_act[0]:
+                                rejected[ACTIVATIONS_DO_NOT_FIT] += count
+                                position += n_spec
+                                continue
+                        else:
+                            fam = family[0]
+                            held_fam = best_family.get(fam) if fam is not None else None
+                            n_act = 0
+                            for grown, n_grown, most in s_kinds:
+                                for st, g in zip(states, grown):
+                                    if st + g + base > capacity:  # the expression peak_bytes compares
+                                        break
+                                else:  # fits
+                                    if low is None or most > low or (fam is not None and (
+                                            held_fam is None or most > held_fam[0])):
+                                        break
+                                    continue
+                                n_act += n_grown
+                                if held_act is None or most > held_act[0]:
+                                    break
+                            else:  # quiet
+                                if n_act:
+                                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
+                                                                                    0) + n_act
+                                position += n_spec
+                                continue
+                # per group: (category, score) when every candidate of it is rejected whatever its
+                # schedule (as _evaluate: the states floor, or one micro-batch's buffers, over capacity),
+                # else (None, None, states per stage, base bytes) for the per-schedule memory check
+                entries: dict = {}
+                open_groups = False
+                for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
+                    static = statics.get(vj)
+                    if static is None:
+                        floor = cost.states_floor(tp, cp, pp, dp, ep, zero, shard, prec, g_dt, "fp32", etp, v, vj[2])
+                        static = statics[vj] = (floor,) + cost.dp_static(
+                            (tp, cp, pp, dp, ep), etp, v, zero, shard, prec, g_dt, "fp32", vj[2])
+                    floor, states, top_states, reserved, bucket = static
+                    if floor > capacity:
+                        entries[vj] = (STATES_DO_NOT_FIT, -floor)
+                        continue
+                    if upper is not None and vj in upper:
+                        buffers = upper[vj][0]  # the same number: no term of the buffers reads recompute
+                    else:
+                        upper = None  # a group the shortcut does not cover: the block is screened in full
+                        lean = leans.get(vj)
+                        if lean is None:
+                            lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                                   _compute(prec, scaling), etp, v, keep=False)
+                        buffers = lean[2]
+                    # _dp_entry's memory sums, without the entry (built for those priced in full)
+                    base = (buffers + bucket) * growth + reserved
+                    if top_states + base > capacity:
+                        entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
+                    else:
+                        entries[vj] = (None, None, states, base)
+                        open_groups = True
+                if not open_groups:
+                    # every candidate of this ZeRO setting rejected by its group: count them together; the
+                    # best of a category is the first candidate of the first group holding its best score
+                    for vj, (count, (sched, v, prec, scaling, _vj)) in groups:
+                        category, score = entries[vj]
+                        rejected[category] = rejected.get(category, 0) + count
+                        held = best_rejected.get(category)
+                        if held is None or score > held[0]:
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   g_dt, "fp32", etp, scaling))
+                            best_rejected[category] = (score, cand, None)
+                    position += n_spec
                     continue
-                if upper is not None and vj in upper:
-                    buffers = upper[vj][0]  # the same number: no term of the buffers reads recompute
-                else:
-                    upper = None  # a group the shortcut does not cover: the block is screened in full
-                    lean = leans.get(vj)
-                    if lean is None:
-                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
-                                                               _compute(prec, scaling), etp, v, keep=False)
-                    buffers = lean[2]
-                # _dp_entry's memory sums, without the entry (built for those priced in full)
-                base = (buffers + bucket) * growth + reserved
-                if top_states + base > capacity:
-                    entries[vj] = (ACTIVATIONS_DO_NOT_FIT, -(top_states + base))
-                else:
-                    entries[vj] = (None, None, states, base)
-                    open_groups = True
-            if not open_groups:
-                # every candidate of this ZeRO setting rejected by its group: count them together; the
-                # best of a category is the first candidate of the first group holding its best score
-                for vj, (count, (sched, v, prec, scaling, _vj)) in groups:
-                    category, score = entries[vj]
-                    rejected[category] = rejected.get(category, 0) + count
-                    held = best_rejected.get(category)
-                    if held is None or score > held[0]:
-                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                               g_dt, "fp32", etp, scaling))
-                        best_rejected[category] = (score, cand, None)
-                position += n_spec
-                continue
-            if not family:  # family() reads tp, cp, pp, ep, zero and etp only
-                sched, v, prec, scaling, _vj = specs[0]
-                family.append(goal.family(model, cluster, new(
-                    Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, g_dt, "fp32", etp,
-                                scaling))))
-            fam = family[0]
-            # the quiet case: no candidate of this ZeRO setting can change anything but the counts
-            # (sweep's docstring), so the setting is counted in one step
-            held_fam = best_family.get(fam) if fam is not None else None
-            while True:
-                fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
-                quiet = True
-                n_act = 0
-                for vj, (count, (_sched, v, prec, scaling, _vj)) in groups:
+                if not family:  # family() reads tp, cp, pp, ep, zero and etp only
+                    sched, v, prec, scaling, _vj = specs[0]
+                    family.append(goal.family(model, cluster, new(
+                        Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec, g_dt, "fp32", etp,
+                                    scaling))))
+                fam = family[0]
+                # the quiet case: no candidate of this ZeRO setting can change anything but the counts
+                # (sweep's docstring), so the setting is counted in one step
+                held_fam = best_family.get(fam) if fam is not None else None
+                while True:
+                    fits_of: dict = {}  # id(grown) -> whether the candidates with that memory in flight fit
+                    quiet = True
+                    n_act = 0
+                    for vj, (count, (_sched, v, prec, scaling, _vj)) in groups:
+                        entry = entries[vj]
+                        category = entry[0]
+                        if category is not None:
+                            held = best_rejected.get(category)
+                            if held is None or entry[1] > held[0]:
+                                quiet = False
+                                break
+                            continue
+                        if upper is not None:
+                            kinds = upper_kinds.get(vj)
+                            if kinds is None:
+                                kinds = upper_kinds[vj] = _kinds(specs, vj, _memory(
+                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                    n_mb, growth), upper[vj][1], pp, n_mb)
+                        else:
+                            kinds = kinds_of.get(vj)
+                            if kinds is None:
+                                lean = leans.get(vj)
+                                if lean is None:
+                                    lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                                           _compute(prec, scaling), etp, v, keep=False)
+                                kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                                    cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
+                                    n_mb, growth, lean[1]), None, pp, n_mb, cost, lean, slots)
+                        states, base = entry[2], entry[3]
+                        for grown, n_grown, most in kinds:
+                            fits = True
+                            for st, g in zip(states, grown):
+                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                    fits = False
+                                    break
+                            fits_of[id(grown)] = fits
+                            if fits:
+                                if low is None or most > low or (fam is not None and (held_fam is None
+                                                                                      or most > held_fam[0])):
+                                    quiet = False
+                                    break
+                            else:
+                                n_act += n_grown
+                                if held_act is None or most > held_act[0]:
+                                    quiet = False
+                                    break
+                        if not quiet:
+                            break
+                    if quiet or upper is None:
+                        break
+                    upper = None  # the shortcut's bound is not low enough here: the block is screened in full
+                if quiet:
+                    for vj, (count, _spec) in groups:
+                        category = entries[vj][0]
+                        if category is not None:
+                            rejected[category] = rejected.get(category, 0) + count
+                    if n_act:
+                        rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                    position += n_spec
+                    continue
+                for k in range(n_spec):
+                    sched, v, prec, scaling, vj = specs[k]
+                    position += 1
                     entry = entries[vj]
                     category = entry[0]
                     if category is not None:
+                        rejected[category] = rejected.get(category, 0) + 1
                         held = best_rejected.get(category)
                         if held is None or entry[1] > held[0]:
-                            quiet = False
-                            break
+                            cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
+                                                   g_dt, "fp32", etp, scaling))
+                            best_rejected[category] = (entry[1], cand, None)
                         continue
-                    if upper is not None:
-                        kinds = upper_kinds.get(vj)
-                        if kinds is None:
-                            kinds = upper_kinds[vj] = _kinds(specs, vj, _memory(
-                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
-                                n_mb, growth), upper[vj][1], pp, n_mb)
-                    else:
-                        kinds = kinds_of.get(vj)
-                        if kinds is None:
-                            lean = leans.get(vj)
-                            if lean is None:
-                                lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
-                                                                       _compute(prec, scaling), etp, v, keep=False)
-                            kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
-                                cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v,
-                                n_mb, growth, lean[1]), None, pp, n_mb, cost, lean, slots)
-                    states, base = entry[2], entry[3]
-                    for grown, n_grown, most in kinds:
+                    slot = slots[k]
+                    if slot is None:
+                        lean = leans.get(vj)
+                        if lean is None:
+                            lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
+                                                                   _compute(prec, scaling), etp, v, keep=False)
+                        t_mb, rows, _buffers, p2p_s, _n, tokens = lean[:6]
+                        step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
+                        # 1F1B and zero-bubble hold the same micro-batches in flight: one list for both
+                        in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
+                        grown = grown_of.get(in_flight)
+                        if grown is None:
+                            grown = grown_of[in_flight] = [
+                                (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
+                                for _kind, index, act_mb, fixed in rows]
+                        slot = slots[k] = (step_base, tokens / step_base, grown)
+                    step_base, bound, grown = slot
+                    fits = fits_of.get(id(grown))
+                    if fits is None:
+                        base = entry[3]
                         fits = True
-                        for st, g in zip(states, grown):
-                            if st + g + base > capacity:  # the expression peak_bytes compares
+                        for states, g in zip(entry[2], grown):
+                            if states + g + base > capacity:  # the expression peak_bytes compares
                                 fits = False
                                 break
                         fits_of[id(grown)] = fits
-                        if fits:
-                            if low is None or most > low or (fam is not None and (held_fam is None
-                                                                                  or most > held_fam[0])):
-                                quiet = False
-                                break
-                        else:
-                            n_act += n_grown
-                            if held_act is None or most > held_act[0]:
-                                quiet = False
-                                break
-                    if not quiet:
-                        break
-                if quiet or upper is None:
-                    break
-                upper = None  # the shortcut's bound is not low enough here: the block is screened in full
-            if quiet:
-                for vj, (count, _spec) in groups:
-                    category = entries[vj][0]
-                    if category is not None:
-                        rejected[category] = rejected.get(category, 0) + count
-                if n_act:
-                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
-                position += n_spec
-                continue
-            for k in range(n_spec):
-                sched, v, prec, scaling, vj = specs[k]
-                position += 1
-                entry = entries[vj]
-                category = entry[0]
-                if category is not None:
-                    rejected[category] = rejected.get(category, 0) + 1
-                    held = best_rejected.get(category)
-                    if held is None or entry[1] > held[0]:
-                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v, prec,
-                                               g_dt, "fp32", etp, scaling))
-                        best_rejected[category] = (entry[1], cand, None)
-                    continue
-                slot = slots[k]
-                if slot is None:
+                    cand = None
+                    if fits:
+                        held = best_family.get(fam) if fam is not None else None
+                        if (len(best) == top and bound <= best[0][0]
+                                and (fam is None or (held is not None and bound <= held[0]))):
+                            continue  # accepted; provably neither in the top nor its family's best
+                        cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                                       prec, g_dt, "fp32", etp, scaling))
+                        score = _exact(cost, cand, step_base)
+                        item = (score, position, cand)
+                        if len(best) < top:
+                            heappush(best, item)
+                        elif score > best[0][0]:
+                            heapreplace(best, item)
+                        if fam is not None and (held is None or score > held[0]):
+                            best_family[fam] = (score, cand)
+                        continue
+                    rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
+                    held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                    if held is None or bound > held[0]:
+                        cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
+                                               prec, g_dt, "fp32", etp, scaling))
+                        score = _exact(cost, cand, step_base)
+                        if held is None or score > held[0]:
+                            best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
+                low = best[0][0] if len(best) == top else None  # the scores the next setting meets
+                held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+            if rc == "none":
+                # what the recompute="selective" and "full" blocks of the same rest may take as bounds
+                covered = {}
+                for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
                     lean = leans.get(vj)
                     if lean is None:
-                        lean = leans[vj] = cost.screen_profile(tp, cp, pp, dp, ep, mbs, sp, rc, cost.seq,
-                                                               _compute(prec, scaling), etp, v, keep=False)
-                    t_mb, rows, _buffers, p2p_s, _n, tokens = lean[:6]
-                    step_base = cost.step_base(t_mb, p2p_s, sched, pp, n_mb, v)[3]
-                    # 1F1B and zero-bubble hold the same micro-batches in flight: one list for both
-                    in_flight = (vj, "1f1b" if sched == "zero-bubble" else sched)
-                    grown = grown_of.get(in_flight)
-                    if grown is None:
-                        grown = grown_of[in_flight] = [
-                            (inflight_of(sched, pp, n_mb, v, index) * act_mb + fixed) * growth
-                            for _kind, index, act_mb, fixed in rows]
-                    slot = slots[k] = (step_base, tokens / step_base, grown)
-                step_base, bound, grown = slot
-                fits = fits_of.get(id(grown))
-                if fits is None:
-                    base = entry[3]
-                    fits = True
-                    for states, g in zip(entry[2], grown):
-                        if states + g + base > capacity:  # the expression peak_bytes compares
-                            fits = False
-                            break
-                    fits_of[id(grown)] = fits
-                cand = None
-                if fits:
-                    held = best_family.get(fam) if fam is not None else None
-                    if (len(best) == top and bound <= best[0][0]
-                            and (fam is None or (held is not None and bound <= held[0]))):
-                        continue  # accepted; provably neither in the top nor its family's best
-                    cand = cand or new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                                   prec, g_dt, "fp32", etp, scaling))
-                    score = _exact(cost, cand, step_base)
-                    item = (score, position, cand)
-                    if len(best) < top:
-                        heappush(best, item)
-                    elif score > best[0][0]:
-                        heapreplace(best, item)
-                    if fam is not None and (held is None or score > held[0]):
-                        best_family[fam] = (score, cand)
-                    continue
-                rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + 1
-                held = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-                if held is None or bound > held[0]:
-                    cand = new(Candidate, (tp, cp, pp, dp, ep, mbs, sp, rc, zero, shard, sched, v,
-                                           prec, g_dt, "fp32", etp, scaling))
-                    score = _exact(cost, cand, step_base)
-                    if held is None or score > held[0]:
-                        best_rejected[ACTIVATIONS_DO_NOT_FIT] = (score, cand, None)
-            low = best[0][0] if len(best) == top else None  # the scores the next setting meets
-            held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
-        if rc == "none":
-            # what the recompute="selective" and "full" blocks of the same rest may take as bounds
-            covered = {}
-            for vj, (_count, (_sched, v, prec, scaling, _vj)) in groups:
-                lean = leans.get(vj)
-                if lean is None:
-                    if borrowed is not None:  # a bound of this block's candidates, so of those recomputing
-                        covered[vj] = borrowed
-                    continue
-                kinds = kinds_of.get(vj)
-                if kinds is None:
-                    kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
-                        cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v, n_mb,
-                        growth, lean[1]), None, pp, n_mb, cost, lean, slots)
-                highest = None
-                for _grown, _n, most in kinds:
-                    if highest is None or most > highest:
-                        highest = most
-                covered[vj] = (lean[2], highest, own_rc if single is not None else None)
-            none_info = ((tp, cp, pp, mbs, ep, etp, sp), covered)
+                        if borrowed is not None:  # a bound of this block's candidates, so of those recomputing
+                            covered[vj] = borrowed
+                        continue
+                    kinds = kinds_of.get(vj)
+                    if kinds is None:
+                        kinds = kinds_of[vj] = _kinds(specs, vj, _memory(
+                            cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, _compute(prec, scaling), etp, v, n_mb,
+                            growth, lean[1]), None, pp, n_mb, cost, lean, slots)
+                    highest = None
+                    for _grown, _n, most in kinds:
+                        if highest is None or most > highest:
+                            highest = most
+                    covered[vj] = (lean[2], highest, own_rc if single is not None else None)
     return best, rejected, best_rejected, best_family, position
 
 
