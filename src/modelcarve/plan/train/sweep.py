@@ -83,7 +83,12 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       larger. Such a block first tries the quiet test with the "none" block's highest bound per
       group and only the memory rows (``TrainCostModel.screen_rows``, the screen profile's own
       expressions; the buffers do not read recompute); a setting that is not quiet under it
-      makes the block build its own screen profile and bounds, as any other.
+      makes the block build its own screen profile and bounds, as any other. With one group and
+      a chain (below), the numbers that test reads of the rest, the base bytes and the chain's
+      settings over capacity on their own, are the same for its two recomputing blocks (the base
+      reads the "none" block's buffers, the ZeRO-free reserve and buckets): taken once, after the
+      "none" block, and each recomputing block makes the whole-block test with them first; one that
+      is not quiet goes the general way, which makes the same tests again.
     * Whole blocks (one group): when every ZeRO setting of a block would be quiet, tested in
       order against the same scores the setting-by-setting loop reads (a quiet setting changes
       only the counts, so the scores the next one meets are the same), the block's counts are
@@ -176,6 +181,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
             shape = shapes[id(scheds)] = (scheds, specs, list(groups.items()))
         _, specs, groups = shape
         n_spec = len(specs)
+        n_block = n_spec * len(zeros)  # candidates of a block
         zl = per_zero.get((ep, etp))
         if zl is None:
             zl = per_zero[(ep, etp)] = [({}, []) for _ in zeros]
@@ -192,7 +198,77 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     g_dt)
             n_closed, closed_best, summary_opens, reserved, bucket, chain = summary
         covered = None  # the recompute="none" block's, per group: (buffers, highest bound, _recomputes)
+        quick = None  # what the recomputing blocks' quiet test reads of it (after the "none" block)
         for rc in RECOMPUTES:
+            if quick is not None:
+                # a recomputing block of a single group the "none" block covered, with a chain: the quiet
+                # test below (the "none" block's bound for every kind), its base bytes and the chain's
+                # settings over capacity on their own taken once for the rest's two; a block that is not
+                # quiet goes the general way, which makes the same tests again
+                most, by_rc, base, j0, n_over, over = quick
+                low = best[0][0] if len(best) == top else None
+                held_act = best_rejected.get(ACTIVATIONS_DO_NOT_FIT)
+                quiet = True
+                if n_closed:
+                    held = best_rejected.get(STATES_DO_NOT_FIT)
+                    quiet = held is not None and closed_best <= held[0]
+                if n_over and (held_act is None or over > held_act[0]):
+                    quiet = False
+                if quiet:
+                    memory = by_rc.get(rc) if by_rc is not None else None
+                    if memory is None:
+                        memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
+                                         growth, None, by_rc)
+                    n_act = n_over
+                    widest = 0
+                    short = False
+                    for grown, n_grown in memory:
+                        lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+                        if hi:
+                            for st, g in zip(chain[0][0], grown):
+                                if st + g + base > capacity:  # the expression peak_bytes compares
+                                    hi = 0
+                                    break
+                            else:
+                                lo = 1
+                                if lo < hi:
+                                    for st, g in zip(chain[hi - 1][0], grown):
+                                        if st + g + base > capacity:  # the expression peak_bytes compares
+                                            hi -= 1
+                                            break
+                                    else:
+                                        lo = hi
+                                    while lo < hi:
+                                        mid = (lo + hi) // 2
+                                        for st, g in zip(chain[mid][0], grown):
+                                            if st + g + base > capacity:  # the expression peak_bytes compares
+                                                hi = mid
+                                                break
+                                        else:
+                                            lo = mid + 1
+                        if lo > widest:
+                            widest = lo
+                        if lo < j0:  # some do not fit
+                            short = True
+                            n_act += n_grown * (j0 - lo)
+                    if widest and (low is None or most > low):
+                        quiet = False
+                    elif short and (held_act is None or most > held_act[0]):
+                        quiet = False
+                    else:
+                        for _states, _top, fam, _i, _n in chain[:widest]:
+                            if fam is not None:
+                                held_fam = best_family.get(fam)
+                                if held_fam is None or most > held_fam[0]:
+                                    quiet = False
+                                    break
+                    if quiet:
+                        if n_closed:
+                            rejected[STATES_DO_NOT_FIT] += n_closed * count
+                        if n_act:
+                            rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT, 0) + n_act
+                        position += n_block
+                        continue
             # per spec: step without the DP part, the tokens/s bound, each stage's activations in flight
             # and buffers (as peak_bytes sums them); built when first needed
             slots: list = [None] * n_spec
@@ -669,6 +745,14 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                         if highest is None or most > highest:
                             highest = most
                     covered[vj] = (lean[2], highest, own_rc if single is not None else None)
+                if single is not None and summary_opens and chain is not None and vj in covered:
+                    _buffers, most, by_rc = covered[vj]
+                    base = (_buffers + bucket) * growth + reserved  # as the general test's
+                    n_open = j0 = len(chain)
+                    while j0 and chain[j0 - 1][1] + base > capacity:
+                        j0 -= 1
+                    quick = (most, by_rc, base, j0, (n_open - j0) * count,
+                             -(chain[j0][1] + base) if j0 < n_open else None)
     return best, rejected, best_rejected, best_family, position
 
 
