@@ -74,6 +74,9 @@ def cp_ring_bytes(model, T: float, tp: int, cp: int) -> float:
 class ProfileMixin:
     """Stage profiles of a ``TrainCostModel`` (see the module doc)."""
 
+    _buffer_sizes: dict | None = None
+    """``screen_buffers``' results by what they read, made on first use (per cost model)."""
+
     def profile(self, tp: int, cp: int, pp: int, dp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,
                 dtype: str = "bf16", etp: int = 0, v: int = 1) -> dict:
         """Compute and memory of every stage kind for one micro-batch (GEMMs at ``dtype``'s peak:
@@ -193,6 +196,17 @@ class ProfileMixin:
         (``cp_ring_bytes``). The dispatch buffers hold the routed tokens a device's experts see, sent
         and combined back (bf16): ``T k etp / tp`` of them, as the expert activations count them
         (Megatron's all-to-all dispatcher all-gathers the received tokens over the expert-TP group)."""
+        cache = self._buffer_sizes
+        if cache is None:
+            cache = self._buffer_sizes = {}
+        key = (T, tp, pp > 1, ep > 1, sp, cp, etp)  # all it reads of pp and ep
+        sizes = cache.get(key)
+        if sizes is None:
+            sizes = cache[key] = self._buffer_bytes(T, tp, pp, ep, sp, cp, etp)
+        return sizes
+
+    def _buffer_bytes(self, T: float, tp: int, pp: int, ep: int, sp: bool, cp: int, etp: int) -> tuple[float, float]:
+        """``screen_buffers``' numbers, computed."""
         m, o = self.model, self.options
         h = m.hidden_size
         act = 2.0 * T * h
