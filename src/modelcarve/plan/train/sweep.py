@@ -99,10 +99,10 @@ def sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options)
       and those whose candidates of one in-flight kind fit a prefix: only its edges are tested,
       each kind's edge found by testing the prefix's two ends first (most kinds fit every open
       setting or none), then by halving what is left; any order of tests finds the one edge. When
-      every kind has one bound (the recomputation bounds), the tests the loop would make kind by
-      kind, each of which must pass for the block to be quiet, are made once: against the widest
-      prefix that fits and, if any kind does not fit all, the activations' best; the counts are
-      the same sums.
+      every kind has one bound (a recomputing block's quick test, below), the tests the loop would
+      make kind by kind, each of which must pass for the block to be quiet, are made once: against
+      the widest prefix that fits and, if any kind does not fit all, the activations' best; the
+      counts are the same sums.
     * Sequence parallelism: a recompute="none" block without SP is followed (after its
       recomputing blocks) by the same block with SP, and each of its candidates' bound is at most
       that block's candidate's of the same schedule: SP divides the element-wise bytes (norms,
@@ -293,15 +293,11 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                 n_act = 0
                 if quiet and opens:
                     seq = cost.seq
-                    most = None  # the one bound of every kind (the recompute shortcut), else s_kinds' own
                     if upper is not None and vj in upper:
                         buffers, most, by_rc = upper[vj]
-                        memory = by_rc.get(rc) if by_rc is not None else None
-                        if memory is None:
-                            memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb,
-                                             growth, None, by_rc)
-                        if chain is None:
-                            s_kinds = [(grown, n_grown, most) for grown, n_grown in memory]
+                        s_kinds = [(grown, n_grown, most) for grown, n_grown in _memory(
+                            cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype_s, etp, v, n_mb, growth, None,
+                            by_rc)]
                     elif rc == "none" and not sp and tp > 1 and seq % tp == 0 and not cost._offload:
                         # sequence parallelism never lowers the bound (sweep's docstring): the bounds of the
                         # sp=True block that follows, built now and kept for it, bound this block's
@@ -346,52 +342,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             if held_act is None or -(chain[j0][1] + base) > held_act[0]:
                                 quiet = False
                             n_act += (n_open - j0) * count
-                        if not quiet:
-                            pass
-                        elif most is not None:  # one bound for every kind: the widest prefix that fits, and any short
-                            widest = 0
-                            short = False
-                            for grown, n_grown in memory:
-                                lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                                if hi:
-                                    for st, g in zip(chain[0][0], grown):
-                                        if st + g + base > capacity:  # the expression peak_bytes compares
-                                            hi = 0
-                                            break
-                                    else:
-                                        lo = 1
-                                        if lo < hi:
-                                            for st, g in zip(chain[hi - 1][0], grown):
-                                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                                    hi -= 1
-                                                    break
-                                            else:
-                                                lo = hi
-                                            while lo < hi:
-                                                mid = (lo + hi) // 2
-                                                for st, g in zip(chain[mid][0], grown):
-                                                    if st + g + base > capacity:  # the expression peak_bytes compares
-                                                        hi = mid
-                                                        break
-                                                else:
-                                                    lo = mid + 1
-                                if lo > widest:
-                                    widest = lo
-                                if lo < j0:  # some do not fit
-                                    short = True
-                                    n_act += n_grown * (j0 - lo)
-                            if widest and (low is None or most > low):
-                                quiet = False
-                            elif short and (held_act is None or most > held_act[0]):
-                                quiet = False
-                            else:
-                                for _states, _top, fam, _i, _n in chain[:widest]:
-                                    if fam is not None:
-                                        held_fam = best_family.get(fam)
-                                        if held_fam is None or most > held_fam[0]:
-                                            quiet = False
-                                            break
-                        else:
+                        if quiet:
                             for grown, n_grown, most in s_kinds:
                                 lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
                                 if hi:
@@ -433,7 +384,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                                         quiet = False
                                         break
                                     n_act += n_grown * (j0 - lo)
-                        if not quiet:  # the loop below takes this block's own bounds (or the shortcut's, per kind)
+                        if not quiet and borrowed is not None:  # the loop below takes this block's own bounds
                             s_base = s_kinds = borrowed = None
                         opens = ()
                     for states, top_states, fam, i, n_before in opens:
