@@ -56,15 +56,18 @@ def test_shared_memory_in_flight_is_each_blocks_own(case):
     shared: dict = {}
     specs_of: dict = {}
     hits = 0
+    own_rows = cost.screen_rows
+    built = []  # _memory builds a list from the block's own rows, or takes a shared one: count the builds
+    cost.screen_rows = lambda *a: built.append(a) or own_rows(*a)
     for tp, cp, pp, dp, mbs, ep, etp, sp, rc, _zeros, scheds in blocks:
         specs = specs_of.setdefault(id(scheds), (scheds, [(sched, v, dtype, "delayed", (v, 0)) for sched, v in scheds]))[1]
         n_mb = cost.options.global_batch // (mbs * dp)
         for vj in dict.fromkeys(spec[4] for spec in specs):
             v = vj[0]
-            size = len(shared)
+            n_built = len(built)
             memory = _memory(cost, shared, specs, vj, tp, cp, pp, ep, mbs, sp, rc, dtype, etp, v, n_mb, cost._growth)
-            hits += len(shared) == size
-            rows = cost.screen_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
+            hits += len(built) == n_built
+            rows = own_rows(tp, cp, pp, ep, mbs, sp, rc, cost.seq, dtype, etp, v)
             own = [(_grown(rows, sched, pp, n_mb, kv, cost._growth), count) for _k, sched, kv, _ks, count in _plan(specs, vj)]
             assert memory == own
     assert hits  # the sharing is exercised
