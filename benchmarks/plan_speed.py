@@ -88,22 +88,22 @@ def warm(case: tuple) -> tuple[dict, float, float]:
 
 def priced(case: tuple) -> int:
     """Candidates whose tokens/s the sweep computed in full (counted by wrapping ``_exact``)."""
-    from modelcarve.plan.train import sweep as train_sweep
+    from modelcarve.plan.train import by_setting as train_by_setting
 
     count = 0
 
-    original = train_sweep._exact
+    original = train_by_setting._exact
 
     def counting(cost, cand, step_base):
         nonlocal count
         count += 1
         return original(cost, cand, step_base)
 
-    train_sweep._exact = counting
+    train_by_setting._exact = counting
     try:
         warm(case)
     finally:
-        train_sweep._exact = original
+        train_by_setting._exact = original
     return count
 
 
