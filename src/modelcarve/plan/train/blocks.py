@@ -149,3 +149,55 @@ def _holding(cost: TrainCostModel, shared: dict, tp: int, pp: int, ep: int, etp:
     held = tuple((kind, index, n_moe, nls) for kind, index, n_moe, _pd, _pe, _layer, _lin, nls
                  in cost.stage_params(tp, pp, ep, etp, v))
     return shared.setdefault(("held", held), len(shared))
+
+
+def _fit_prefix(chain: list, grown: list, base: float, capacity: float, j0: int) -> int:
+    """How many of the chain's first ``j0`` settings (``_settings``' chain: states no smaller stage by
+    stage along it) fit beside the in-flight bytes ``grown`` and ``base``: those that fit are a
+    prefix, so only its edge is looked for, the prefix's ends first, then by halving (any order
+    finds the one edge). Each test is the expression ``peak_bytes`` compares."""
+    lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
+    if not hi:
+        return 0
+    for st, g in zip(chain[0][0], grown):
+        if st + g + base > capacity:
+            return 0
+    lo = 1
+    if lo < hi:
+        for st, g in zip(chain[hi - 1][0], grown):
+            if st + g + base > capacity:
+                hi -= 1
+                break
+        else:
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            for st, g in zip(chain[mid][0], grown):
+                if st + g + base > capacity:
+                    hi = mid
+                    break
+            else:
+                lo = mid + 1
+    return lo
+
+
+def _setting_rejects(states: list, kinds: list, base: float, capacity: float, low: float | None, fam,
+                     held_fam: tuple | None, held_act: tuple | None) -> int | None:
+    """The quiet test of one ZeRO setting (``states`` per stage, ``base`` bytes) over ``kinds``
+    (``[grown, count, highest bound]``): the number of its candidates rejected for activations when
+    none of them can change anything but the counts (a fitting kind's bound no higher than the top's
+    lowest ``low`` and its family's best ``held_fam``, a rejected kind's no higher than ``held_act``'s
+    score); None when one can."""
+    n_act = 0
+    for grown, n_grown, most in kinds:
+        for st, g in zip(states, grown):
+            if st + g + base > capacity:  # the expression peak_bytes compares
+                break
+        else:  # fits
+            if low is None or most > low or (fam is not None and (held_fam is None or most > held_fam[0])):
+                return None
+            continue
+        n_act += n_grown
+        if held_act is None or most > held_act[0]:
+            return None
+    return n_act

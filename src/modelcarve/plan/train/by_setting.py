@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from heapq import heappush, heapreplace
 
-from modelcarve.plan.train.blocks import _kinds, _memory
+from modelcarve.plan.train.blocks import _kinds, _memory, _setting_rejects
 from modelcarve.plan.train.candidate import Candidate
 from modelcarve.plan.train.model import ACTIVATIONS_DO_NOT_FIT, STATES_DO_NOT_FIT, TrainCostModel
 from modelcarve.plan.train.space import _compute, inflight_of
@@ -87,20 +87,8 @@ def by_setting(goal, model, cluster, cost: TrainCostModel, top: int, g_dt: str, 
                 else:
                     fam = family[0]
                     held_fam = best_family.get(fam) if fam is not None else None
-                    n_act = 0
-                    for grown, n_grown, most in s_kinds:
-                        for st, g in zip(states, grown):
-                            if st + g + base > capacity:  # the expression peak_bytes compares
-                                break
-                        else:  # fits
-                            if low is None or most > low or (fam is not None and (
-                                    held_fam is None or most > held_fam[0])):
-                                break
-                            continue
-                        n_act += n_grown
-                        if held_act is None or most > held_act[0]:
-                            break
-                    else:  # quiet
+                    n_act = _setting_rejects(states, s_kinds, base, capacity, low, fam, held_fam, held_act)
+                    if n_act is not None:  # quiet
                         if n_act:
                             rejected[ACTIVATIONS_DO_NOT_FIT] = rejected.get(ACTIVATIONS_DO_NOT_FIT,
                                                                             0) + n_act

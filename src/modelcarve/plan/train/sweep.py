@@ -16,7 +16,15 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-from modelcarve.plan.train.blocks import _KIND_PLANS, _kinds, _memory, _recomputes, _settings
+from modelcarve.plan.train.blocks import (
+    _KIND_PLANS,
+    _fit_prefix,
+    _kinds,
+    _memory,
+    _recomputes,
+    _setting_rejects,
+    _settings,
+)
 from modelcarve.plan.train.by_setting import by_setting
 from modelcarve.plan.train.space import (
     RECOMPUTES,
@@ -219,29 +227,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                     widest = 0
                     short = False
                     for grown, n_grown in memory:
-                        lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                        if hi:
-                            for st, g in zip(chain[0][0], grown):
-                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                    hi = 0
-                                    break
-                            else:
-                                lo = 1
-                                if lo < hi:
-                                    for st, g in zip(chain[hi - 1][0], grown):
-                                        if st + g + base > capacity:  # the expression peak_bytes compares
-                                            hi -= 1
-                                            break
-                                    else:
-                                        lo = hi
-                                    while lo < hi:
-                                        mid = (lo + hi) // 2
-                                        for st, g in zip(chain[mid][0], grown):
-                                            if st + g + base > capacity:  # the expression peak_bytes compares
-                                                hi = mid
-                                                break
-                                        else:
-                                            lo = mid + 1
+                        lo = _fit_prefix(chain, grown, base, capacity, j0)  # chain[:lo] fit, chain[lo:j0] do not
                         if lo > widest:
                             widest = lo
                         if lo < j0:  # some do not fit
@@ -340,29 +326,7 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             n_act += (n_open - j0) * count
                         if quiet:
                             for grown, n_grown, most in s_kinds:
-                                lo, hi = 0, j0  # chain[:lo] fit, chain[hi:j0] do not
-                                if hi:
-                                    for st, g in zip(chain[0][0], grown):
-                                        if st + g + base > capacity:  # the expression peak_bytes compares
-                                            hi = 0
-                                            break
-                                    else:
-                                        lo = 1
-                                        if lo < hi:
-                                            for st, g in zip(chain[hi - 1][0], grown):
-                                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                                    hi -= 1
-                                                    break
-                                            else:
-                                                lo = hi
-                                            while lo < hi:
-                                                mid = (lo + hi) // 2
-                                                for st, g in zip(chain[mid][0], grown):
-                                                    if st + g + base > capacity:  # the expression peak_bytes compares
-                                                        hi = mid
-                                                        break
-                                                else:
-                                                    lo = mid + 1
+                                lo = _fit_prefix(chain, grown, base, capacity, j0)  # chain[:lo] fit, chain[lo:j0] do not
                                 if lo:  # some fit
                                     if low is None or most > low:
                                         quiet = False
@@ -392,20 +356,11 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             n_act += count
                             continue
                         held_fam = best_family.get(fam) if fam is not None else None
-                        for grown, n_grown, most in s_kinds:
-                            for st, g in zip(states, grown):
-                                if st + g + base > capacity:  # the expression peak_bytes compares
-                                    break
-                            else:  # fits
-                                if low is None or most > low or (fam is not None and (
-                                        held_fam is None or most > held_fam[0])):
-                                    quiet = False
-                                    break
-                                continue
-                            n_act += n_grown
-                            if held_act is None or most > held_act[0]:
-                                quiet = False
-                                break
+                        n_set = _setting_rejects(states, s_kinds, base, capacity, low, fam, held_fam, held_act)
+                        if n_set is None:
+                            quiet = False
+                        else:
+                            n_act += n_set
                         if not quiet:
                             # the settings before this one were quiet: counted; the loop takes it from here
                             if n_before:
