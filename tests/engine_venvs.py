@@ -50,8 +50,12 @@ ENGINES = {
     # C++/CUDA ops compiled (DS_BUILD_OPS=0); its config parser is pure Python (~72 s here)
     "deepspeed": (["setuptools", "wheel", "packaging"], [], "from deepspeed.runtime.config import DeepSpeedConfig", [],
                   {"packages": ["deepspeed==0.18.3"], "args": ["--no-build-isolation"], "env": {"DS_BUILD_OPS": "0"}}),
+    # Megatron-Core 0.15.x (the 25.11 / 26.02 containers' release): its own requirements are numpy and
+    # packaging, so the pinned CPU torch stays; the loss-memory test runs its cross entropy on the CPU
+    "megatron-core": (["megatron-core==0.15.3"], [],
+                      "import megatron.core.tensor_parallel, megatron.core.fusions.fused_cross_entropy"),
 }
-VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0", "sglang": "0.5.23", "deepspeed": "0.18.3"}
+VERSIONS = {"vllm": "0.32.0", "torchtitan": "0.3.0", "sglang": "0.5.23", "deepspeed": "0.18.3", "megatron-core": "0.15.3"}
 TIMEOUT_S = 900
 
 
