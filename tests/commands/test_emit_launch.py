@@ -330,7 +330,7 @@ REFUSALS = [
     (["estimate", "--goal", "serve-latency", "--model", "llama-3.1-8b", "--cluster", "2xH100", "--layout", "tp=2,weight_dtype=int4",
       "--emit-launch", "vllm"], "not weight_dtype=int4: nearest expressible is weight_dtype=fp8"),
     (["plan", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--global-batch", "256", "--seq", "4096", "--emit-launch",
-      "torchtitan"], "no ZeRO-1/2, not zero=1: nearest expressible is zero=3"),
+      "torchtitan"], "no ZeRO-1/2, not zero=2: nearest expressible is zero=3"),
     (["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--layout", "pp=2,dp=4,gbs=64,schedule=gpipe",
       "--emit-launch", "megatron"], "not schedule=gpipe: nearest expressible is schedule=1f1b"),
     (["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--layout", "dp=8,gbs=64", "--emit-launch", "vllm"],

@@ -13,7 +13,11 @@ rejections and top 10 moved; the dense ones are unchanged. 2026-12-05 again: con
 ring-attention buffers (plan/train/profile.py ``cp_ring_bytes``) join the comm buffers: every suite's
 CP layouts hold a little more, a few more candidates are rejected, no top 10 changes order; and the MoE
 dispatch buffers count the tokens an expert-TP shard sees (T k etp / tp, as the activations do): the MoE
-suites reject a few more, no top 10 changes order.
+suites reject a few more, no top 10 changes order. 2026-12-06: Megatron-Core's unfused cross entropy
+(the default ``loss="materialized"``) priced at the 6 bytes a logit measured with Megatron-Core 0.15.3,
+not 10 (plan/train/profile.py ``LOGITS_BYTES_PER_ELEM``): last stages hold less, fewer candidates are
+rejected, no top 10 changes (their worst stage is not the last); qwen3's and kimi-k2's alternatives
+move.
 """
 
 from __future__ import annotations

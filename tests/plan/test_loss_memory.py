@@ -8,7 +8,10 @@ The logits come from a bf16 matmul of two tracked leaves (hidden states ``T x H`
 so the peak holds those leaves (``2 (T H + V H)`` bytes) and the loss's tensors; what else a step
 allocates are per-row vectors (the max and sum of each row: fp32, ``T`` long) and scalars, each at
 most 8 bytes a row: the tolerance is ``64 T`` bytes, against ``12 T V`` (T = 1,024, V = 4,096:
-0.13% of the figure). One process, a one-rank gloo group for the DTensor mesh."""
+0.13% of the figure). One process, a one-rank gloo group for the DTensor mesh.
+
+Megatron-Core's unfused loss (``"materialized"``) is measured the same way with Megatron-Core
+itself, in its own venv (tests/engine_venvs.py; benchmarks/megatron_loss_memory.py holds the step)."""
 
 from __future__ import annotations
 
@@ -74,3 +77,34 @@ def test_loss_parallel_peaks_at_sixteen_bytes_per_local_logit(tmp_path):
         dist.destroy_process_group()
     priced = LOSS_BYTES_PER_LOGIT["torch-parallel"] * T * V
     assert priced <= peak <= priced + 64 * T, (peak / (T * V), LOSS_BYTES_PER_LOGIT["torch-parallel"])
+
+
+def test_megatron_unfused_cross_entropy_peaks_at_six_bytes_per_logit():
+    """Megatron-Core 0.15's own ``vocab_parallel_cross_entropy`` (the planner's ``"materialized"``),
+    in its venv (tests/engine_venvs.py), through benchmarks/megatron_loss_memory.py's quick
+    measurement: the step as ``LanguageModule.compute_language_model_loss`` runs it on ``[s, b, v]``
+    bf16 logits. The fp32 copy (``.float()``) is where the max is subtracted, exponentiated and
+    normalised in place, so it is also the softmax saved for backward and, in place again, the
+    gradient: 4 bytes beside the bf16 logits in the forward (6), beside the gradient's bf16 cast
+    in the backward (6). The per-token vectors (the labels' contiguous copy and masked targets,
+    int64; arange, int64; mask, max, predicted logit, sum, loss, fp32 or bool) hold under 64 bytes
+    a token at either peak, as in the torch tests. Megatron-Core's native fused path
+    (``cross_entropy_fusion_impl="native"``), run eagerly (MemTracker keeps Dynamo from compiling its
+    ``jit_fuser``), is the same arithmetic and peak; compiled it is 10 on the CPU (the benchmark)."""
+    import json
+    from pathlib import Path
+
+    from engine_venvs import engine_python, engine_run  # tests/, on the path by conftest.py
+
+    python, why = engine_python("megatron-core")
+    if python is None:
+        pytest.skip(why)
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_loss_memory.py").read_text()
+    run = engine_run(python, script, "--measure", "--quick", timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    t, v = got["shape"]["s"] * got["shape"]["b"], got["shape"]["v"]
+    priced = LOSS_BYTES_PER_LOGIT["materialized"] * t * v
+    for key in ("unfused_memtracker", "native_fused_eager_memtracker"):
+        peak = got[key] * t * v
+        assert priced <= peak <= priced + 64 * t, (key, got[key], LOSS_BYTES_PER_LOGIT["materialized"])

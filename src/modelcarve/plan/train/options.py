@@ -45,8 +45,12 @@ class TrainOptions:
     """Interleaved-schedule pipeline sends overlap compute (Megatron-Core with virtual stages);
     False: every send is on the critical path (Megatron 2021)."""
     loss: str = "materialized"
-    """Cross entropy: 'materialized' (logits of the micro-batch whole, fp32 copies: 10 bytes per
-    logit), 'fused' (Megatron's fused vocab-parallel loss: 2 bytes per logit), 'chunked' (fused
+    """Cross entropy: 'materialized' (Megatron-Core's unfused vocab-parallel loss, logits of the
+    micro-batch whole and one fp32 copy that becomes the softmax and the gradient in place: 6 bytes
+    per logit, measured with Megatron-Core 0.15), 'fused' (``--cross-entropy-loss-fusion`` with
+    Transformer Engine's kernel, ``cross_entropy_fusion_impl="te"`` as the Megatron-Bridge
+    performance recipes set it: the gradient written into the bf16 logits, 2 bytes per logit;
+    Megatron-Core's "native" fused path holds 6 eager / 10 compiled, not priced), 'chunked' (fused
     linear + cross entropy over chunks of ``loss_chunk`` tokens, Liger / torchtune style: the
     logits are never materialised whole) or 'torch' (torch's cross entropy on fp32 logits, as
     torchtitan computes it: 12 bytes per logit at its backward's peak; with TP, DTensor's

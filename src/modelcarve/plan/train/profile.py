@@ -23,13 +23,31 @@ from modelcarve.spec.errors import LayoutError
 _GEMM_DTYPE = {"fp8cs": "fp8", "mxfp8": "fp8"}
 """Compute keys whose GEMMs run at another dtype's peak (MXFP8 and current scaling: the FP8 rate)."""
 
-LOGITS_BYTES_PER_ELEM = 10.0
-"""Bytes per logit on the last stage with an unfused cross entropy: bf16 logits, their fp32 copy
-in the cross entropy, and the fp32 softmax it keeps for backward."""
+LOGITS_BYTES_PER_ELEM = 6.0
+"""Bytes per logit on the last stage with Megatron-Core's unfused cross entropy
+(``tensor_parallel.vocab_parallel_cross_entropy``): the bf16 logits and ONE fp32 copy, in which the
+max is subtracted, exponentiated and normalised in place, so it is also the softmax saved for
+backward and, in place again, the gradient; the backward's peak is that gradient beside its bf16
+cast, 6 again. Measured: 6.01 with Megatron-Core 0.15.3 itself (torch's MemTracker, CPU; the
+profiler's allocation events 6.009; tests/plan/test_loss_memory.py,
+benchmarks/results/megatron_loss_memory.json). Was 10 (an fp32 copy and a separate fp32 softmax),
+never measured."""
 LOSS_KINDS = ("materialized", "fused", "chunked", "torch")
 FUSED_LOGITS_BYTES_PER_ELEM = 2.0
-"""Megatron's fused vocab-parallel cross entropy (``--cross-entropy-loss-fusion``): the bf16
-logits are kept and the softmax gradient is written into them in place."""
+"""Megatron's fused cross entropy as the Megatron-Bridge performance recipes run it
+(``cross_entropy_loss_fusion=True``, ``cross_entropy_fusion_impl="te"``: scripts/performance
+``set_common_perf_overrides``, v0.2.x): Transformer Engine's ``parallel_cross_entropy``, Triton
+kernels that read the bf16 logits in fp32 registers, write the softmax gradient into them in
+place (bf16) and save them for backward, which scales them in place: the bf16 logits alone,
+plus 16 bytes a token (fp32 loss and max / sum / target logit; 12 more a tp rank under TP, the
+all-gather). Read from TE 2.8-2.12's code (Triton: it cannot run on the CPU). Megatron-Core's
+NATIVE fused path (``cross_entropy_fusion_impl="native"``, Megatron-Core's default) is not this:
+it is the unfused arithmetic in ``torch.compile``'d pieces, 6.01 bytes per logit run eagerly and
+10.0 compiled by inductor on the CPU (its compiled gradient function copies the saved fp32
+softmax before updating it; benchmarks/results/megatron_loss_memory.json)."""
+CHUNKED_BYTES_PER_LOGIT = 10.0
+"""Bytes per logit of one chunk of the chunked loss (Liger / torchtune style): bf16 chunk logits,
+an fp32 copy and an fp32 softmax. Not measured; the figure the unfused loss had before it was."""
 LOSS_BYTES_PER_LOGIT = {
     "materialized": LOGITS_BYTES_PER_ELEM,
     "fused": FUSED_LOGITS_BYTES_PER_ELEM,
@@ -42,10 +60,11 @@ LOSS_BYTES_PER_LOGIT = {
     "torch-parallel": 16.0,
 }
 """Peak bytes of the loss side per (local) logit of a micro-batch, by ``TrainOptions.loss``
-(except ``chunked``, per chunk; ``torch-parallel`` is ``torch`` with tp > 1). The torch figures
-are measured with torch's own ``MemTracker`` over the step as torchtitan writes it
-(tests/plan/test_loss_memory.py); they coexist with every saved activation (the loss runs at the
-end of the forward)."""
+(except ``chunked``, per chunk: ``CHUNKED_BYTES_PER_LOGIT``; ``torch-parallel`` is ``torch`` with
+tp > 1). The torch figures are measured with torch's own ``MemTracker`` over the step as
+torchtitan writes it, ``materialized`` with Megatron-Core's own loss over the step as its GPT
+model runs it (tests/plan/test_loss_memory.py); ``fused`` is read from TE's kernels. They coexist
+with every saved activation (the loss runs at the end of the forward)."""
 
 _PER_LAYER_SUMS = (
     "compute_s", "recompute_s", "fwd_s", "bwd_s", "tp_s", "tp_total_s", "cp_s", "cp_total_s", "ep_s", "tp_bytes", "tp_nic", "cp_bytes", "cp_nic",
@@ -351,11 +370,11 @@ class ProfileMixin:
     def _logits_bytes(self, T: float, v_local: float, h: int, tp: int = 1) -> float:
         """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
         whole logits with fp32 copies (``LOSS_BYTES_PER_LOGIT``: Megatron's unfused loss, torch's
-        cross entropy, DTensor's loss_parallel), the fused loss's bf16 logits, or one chunk's
+        cross entropy, DTensor's loss_parallel), the fused (TE) loss's bf16 logits, or one chunk's
         logits plus the fp32 gradient of the hidden states the chunked loss accumulates."""
         loss = self.options.loss
         if loss == "chunked":
-            return LOGITS_BYTES_PER_ELEM * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
+            return CHUNKED_BYTES_PER_LOGIT * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
         if loss == "torch" and tp > 1:
             loss = "torch-parallel"
         return LOSS_BYTES_PER_LOGIT[loss] * T * v_local

@@ -257,10 +257,10 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                        f"plan/cost/schedule.py); {recompute}",
         "recompute_working_layer": "one layer's full activations rebuilt during its backward" if lay.recompute != "none"
                                    else "none: nothing is recomputed",
-        "logits": {"materialized": "the last stage's logits: bf16 + the cross entropy's fp32 copy and softmax (10 B a "
-                                   "logit, unfused)",
-                   "fused": "Megatron's fused vocab-parallel cross entropy (--cross-entropy-loss-fusion): bf16 logits, "
-                            "softmax gradient in place (2 B a logit)",
+        "logits": {"materialized": "the last stage's logits: bf16 + the cross entropy's fp32 copy, softmax and "
+                                   "gradient in place (6 B a logit, Megatron-Core's unfused loss)",
+                   "fused": "Megatron's fused cross entropy, TE's kernel (--cross-entropy-loss-fusion, "
+                            "--cross-entropy-fusion-impl te): bf16 logits, softmax gradient in place (2 B a logit)",
                    "chunked": f"chunked cross entropy ({options.loss_chunk} tokens a chunk) + the fp32 hidden-state "
                               "gradient",
                    "torch": ("DTensor's loss_parallel (torchtitan with TP, vocabulary-sharded logits): the "
