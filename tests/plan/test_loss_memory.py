@@ -108,3 +108,31 @@ def test_megatron_unfused_cross_entropy_peaks_at_six_bytes_per_logit():
     for key in ("unfused_memtracker", "native_fused_eager_memtracker"):
         peak = got[key] * t * v
         assert priced <= peak <= priced + 64 * t, (key, got[key], LOSS_BYTES_PER_LOGIT["materialized"])
+
+
+def test_torchtitan_chunked_loss_peaks_as_priced():
+    """torchtitan 0.3.0's own ``ChunkedLossWrapper`` (the planner's ``"chunked"``), in its venv
+    (tests/engine_venvs.py), through benchmarks/torchtitan_chunked_loss_memory.py: for each measured
+    shape the peak, less the tracked leaves and the head's weight gradient, is what the planner
+    prices for one chunk and the hidden states, ``CHUNKED_BYTES_PER_LOGIT c v +
+    CHUNKED_BYTES_PER_TOKEN_HIDDEN T h`` (``c`` tokens a chunk), plus the per-token vectors: at most
+    64 bytes a token, as in the tests above. The shapes differ in ``h`` and ``v`` so that a wrong
+    split between the two terms fails on one of them."""
+    import json
+    from pathlib import Path
+
+    from engine_venvs import engine_python, engine_run  # tests/, on the path by conftest.py
+
+    from modelcarve.plan.train.profile import CHUNKED_BYTES_PER_LOGIT, CHUNKED_BYTES_PER_TOKEN_HIDDEN
+
+    python, why = engine_python("torchtitan")
+    if python is None:
+        pytest.skip(why)
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "torchtitan_chunked_loss_memory.py").read_text()
+    run = engine_run(python, script, "--measure", timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len({(r["h"], r["v"]) for r in got["shapes"]}) >= 2
+    for r in got["shapes"]:
+        priced = CHUNKED_BYTES_PER_LOGIT * r["chunk_tokens"] * r["v"] + CHUNKED_BYTES_PER_TOKEN_HIDDEN * r["tokens"] * r["h"]
+        assert priced <= r["extra_bytes"] <= priced + 64 * r["tokens"], (r, priced)

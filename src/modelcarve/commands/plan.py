@@ -79,7 +79,7 @@ def _common(p) -> None:
     p.add_argument("--loss", choices=["materialized", "fused", "chunked", "torch"],
                    help="training: cross entropy (default materialized: Megatron-Core's unfused loss, one fp32 "
                         "copy of the whole logits; fused: --cross-entropy-loss-fusion with TE's kernel; chunked: "
-                        "logits never whole; torch: torch's cross entropy as torchtitan runs it, DTensor's "
+                        "logits never whole, torchtitan's ChunkedLossWrapper; torch: torch's cross entropy as torchtitan runs it, DTensor's "
                         "loss_parallel under TP)")
     p.add_argument("--fp8-param-gather", dest="fp8_param_gather", action="store_true", default=None,
                    help="training, FP8: linear weights held as FP8 tensors with no bf16 copy (Megatron's "

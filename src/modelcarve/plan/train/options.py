@@ -50,9 +50,10 @@ class TrainOptions:
     per logit, measured with Megatron-Core 0.15), 'fused' (``--cross-entropy-loss-fusion`` with
     Transformer Engine's kernel, ``cross_entropy_fusion_impl="te"`` as the Megatron-Bridge
     performance recipes set it: the gradient written into the bf16 logits, 2 bytes per logit;
-    Megatron-Core's "native" fused path holds 6 eager / 10 compiled, not priced), 'chunked' (fused
-    linear + cross entropy over chunks of ``loss_chunk`` tokens, Liger / torchtune style: the
-    logits are never materialised whole) or 'torch' (torch's cross entropy on fp32 logits, as
+    Megatron-Core's "native" fused path holds 6 eager / 10 compiled, not priced), 'chunked' (output
+    projection + cross entropy + its backward chunk by chunk over ``loss_chunk`` tokens, as
+    torchtitan's ``ChunkedLossWrapper`` runs it: the logits are never materialised whole; 14 bytes
+    per chunk logit plus 6 per token and hidden unit, measured with torchtitan 0.3.0) or 'torch' (torch's cross entropy on fp32 logits, as
     torchtitan computes it: 12 bytes per logit at its backward's peak; with TP, DTensor's
     ``loss_parallel``, which torchtitan turns on with TP: 16 bytes per local logit);
     plan/train/profile.py ``LOSS_BYTES_PER_LOGIT``."""

@@ -45,9 +45,19 @@ NATIVE fused path (``cross_entropy_fusion_impl="native"``, Megatron-Core's defau
 it is the unfused arithmetic in ``torch.compile``'d pieces, 6.01 bytes per logit run eagerly and
 10.0 compiled by inductor on the CPU (its compiled gradient function copies the saved fp32
 softmax before updating it; benchmarks/results/megatron_loss_memory.json)."""
-CHUNKED_BYTES_PER_LOGIT = 10.0
-"""Bytes per logit of one chunk of the chunked loss (Liger / torchtune style): bf16 chunk logits,
-an fp32 copy and an fp32 softmax. Not measured; the figure the unfused loss had before it was."""
+CHUNKED_BYTES_PER_LOGIT = 14.0
+"""Bytes per logit of one chunk of the chunked loss, as torchtitan's ``ChunkedLossWrapper`` runs
+it: each chunk's output projection, loss (torch's cross entropy on the chunk's logits cast to
+fp32) and, at once, its backward; the peak is in that backward, which holds the chunk's bf16
+logits (still referenced by the loop) beside the 12 bytes of the torch loss's backward (the saved
+fp32 log-softmax, the NLL and log-softmax gradients). Measured: 14.03 with torchtitan 0.3.0 itself
+(torch's MemTracker, CPU; benchmarks/torchtitan_chunked_loss_memory.py,
+tests/plan/test_loss_memory.py). Liger's fused linear cross entropy chunks the same way (gradients
+computed in the forward, chunk by chunk) but is not measured here. Was 10, never measured."""
+CHUNKED_BYTES_PER_TOKEN_HIDDEN = 6.0
+"""Bytes per token and hidden unit the chunked loss holds beside its chunk: the chunks of the
+hidden states, contiguous bf16 copies made up front (2), and the fp32 accumulator of their
+gradient (4). Measured with the same torchtitan step: 6.03 (was 4: the accumulator alone)."""
 LOSS_BYTES_PER_LOGIT = {
     "materialized": LOGITS_BYTES_PER_ELEM,
     "fused": FUSED_LOGITS_BYTES_PER_ELEM,
@@ -371,10 +381,11 @@ class ProfileMixin:
         """Loss-side memory of one micro-batch on the last stage (``TrainOptions.loss``): the
         whole logits with fp32 copies (``LOSS_BYTES_PER_LOGIT``: Megatron's unfused loss, torch's
         cross entropy, DTensor's loss_parallel), the fused (TE) loss's bf16 logits, or one chunk's
-        logits plus the fp32 gradient of the hidden states the chunked loss accumulates."""
+        logits plus the hidden states' chunk copies and the fp32 gradient the chunked loss
+        accumulates (torchtitan's ``ChunkedLossWrapper``)."""
         loss = self.options.loss
         if loss == "chunked":
-            return CHUNKED_BYTES_PER_LOGIT * min(T, self.options.loss_chunk) * v_local + 4.0 * T * h
+            return CHUNKED_BYTES_PER_LOGIT * min(T, self.options.loss_chunk) * v_local + CHUNKED_BYTES_PER_TOKEN_HIDDEN * T * h
         if loss == "torch" and tp > 1:
             loss = "torch-parallel"
         return LOSS_BYTES_PER_LOGIT[loss] * T * v_local
