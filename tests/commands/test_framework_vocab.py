@@ -49,6 +49,28 @@ def test_selective_means_what_the_framework_means(capsys):
     assert any("attention core" in n for n in megatron["read_as"])
 
 
+def test_each_framework_computes_its_own_loss(capsys):
+    """torchtitan 0.3.0's recipes compute the loss with ``ChunkedLossWrapper`` (8 chunks a
+    micro-batch): ``--framework torchtitan`` prices it as measured (14 B a chunk logit + 6 B a token
+    and hidden unit, plan/train/profile.py); without a framework the planner prices Megatron-Core's
+    unfused loss (6 B a logit);
+    a ``--loss`` the user states wins over the framework's. Llama 3.1 8B, FSDP over 8 H100, one
+    stage (it holds the logits), micro-batch 2 x 8,192 tokens."""
+    model = get_model("llama-3.1-8b")
+    T, V, h = 2 * 8192, model.vocab_size, model.hidden_size
+    layout = "dp=8,zero=3,mbs=2,gbs=16,seq=8192"
+
+    def logits(*extra: str) -> float:
+        code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--layout", layout, "--json", *extra])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)["memory"]["breakdown"]["logits"]
+
+    assert logits("--framework", "torchtitan") == pytest.approx(14 * (T / 8) * V + 6 * T * h, abs=1)
+    assert logits() == pytest.approx(6 * T * V, abs=1)  # the planner's default: Megatron-Core's unfused loss
+    assert logits("--framework", "torchtitan", "--loss", "torch") == pytest.approx(12 * T * V, abs=1)
+
+
 def test_each_framework_holds_the_parameters_its_own_way(capsys):
     # Llama 3.1 8B, FSDP over 8 GPUs (one stage holds every parameter): torchtitan's FSDP2 keeps fp32
     # parameters that are their own master (4 + 4 + 8 = 16 B a parameter, sharded over 8); Megatron and

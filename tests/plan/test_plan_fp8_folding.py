@@ -130,6 +130,13 @@ def test_chunked_and_fused_loss_logits_by_hand():
     # copies and their fp32 gradient accumulator) = 0.403e9: 2.241e9, 17.8% of the materialized 12.61e9
     assert logits["chunked"] == pytest.approx(14 * 1024 * V + 6 * T * h, abs=1)
     assert 0.17 * logits["materialized"] < logits["chunked"] < 0.18 * logits["materialized"]
+    # torchtitan counts chunks a micro-batch (loss_chunks=8: 2,048 tokens each); under TP2 the chunk's
+    # logits are vocabulary-sharded and priced at 18 B a local logit (loss_parallel's 16 + the bf16 chunk)
+    by_count = goal.evaluate(LLAMA8, cl, layout, loss="chunked", loss_chunks=8)["memory"]["breakdown"]["logits"]
+    assert by_count == pytest.approx(14 * (T / 8) * V + 6 * T * h, abs=1)
+    tp2_chunked = goal.evaluate(LLAMA8, parse_cluster("1x2xH200"), Layout.parse("tp=2,mbs=2,gbs=2,seq=8192"),
+                                loss="chunked", loss_chunks=8)["memory"]["breakdown"]["logits"]
+    assert tp2_chunked == pytest.approx(18 * (T / 8) * V / 2 + 6 * T * h, abs=1)
     # torch's cross entropy as torchtitan runs it: 12 B a logit, 16 B a local logit under TP's loss_parallel
     assert goal.evaluate(LLAMA8, cl, layout, loss="torch")["memory"]["breakdown"]["logits"] == pytest.approx(
         12 * T * V, abs=1)

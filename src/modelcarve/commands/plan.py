@@ -121,7 +121,9 @@ def _planner_options(engine: str) -> dict:
     ``planner_options``): ``param_policy`` (how it holds the parameters, plan/train/states.py;
     DeepSpeed's bf16 optimizer keeps bf16 weights and an fp32 master, as Megatron does) and
     ``moe_probs_on_combine`` (torchtitan's score-before-experts and modelcarve's runtime, which
-    weighs the experts' outputs, keep one more copy of the routed tokens; Megatron-Core 0.13+ does not)."""
+    weighs the experts' outputs, keep one more copy of the routed tokens; Megatron-Core 0.13+ does not)
+    and ``loss`` / ``loss_chunks`` (torchtitan 0.3.0's recipes compute the loss with its
+    ``ChunkedLossWrapper``, 8 chunks). They are defaults: an option the user states wins."""
     if engine in ("deepspeed", "megatron-bridge"):  # read-only vocabularies (no launch table)
         return {"param_policy": "megatron"}
     from modelcarve.commands.emit import table
@@ -194,7 +196,7 @@ def _estimate(args) -> int:
     options = _options(args)
     if args.goal == "train" and args.framework:
         options.update(framework_options)
-        options.update(_planner_options(args.framework))
+        options = {**_planner_options(args.framework), **options}  # what the user stated wins
         framework_notes = [_POLICY_NOTES[options["param_policy"]].format(engine=args.framework)]
         if model.is_moe and options.get("moe_probs_on_combine"):
             framework_notes.append(f"{args.framework} weighs the routed tokens by the router's scores outside the "
@@ -268,7 +270,7 @@ def _plan(args) -> int:
         return run_serve_plan(args, model, cluster, top=args.top)
     options = _options(args)
     if args.goal == "train" and args.engine:
-        options.update(_planner_options(framework))
+        options = {**_planner_options(framework), **options}  # what the user stated wins
         options.update(BRIDGED.get(framework, (None, {}))[1])
     if args.goal == "train" and not options.get("global_batch"):
         raise ModelcarveError("planning training needs --global-batch (sequences per optimiser step), e.g. --global-batch 1024")

@@ -124,6 +124,9 @@ class TrainCostModel(ProfileMixin):
         self._offload = off
         if self.options.loss_chunk < 1:
             raise LayoutError(f"loss_chunk={self.options.loss_chunk} must be at least 1 token")
+        if self.options.loss_chunks < 0:
+            raise LayoutError(f"loss_chunks={self.options.loss_chunks} must be 0 (chunks of loss_chunk tokens) or "
+                              f"a number of chunks a micro-batch, e.g. 8 (torchtitan's default)")
         self.device = cluster.device
         self.device_memory = cluster.device.memory_bytes
         self.capacity = cluster.device.memory_bytes * (1.0 - self.options.memory_headroom)

@@ -58,7 +58,11 @@ class TrainOptions:
     ``loss_parallel``, which torchtitan turns on with TP: 16 bytes per local logit);
     plan/train/profile.py ``LOSS_BYTES_PER_LOGIT``."""
     loss_chunk: int = 1024
-    """Tokens per chunk of the chunked loss."""
+    """Tokens per chunk of the chunked loss (when ``loss_chunks`` is 0)."""
+    loss_chunks: int = 0
+    """Chunks a micro-batch of the chunked loss, as torchtitan counts them (``ChunkedLossWrapper``'s
+    ``num_chunks``, 8 in its 0.3.0 recipes: the rank's micro-batch tokens split in that many
+    chunks); 0: chunks of ``loss_chunk`` tokens (Liger / torchtune style)."""
     fragmentation: float = FRAGMENTATION
     """Caching-allocator overhead as a fraction of activations and transient buffers: 0.05 with
     expandable segments (Megatron recipes set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``);

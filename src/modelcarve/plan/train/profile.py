@@ -54,6 +54,11 @@ fp32 log-softmax, the NLL and log-softmax gradients). Measured: 14.03 with torch
 (torch's MemTracker, CPU; benchmarks/torchtitan_chunked_loss_memory.py,
 tests/plan/test_loss_memory.py). Liger's fused linear cross entropy chunks the same way (gradients
 computed in the forward, chunk by chunk) but is not measured here. Was 10, never measured."""
+CHUNKED_TP_BYTES_PER_LOGIT = 18.0
+"""``CHUNKED_BYTES_PER_LOGIT`` under TP (torchtitan's loss parallel, vocabulary-sharded chunk
+logits): derived, not measured, from two measurements: DTensor's ``loss_parallel`` holds 16 bytes a
+local logit where torch's plain loss holds 12 (``LOSS_BYTES_PER_LOGIT``), and the chunked loop adds
+the chunk's bf16 logits (2) to the plain loss's 12."""
 CHUNKED_BYTES_PER_TOKEN_HIDDEN = 6.0
 """Bytes per token and hidden unit the chunked loss holds beside its chunk: the chunks of the
 hidden states, contiguous bf16 copies made up front (2), and the fp32 accumulator of their
@@ -385,7 +390,10 @@ class ProfileMixin:
         accumulates (torchtitan's ``ChunkedLossWrapper``)."""
         loss = self.options.loss
         if loss == "chunked":
-            return CHUNKED_BYTES_PER_LOGIT * min(T, self.options.loss_chunk) * v_local + CHUNKED_BYTES_PER_TOKEN_HIDDEN * T * h
+            o = self.options
+            chunk = T / o.loss_chunks if o.loss_chunks else min(T, o.loss_chunk)
+            per_logit = CHUNKED_TP_BYTES_PER_LOGIT if tp > 1 else CHUNKED_BYTES_PER_LOGIT
+            return per_logit * chunk * v_local + CHUNKED_BYTES_PER_TOKEN_HIDDEN * T * h
         if loss == "torch" and tp > 1:
             loss = "torch-parallel"
         return LOSS_BYTES_PER_LOGIT[loss] * T * v_local

@@ -261,9 +261,12 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                                    "gradient in place (6 B a logit, Megatron-Core's unfused loss)",
                    "fused": "Megatron's fused cross entropy, TE's kernel (--cross-entropy-loss-fusion, "
                             "--cross-entropy-fusion-impl te): bf16 logits, softmax gradient in place (2 B a logit)",
-                   "chunked": f"chunked cross entropy, torchtitan's ChunkedLossWrapper ({options.loss_chunk} tokens a "
-                              "chunk, 14 B a chunk logit, measured) + the hidden states' chunk copies and their "
-                              "fp32 gradient (6 B a token and hidden unit)",
+                   "chunked": "chunked cross entropy, torchtitan's ChunkedLossWrapper (" + (
+                       f"{options.loss_chunks} chunks a micro-batch" if options.loss_chunks else
+                       f"{options.loss_chunk} tokens a chunk") + (
+                       ", 18 B a local chunk logit under TP's loss parallel, derived" if lay.tp > 1 else
+                       ", 14 B a chunk logit, measured") + ") + the hidden states' chunk copies and their fp32 "
+                       "gradient (6 B a token and hidden unit)",
                    "torch": ("DTensor's loss_parallel (torchtitan with TP, vocabulary-sharded logits): the "
                              "decomposed log-softmax backward holds the saved log-softmax, the NLL gradient, "
                              "exp(output) and the result (16 B a local logit, measured with torch's MemTracker)"
