@@ -162,3 +162,19 @@ def test_plan_for_megatron_bridge(capsys):
     assert "--fp8-param-gather" in capsys.readouterr().out
     assert main(common + ["--engine", "megatron-bridge", "--emit-launch", "torchtitan"]) == 2
     assert "--engine megatron-bridge and --emit-launch torchtitan disagree" in capsys.readouterr().err
+
+
+def test_the_loss_fusion_read_with_its_kernel():
+    """``model.cross_entropy_loss_fusion`` is on by default (``GPTProvider``); with
+    ``model.cross_entropy_fusion_impl=te`` it is TE's kernel, the planner's ``loss=fused``; without the
+    impl the provider's default decides, priced as Megatron-Core's native path (the unfused loss),
+    said in a note; fusion off is the unfused loss whatever the impl."""
+    base = "train.micro_batch_size=1 train.global_batch_size=64"
+    assert read_options("megatron-bridge", f"{base} model.cross_entropy_fusion_impl=te")["loss"] == "fused"
+    assert "loss" not in read_options("megatron-bridge", base)
+    assert "loss" not in read_options("megatron-bridge",
+                                      f"{base} model.cross_entropy_loss_fusion=false model.cross_entropy_fusion_impl=te")
+    _, notes = read_layout("megatron-bridge", base, devices=8)
+    assert any("cross_entropy_fusion_impl not given" in n for n in notes)
+    with pytest.raises(ModelcarveError, match="cross_entropy_fusion_impl=triton"):
+        read_options("megatron-bridge", f"{base} model.cross_entropy_fusion_impl=triton")

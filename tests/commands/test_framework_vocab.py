@@ -161,6 +161,41 @@ def test_launch_carries_what_the_estimate_was_priced_with(capsys):
         assert ("--fp8-param-gather" in out.split("pretrain_gpt.py", 1)[1]) == emitted
 
 
+def test_megatron_loss_flags_priced_and_carried_back(capsys):
+    """Megatron-LM's ``--cross-entropy-loss-fusion`` with ``--cross-entropy-fusion-impl te`` is TE's
+    fused kernel, the planner's ``loss=fused`` (2 B a logit); the fusion alone (Megatron-Core's native
+    path) or ``native`` is priced as the unfused loss (6 B a logit, measured eager), said in a note;
+    a plan priced with ``--loss fused`` launches with both flags, and they read back as it."""
+    model = get_model("llama-3.1-8b")
+    T, V = 2 * 8192, model.vocab_size
+    flags = "--micro-batch-size 2 --global-batch-size 16 --seq-length 8192 --use-distributed-optimizer"
+
+    def estimate(extra: str) -> dict:
+        code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--framework", "megatron",
+                     "--layout", f"{flags} {extra}", "--json"])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)
+
+    te = estimate("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
+    assert te["memory"]["breakdown"]["logits"] == pytest.approx(2 * T * V, abs=1)
+    for extra in ("--cross-entropy-loss-fusion", "--cross-entropy-loss-fusion --cross-entropy-fusion-impl native",
+                  "--cross-entropy-fusion-impl te"):
+        got = estimate(extra)
+        assert got["memory"]["breakdown"]["logits"] == pytest.approx(6 * T * V, abs=1), extra
+        assert any("not the planner option loss=fused" in n and "unfused loss" in n for n in got["read_as"]), extra
+    assert read_options("megatron", f"{flags} --cross-entropy-fusion-impl te --cross-entropy-loss-fusion") == {
+        "loss": "fused"}
+    for loss, emitted in (("fused", True), ("materialized", False)):
+        code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--layout",
+                     "dp=8,zero=1,mbs=2,gbs=16,seq=8192", "--loss", loss, "--emit-launch", "megatron"])
+        out = capsys.readouterr().out
+        assert code in (0, 1) and "pretrain_gpt.py" in out
+        launch = " ".join(shlex.split(out.split("pretrain_gpt.py", 1)[1].replace("\\\n", " ")))
+        assert ("--cross-entropy-loss-fusion" in launch and "--cross-entropy-fusion-impl te" in launch) == emitted
+        assert read_options("megatron", launch) == ({"loss": "fused"} if emitted else {})
+
+
 def test_plan_for_torchtitan_prices_its_parameters(capsys):
     code = main(["plan", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--global-batch", "32", "--seq", "4096",
                  "--engine", "torchtitan", "--top", "3", "--json"])

@@ -294,8 +294,8 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
          node_rank: int = 0, master_addr: str = "$MASTER_ADDR", master_port: int = 29500,
          options_file: str | None = None, planner_options: dict | None = None) -> list[str]:
     """The engine's command line for ``layout`` (its table's flags, in order); a flag naming a planner
-    ``option`` (Megatron's ``--fp8-param-gather``) is written when ``planner_options`` has it on and
-    its ``when`` holds: the plan was priced with it."""
+    ``option`` (Megatron's ``--fp8-param-gather``; with ``equals``, its loss flags for ``loss="fused"``)
+    is written when ``planner_options`` has it so and its ``when`` holds: the plan was priced with it."""
     t = table(engine)
     c = context(layout, model, serving=serving, max_batch=max_batch)
     nodes = max(1, -(-layout.world_size // cluster.devices_per_node))
@@ -307,9 +307,12 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
     for arg in t["args"]:
         if "comment" in arg:
             continue
-        if "option" in arg and not (planner_options or {}).get(arg["option"]):  # priced without it
+        if "option" in arg and not _priced_with(arg, planner_options):  # priced without it
             continue
         if "when" in arg and not _cond(arg["when"], c):
+            continue
+        if "word" in arg:  # a fixed value, e.g. Megatron's --cross-entropy-fusion-impl te
+            out += [arg["flag"], arg["word"]]
             continue
         if "value" not in arg:
             out.append(arg["flag"])
@@ -324,6 +327,13 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
         else:
             out += [arg["flag"], str(value)]
     return out
+
+
+def _priced_with(arg: dict, planner_options: dict | None) -> bool:
+    """Whether a flag naming a planner ``option`` belongs to the plan: the option is on, or, for an
+    arg with ``equals``, has that value (Megatron's loss flags: ``loss == "fused"``)."""
+    have = (planner_options or {}).get(arg["option"])
+    return have == arg["equals"] if "equals" in arg else bool(have)
 
 
 def _titan_module(model) -> str:

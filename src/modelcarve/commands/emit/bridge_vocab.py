@@ -34,6 +34,8 @@ training/mixed_precision.py):
   Megatron-FSDP, as Megatron-LM's ``--use-megatron-fsdp``.
 
 ``model.moe_token_dispatcher_type`` is the planner's ``moe_dispatcher`` (alltoall; flex = DeepEP / HybridEP);
+``model.cross_entropy_loss_fusion`` (on by default) with ``model.cross_entropy_fusion_impl=te`` is the
+planner's ``loss=fused`` (Transformer Engine's kernel, as the performance scripts set it);
 ``model`` fields that choose kernels, fusions or CUDA graphs are skipped with a note. Keys of sections that
 change nothing the planner prices (``optimizer.lr``, ``scheduler``, ``logger``,
 ``checkpoint``, ``train.train_iters``, ...) are listed in a note and skipped; any other ``model``,
@@ -96,8 +98,7 @@ size their own buffers; Megatron's allgather dispatcher is not modelled)."""
 _KERNEL_FIELDS = frozenset({
     "moe_router_padding_for_fp8", "moe_router_padding_for_quantization", "moe_flex_dispatcher_backend",
     "moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm", "bias_activation_fusion", "bias_dropout_fusion",
-    "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
-    "cross_entropy_fusion_impl", "persist_layer_norm", "attention_backend", "cuda_graph_impl", "cuda_graph_scope",
+    "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm", "attention_backend", "cuda_graph_impl", "cuda_graph_scope",
     "cuda_graph_warmup_steps",
 })
 """``model`` fields that choose kernels, fusions or CUDA graphs: the planner prices none of them per field
@@ -159,6 +160,24 @@ def _precision(overrides: dict, notes: list[str]) -> dict:
     return fields
 
 
+def _loss_flags(overrides: dict, notes: list[str]) -> list[str]:
+    """Megatron-LM's loss flags for ``model.cross_entropy_loss_fusion`` (``GPTProvider``'s default:
+    on) and ``model.cross_entropy_fusion_impl`` (``te``: Transformer Engine's kernel, the planner's
+    ``loss=fused``; ``native``: Megatron-Core's, priced as its unfused loss)."""
+    fusion = overrides.pop("model.cross_entropy_loss_fusion", True)
+    impl = overrides.pop("model.cross_entropy_fusion_impl", None)
+    if impl not in (None, "te", "native"):
+        raise ModelcarveError(f"{TITLE}: model.cross_entropy_fusion_impl={impl} is not one modelcarve reads; "
+                              f"give te or native")
+    if impl is None and fusion:
+        notes.append(f"{TITLE}: model.cross_entropy_fusion_impl not given: the model provider's default decides "
+                     f"(te for the Llama, DeepSeek and Kimi providers, Megatron-Core's native otherwise); priced "
+                     f"as native, the unfused loss's 6 B a logit: give model.cross_entropy_fusion_impl=te to price "
+                     f"TE's kernel (2 B a logit)")
+    out = ["--cross-entropy-loss-fusion"] if fusion else []
+    return out + (["--cross-entropy-fusion-impl", str(impl)] if impl is not None else [])
+
+
 def _translate(text: str) -> tuple[list[str], dict, list[str]]:
     """(Megatron-LM flags, planner options beyond them, notes) for the overrides ``text``."""
     overrides, notes = _overrides(text), []
@@ -173,6 +192,7 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
         options["moe_dispatcher"] = _DISPATCHERS[dispatcher]
         notes.append(f"{TITLE}'s model.moe_token_dispatcher_type={dispatcher} read as the planner option "
                      f"moe_dispatcher={options['moe_dispatcher']}")
+    flags += _loss_flags(overrides, notes)
     kernels = sorted(k for k in overrides if k.startswith("model.") and k.split(".", 1)[1] in _KERNEL_FIELDS)
     for key in kernels:
         del overrides[key]

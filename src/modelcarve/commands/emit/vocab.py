@@ -102,8 +102,19 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
             raise ModelcarveError(f"{title(engine)}: {flag} is not a flag modelcarve reads; it reads "
                                   f"{', '.join(sorted(by_flag))}")
         if "option" in arg:  # a switch of the planner's options, not the layout (read_options)
-            notes.append(f"{title(engine)}'s {flag} read as the planner option {arg['option']}")
-            i += 1
+            if "word" in arg and i + 1 >= len(tokens):
+                raise ModelcarveError(f"{title(engine)}: {flag} needs a value")
+            shown = f"{flag} {tokens[i + 1]}" if "word" in arg else flag
+            if "equals" not in arg:
+                notes.append(f"{title(engine)}'s {flag} read as the planner option {arg['option']}")
+            elif _set_options(engine, tokens).get(arg["option"]) == arg["equals"]:
+                notes.append(f"{title(engine)}'s {shown} read as the planner option {arg['option']}={arg['equals']}")
+            else:  # e.g. the loss fusion without TE's kernel
+                needs = " with ".join(a["flag"] + (" " + a["word"] if "word" in a else "") for a in t["args"]
+                                      if a.get("option") == arg["option"] and a.get("equals") == arg["equals"])
+                notes.append(f"{title(engine)}'s {shown}: not the planner option {arg['option']}={arg['equals']}, "
+                             f"which needs {needs}" + _LOSS_NOTE.get(arg["option"], ""))
+            i += 2 if "word" in arg else 1
             continue
         if "value" not in arg:  # a switch: what its condition says
             when = arg.get("when", "")
@@ -203,10 +214,17 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
     return ",".join(parts), notes
 
 
+_LOSS_NOTE = {"loss": "; priced as Megatron-Core's unfused loss, 6 B a logit (its native fused path is the same "
+                      "arithmetic and holds the same 6 B run eagerly: benchmarks/results/megatron_loss_memory.json)"}
+"""What a value-taking option flag read with another value is priced as (``_flags``' note)."""
+
+
 def read_options(engine: str, text: str) -> dict:
     """The planner options (plan/train/options.py TrainOptions) that ``text``, ``engine``'s own flags,
-    switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``); empty for
-    our keys' form and for engines without such flags."""
+    switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``; an arg with
+    ``equals`` sets that value when every flag of it is given: ``--cross-entropy-loss-fusion`` with
+    ``--cross-entropy-fusion-impl te`` is ``loss="fused"``); empty for our keys' form and for
+    engines without such flags."""
     text = text.strip()
     if engine == "megatron-bridge":  # its overrides are Megatron-LM's flags by other names
         from modelcarve.commands.emit.bridge_vocab import bridge_flags
@@ -215,8 +233,21 @@ def read_options(engine: str, text: str) -> dict:
         return {**read_options("megatron", flags), **options}
     if engine == "deepspeed" or not text.startswith("--"):
         return {}
-    switches = {arg["flag"]: arg["option"] for arg in table(engine)["args"] if "option" in arg}
-    return {switches[word]: True for word in shlex.split(text) if word in switches}
+    return _set_options(engine, shlex.split(text))
+
+
+def _set_options(engine: str, words: list[str]) -> dict:
+    """``read_options`` over the words of a command line."""
+    args = [arg for arg in table(engine)["args"] if "option" in arg]
+    said = {arg["flag"]: (arg["flag"] in words and (
+        "word" not in arg or words.index(arg["flag"]) + 1 < len(words) and words[words.index(arg["flag"]) + 1] == arg["word"]))
+        for arg in args}
+    options: dict = {}
+    for arg in args:  # an option with a value (``equals``) is set when every flag of that value is given
+        kin = [a for a in args if a["option"] == arg["option"] and a.get("equals") == arg.get("equals")]
+        if all(said[a["flag"]] for a in kin):
+            options[arg["option"]] = arg.get("equals", True)
+    return options
 
 
 def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str, list[str]]:
