@@ -100,17 +100,20 @@ def test_every_row_answered_and_recompute_is_one_per_recipe():
     dispatch = {c.name: c.options.moe_dispatcher for c in cases if c.model.is_moe}
     assert dispatch["qwen3-30b-a3b mxfp8 8xGB200 (MB-25.11)"] == "fused"
     assert dispatch["qwen3-30b-a3b mxfp8 8xB200 (MB-25.11)"] == "alltoall"
+    # 26.04.01 (Megatron-Bridge v0.4.2): Qwen3-235B's B300 config moved to the flex dispatcher, its B200 one did not
+    assert dispatch["qwen3-235b-a22b mxfp8 256xB300 (MB-26.04.01)"] == "fused"
+    assert dispatch["qwen3-235b-a22b mxfp8 256xB200 (MB-26.04.01)"] == "alltoall"
 
 
 def test_calibration_summary_regression_bounds():
     import math
 
-    errs, later = {}, []
+    errs, later = {}, {"MB-26.02.01": [], "MB-26.04.01": []}
     for c in nemo_cases():
         est = TrainCostModel(c.model, c.cluster, c.options).estimate(c.layout)
         err = est["time"]["tokens_per_s"] / c.cluster.num_devices / c.published_tokens_per_device - 1
-        if c.source == "MB-26.02.01":  # the release after the fitted one: a forward-in-time check, fitted by nothing
-            later.append(abs(err))
+        if c.source in later:  # releases after the fitted one: forward-in-time checks, fitted by nothing
+            later[c.source].append(abs(err))
             continue
         errs[c.name] = (err, c.source == FIT_SOURCE)
     mape = sum(abs(e) for e, _ in errs.values()) / len(errs)
@@ -121,7 +124,12 @@ def test_calibration_summary_regression_bounds():
     assert mape <= 0.16, mape
     assert sum(fitted) / len(fitted) <= 0.14
     # measured 26.3% over its 27 rows (22.8% over 26 when the release was added); a guard against drifting
-    assert len(later) == 27 and sum(later) / len(later) <= 0.28, sum(later) / len(later)
+    rows = later["MB-26.02.01"]
+    assert len(rows) == 27 and sum(rows) / len(rows) <= 0.28, sum(rows) / len(rows)
+    # measured 18.9% over its 29 rows when the release was added (worst +67%, gpt-oss-120b on 64 B300; DeepSeek-V3
+    # on 256 B200 at EP32 -58%)
+    rows = later["MB-26.04.01"]
+    assert len(rows) == 29 and sum(rows) / len(rows) <= 0.20, sum(rows) / len(rows)
     # the row that was +143% before the dispatcher stall was modelled
     assert abs(errs["qwen3-30b-a3b mxfp8 8xB200 (MB-25.11)"][0]) <= 0.15
     assert all(math.isfinite(e) for e, _ in errs.values())

@@ -153,7 +153,7 @@ MODERN = dict(attention="flash", dropout=False, overlap_grad_reduce=True, overla
 flash attention, no dropout, gradient-reduce / parameter-gather / pipeline-send overlap, the fused
 vocab-parallel cross entropy; published runs did run, so they are checked against the whole device."""
 BRIDGE_RECIPE = dict(fp8_param_gather=True, moe_probs_on_combine=False)
-"""What Megatron-Bridge's performance presets (25.11: v0.2.1, 26.02.01: v0.3.1) run beyond ``MODERN``,
+"""What Megatron-Bridge's performance presets (25.11: v0.2.1, 26.02.01: v0.3.1, 26.04.01: v0.4.2) run beyond ``MODERN``,
 and the layout's ``grad_dtype=bf16`` beside it: every FP8 precision preset sets ``fp8_param_gather``
 (src/megatron/bridge/training/mixed_precision.py ``bf16_with_fp8_current_scaling_mixed`` /
 ``bf16_with_mxfp8_mixed``, taken by scripts/performance/utils ``get_precision_config``), every
@@ -230,8 +230,8 @@ _FALLBACK = {
 
 FIT_SOURCE = "MB-25.11"
 """The Megatron-Bridge release the seven NeMo constants are fitted to (benchmarks/calibrate_training.py
-``fit_modern``); every other NeMo / Megatron-Bridge source, the later 26.02.01 release among them, is
-held out of that fit."""
+``fit_modern``); every other NeMo / Megatron-Bridge source, the later 26.02.01 and 26.04.01 releases among
+them, is held out of that fit."""
 
 
 RECOMPUTE_LADDER = ("none", "core_attn", "core_attn+layernorm+mlp_act", "core_attn+layernorm+mlp", "full")
