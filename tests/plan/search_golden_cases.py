@@ -17,7 +17,11 @@ suites reject a few more, no top 10 changes order. 2026-12-06: Megatron-Core's u
 (the default ``loss="materialized"``) priced at the 6 bytes a logit measured with Megatron-Core 0.15.3,
 not 10 (plan/train/profile.py ``LOGITS_BYTES_PER_ELEM``): last stages hold less, fewer candidates are
 rejected, no top 10 changes (their worst stage is not the last); qwen3's and kimi-k2's alternatives
-move.
+move. 2026-12-06 again: the flex dispatcher (the default ``moe_dispatcher="fused"``) sends a token
+across nodes once per other node holding one of its experts, NVLink fanning it out (plan/cost/comm.py
+``moe_remote_nodes``): EP across nodes costs less, so kimi-k2's top 10 moves from EP8 in a node to
+EP16 over two (CP2-PP16-DP8-Z1-EP16 first), qwen3's keeps its first five and takes EP16 layouts
+at 6-7; deepseek-v3-128xH100's alternatives move.
 """
 
 from __future__ import annotations

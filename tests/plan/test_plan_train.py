@@ -193,14 +193,16 @@ def test_korthikanti_530b_mfu_with_and_without_full_recomputation():
 
 
 def test_expert_all_to_all_belongs_inside_the_node():
-    # Kimi K2 on 1024 H200: the same layout with EP 8 (one node), 16 and 32 (across nodes)
+    # Kimi K2 on 1024 H200: the same layout with EP 8 (one node), 16 and 32 (across nodes), under
+    # Megatron's all-to-all dispatcher (every routed copy crosses; the flex dispatcher's node-aware
+    # exchange is the next test)
     model, cluster = get_model("kimi-k2"), parse_cluster("128x8xH200")
     goal = get_goal("train")
     speeds, shares = [], []
     for ep in (8, 16, 32):
         layout = Layout.parse(f"pp=16,cp=2,dp=32,ep={ep},zero=1,mbs=1,gbs=4096,seq=4096,schedule=zero-bubble")
         # EP 8 needs 95.0% of the H200: it fits the device, not the planner's default 5% headroom
-        est = goal.evaluate(model, cluster, layout, memory_headroom=0.0)
+        est = goal.evaluate(model, cluster, layout, memory_headroom=0.0, moe_dispatcher="alltoall")
         assert est["fits"]
         assert est["comm"]["link_by_axis"]["ep"] == ("intra" if ep == 8 else "inter")
         speeds.append(est["time"]["tokens_per_s"])
@@ -213,6 +215,31 @@ def test_expert_all_to_all_belongs_inside_the_node():
     skewed = goal.evaluate(model, cluster, layout, load_imbalance=1.5)
     assert skewed["comm"]["exposed_s_by_axis"]["ep"] == pytest.approx(1.5 * even["comm"]["exposed_s_by_axis"]["ep"], rel=0.05)
     assert skewed["time"]["step_s"] > even["time"]["step_s"]
+
+
+def test_flex_dispatcher_crosses_once_per_node():
+    """The flex dispatcher (DeepEP / HybridEP, ``moe_dispatcher="fused"``) sends a token across the
+    network once per other node holding one of its experts. DeepSeek-V3 (256 experts, top 8) with
+    EP 32 over 4 nodes of 8 H100: a node holds 64 experts, a given other node none of a token's 8
+    with probability prod_{i<8} (192 - i) / (256 - i) = 0.0968..., so 3 x (1 - that) = 2.710 of the
+    8 copies cross, against 8 x 24 / 32 = 6 under the all-to-all dispatcher: the NIC bytes of the EP
+    exchange are 2.710 / 6 of the all-to-all's. Every other axis sends the same, so the step's
+    inter-node bytes differ by the EP exchange's alone: its bytes each device sends are 31 / 32 of
+    what it holds, of which 24 / 32 cross under the all-to-all, 2.710 / 8 under the flex dispatcher."""
+    model, cluster = get_model("deepseek-v3"), parse_cluster("32x8xH100")
+    miss = 1.0
+    for i in range(8):
+        miss *= (192 - i) / (256 - i)
+    assert 3 * (1 - miss) == pytest.approx(2.7107, abs=1e-4)
+    layout = Layout.parse("pp=8,dp=32,ep=32,zero=1,mbs=1,gbs=1024,seq=4096")
+    goal = get_goal("train")
+    comm = {d: goal.evaluate(model, cluster, layout, moe_dispatcher=d)["comm"] for d in ("fused", "alltoall")}
+    ep_bytes = comm["alltoall"]["bytes_per_step_by_axis"]["ep"]
+    assert comm["fused"]["bytes_per_step_by_axis"]["ep"] == ep_bytes  # the NVLink fan-out still carries every copy
+    held = ep_bytes * 32 / 31
+    saved = comm["alltoall"]["bytes_per_step_by_link"]["inter"] - comm["fused"]["bytes_per_step_by_link"]["inter"]
+    assert saved == pytest.approx(held * (24 / 32 - 3 * (1 - miss) / 8), rel=1e-6)
+    assert comm["fused"]["exposed_s_by_axis"]["ep"] < comm["alltoall"]["exposed_s_by_axis"]["ep"]
 
 
 def test_estimate_of_a_layout_that_does_not_match_the_cluster_is_a_one_line_error(capsys):

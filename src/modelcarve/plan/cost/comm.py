@@ -167,18 +167,36 @@ def reduce_scatter_s(size_bytes: float, n: int, tier: Tier) -> float:
     return _time(n - 1, reduce_scatter_bytes(size_bytes, n), tier)
 
 
-def all_to_all_s(size_bytes: float, n: int, tier: Tier) -> float:
+def all_to_all_s(size_bytes: float, n: int, tier: Tier, crossing_bytes: float | None = None) -> float:
     """Seconds for an all-to-all in which each rank starts with ``size_bytes``.
 
     Across nodes an all-to-all gains nothing from NIC aggregation (every pair talks directly):
-    the ``(n-k)/n`` of the data bound for other nodes goes over the device's own NIC share."""
+    the ``(n-k)/n`` of the data bound for other nodes goes over the device's own NIC share
+    (``crossing_bytes`` replaces that share where the exchange sends less across, e.g. a token
+    once per node: ``moe_remote_nodes``)."""
     if n <= 1:
         return 0.0
     if tier.members_per_node:
         k = tier.members_per_node
-        crossing = size_bytes * (n - k) / n
+        crossing = size_bytes * (n - k) / n if crossing_bytes is None else crossing_bytes
         return (n - 1) * tier.latency_s + crossing / tier.nic_bytes_per_s
     return _time(n - 1, all_to_all_bytes(size_bytes, n), tier)
+
+
+def moe_remote_nodes(num_experts: int, top_k: int, nodes: int) -> float:
+    """Expected number of OTHER nodes a routed token's ``top_k`` experts lie on, its experts drawn
+    uniformly without replacement from ``num_experts`` split evenly over ``nodes`` nodes (the EP
+    ranks of a node hold contiguous experts). A node-aware dispatcher (DeepEP's internode kernels,
+    HybridEP: Megatron's flex dispatcher) sends a token across the network once per such node and
+    fans it out to that node's experts over NVLink, and combines the same way back; Megatron's
+    all-to-all dispatcher sends every routed copy (``top_k (n - k) / n`` of them cross)."""
+    if nodes <= 1:
+        return 0.0
+    per_node = num_experts / nodes
+    miss = 1.0  # probability that a given other node holds none of the token's experts
+    for i in range(top_k):
+        miss *= max(0.0, num_experts - per_node - i) / (num_experts - i)
+    return (nodes - 1) * (1.0 - miss)
 
 
 def p2p_s(size_bytes: float, tier: Tier) -> float:
@@ -194,8 +212,9 @@ def nic_bytes(device_bytes: float, tier: Tier) -> float:
     return device_bytes * tier.nic_fraction
 
 
-def all_to_all_nic_bytes(size_bytes: float, n: int, tier: Tier) -> float:
-    """Of an all-to-all's bytes (each rank holding ``size_bytes``), those bound for other nodes."""
+def all_to_all_nic_bytes(size_bytes: float, n: int, tier: Tier, crossing_bytes: float | None = None) -> float:
+    """Of an all-to-all's bytes (each rank holding ``size_bytes``), those bound for other nodes
+    (``crossing_bytes`` where the exchange sends less across: see ``all_to_all_s``)."""
     if n <= 1 or not tier.members_per_node:
         return 0.0
-    return size_bytes * (n - tier.members_per_node) / n
+    return size_bytes * (n - tier.members_per_node) / n if crossing_bytes is None else crossing_bytes

@@ -150,9 +150,20 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     cp_exposed = max(0.0, cp_fwd - core) + max(0.0, 2.0 * cp_fwd - core_bwd)
     cp_exposed += comm.OVERLAP_COMPUTE_COST * max(0.0, 3.0 * cp_fwd - cp_exposed)  # hidden, yet it slows compute
     ep_tier = cost.tier(ep, etp)
-    ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier) if moe else 0.0
+    crossing = None
+    ep_one = 0.0
+    if moe and o.moe_dispatcher == "fused" and ep_tier.members_per_node and ep > ep_tier.members_per_node:
+        # the flex dispatcher (DeepEP / HybridEP) sends a token once to each other node holding one
+        # of its experts (a2a_bytes is top_k copies of each token), and NVLink fans the copies out
+        # inside each node, pipelined with the network: the slower of the two
+        k_node = ep_tier.members_per_node
+        crossing = a2a_bytes * comm.moe_remote_nodes(m.num_experts, m.top_k, ep // k_node) / m.top_k
+        ep_one = max(comm.all_to_all_s(a2a_bytes, ep, ep_tier, crossing),
+                     comm.all_to_all_s(a2a_bytes, k_node, cost.tier(k_node, etp)))
+    elif moe:
+        ep_one = comm.all_to_all_s(a2a_bytes, ep, ep_tier)
     ep_bytes_one = comm.all_to_all_bytes(a2a_bytes, ep) if moe else 0.0
-    ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier) if moe else 0.0
+    ep_nic_one = comm.all_to_all_nic_bytes(a2a_bytes, ep, ep_tier, crossing) if moe else 0.0
     return {
         "T": T, "moe": moe, "tp": tp, "sp": sp, "etp": etp, "seq": seq, "g_k": g_k, "g_o": g_o, "g_up2": g_up2,
         "g_ffn": g_ffn, "core": core, "core_ew_s": core_ew_s, "ew_norm": ew_norm, "ew_act": ew_act,
