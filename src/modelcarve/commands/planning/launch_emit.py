@@ -41,7 +41,8 @@ def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, l
 
     files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
                    label=label, planner_options={"fp8_param_gather": bool((priced or {}).get("fp8_param_gather")),
-                                    "loss": (priced or {}).get("loss")})
+                                    "loss": (priced or {}).get("loss"),
+                                    "moe_a2a_overlap": bool((priced or {}).get("moe_a2a_overlap"))})
     written = write(files, args.out)
     if args.out:
         sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")

@@ -288,6 +288,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
                                load_imbalance=1.0 if bridge else 1.25,
                                moe_dispatcher=row.get("dispatcher") or "fused",
                                offload_layers=int(row.get("offload_layers") or 0),
+                               moe_a2a_overlap=(row.get("a2a_overlap") or "") == "1",
                                **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN)
         stated = row.get("recompute") or "infer"
         if layout is not None:

@@ -233,7 +233,7 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         "tp_total_s": n_tp * b["tp_all_reduce"],
         "cp_s": b["cp_exposed"],
         "cp_total_s": 3.0 * cp_fwd,
-        "ep_s": n_ep * ep_one,
+        "ep_s": _ep_exposed(n_ep * ep_one, fwd + bwd) if moe and o.moe_a2a_overlap else n_ep * ep_one,
         "tp_bytes": n_tp * tp_bytes_one,
         "tp_nic": n_tp * b["tp_nic_one"],
         "cp_bytes": 3.0 * cp_fwd_bytes,
@@ -244,6 +244,14 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         "act_terms": act_terms,
         "work_bytes": work,
     }
+
+
+def _ep_exposed(ep_s: float, window_s: float) -> float:
+    """A layer's EP exchange under ``moe_a2a_overlap``: hidden behind the paired micro-batch's
+    forward and backward of the layer (``window_s``), the rest exposed; what is hidden slows that
+    compute by ``comm.OVERLAP_COMPUTE_COST``."""
+    hidden = min(ep_s, window_s)
+    return ep_s - hidden + comm.OVERLAP_COMPUTE_COST * hidden
 
 
 def _gemms(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int, seq: int, etp: int) -> tuple:

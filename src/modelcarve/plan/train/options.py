@@ -88,6 +88,13 @@ class TrainOptions:
     their own master, bf16 compute: torchtitan's FSDP2, DDP under autocast), 'modelcarve' (this
     project's runtime, spec/support.held_param_dtype). ``estimate --framework`` / ``plan --engine``
     set it from the framework."""
+    moe_a2a_overlap: bool = False
+    """MoE: the expert-parallel all-to-all of one micro-batch overlapped with another's compute
+    (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, Megatron-Bridge's ``moe_a2a_overlap``
+    in its presets: a micro-batch's forward paired with another's backward). Priced as the other
+    windows are: the exchange hidden behind the layer's forward and backward compute, the excess
+    exposed, the hidden part slowing compute by ``comm.OVERLAP_COMPUTE_COST``. False: every
+    exchange on the critical path."""
     moe_probs_on_combine: bool = False
     """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
     its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
