@@ -196,6 +196,30 @@ def test_megatron_loss_flags_priced_and_carried_back(capsys):
         assert read_options("megatron", launch) == ({"loss": "fused"} if emitted else {})
 
 
+def test_moe_a2a_overlap_from_the_cli_and_megatrons_flag(capsys):
+    """``--moe-a2a-overlap`` and Megatron's ``--overlap-moe-expert-parallel-comm`` price the same
+    estimate (the EP exchange hidden behind the paired compute: less exposed EP time), and the
+    launch carries the flag back."""
+    def estimate(*extra: str) -> dict:
+        code = main(["estimate", "--model", "qwen3-30b-a3b", "--cluster", "2x8xH100", "--json", *extra])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)
+
+    ours = "pp=2,dp=8,ep=8,zero=1,mbs=2,gbs=512,seq=4096"
+    flags = ("--pipeline-model-parallel-size 2 --expert-model-parallel-size 8 --use-distributed-optimizer "
+             "--micro-batch-size 2 --global-batch-size 512 --seq-length 4096")
+    plain = estimate("--layout", ours)
+    cli = estimate("--layout", ours, "--moe-a2a-overlap")
+    megatron = estimate("--framework", "megatron", "--layout", flags + " --overlap-moe-expert-parallel-comm")
+    assert cli["comm"]["exposed_s_by_axis"]["ep"] < plain["comm"]["exposed_s_by_axis"]["ep"]
+    assert megatron["comm"]["exposed_s_by_axis"]["ep"] == pytest.approx(cli["comm"]["exposed_s_by_axis"]["ep"], rel=1e-12)
+    code = main(["estimate", "--model", "qwen3-30b-a3b", "--cluster", "2x8xH100", "--layout", ours, "--moe-a2a-overlap",
+                 "--emit-launch", "megatron"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "--overlap-moe-expert-parallel-comm" in out.split("pretrain_gpt.py", 1)[1]
+
+
 def test_plan_for_torchtitan_prices_its_parameters(capsys):
     code = main(["plan", "--model", "llama-3.1-8b", "--cluster", "1x8xH100", "--global-batch", "32", "--seq", "4096",
                  "--engine", "torchtitan", "--top", "3", "--json"])

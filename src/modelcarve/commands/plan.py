@@ -87,6 +87,9 @@ def _common(p) -> None:
     p.add_argument("--moe-probs-on-combine", dest="moe_probs_on_combine", action="store_true", default=None,
                    help="training, MoE: the combine weighs and keeps the experts' outputs (Megatron-Core before 0.13; "
                         "default: 0.13+, which weighs the expert activation and keeps nothing more)")
+    p.add_argument("--moe-a2a-overlap", dest="moe_a2a_overlap", action="store_true", default=None,
+                   help="training, MoE: the expert-parallel all-to-all overlapped with another micro-batch's compute "
+                        "(Megatron's --overlap-moe-expert-parallel-comm; Megatron-Bridge's moe_a2a_overlap presets)")
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -112,7 +115,7 @@ def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
              "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine",
-             "grad_dtype")
+             "moe_a2a_overlap", "grad_dtype")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
