@@ -181,6 +181,17 @@ def _fit_prefix(chain: list, grown: list, base: float, capacity: float, j0: int)
     return lo
 
 
+def _beats_a_family(chain: list, n: int, best_family: dict, most: float) -> bool:
+    """Whether a candidate bounded by ``most`` in one of the chain's first ``n`` settings could beat
+    its family's best (no best held yet, or ``most`` above it): then the block is not quiet."""
+    for _states, _top, fam, _i, _n in chain[:n]:
+        if fam is not None:
+            held_fam = best_family.get(fam)
+            if held_fam is None or most > held_fam[0]:
+                return True
+    return False
+
+
 def _setting_rejects(states: list, kinds: list, base: float, capacity: float, low: float | None, fam,
                      held_fam: tuple | None, held_act: tuple | None) -> int | None:
     """The quiet test of one ZeRO setting (``states`` per stage, ``base`` bytes) over ``kinds``

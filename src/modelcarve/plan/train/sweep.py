@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from modelcarve.plan.train.blocks import (
     _KIND_PLANS,
+    _beats_a_family,
     _fit_prefix,
     _kinds,
     _memory,
@@ -237,13 +238,8 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                         quiet = False
                     elif short and (held_act is None or most > held_act[0]):
                         quiet = False
-                    else:
-                        for _states, _top, fam, _i, _n in chain[:widest]:
-                            if fam is not None:
-                                held_fam = best_family.get(fam)
-                                if held_fam is None or most > held_fam[0]:
-                                    quiet = False
-                                    break
+                    elif _beats_a_family(chain, widest, best_family, most):
+                        quiet = False
                     if quiet:
                         if n_closed:
                             rejected[STATES_DO_NOT_FIT] += n_closed * count
@@ -328,16 +324,8 @@ def _sweep(goal, model: "ModelSpec", cluster: "ClusterSpec", top: int, **options
                             for grown, n_grown, most in s_kinds:
                                 lo = _fit_prefix(chain, grown, base, capacity, j0)  # chain[:lo] fit, chain[lo:j0] do not
                                 if lo:  # some fit
-                                    if low is None or most > low:
+                                    if low is None or most > low or _beats_a_family(chain, lo, best_family, most):
                                         quiet = False
-                                        break
-                                    for _states, _top, fam, _i, _n in chain[:lo]:
-                                        if fam is not None:
-                                            held_fam = best_family.get(fam)
-                                            if held_fam is None or most > held_fam[0]:
-                                                quiet = False
-                                                break
-                                    if not quiet:
                                         break
                                 if lo < j0:  # some do not
                                     if held_act is None or most > held_act[0]:
