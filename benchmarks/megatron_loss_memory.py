@@ -131,21 +131,10 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.quick)))
         return
-    import os
-    import subprocess
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from engine_venvs import engine_python
+    from engine_venvs import measure_in
 
-    t0 = time.monotonic()
-    python, why = engine_python("megatron-core", install=True)
-    if python is None:
-        sys.exit(why)
-    venv_s = time.monotonic() - t0
-    cmd = [str(python), __file__, "--measure"] + (["--quick"] if args.quick else [])
-    run = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    out["venv_ready_s"] = round(venv_s, 1)
+    out = measure_in("megatron-core", __file__, *(["--quick"] if args.quick else []))
     dest = Path(args.out or Path(__file__).parent / "results" / "megatron_loss_memory.json")
     dest.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 SHAPES = ((2, 512, 64, 4096), (2, 512, 512, 1024), (2, 512, 256, 2048))
@@ -92,21 +91,10 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure()))
         return
-    import os
-    import subprocess
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from engine_venvs import engine_python
+    from engine_venvs import measure_in
 
-    t0 = time.monotonic()
-    python, why = engine_python("torchtitan", install=True)
-    if python is None:
-        sys.exit(why)
-    venv_s = time.monotonic() - t0
-    run = subprocess.run([str(python), __file__, "--measure"], capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    out["venv_ready_s"] = round(venv_s, 1)
+    out = measure_in("torchtitan", __file__)
     dest = Path(args.out or Path(__file__).parent / "results" / "torchtitan_chunked_loss_memory.json")
     dest.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

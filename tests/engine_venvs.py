@@ -128,6 +128,22 @@ for line in sys.stdin:
 _SERVERS: dict[str, tuple[subprocess.Popen, object]] = {}
 
 
+def measure_in(engine: str, script: str | Path, *argv: str) -> dict:
+    """A benchmark's measurement run in ``engine``'s venv (created if missing): ``script --measure
+    *argv`` in a fresh interpreter there (OMP_NUM_THREADS=1), its last stdout line read as JSON, with
+    ``venv_ready_s`` (seconds to find or make the venv) added; exits with the reason if no venv."""
+    started = time.monotonic()
+    python, why = engine_python(engine, install=True)
+    if python is None:
+        sys.exit(why)
+    venv_s = time.monotonic() - started
+    run = subprocess.run([str(python), str(script), "--measure", *argv], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out["venv_ready_s"] = round(venv_s, 1)
+    return out
+
+
 def engine_run(python, script: str, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -c script *argv`` (``python``: an engine venv's) in that venv's check server, started
     on first use; a CompletedProcess with its exit code, stdout and stderr (the traceback if it raised).
