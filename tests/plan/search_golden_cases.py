@@ -21,7 +21,10 @@ move. 2026-12-06 again: the flex dispatcher (the default ``moe_dispatcher="fused
 across nodes once per other node holding one of its experts, NVLink fanning it out (plan/cost/comm.py
 ``moe_remote_nodes``): EP across nodes costs less, so kimi-k2's top 10 moves from EP8 in a node to
 EP16 over two (CP2-PP16-DP8-Z1-EP16 first), qwen3's keeps its first five and takes EP16 layouts
-at 6-7; deepseek-v3-128xH100's alternatives move.
+at 6-7; deepseek-v3-128xH100's alternatives move; the frontier DeepSeek-V3 on 2,048 x 8 H100 moves
+from EP8 inside a node to EP16 over two nodes (CP2-PP32-DP256-Z1-EP16 first; re-recorded only on
+2026-12-06 when benchmarks/plan_speed.py, which checks the frontier files, was next run: the answer of
+1262ac1, the commit that changed it, equals the recorded one).
 """
 
 from __future__ import annotations
