@@ -222,7 +222,9 @@ def test_fp4_prefill_prices_attention_at_the_attention_peak_not_the_fp4_gemm_pea
     and values: 2 x 10,000 (half the prompt) x 32 heads x 256 x 48 layers = 7.86 GFLOP a token, more
     than the GEMMs at this length, run by bf16 flash attention: 2.25 PFLOP/s x 0.75 (B200's large-GEMM
     fraction) = 1.69 PFLOP/s. Priced at the FP4 GEMM rate (3.2 PFLOP/s, as before) attention took half
-    the time it does (4.9 us a token against 2.5 us)."""
+    the time it does (4.9 us a token against 2.5 us). The routed experts' GEMMs run per expert, on the
+    rows routed to it (the training planner's rule): 8192 x 8 / 128 = 512 rows, fc1 (gate and up)
+    512 x 2048 -> 1536 and fc2 512 x 768 -> 2048, each at its own efficiency."""
     from modelcarve.plan.serve import rates as serve_rates
 
     model, cluster = get_model("qwen3-30b-a3b"), parse_cluster("B200")
@@ -233,7 +235,11 @@ def test_fp4_prefill_prices_attention_at_the_attention_peak_not_the_fp4_gemm_pea
     attn_flops = 2 * (n / 2) * 32 * 256 * 48
     assert attn_flops == 7_864_320_000
     eff = matmul_efficiency(cluster.device, 8192, 4 * 2048, 2048, "fp4")
-    gemm_s = n * 2 * gemm_params / (9e15 * serve_rates.FP4_GEMM_FRACTION * eff)
+    peak = 9e15 * serve_rates.FP4_GEMM_FRACTION
+    expert_params = 48 * 37_748_736
+    gemm_s = n * 2 * (gemm_params - expert_params) / (peak * eff)
+    gemm_s += n * 2 * expert_params * 2 / 3 / (peak * matmul_efficiency(cluster.device, 512, 1536, 2048, "fp4"))
+    gemm_s += n * 2 * expert_params / 3 / (peak * matmul_efficiency(cluster.device, 512, 2048, 768, "fp4"))
     attn_s = n * attn_flops / (2.25e15 * 0.75)
     assert t.prefill_s == pytest.approx(gemm_s + attn_s, rel=1e-9)
     assert attn_s / n == pytest.approx(4.66e-6, rel=1e-2)  # 4.7 us a token of attention alone

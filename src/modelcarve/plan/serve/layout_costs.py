@@ -364,11 +364,20 @@ def _prefill_fixed(m, mesh: _Mesh, tp, pp, ep, f: ShardFacts, imbalance, tokens:
     per_tok = 2.0 * f.matmul_params_per_token
     if mesh.head_last_row:  # the LM head runs one row per prompt (its last token, which samples)
         per_tok += 2.0 * f.head_matmul_params * (1.0 / prompt_len - 1.0)
+    experts = ()
     if f.stage_moe_layers:
-        per_tok += 2.0 * m.top_k * (imbalance if ep > 1 else 1.0) * f.expert_matmul_params * f.stage_moe_layers
+        # The routed experts' GEMMs run per expert, on the rows routed to it (the training planner's
+        # rule, plan/train/layer.py): a chunk's tokens from every EP rank, top_k each, over the E + R
+        # physical experts, the busiest rank's share under EP. fc1 holds gate and up.
+        share = imbalance if ep > 1 else 1.0
+        rows = chunk * ep * m.top_k * share / (f.physical_experts or m.num_experts)
+        fe = m.expert_ffn_size / tp
+        n_in = 2 if m.ffn_kind == "swiglu" else 1
+        flops = 2.0 * m.top_k * share * f.stage_moe_layers * h * fe
+        experts = ((n_in * flops, rows, n_in * fe, h), (flops, rows, h, fe))
     act = chunk * h * ACT_BYTES
     comm_s = chunks * 2 * f.stage_layers * tp_all_reduce_s(act, tp, mesh.tier_tp)
     if ep > 1 and f.stage_moe_layers:
         comm_s += chunks * 2 * f.stage_moe_layers * ep_round_trip_s(chunk, m, ep, mesh.tier_ep, imbalance, dedup=True)
     hops = (pp - 1) * chunks * comm.p2p_s(act, mesh.tier_pp) if pp > 1 else 0.0
-    return tokens, chunk, chunks, per_tok, comm_s, hops, attn
+    return tokens, chunk, chunks, per_tok, comm_s, hops, attn, experts

@@ -30,7 +30,8 @@ The model (all per device, the fullest pipeline stage):
   embedding table (held once, as the embedding, but every step's logits read it whole).
 * **Prefill** of a prompt is compute-bound: forward GEMM FLOPs (on a probed device the
   LM head on the prompt's last row only, the one that samples) over the device's
-  achievable GEMM rate (``plan.efficiency``) plus causal attention's score/value FLOPs over the
+  achievable GEMM rate (``plan.efficiency``; a routed expert's GEMMs at the rows a chunk routes to
+  it, ``chunk x ep x top_k / (E + R)``, as the training planner prices them) plus causal attention's score/value FLOPs over the
   attention kernels' peak (bf16, as in decode: an FP4/FP8 checkpoint's GEMM peak is not
   attention's), not below one read of the weights per chunk, plus
   its TP/EP/PP traffic (on a probed CPU device the weight read and the arithmetic add: one core
@@ -267,11 +268,13 @@ def _prefill_from(c: LayoutCosts, part: tuple, eff: float, walk: bool | None = T
     read of the weights per chunk, plus the stage's TP/EP collectives, then the pipeline hops; each
     stage kind priced with its own layers and weights (``_stage_costs``). ``walk=None``: one
     stage's share alone."""
-    tokens, _, chunks, per_tok, comm_s, hops, attn = part
+    tokens, _, chunks, per_tok, comm_s, hops, attn, experts = part
     f = c.f
     # GEMMs at the weights' GEMM rate; attention's scores and values at the attention kernels' peak
     # (bf16 tensor cores, as in the decode step), not at an FP4/FP8 GEMM peak they never run at.
     compute_s = tokens * per_tok / (c.peak * eff) + tokens * attn / c.attn_peak
+    for flops, rows, n, k in experts:  # each routed expert's GEMMs at its own rows
+        compute_s += tokens * flops / (c.peak * gemm_efficiency(c.device, rows, n, k, c.compute_dtype))
     read_s = chunks * (f.weights_bytes - f.embed_bytes + c.mesh.head_read) / (c.device.hbm_bytes_per_s * prefill_hbm_efficiency(c.device))
     # A probed device's host overheads are paid by every engine step, prefill chunks included: per
     # layer per chunk on each stage, and the step's own fixed cost once per chunk. (The GPU-fitted
