@@ -21,7 +21,10 @@ import pytest
 from modelcarve.cli import main
 from modelcarve.commands.emit.vocab import read_layout, read_options
 from modelcarve.spec.errors import ModelcarveError
+from modelcarve.plan.train.options import TrainOptions
 from modelcarve.spec.layout import Layout
+
+OVERLAPS = ("overlap_grad_reduce", "overlap_param_gather", "tp_overlap", "overlap_p2p", "moe_a2a_overlap")
 
 PRESET = {"bf16": "bf16_mixed", "fp8-cs": "bf16_with_fp8_current_scaling_mixed",
           "fp8-ds": "bf16_with_fp8_delayed_scaling_mixed", "mxfp8": "bf16_with_mxfp8_mixed"}
@@ -39,6 +42,11 @@ def _overrides(row: dict) -> str:
              "train.train_iters=50"]
     if int(row["ep"]) > 1:
         words.append(f"model.expert_model_parallel_size={row['ep']}")
+    # the performance configs' CommOverlapConfig: TE's TP overlap where TP > 1, the MoE all-to-all overlap where the
+    # preset sets moe_a2a_overlap (scripts/performance/utils/overrides.py), the rest its own choice
+    words.append(f"comm_overlap.tp_comm_overlap={'true' if int(row['tp']) > 1 else 'false'}")
+    if row.get("a2a_overlap") == "1":
+        words.append("comm_overlap.overlap_moe_expert_parallel_comm=true")
     if row["fsdp"] == "1":
         words += ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
     else:
@@ -62,7 +70,11 @@ def test_published_bridge_rows_read_as_the_calibration_prices_them():
         got, notes = read_layout("megatron-bridge", _overrides(row), devices=case.cluster.num_devices)
         assert Layout.parse(got) == case.layout.replace(recompute="none"), (case.name, got)
         fp8 = row["precision"] != "bf16"
-        assert read_options("megatron-bridge", _overrides(row)) == ({"fp8_param_gather": True} if fp8 else {}), case.name
+        options = read_options("megatron-bridge", _overrides(row))
+        assert options.get("fp8_param_gather", False) == fp8, case.name
+        priced = TrainOptions(**{k: v for k, v in options.items() if k != "fp8_param_gather"})
+        for name in OVERLAPS:  # the overlaps the calibration prices (MODERN, TP_COMM_OVERLAP, a2a_overlap)
+            assert getattr(priced, name) == getattr(case.options, name), (case.name, name)
         assert case.options.fp8_param_gather == BRIDGE_RECIPE["fp8_param_gather"]
         assert any("optimizer.lr, train.train_iters" in n for n in notes)
         read += 1
@@ -79,7 +91,8 @@ def test_the_mixed_precision_config_decides_the_gradients():
     assert Layout.parse(got).grad_dtype == "bf16" and Layout.parse(got).dp == 8
     got, _ = read_layout("megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false", devices=16)
     assert Layout.parse(got).param_dtype == "mxfp8"
-    assert read_options("megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false") == {}
+    assert "fp8_param_gather" not in read_options(
+        "megatron-bridge", base + " mixed_precision=bf16_with_mxfp8_mixed mixed_precision.fp8_param_gather=false")
 
 
 def test_dispatcher_kernels_and_the_mxfp8_buffer_rule():
@@ -94,11 +107,12 @@ def test_dispatcher_kernels_and_the_mxfp8_buffer_rule():
     assert Layout.parse(got).ep == 8 and Layout.parse(got).param_dtype == "mxfp8"
     assert any("skipped: model.moe_flex_dispatcher_backend, model.moe_permute_fusion, model.moe_router_padding_for_fp8"
                in n for n in notes)
+    dp_overlap = {"overlap_grad_reduce": True, "overlap_param_gather": True}  # not given: the planner's default
     assert read_options("megatron-bridge", base + " model.moe_token_dispatcher_type=alltoall") == {
-        "fp8_param_gather": True, "moe_dispatcher": "alltoall"}
+        "fp8_param_gather": True, "moe_dispatcher": "alltoall", **dp_overlap}
     assert read_options("megatron-bridge", base + " model.moe_token_dispatcher_type=flex")["moe_dispatcher"] == "fused"
     off = " mixed_precision.fp8_param_gather=false mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false"
-    assert read_options("megatron-bridge", base + off) == {}
+    assert read_options("megatron-bridge", base + off) == dp_overlap
     with pytest.raises(ModelcarveError, match="needs reuse_grad_buf_for_mxfp8_param_ag=true"):
         read_layout("megatron-bridge", base + " mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=false", devices=8)
     with pytest.raises(ModelcarveError, match="moe_token_dispatcher_type=allgather is not modelled"):
@@ -178,3 +192,104 @@ def test_the_loss_fusion_read_with_its_kernel():
     assert any("cross_entropy_fusion_impl not given" in n for n in notes)
     with pytest.raises(ModelcarveError, match="cross_entropy_fusion_impl=triton"):
         read_options("megatron-bridge", f"{base} model.cross_entropy_fusion_impl=triton")
+
+
+# --- communication overlap (bridge_vocab.py module doc: comm_overlap.py @ v0.3.1) -------------------------------
+DENSE = ("model.tensor_model_parallel_size=4 model.sequence_parallel=true ddp.use_distributed_optimizer=true "
+         "train.micro_batch_size=1 train.global_batch_size=64 model.seq_length=4096")
+"""llama-3.1-70b on 64 H100: tp=4 with SP, dp=16 with the distributed optimizer."""
+
+
+def _overlaps(words: str) -> dict:
+    """The planner's overlap options the overrides price (the defaults where they say nothing)."""
+    options = read_options("megatron-bridge", words)
+    priced = TrainOptions(**{k: v for k, v in options.items() if k in OVERLAPS})
+    return {name: getattr(priced, name) for name in OVERLAPS}
+
+
+def test_each_overlap_override_reads_as_megatron_bridge_applies_it():
+    from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
+
+    default = {"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_overlap": 0.0, "overlap_p2p": True,
+               "moe_a2a_overlap": False}
+    # nothing said: the recipe decides; priced at the planner's defaults, as before, and said
+    assert _overlaps(DENSE) == default
+    _, notes = read_layout("megatron-bridge", DENSE, devices=64)
+    assert any("ddp.overlap_grad_reduce not given: the recipe's setting decides" in n for n in notes)
+    assert any("comm_overlap.tp_comm_overlap not given" in n for n in notes)
+    # ddp's own fields, without a comm_overlap config
+    assert _overlaps(DENSE + " ddp.overlap_grad_reduce=false") == {**default, "overlap_grad_reduce": False}
+    assert _overlaps(DENSE + " ddp.overlap_param_gather=false") == {**default, "overlap_param_gather": False}
+    # a comm_overlap config: TP overlap as given (where TP >= 2 with SP), DP overlap on with the distributed
+    # optimizer over ddp's (said), the pipeline and MoE overlaps as given
+    assert _overlaps(DENSE + " comm_overlap.tp_comm_overlap=true") == {**default, "tp_overlap": TP_COMM_OVERLAP}
+    words = DENSE.replace("model.sequence_parallel=true", "model.sequence_parallel=false") + " comm_overlap.tp_comm_overlap=true"
+    assert _overlaps(words)["tp_overlap"] == 0.0
+    assert any("turned off by Megatron-Bridge (sequence_parallel=false)" in n
+               for n in read_layout("megatron-bridge", words, devices=64)[1])
+    words = DENSE + " comm_overlap.tp_comm_overlap=false ddp.overlap_grad_reduce=false"
+    assert _overlaps(words) == default
+    assert any("ddp.overlap_grad_reduce=false is overwritten by the comm_overlap config's overlap_grad_reduce=true" in n
+               for n in read_layout("megatron-bridge", words, devices=64)[1])
+    assert _overlaps(DENSE + " comm_overlap.tp_comm_overlap=false comm_overlap.overlap_grad_reduce=false "
+                             "comm_overlap.overlap_param_gather=false") == {
+        **default, "overlap_grad_reduce": False, "overlap_param_gather": False}
+    assert _overlaps(DENSE + " comm_overlap.overlap_p2p_comm=false") == {**default, "overlap_p2p": False}
+    words = DENSE.replace("ddp.use_distributed_optimizer=true ", "") + " comm_overlap.overlap_grad_reduce=false"
+    assert _overlaps(words)["overlap_grad_reduce"] is True  # no distributed optimizer: ddp's (not given) decides
+    assert any("applies only with ddp.use_distributed_optimizer" in n
+               for n in read_layout("megatron-bridge", words, devices=64)[1])
+    # the MoE all-to-all: the comm_overlap config's over the model's
+    moe = "model.expert_model_parallel_size=8 ddp.use_distributed_optimizer=true train.micro_batch_size=1"
+    assert _overlaps(moe + " comm_overlap.overlap_moe_expert_parallel_comm=true")["moe_a2a_overlap"] is True
+    assert _overlaps(moe + " model.overlap_moe_expert_parallel_comm=true")["moe_a2a_overlap"] is True
+    words = moe + " model.overlap_moe_expert_parallel_comm=true comm_overlap.tp_comm_overlap=false"
+    assert _overlaps(words)["moe_a2a_overlap"] is False
+    assert any("model.overlap_moe_expert_parallel_comm=true is overwritten" in n
+               for n in read_layout("megatron-bridge", words, devices=8)[1])
+    # tuning fields are skipped, said
+    _, notes = read_layout("megatron-bridge", DENSE + " comm_overlap.bucket_size=134217728 "
+                                                      "comm_overlap.delay_wgrad_compute=false", devices=64)
+    assert any("not price, skipped: comm_overlap.bucket_size, comm_overlap.delay_wgrad_compute" in n for n in notes)
+
+
+def test_bridge_overlap_overrides_move_the_exposed_time(capsys):
+    """ddp.overlap_grad_reduce=false exposes more data-parallel time than true; TE's TP overlap leaves
+    1 - TP_COMM_OVERLAP of the TP time exposed; the overrides' estimate equals Megatron-LM's flags' one."""
+    from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
+
+    def estimate(*args: str) -> dict:
+        code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--json", *args])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)
+
+    bridge = {value: estimate("--framework", "megatron-bridge", "--layout", f"{DENSE} ddp.overlap_grad_reduce={value}")
+              for value in ("true", "false")}
+    on, off = (bridge[v]["comm"]["exposed_s_by_axis"] for v in ("true", "false"))
+    assert off["dp"] > on["dp"] and bridge["false"]["time"]["step_s"] > bridge["true"]["time"]["step_s"]
+    tp = estimate("--framework", "megatron-bridge", "--layout", f"{DENSE} comm_overlap.tp_comm_overlap=true")
+    assert tp["comm"]["exposed_s_by_axis"]["tp"] == pytest.approx((1 - TP_COMM_OVERLAP) * on["tp"], rel=1e-12)
+    flags = ("--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer --micro-batch-size 1 "
+             "--global-batch-size 64 --seq-length 4096 --cross-entropy-loss-fusion --overlap-grad-reduce "
+             "--overlap-param-gather --tp-comm-overlap")
+    megatron = estimate("--framework", "megatron", "--layout", flags)
+    assert megatron["time"] == tp["time"] and megatron["comm"] == tp["comm"]
+
+
+@pytest.mark.parametrize("words,match", [
+    ("comm_overlap.tp_comm_overlap=maybe", "comm_overlap.tp_comm_overlap=maybe is not a boolean; give true or false"),
+    ("ddp.overlap_grad_reduce=1", "ddp.overlap_grad_reduce=1 is not a boolean"),
+    ("comm_overlap.overlap_everything=true", "comm_overlap.overlap_everything is not a field modelcarve reads"),
+    ("model.moe_a2a_overlap=true", "model.moe_a2a_overlap is not a field"),
+    ("comm_overlap.overlap_moe_expert_parallel_comm=true",
+     "overlap_moe_expert_parallel_comm needs model.expert_model_parallel_size > 1"),
+])
+def test_bad_overlap_overrides_refused_in_one_line(capsys, words, match):
+    with pytest.raises(ModelcarveError, match=match) as err:
+        read_layout("megatron-bridge", words, devices=8)
+    assert "\n" not in str(err.value)
+    code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--framework", "megatron-bridge",
+                 "--layout", f"train.micro_batch_size=1 train.global_batch_size=8 {words}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("modelcarve: error:")

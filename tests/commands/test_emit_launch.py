@@ -236,6 +236,8 @@ def test_megatron_flags_parse_back(tmp_path, capsys, case):
     assert ("--use-distributed-optimizer" in f) == (layout.zero > 0)
     assert int(f.get("--num-virtual-stages-per-pipeline-rank", ["1"])[0]) == layout.virtual_stages
     assert ("--fp8-format" in f) == (layout.param_dtype in ("fp8", "mxfp8"))
+    # priced at the planner's default (DP overlap on), so launched with Megatron's overlap flags (off by default)
+    assert "--overlap-grad-reduce" in f and ("--overlap-param-gather" in f) == (layout.zero > 0)
     # the data-parallel degree is implicit in Megatron: world / (tp x pp x cp)
     world = int(f["--nnodes"][0]) * int(f["--nproc-per-node"][0])
     assert world // (layout.tp * layout.pp * layout.cp) == layout.dp

@@ -141,7 +141,9 @@ def test_megatron_precision_flags_read_into_layout_and_options(capsys):
     cmd = argv("megatron", layout, model, cluster, serving=False, planner_options={"fp8_param_gather": True})
     assert "--fp8-param-gather" in cmd
     flags = shlex.join(cmd[cmd.index("pretrain_gpt.py") + 1:])
-    assert read_options("megatron", flags) == {"fp8_param_gather": True}
+    # the overlaps priced at the planner's default are in the launch too (Megatron's are off unless given)
+    assert read_options("megatron", flags) == {"fp8_param_gather": True, "overlap_grad_reduce": True,
+                                               "overlap_param_gather": True}
     assert Layout.parse(read_layout("megatron", flags, devices=64)[0]) == layout
     for other in (layout.replace(param_dtype="bf16"), layout.replace(zero=0)):  # Megatron would refuse the flag
         assert "--fp8-param-gather" not in argv("megatron", other, model, cluster, serving=False,
@@ -185,7 +187,7 @@ def test_megatron_loss_flags_priced_and_carried_back(capsys):
         assert got["memory"]["breakdown"]["logits"] == pytest.approx(6 * T * V, abs=1), extra
         assert any("not the planner option loss=fused" in n and "unfused loss" in n for n in got["read_as"]), extra
     assert read_options("megatron", f"{flags} --cross-entropy-fusion-impl te --cross-entropy-loss-fusion") == {
-        "loss": "fused"}
+        "loss": "fused", "overlap_grad_reduce": False, "overlap_param_gather": False}  # Megatron's overlap defaults
     for loss, emitted in (("fused", True), ("materialized", False)):
         code = main(["estimate", "--model", "llama-3.1-8b", "--cluster", "8xH100", "--layout",
                      "dp=8,zero=1,mbs=2,gbs=16,seq=8192", "--loss", loss, "--emit-launch", "megatron"])
@@ -193,7 +195,8 @@ def test_megatron_loss_flags_priced_and_carried_back(capsys):
         assert code in (0, 1) and "pretrain_gpt.py" in out
         launch = " ".join(shlex.split(out.split("pretrain_gpt.py", 1)[1].replace("\\\n", " ")))
         assert ("--cross-entropy-loss-fusion" in launch and "--cross-entropy-fusion-impl te" in launch) == emitted
-        assert read_options("megatron", launch) == ({"loss": "fused"} if emitted else {})
+        overlaps = {"overlap_grad_reduce": True, "overlap_param_gather": True}  # priced at the default, launched so
+        assert read_options("megatron", launch) == ({"loss": "fused", **overlaps} if emitted else overlaps)
 
 
 def test_moe_a2a_overlap_from_the_cli_and_megatrons_flag(capsys):
@@ -357,3 +360,120 @@ def test_plan_for_modelcarve_ranks_only_what_run_executes(capsys):
         assert main(common + ["--engine", "modelcarve", *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and why in err, err
+
+
+# --- communication overlap (Megatron-LM's flags; commands/emit/vocab.py module doc) ---------------------------
+OVERLAP_FLAGS = ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                 "--sequence-parallel --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 64 "
+                 "--seq-length 4096")
+"""llama-3.1-70b on 8x8 H100: tp=8, pp=2 interleaved (v=2), dp=4 with the distributed optimizer."""
+
+
+def _megatron(capsys, extra: str, *more: str) -> dict:
+    code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--framework", "megatron",
+                 "--layout", OVERLAP_FLAGS + extra, "--json", *more])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    return json.loads(out)
+
+
+def test_megatron_overlap_flags_read_as_megatron_runs_them():
+    """Each spelling gives the value Megatron-LM (arguments.py @ core_v0.19.0) runs: the DP overlaps are
+    store_true flags off by default, so an absent one reads False (and says so); --tp-comm-overlap is the
+    calibrated TE overlap; --no-overlap-p2p-communication turns the (default) interleaved overlap off."""
+    from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
+
+    assert read_options("megatron", OVERLAP_FLAGS) == {"overlap_grad_reduce": False, "overlap_param_gather": False}
+    _, notes = read_layout("megatron", OVERLAP_FLAGS, devices=64)
+    assert any("--overlap-grad-reduce not given: Megatron reduces the gradients after the backward" in n for n in notes)
+    assert any("--overlap-param-gather not given" in n for n in notes)
+    assert read_options("megatron", OVERLAP_FLAGS + " --overlap-grad-reduce") == {
+        "overlap_grad_reduce": True, "overlap_param_gather": False}
+    both = read_options("megatron", OVERLAP_FLAGS + " --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap")
+    assert both == {"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_overlap": TP_COMM_OVERLAP}
+    _, notes = read_layout("megatron", OVERLAP_FLAGS + " --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
+                           devices=64)
+    assert not any("not given" in n for n in notes)
+    assert any(f"--tp-comm-overlap read as the planner option tp_overlap={TP_COMM_OVERLAP}" in n for n in notes)
+    assert read_options("megatron", OVERLAP_FLAGS + " --no-overlap-p2p-communication")["overlap_p2p"] is False
+    assert "overlap_p2p" not in read_options("megatron", OVERLAP_FLAGS)  # on by default, as the planner's
+    # ZeRO-0: there is no parameter gather to overlap, and no note about one
+    _, notes = read_layout("megatron", "--tensor-model-parallel-size 8 --sequence-parallel", devices=64)
+    assert not any("--overlap-param-gather" in n for n in notes)
+    # the words form (our keys) carries no overlap: the planner's defaults stand, as before
+    assert read_options("megatron", "tp=8,sp,zero=1") == {}
+
+
+def test_megatron_overlap_flags_move_the_exposed_time(capsys):
+    """Hand-derived directions: without the DP flags every DP second is exposed (Megatron reduces after the
+    backward and gathers before the forward); each flag hides some; --tp-comm-overlap leaves exactly
+    1 - TP_COMM_OVERLAP of the TP time exposed (layer.py prices the hidden fraction as gone); turning the
+    interleaved schedule's p2p overlap off exposes more pipeline time. With both DP flags the estimate equals,
+    to the byte, our spelling of the layout at the planner's defaults."""
+    from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
+
+    off = _megatron(capsys, "")
+    grad = _megatron(capsys, " --overlap-grad-reduce")
+    both = _megatron(capsys, " --overlap-grad-reduce --overlap-param-gather")
+    tp = _megatron(capsys, " --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap")
+    p2p = _megatron(capsys, " --overlap-grad-reduce --overlap-param-gather --no-overlap-p2p-communication")
+    exposed = {name: d["comm"]["exposed_s_by_axis"] for name, d in
+               (("off", off), ("grad", grad), ("both", both), ("tp", tp), ("p2p", p2p))}
+    assert off["comm"]["hidden_s_by_axis"]["dp"] == 0.0
+    assert exposed["off"]["dp"] == pytest.approx(off["comm"]["total_s_by_axis"]["dp"], rel=1e-12)
+    assert exposed["off"]["dp"] > exposed["grad"]["dp"] > exposed["both"]["dp"] > 0
+    assert off["time"]["step_s"] > grad["time"]["step_s"] > both["time"]["step_s"]
+    assert exposed["tp"]["tp"] == pytest.approx((1 - TP_COMM_OVERLAP) * exposed["both"]["tp"], rel=1e-12)
+    assert exposed["p2p"]["pp"] > exposed["both"]["pp"] and exposed["p2p"]["dp"] == exposed["both"]["dp"]
+    code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--json", "--layout",
+                 f"tp=8,pp=2,dp=4,sp,zero=1,schedule=interleaved-1f1b,virtual_stages=2,{BASE}"])
+    ours = json.loads(capsys.readouterr().out)
+    assert code in (0, 1)
+    assert both["layout"] == ours["layout"] and both["time"] == ours["time"] and both["comm"] == ours["comm"]
+
+
+def test_megatron_overlap_flags_carried_back_by_the_launch(capsys):
+    """--emit-launch megatron writes each overlap flag when the estimate was priced with it, and the launch
+    reads back to the same planner options (the emitted command is Megatron's spelling of the priced run)."""
+    for extra in ("", " --overlap-grad-reduce", " --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
+                  " --overlap-grad-reduce --overlap-param-gather --no-overlap-p2p-communication"):
+        code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--framework", "megatron",
+                     "--layout", OVERLAP_FLAGS + extra, "--emit-launch", "megatron"])
+        out = capsys.readouterr().out
+        assert code in (0, 1) and "pretrain_gpt.py" in out, out
+        launch = " ".join(shlex.split(out.split("pretrain_gpt.py", 1)[1].replace("\\\n", " ")))
+        assert read_options("megatron", launch) == read_options("megatron", OVERLAP_FLAGS + extra), extra
+        for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
+                     "--no-overlap-p2p-communication"):
+            assert (flag in launch.split()) == (flag in extra.split()), (extra, flag)
+    # a plan at the planner's defaults launches with Megatron's DP overlaps on (the gather with ZeRO-1 only),
+    # TP overlap off (tp_overlap=0), and the pipeline overlap left at Megatron's default
+    model, cluster = get_model("llama-3.1-70b"), parse_cluster("8x8xH100")
+    layout = Layout.parse(f"tp=8,pp=2,dp=4,sp,zero=1,schedule=interleaved-1f1b,virtual_stages=2,{BASE}")
+    cmd = argv("megatron", layout, model, cluster, serving=False)
+    assert "--overlap-grad-reduce" in cmd and "--overlap-param-gather" in cmd
+    assert "--tp-comm-overlap" not in cmd and "--no-overlap-p2p-communication" not in cmd
+    cmd = argv("megatron", layout.replace(zero=0), model, cluster, serving=False)
+    assert "--overlap-grad-reduce" in cmd and "--overlap-param-gather" not in cmd
+    cmd = argv("megatron", layout, model, cluster, serving=False, planner_options={"overlap_grad_reduce": False})
+    assert "--overlap-grad-reduce" not in cmd and "--overlap-param-gather" not in cmd  # Megatron needs both
+    cmd = argv("megatron", layout.replace(sp=False), model, cluster, serving=False, planner_options={"tp_overlap": 0.75})
+    assert "--tp-comm-overlap" not in cmd  # Megatron asserts sequence parallelism for it
+
+
+@pytest.mark.parametrize("extra,match", [
+    (" --tp-comm-overlap", "--tp-comm-overlap needs --sequence-parallel"),
+    (" --overlap-param-gather", "--overlap-param-gather needs --overlap-grad-reduce and the distributed optimizer"),
+    (" --overlap-p2p-communication", "--overlap-p2p-communication is not a flag modelcarve reads"),
+])
+def test_bad_megatron_overlap_flags_refused_in_one_line(capsys, extra, match):
+    flags = OVERLAP_FLAGS.replace("--sequence-parallel ", "") if "tp-comm" in extra else OVERLAP_FLAGS
+    with pytest.raises(ModelcarveError, match=match) as err:
+        read_layout("megatron", flags + extra, devices=64)
+    assert "\n" not in str(err.value)
+    code = main(["estimate", "--model", "llama-3.1-70b", "--cluster", "8x8xH100", "--framework", "megatron",
+                 "--layout", flags + extra])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("modelcarve: error:") and match in lines[0]
+    with pytest.raises(ModelcarveError, match="--overlap-param-gather needs"):  # without the distributed optimizer
+        read_layout("megatron", "--tensor-model-parallel-size 8 --overlap-grad-reduce --overlap-param-gather", devices=64)

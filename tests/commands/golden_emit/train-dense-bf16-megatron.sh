@@ -14,4 +14,6 @@ torchrun \
   --micro-batch-size 2 \
   --global-batch-size 256 \
   --seq-length 4096 \
-  --bf16
+  --bf16 \
+  --overlap-grad-reduce \
+  --overlap-param-gather

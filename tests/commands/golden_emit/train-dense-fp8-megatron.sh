@@ -15,5 +15,7 @@ torchrun \
   --global-batch-size 256 \
   --seq-length 4096 \
   --bf16 \
+  --overlap-grad-reduce \
+  --overlap-param-gather \
   --fp8-format hybrid \
   --fp8-recipe delayed

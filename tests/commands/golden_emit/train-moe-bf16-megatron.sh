@@ -16,4 +16,6 @@ torchrun \
   --micro-batch-size 1 \
   --global-batch-size 512 \
   --seq-length 4096 \
-  --bf16
+  --bf16 \
+  --overlap-grad-reduce \
+  --overlap-param-gather

@@ -295,8 +295,12 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
          options_file: str | None = None, planner_options: dict | None = None) -> list[str]:
     """The engine's command line for ``layout`` (its table's flags, in order); a flag naming a planner
     ``option`` (Megatron's ``--fp8-param-gather``; with ``equals``, its loss flags for ``loss="fused"``)
-    is written when ``planner_options`` has it so and its ``when`` holds: the plan was priced with it."""
+    is written when the plan was priced with it so and its ``when`` holds (which may name the priced
+    options too: Megatron's ``--overlap-param-gather`` needs ``--overlap-grad-reduce``).
+    ``planner_options``: the options the plan was priced with; an option it does not name was priced
+    at ``TrainOptions``' default (``overlap_grad_reduce=True``: Megatron's ``--overlap-grad-reduce``)."""
     t = table(engine)
+    priced = _priced(planner_options)
     c = context(layout, model, serving=serving, max_batch=max_batch)
     nodes = max(1, -(-layout.world_size // cluster.devices_per_node))
     c.update(model=model_ref(model) if engine != "modelcarve" else model.name, nnodes=nodes,
@@ -307,9 +311,9 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
     for arg in t["args"]:
         if "comment" in arg:
             continue
-        if "option" in arg and not _priced_with(arg, planner_options):  # priced without it
+        if "option" in arg and not _priced_with(arg, priced):  # priced without it
             continue
-        if "when" in arg and not _cond(arg["when"], c):
+        if "when" in arg and not _cond(arg["when"], {**c, **priced} if "option" in arg else c):
             continue
         if "word" in arg:  # a fixed value, e.g. Megatron's --cross-entropy-fusion-impl te
             out += [arg["flag"], arg["word"]]
@@ -327,6 +331,17 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
         else:
             out += [arg["flag"], str(value)]
     return out
+
+
+def _priced(planner_options: dict | None) -> dict:
+    """The training planner's options a plan was priced with: ``TrainOptions``' defaults, then the ones
+    ``planner_options`` names (None: not said, the default)."""
+    from dataclasses import fields
+
+    from modelcarve.plan.train.options import TrainOptions
+
+    said = {k: v for k, v in (planner_options or {}).items() if v is not None}
+    return {**{f.name: f.default for f in fields(TrainOptions)}, **said}
 
 
 def _priced_with(arg: dict, planner_options: dict | None) -> bool:

@@ -33,13 +33,46 @@ training/mixed_precision.py):
 * ``ddp.use_megatron_fsdp`` or ``dist.use_megatron_fsdp`` with ``ddp.data_parallel_sharding_strategy``:
   Megatron-FSDP, as Megatron-LM's ``--use-megatron-fsdp``.
 
+**Communication overlap** (``comm_overlap.*``, ``ddp.overlap_*``, ``model.overlap_moe_expert_parallel_comm``),
+as v0.3.1 applies it: ``ConfigContainer.comm_overlap`` is ``None`` unless the recipe sets a
+``CommOverlapConfig`` (training/config.py:1343), and when set, ``runtime_config_update`` runs its
+``setup`` after the mixed-precision one (config.py:1870-1872), which *overwrites* the model's and ddp's
+fields of the same names (training/comm_overlap.py ``_apply_cfgs``):
+
+* ``CommOverlapConfig`` (comm_overlap.py:374-395): ``tp_comm_overlap`` has no default (a recipe sets
+  it), every other field ``None`` = "the config's choice": ``_get_model_comm_overlap_cfgs``
+  (:419-525) keeps TP overlap and the MoE all-to-all overlap off unless given (:431-435), turns a given
+  ``tp_comm_overlap=True`` off, with a warning, at TP < 2, without ``sequence_parallel`` or without
+  Transformer Engine (:439-448: its userbuffers), and overlaps the pipeline sends exactly when
+  pp > 1 with virtual stages (:450-460); ``_get_optimizer_overlap_cfgs`` (:527-549) overlaps the
+  gradient reduce and the parameter gather when the data-parallel size is > 1, and ``setup`` applies
+  it to ``ddp`` only with ``ddp.use_distributed_optimizer`` (:598-605). Read so: a
+  ``comm_overlap.<field>`` override presumes the recipe sets a ``CommOverlapConfig`` (the Llama 3 70B+
+  and the MoE pretraining recipes do; many leave it ``null``). Its data-parallel rule is read as on
+  (the size is not known here; at data-parallel size 1 there is no gradient traffic to overlap, bar CP's).
+  A given ``ddp.overlap_*`` or ``model.overlap_moe_expert_parallel_comm`` it overwrites is said in a note.
+* Without ``comm_overlap`` overrides, ``ddp.overlap_grad_reduce`` / ``ddp.overlap_param_gather`` (Megatron-Core's
+  ``DistributedDataParallelConfig``, default False: distributed/distributed_data_parallel_config.py:14-17 at
+  core_v0.16.0; v0.3.1 pins megatron-core >=0.15,<0.17) and ``model.overlap_moe_expert_parallel_comm`` are read
+  as given. Not given at all, the recipe decides, which modelcarve cannot see: the pretraining recipes set
+  both DP overlaps on (recipes/llama/llama3.py ``cfg.ddp.overlap_grad_reduce = True``, ...), so they are
+  priced overlapped, the planner's default, as before these fields were read (said in a note); TP overlap
+  and the MoE all-to-all overlap off, as before. Existing estimates of Bridge overrides are unchanged.
+* Each is passed on as Megatron-LM's flag (``--overlap-grad-reduce``, ``--overlap-param-gather`` with the
+  distributed optimizer or Megatron-FSDP, ``--tp-comm-overlap``, ``--no-overlap-p2p-communication``,
+  ``--overlap-moe-expert-parallel-comm``), which vocab.py reads (``tp_overlap``: calibration's
+  ``TP_COMM_OVERLAP``); Megatron-LM's own asserts on them are not Megatron-Bridge's, so not applied.
+  ``model.moe_a2a_overlap`` is not a field: ``moe_a2a_overlap`` is the performance scripts' argument, which
+  sets ``comm_overlap.overlap_moe_expert_parallel_comm`` (scripts/performance/utils/overrides.py:149-154).
+  ``comm_overlap``'s tuning fields (userbuffer configs, buckets, ``delay_wgrad_compute``, ...) are skipped with a note.
+
 ``model.moe_token_dispatcher_type`` is the planner's ``moe_dispatcher`` (alltoall; flex = DeepEP / HybridEP);
 ``model.cross_entropy_loss_fusion`` (on by default) with ``model.cross_entropy_fusion_impl=te`` is the
 planner's ``loss=fused`` (Transformer Engine's kernel, as the performance scripts set it);
 ``model`` fields that choose kernels, fusions or CUDA graphs are skipped with a note. Keys of sections that
 change nothing the planner prices (``optimizer.lr``, ``scheduler``, ``logger``,
 ``checkpoint``, ``train.train_iters``, ...) are listed in a note and skipped; any other ``model``,
-``ddp`` or ``mixed_precision`` field, and fp16 presets, are refused in one line.
+``ddp``, ``comm_overlap`` or ``mixed_precision`` field, and fp16 presets, are refused in one line.
 """
 
 from __future__ import annotations
@@ -103,6 +136,14 @@ _KERNEL_FIELDS = frozenset({
 })
 """``model`` fields that choose kernels, fusions or CUDA graphs: the planner prices none of them per field
 (its efficiency is one profile), so they are skipped with a note rather than refused."""
+_OVERLAPS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p_comm",
+             "overlap_moe_expert_parallel_comm")
+"""``CommOverlapConfig`` fields the planner prices (comm_overlap.py @ v0.3.1)."""
+_OVERLAP_TUNING = frozenset({"tp_comm_overlap_cfg", "tp_comm_bootstrap_backend", "batch_p2p_comm",
+                             "overlap_param_gather_with_optimizer_step", "align_param_gather", "bucket_size",
+                             "defer_embedding_wgrad_compute", "wgrad_deferral_limit", "data_parallel_size",
+                             "delay_wgrad_compute"})
+"""``CommOverlapConfig``'s other fields: how the overlap is tuned, not whether it runs (skipped with a note)."""
 _SKIPPED = ("optimizer.", "scheduler.", "logger.", "checkpoint.", "rng.", "tokenizer.", "profiling.", "ft.",
             "straggler.", "nvrx_straggler.", "rerun_state_machine.", "train.", "dataset.", "dist.")
 """Sections (or the rest of them) whose fields change nothing the planner prices."""
@@ -178,6 +219,93 @@ def _loss_flags(overrides: dict, notes: list[str]) -> list[str]:
     return out + (["--cross-entropy-fusion-impl", str(impl)] if impl is not None else [])
 
 
+def _switch(key: str, value):
+    """A boolean override's value (None: not given or ``null``), or one line refusing it."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ModelcarveError(f"{TITLE}: {key}={value} is not a boolean; give true or false")
+
+
+def _overlap_flags(overrides: dict, notes: list[str]) -> list[str]:
+    """Megatron-LM's overlap flags for the communication-overlap overrides, resolved as Megatron-Bridge
+    resolves them (see the module doc); their keys are taken out of ``overrides``."""
+    if "model.moe_a2a_overlap" in overrides:
+        raise ModelcarveError(f"{TITLE}: model.moe_a2a_overlap is not a field (moe_a2a_overlap is the performance "
+                              f"scripts' argument, which sets comm_overlap.overlap_moe_expert_parallel_comm=true); "
+                              f"give comm_overlap.overlap_moe_expert_parallel_comm=true")
+    co, tuning = {}, []
+    for key in [k for k in overrides if k.startswith("comm_overlap.")]:
+        name = key.split(".", 1)[1]
+        if name in _OVERLAPS:
+            co[name] = _switch(key, overrides.pop(key))
+        elif name in _OVERLAP_TUNING:
+            tuning.append(key)
+            del overrides[key]
+        else:
+            raise ModelcarveError(f"{TITLE}: {key} is not a field modelcarve reads; it reads "
+                                  f"{', '.join('comm_overlap.' + f for f in _OVERLAPS)} (and skips "
+                                  f"{', '.join(sorted(_OVERLAP_TUNING))})")
+    if tuning:
+        notes.append(f"{TITLE}: communication-overlap tuning the planner does not price, skipped: {', '.join(tuning)}")
+    configured = bool(co) or bool(tuning)  # an override of comm_overlap: the recipe sets a CommOverlapConfig
+    given = {k: _switch(k, overrides.pop(k, None)) for k in
+             ("ddp.overlap_grad_reduce", "ddp.overlap_param_gather", "model.overlap_moe_expert_parallel_comm")}
+    tp = int(overrides.get("model.tensor_model_parallel_size") or 1)
+    sp = overrides.get("model.sequence_parallel") is True
+    distributed = any(overrides.get(k) is True for k in ("ddp.use_distributed_optimizer",
+                                                         "optimizer.use_distributed_optimizer"))
+    sharded = distributed or any(overrides.get(k) is True for k in ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp"))
+    flags: list[str] = []
+    # data parallelism: the comm_overlap config's (on, unless given) over ddp's, with the distributed optimizer
+    dp_from_config = configured and distributed
+    for field in ("overlap_grad_reduce", "overlap_param_gather"):
+        ddp = given[f"ddp.{field}"]
+        if dp_from_config:
+            value = True if co.get(field) is None else co[field]
+            if ddp is not None and ddp != value:
+                notes.append(f"{TITLE}: ddp.{field}={str(ddp).lower()} is overwritten by the comm_overlap config's "
+                             f"{field}={str(value).lower()} (CommOverlapConfig.setup, with the distributed optimizer)")
+        else:
+            if co.get(field) is not None:
+                notes.append(f"{TITLE}: comm_overlap.{field} applies only with ddp.use_distributed_optimizer "
+                             f"(CommOverlapConfig.setup); ddp.{field} decides")
+            value = ddp
+            if value is None and (field == "overlap_grad_reduce" or sharded):  # ZeRO-0: no gather to price
+                value = True
+                notes.append(f"{TITLE}: ddp.{field} not given: the recipe's setting decides (its pretraining recipes "
+                             f"set it true); priced as {field}=True, the planner's default")
+        if value and (field == "overlap_grad_reduce" or sharded):  # ZeRO-0 gathers no parameters
+            flags.append("--" + field.replace("_", "-"))
+    # tensor parallelism: off unless given; Megatron-Bridge turns a given one off where it cannot run
+    if co.get("tp_comm_overlap"):
+        if tp < 2 or not sp:
+            notes.append(f"{TITLE}: comm_overlap.tp_comm_overlap=true is turned off by Megatron-Bridge "
+                         f"({'TP < 2' if tp < 2 else 'sequence_parallel=false'}); priced without it")
+        else:
+            flags.append("--tp-comm-overlap")
+    elif co.get("tp_comm_overlap") is None and tp > 1:
+        notes.append(f"{TITLE}: comm_overlap.tp_comm_overlap not given: priced without TP comm-GEMM overlap "
+                     f"(the recipe's CommOverlapConfig may set it; give comm_overlap.tp_comm_overlap=true to price it)")
+    # pipeline sends: the config overlaps them with virtual stages unless given (the planner prices no other case)
+    if co.get("overlap_p2p_comm") is False:
+        flags.append("--no-overlap-p2p-communication")
+    # the MoE all-to-all: the config's (off unless given) over the model's
+    moe = given["model.overlap_moe_expert_parallel_comm"]
+    if configured:
+        value = bool(co.get("overlap_moe_expert_parallel_comm"))
+        if moe is not None and moe != value:
+            notes.append(f"{TITLE}: model.overlap_moe_expert_parallel_comm={str(moe).lower()} is overwritten by the "
+                         f"comm_overlap config's overlap_moe_expert_parallel_comm={str(value).lower()} "
+                         f"(CommOverlapConfig.setup); set comm_overlap.overlap_moe_expert_parallel_comm to change it")
+        moe = value
+    if moe:
+        if int(overrides.get("model.expert_model_parallel_size") or 1) < 2:
+            raise ModelcarveError(f"{TITLE}: overlap_moe_expert_parallel_comm needs "
+                                  f"model.expert_model_parallel_size > 1 (CommOverlapConfig asserts it)")
+        flags.append("--overlap-moe-expert-parallel-comm")
+    return flags
+
+
 def _translate(text: str) -> tuple[list[str], dict, list[str]]:
     """(Megatron-LM flags, planner options beyond them, notes) for the overrides ``text``."""
     overrides, notes = _overrides(text), []
@@ -193,6 +321,7 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
         notes.append(f"{TITLE}'s model.moe_token_dispatcher_type={dispatcher} read as the planner option "
                      f"moe_dispatcher={options['moe_dispatcher']}")
     flags += _loss_flags(overrides, notes)
+    overlaps = _overlap_flags(overrides, notes)
     kernels = sorted(k for k in overrides if k.startswith("model.") and k.split(".", 1)[1] in _KERNEL_FIELDS)
     for key in kernels:
         del overrides[key]
@@ -220,8 +349,10 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
             skipped.append(key)
         else:
             raise ModelcarveError(f"{TITLE}: {key} is not a field modelcarve reads; it reads "
-                                  f"{', '.join(sorted(set(_VALUES) | set(_SWITCHES)))}, mixed_precision and "
-                                  f"mixed_precision.<field>")
+                                  f"{', '.join(sorted(set(_VALUES) | set(_SWITCHES)))}, "
+                                  f"ddp.overlap_grad_reduce, ddp.overlap_param_gather, "
+                                  f"model.overlap_moe_expert_parallel_comm, comm_overlap.<field>, mixed_precision "
+                                  f"and mixed_precision.<field>")
     if skipped:
         notes.append(f"{TITLE}: skipped, as nothing the planner prices: {', '.join(skipped)}")
     flags.append("--bf16")
@@ -231,7 +362,7 @@ def _translate(text: str) -> tuple[list[str], dict, list[str]]:
             flags.append("--fp8-param-gather")
     if precision["grad_reduce_in_fp32"] is False:
         flags.append("--grad-reduce-in-bf16")
-    return flags, options, notes
+    return flags + overlaps, options, notes
 
 
 def bridge_flags(text: str) -> tuple[str, dict, list[str]]:

@@ -25,6 +25,39 @@ and read by the Megatron reader here).
 
 Every translation that changed a word is returned as a note (``estimate`` prints them), so the
 user sees which meaning was used; a flag the table does not know is refused in one line.
+
+**Communication overlap** (Megatron-LM's own flags, read at its core_v0.19.0 tag: the table names
+0.19.2, the mirror's newest 0.19 tag is 0.19.0). Megatron-LM's defaults are not the planner's, and an
+estimate of Megatron's flags prices what Megatron runs:
+
+* ``--overlap-grad-reduce`` / ``--overlap-param-gather`` are ``store_true`` with ``default=False``
+  (megatron/training/arguments.py:2968, :2989): absent, Megatron reduces the gradients after the
+  backward and gathers the parameters before the forward, so an absent flag reads as
+  ``overlap_grad_reduce=False`` / ``overlap_param_gather=False`` (the table's ``absent``) and the
+  estimate says so in a note. This changed existing estimates: before these flags were read, every
+  ``--framework megatron`` estimate priced both overlapped (the planner's default); with dp x cp > 1
+  and no ``--overlap-grad-reduce`` it now shows more exposed data-parallel time. Chosen over "read only
+  the given flags" because an estimate of a Megatron command should price that command, and only a few
+  tests (their ``read_options`` dicts) had to learn the two new keys. Megatron asserts that the gather
+  overlap comes with the distributed optimizer or Megatron-FSDP and with ``--overlap-grad-reduce``
+  (arguments.py:990-995): refused here in one line too.
+* ``--tp-comm-overlap`` (``ModelParallelConfig.tp_comm_overlap = False``, model_parallel_config.py:265,
+  a ``store_true`` flag through training/argument_utils.py's ``ArgumentGroupFactory``) is Transformer
+  Engine's comm-GEMM overlap over userbuffers (training/initialize.py:157 ``_initialize_tp_communicators``,
+  TE's ``initialize_ub``); Megatron asserts sequence parallelism (arguments.py:1401), which it turns off at
+  TP 1 (:1393), so without ``--sequence-parallel`` and TP > 1 it is refused. Read as
+  ``tp_overlap = calibration.TP_COMM_OVERLAP`` (the fraction of TP traffic hidden, fitted to the
+  Megatron-Bridge recipes that run it); absent, 0 (Megatron's default and the planner's).
+* ``--no-overlap-p2p-communication`` (``store_false``, ``dest=overlap_p2p_comm``, arguments.py:2965): the
+  pipeline sends overlap by default, and only the interleaved schedule overlaps them (:966-984), which is
+  the planner's ``overlap_p2p=True`` (priced with virtual stages only); the flag reads as
+  ``overlap_p2p=False``. There is no ``--overlap-p2p-communication`` flag.
+* ``--overlap-moe-expert-parallel-comm``: ``moe_a2a_overlap`` (default off in both).
+
+``--emit-launch megatron`` writes each of them when the plan was priced so (commands/emit ``argv``: an
+option the plan did not state was priced at the planner's default, so a default plan's launch carries
+``--overlap-grad-reduce`` and, with the distributed optimizer, ``--overlap-param-gather``), and the
+launch reads back to the same options.
 """
 
 from __future__ import annotations
@@ -106,7 +139,9 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
                 raise ModelcarveError(f"{title(engine)}: {flag} needs a value")
             shown = f"{flag} {tokens[i + 1]}" if "word" in arg else flag
             if "equals" not in arg:
-                notes.append(f"{title(engine)}'s {flag} read as the planner option {arg['option']}")
+                value = _set_options(engine, tokens).get(arg["option"])
+                notes.append(f"{title(engine)}'s {flag} read as the planner option {arg['option']}"
+                             + ("" if value is True else f"={value}") + _OPTION_NOTE.get(arg["option"], ""))
             elif _set_options(engine, tokens).get(arg["option"]) == arg["equals"]:
                 notes.append(f"{title(engine)}'s {shown} read as the planner option {arg['option']}={arg['equals']}")
             else:  # e.g. the loss fusion without TE's kernel
@@ -217,14 +252,19 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
 _LOSS_NOTE = {"loss": "; priced as Megatron-Core's unfused loss, 6 B a logit (its native fused path is the same "
                       "arithmetic and holds the same 6 B run eagerly: benchmarks/results/megatron_loss_memory.json)"}
 """What a value-taking option flag read with another value is priced as (``_flags``' note)."""
+_OPTION_NOTE = {"tp_overlap": ": the fraction of tensor-parallel traffic Transformer Engine's comm-GEMM overlap "
+                              "(userbuffers) hides, as fitted to the Megatron-Bridge recipes that run it "
+                              "(plan/train/calibration.py TP_COMM_OVERLAP)"}
+"""What an option flag read means, beyond its name (``_flags``' note)."""
 
 
 def read_options(engine: str, text: str) -> dict:
     """The planner options (plan/train/options.py TrainOptions) that ``text``, ``engine``'s own flags,
     switches on: the table's args with an ``option`` (Megatron's ``--fp8-param-gather``; an arg with
     ``equals`` sets that value when every flag of it is given: ``--cross-entropy-loss-fusion`` with
-    ``--cross-entropy-fusion-impl te`` is ``loss="fused"``); empty for our keys' form and for
-    engines without such flags."""
+    ``--cross-entropy-fusion-impl te`` is ``loss="fused"``; an arg with ``absent`` sets that value when
+    its flag is not given: Megatron's ``--overlap-grad-reduce``, off by default); empty for our keys'
+    form and for engines without such flags."""
     text = text.strip()
     if engine == "megatron-bridge":  # its overrides are Megatron-LM's flags by other names
         from modelcarve.commands.emit.bridge_vocab import bridge_flags
@@ -247,6 +287,13 @@ def _set_options(engine: str, words: list[str]) -> dict:
         kin = [a for a in args if a["option"] == arg["option"] and a.get("equals") == arg.get("equals")]
         if all(said[a["flag"]] for a in kin):
             options[arg["option"]] = arg.get("equals", True)
+    for arg in args:  # the framework's own default where the flag is not given
+        if "absent" in arg and not said[arg["flag"]]:
+            options.setdefault(arg["option"], arg["absent"])
+    if options.get("tp_overlap") is True:  # Megatron's --tp-comm-overlap: the fraction it hides
+        from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
+
+        options["tp_overlap"] = TP_COMM_OVERLAP
     return options
 
 
@@ -264,5 +311,33 @@ def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str
         layout, more = _flags("megatron", flags, devices)
         return layout, notes + more
     if text.startswith("--"):
-        return _flags(engine, text, devices)
+        layout, notes = _flags(engine, text, devices)
+        if engine == "megatron":
+            notes += _megatron_overlap(shlex.split(text))
+        return layout, notes
     return _words(engine, text)
+
+
+def _megatron_overlap(words: list[str]) -> list[str]:
+    """Megatron-LM's own rules for its overlap flags (arguments.py @ core_v0.19.0, refused in one line as it
+    refuses them) and the notes of the ones not given (see the module doc). Megatron-LM's flags only:
+    Megatron-Bridge decides these its own way (bridge_vocab.py) and passes them as given flags."""
+    name = title("megatron")
+    tp = words[words.index("--tensor-model-parallel-size") + 1] if "--tensor-model-parallel-size" in words[:-1] else "1"
+    sharded = "--use-distributed-optimizer" in words or "--use-megatron-fsdp" in words
+    if "--tp-comm-overlap" in words and ("--sequence-parallel" not in words or tp == "1"):
+        raise ModelcarveError(f"{name}: --tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size "
+                              f"> 1 (Megatron asserts it, and turns sequence parallelism off at TP 1)")
+    if "--overlap-param-gather" in words and not (sharded and "--overlap-grad-reduce" in words):
+        raise ModelcarveError(f"{name}: --overlap-param-gather needs --overlap-grad-reduce and the distributed "
+                              f"optimizer (--use-distributed-optimizer) or --use-megatron-fsdp (Megatron asserts both)")
+    notes = []
+    if "--overlap-grad-reduce" not in words:
+        notes.append(f"{name}: --overlap-grad-reduce not given: Megatron reduces the gradients after the backward "
+                     f"(its default), priced so (overlap_grad_reduce=False: more exposed data-parallel time than "
+                     f"modelcarve priced for these flags before it read them); add --overlap-grad-reduce to price "
+                     f"the overlap")
+    if sharded and "--overlap-param-gather" not in words:
+        notes.append(f"{name}: --overlap-param-gather not given: Megatron gathers the parameters before the "
+                     f"forward (its default), priced so (overlap_param_gather=False)")
+    return notes

@@ -31,7 +31,8 @@ def check_launch(args, model, cluster, layout) -> None:
 def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, label: str = "",
                 priced: dict | None = None) -> None:
     """Write ``--emit-launch``'s files for ``layout``; ``priced``: the training planner options the layout
-    was priced with (a flag such as Megatron's ``--fp8-param-gather`` is emitted when it was priced so)."""
+    was priced with (a flag such as Megatron's ``--fp8-param-gather`` or ``--overlap-grad-reduce`` is
+    emitted when it was priced so; an option not in ``priced`` was priced at its default)."""
     if not getattr(args, "emit_launch", None):
         return
     import sys
@@ -40,9 +41,7 @@ def emit_launch(args, model, cluster, layout, *, max_batch: int | None = None, l
     from modelcarve.commands.planning.serve_goals import is_serve_goal
 
     files = render(args.emit_launch, layout, model, cluster, serving=is_serve_goal(args.goal), max_batch=max_batch,
-                   label=label, planner_options={"fp8_param_gather": bool((priced or {}).get("fp8_param_gather")),
-                                    "loss": (priced or {}).get("loss"),
-                                    "moe_a2a_overlap": bool((priced or {}).get("moe_a2a_overlap"))})
+                   label=label, planner_options=dict(priced or {}))
     written = write(files, args.out)
     if args.out:
         sys.stderr.write(f"modelcarve: wrote {', '.join(written)}\n")
