@@ -22,6 +22,7 @@ from modelcarve.spec.errors import ModelcarveError
 
 from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
 from modelcarve.commands.planning.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
+from modelcarve.plan.train.profile import LOSS_KINDS  # the one list of losses the planner prices
 
 
 def register(sub) -> None:
@@ -76,7 +77,7 @@ def _common(p) -> None:
     p.add_argument("--precision", choices=["bf16", "fp8", "fp8-cs", "mxfp8"],
                    help="training: GEMM precision the search tries (default bf16; fp8 = TE delayed scaling, "
                         "fp8-cs = current scaling, mxfp8 = Blackwell MX blocks)")
-    p.add_argument("--loss", choices=["materialized", "fused", "chunked", "torch"],
+    p.add_argument("--loss", choices=LOSS_KINDS,
                    help="training: cross entropy (default materialized: Megatron-Core's unfused loss, one fp32 "
                         "copy of the whole logits; fused: --cross-entropy-loss-fusion with TE's kernel; chunked: "
                         "logits never whole, torchtitan's ChunkedLossWrapper; torch: torch's cross entropy as torchtitan runs it, DTensor's "
