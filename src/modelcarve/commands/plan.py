@@ -91,6 +91,14 @@ def _common(p) -> None:
     p.add_argument("--moe-a2a-overlap", dest="moe_a2a_overlap", action="store_true", default=None,
                    help="training, MoE: the expert-parallel all-to-all overlapped with another micro-batch's compute "
                         "(Megatron's --overlap-moe-expert-parallel-comm; Megatron-Bridge's moe_a2a_overlap presets)")
+    p.add_argument("--mtp-layers", dest="mtp_layers", type=int, metavar="N", default=None,
+                   help="training: multi-token prediction depths on the last pipeline stage (DeepSeek-V3's MTP: "
+                        "Megatron's --mtp-num-layers; its recipes train with 1): a decoder layer, a projection and "
+                        "one more pass of the head and loss each (default 0)")
+    p.add_argument("--no-split-embedding", dest="split_embedding", action="store_false", default=None,
+                   help="training, pipelines: the embedding counts no layer in the stage split (default: one, "
+                        "Megatron's --account-for-embedding-in-pipeline-split; Megatron-Bridge's DeepSeek-V3 "
+                        "layouts count none)")
     p.add_argument("--memory-headroom", type=float, metavar="FRACTION",
                    help="training: fraction of device memory a layout must leave free (default 0.05)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -116,7 +124,7 @@ def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
              "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine",
-             "moe_a2a_overlap", "grad_dtype")
+             "moe_a2a_overlap", "grad_dtype", "mtp_layers", "split_embedding")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -41,7 +41,7 @@ from modelcarve.spec.errors import LayoutError
 
 __all__ = [
     "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
-    "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem",
+    "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem", "split_costs",
 ]
 
 EMBEDDING_RANK = 0
@@ -112,16 +112,17 @@ def balance_layers(
 
 
 @lru_cache(maxsize=4096)
-def stage_counts(num_layers: int, pp: int, v: int = 1) -> tuple[int, ...]:
-    """Layers of every stage (``pp * v`` of them, in stage order) under the default split."""
-    return tuple(balance_layers(num_layers, pp * v))
+def stage_counts(num_layers: int, pp: int, v: int = 1, embed_cost: float = 1.0, head_cost: float = 1.0) -> tuple[int, ...]:
+    """Layers of every stage (``pp * v`` of them, in stage order) under the default split (with
+    other ``embed_cost`` / ``head_cost``: a planner's, see :func:`split_costs`)."""
+    return tuple(balance_layers(num_layers, pp * v, embed_cost=embed_cost, head_cost=head_cost))
 
 
 @lru_cache(maxsize=4096)
-def stage_ranges(num_layers: int, pp: int, v: int = 1) -> tuple[range, ...]:
+def stage_ranges(num_layers: int, pp: int, v: int = 1, embed_cost: float = 1.0, head_cost: float = 1.0) -> tuple[range, ...]:
     """The layer indices of every stage, in stage order, under the default split."""
     out, start = [], 0
-    for count in stage_counts(num_layers, pp, v):
+    for count in stage_counts(num_layers, pp, v, embed_cost, head_cost):
         out.append(range(start, start + count))
         start += count
     return tuple(out)
@@ -135,9 +136,10 @@ def rank_stage_ids(pp: int, v: int, pp_rank: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def rank_layer_ids(num_layers: int, pp: int, v: int = 1) -> tuple[tuple[int, ...], ...]:
+def rank_layer_ids(num_layers: int, pp: int, v: int = 1, embed_cost: float = 1.0,
+                   head_cost: float = 1.0) -> tuple[tuple[int, ...], ...]:
     """For every pipeline rank the layer indices it holds over all its virtual stages."""
-    ranges = stage_ranges(num_layers, pp, v)
+    ranges = stage_ranges(num_layers, pp, v, embed_cost, head_cost)
     return tuple(tuple(i for s in rank_stage_ids(pp, v, r) for i in ranges[s]) for r in range(pp))
 
 
@@ -147,15 +149,31 @@ def rank_layers(num_layers: int, pp: int, v: int = 1) -> tuple[int, ...]:
     return tuple(len(ids) for ids in rank_layer_ids(num_layers, pp, v))
 
 
-def rank_holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset) -> tuple[tuple[int, int], ...]:
+def rank_holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset, embed_cost: float = 1.0,
+                  head_cost: float = 1.0) -> tuple[tuple[int, int], ...]:
     """For every pipeline rank (layers, MoE layers among them); ``moe_layers`` the MoE layer indices
     (dense first layers, e.g. DeepSeek-V3's ``first_k_dense``, count on the rank that holds them)."""
-    return _holdings(num_layers, pp, v, frozenset(moe_layers))
+    return _holdings(num_layers, pp, v, frozenset(moe_layers), embed_cost, head_cost)
 
 
 @lru_cache(maxsize=4096)
-def _holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset) -> tuple[tuple[int, int], ...]:
-    return tuple((len(ids), sum(1 for i in ids if i in moe_layers)) for ids in rank_layer_ids(num_layers, pp, v))
+def _holdings(num_layers: int, pp: int, v: int, moe_layers: frozenset, embed_cost: float = 1.0,
+              head_cost: float = 1.0) -> tuple[tuple[int, int], ...]:
+    return tuple((len(ids), sum(1 for i in ids if i in moe_layers))
+                 for ids in rank_layer_ids(num_layers, pp, v, embed_cost, head_cost))
+
+
+def split_costs(split_embedding: bool = True, mtp_layers: int = 0) -> tuple[float, float]:
+    """``(embed_cost, head_cost)`` of the split a training run uses: the embedding one layer when
+    ``split_embedding`` (Megatron-LM's ``--account-for-embedding-in-pipeline-split``), none otherwise;
+    the loss one layer (``--account-for-loss-in-pipeline-split``) and each multi-token-prediction
+    depth two more (its decoder layer, and its pass of the shared LM head and loss). The costs of
+    Megatron-Bridge's DeepSeek-V3 layouts (``set_deepseek_v3_pipeline_model_parallel_layout`` at
+    v0.3.1 / v0.4.2, one MTP depth): ``split_costs(False, 1) = (0, 3)`` gives exactly its
+    [16, 16, 16, 13] on pp=4, [8] * 7 + [5] on pp=8 and [4] * 15 + [1] on 16 stages, the last
+    stage's MTP depth and loss filling three layers' room (tests/spec/test_stages.py). The runtime
+    runs neither (it always splits with the defaults)."""
+    return (1.0 if split_embedding else 0.0), 1.0 + 2.0 * mtp_layers
 
 
 def stage_kind(pp_rank: int, pp: int) -> str:

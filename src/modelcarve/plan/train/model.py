@@ -80,7 +80,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 )
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
-from modelcarve.spec.stages import rank_holdings, stage_kind
+from modelcarve.spec.stages import rank_holdings, split_costs, stage_kind
 from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
@@ -124,6 +124,9 @@ class TrainCostModel(ProfileMixin):
         self._offload = off
         if self.options.loss_chunk < 1:
             raise LayoutError(f"loss_chunk={self.options.loss_chunk} must be at least 1 token")
+        if not 0 <= self.options.mtp_layers <= 8:
+            raise LayoutError(f"mtp_layers={self.options.mtp_layers} must be from 0 to 8 multi-token prediction depths "
+                              f"(DeepSeek-V3 trains with 1)")
         if self.options.loss_chunks < 0:
             raise LayoutError(f"loss_chunks={self.options.loss_chunks} must be 0 (chunks of loss_chunk tokens) or "
                               f"a number of chunks a micro-batch, e.g. 8 (torchtitan's default)")
@@ -180,6 +183,9 @@ class TrainCostModel(ProfileMixin):
         self.final_norm = norm
         self.moe_set = frozenset(m.moe_layers)
         self.head_fwd_flops_token = 2.0 * m.vocab_size * h
+        self._split = split_costs(self.options.split_embedding, self.options.mtp_layers)
+        self._mtp_moe = (m.num_layers - 1) in self.moe_set  # an MTP depth is a layer of the last layer's kind
+        self._held: dict[tuple, tuple] = {}
 
     # --- candidate <-> Layout ----------------------------------------------------------------------
     @staticmethod
@@ -235,7 +241,7 @@ class TrainCostModel(ProfileMixin):
         rows = self._stage_params.get(key)
         if rows is not None:
             return rows
-        held = rank_holdings(self.model.num_layers, pp, v, self.moe_set)
+        held = self.holdings(pp, v)
         rows = [stage_row(self, stage_kind(r, pp), r, *held[r], tp, pp, ep, etp) for r in dict.fromkeys((0, pp - 1))]
         if pp > 2:
             firsts = {held[r]: r for r in range(pp - 2, 0, -1)}  # each distinct middle holding at its first rank
@@ -244,6 +250,20 @@ class TrainCostModel(ProfileMixin):
         self._stage_params[key] = rows
         return rows
 
+    def holdings(self, pp: int, v: int) -> tuple:
+        """(layers, MoE layers) of every pipeline rank: the split (spec/stages.py, with this run's
+        ``split_costs``), the last rank also holding the ``mtp_layers`` multi-token-prediction
+        depths' decoder layers (of the model's last layer's kind)."""
+        held = self._held.get((pp, v))
+        if held is None:
+            held = rank_holdings(self.model.num_layers, pp, v, self.moe_set, *self._split)
+            mtp = self.options.mtp_layers
+            if mtp:
+                n, k = held[-1]
+                held = held[:-1] + ((n + mtp, k + (mtp if self._mtp_moe else 0)),)
+            self._held[(pp, v)] = held
+        return held
+
     def split_id(self, pp: int, v: int) -> int:
         """A small id of the runtime's split of the layers over ``pp`` ranks with ``v`` virtual
         stages each (spec/stages.py), equal for every (pp, v) whose ranks hold the same layers
@@ -251,7 +271,7 @@ class TrainCostModel(ProfileMixin):
         key = (pp, v)
         sid = self._split_ids.get(key)
         if sid is None:
-            held = rank_holdings(self.model.num_layers, pp, v, self.moe_set)
+            held = self.holdings(pp, v)
             sid = self._split_ids[key] = self._splits.setdefault(held, len(self._splits))
         return sid
 
@@ -375,7 +395,7 @@ class TrainCostModel(ProfileMixin):
         cand = self.full_candidate(cand)
         tp, cp, pp, dp, ep = cand[:5]
         v, etp = cand.virtual_stages, cand.etp
-        nls, n_moe = rank_holdings(self.model.num_layers, pp, v, self.moe_set)[pp_rank]
+        nls, n_moe = self.holdings(pp, v)[pp_rank]
         row = stage_row(self, stage_kind(pp_rank, pp), pp_rank, nls, n_moe, tp, pp, ep, etp)
         st = {"params_dense": row[3], "params_expert": row[4], "layer_params": row[5], "linear_params": row[6],
               "layers": nls, "moe_layers": n_moe}

@@ -99,3 +99,15 @@ class TrainOptions:
     """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
     its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
     weighs the expert activation instead and the combine keeps nothing."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth (DeepSeek-V3's MTP: Megatron-Core's ``--mtp-num-layers``,
+    Megatron-Bridge's ``model.mtp_num_layers``, 1 in its DeepSeek-V3 recipes). Each depth runs on the
+    last pipeline stage: one more decoder layer of the model's last kind (MoE for DeepSeek-V3), its
+    input projection (the normalised hidden state beside the next token's normalised embedding, 2h ->
+    h, column-parallel) with its two norms, and one more pass of the shared LM head and its loss,
+    whose logits are held beside the main ones until their backward. The split counts each depth as
+    two layers (spec/stages.py ``split_costs``). 0: none."""
+    split_embedding: bool = True
+    """The pipeline split counts the embedding as one layer on the first stage (Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split``; the runtime's split). False: it counts nothing, as
+    Megatron-Bridge's DeepSeek-V3 pipeline layouts place it (spec/stages.py ``split_costs``)."""

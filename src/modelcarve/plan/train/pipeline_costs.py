@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.spec.stages import stage_counts
+from modelcarve.spec.stages import split_costs, stage_counts
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -53,9 +53,12 @@ def schedule_costs(model: "ModelSpec", cluster: "ClusterSpec", layout: "Layout",
     moe_ids = frozenset(model.moe_layers)
     f, b, start = [], [], 0
     stages = p * v
-    for s, count in enumerate(stage_counts(model.num_layers, p, v)):
+    mtp = cost.options.mtp_layers
+    for s, count in enumerate(stage_counts(model.num_layers, p, v, *split_costs(cost.options.split_embedding, mtp))):
         n_moe = sum(1 for i in range(start, start + count) if i in moe_ids)
         start += count
+        if s == stages - 1 and mtp:  # the MTP depths' decoder layers (TrainCostModel.holdings)
+            count, n_moe = count + mtp, n_moe + (mtp if (model.num_layers - 1) in moe_ids else 0)
         fs = dense["fwd_s"] * (count - n_moe) + moe["fwd_s"] * n_moe
         bs = dense["bwd_s"] * (count - n_moe) + moe["bwd_s"] * n_moe
         if s == stages - 1:

@@ -253,11 +253,23 @@ class ProfileMixin:
 
     def _head(self, T: float, tp: int, hkey: tuple) -> tuple:
         """(forward s, loss s, forward + backward + loss s, logits bytes) of the LM head + loss (last
-        stage), per micro-batch of ``T`` tokens; the head stays bf16. Cached under ``hkey``."""
+        stage), per micro-batch of ``T`` tokens; the head stays bf16. Cached under ``hkey``.
+
+        With ``mtp_layers`` multi-token-prediction depths (their decoder layers are the last rank's
+        ``holdings``), each adds its input projection (2h -> h over T tokens, column-parallel; the
+        bf16 2h-wide input it keeps for backward) and one more pass of the head and loss, whose
+        logits are held beside the main ones (Megatron-Core computes every depth's loss in the
+        forward); the chunked loss runs each pass's backward chunk by chunk, so its passes do not
+        stack."""
         h, V = self.model.hidden_size, self.model.vocab_size
-        head_fwd = self._gemm(T, V / tp, h, 1.0, "bf16")
-        loss_s = memory_bound_time_s(self.device, 14.0 * T * V / tp)
-        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, self._logits_bytes(T, V / tp, h, tp))
+        mtp = self.options.mtp_layers
+        head_fwd = (1 + mtp) * self._gemm(T, V / tp, h, 1.0, "bf16")
+        loss_s = (1 + mtp) * memory_bound_time_s(self.device, 14.0 * T * V / tp)
+        logits = self._logits_bytes(T, V / tp, h, tp)
+        if mtp:
+            head_fwd += mtp * self._gemm(T, h / tp, 2 * h, 1.0, "bf16")
+            logits = logits * (1 if self.options.loss == "chunked" else 1 + mtp) + mtp * 2.0 * T * 2 * h
+        head = self._heads[hkey] = (head_fwd, loss_s, 3.0 * head_fwd + loss_s, logits)
         return head
 
     def screen_rows(self, tp: int, cp: int, pp: int, ep: int, mbs: int, sp: bool, recompute: str, seq: int,

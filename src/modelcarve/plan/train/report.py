@@ -238,6 +238,8 @@ def memory_sources(result: dict, options) -> dict[str, str]:
     return {
         "weights": f"{held}, {shard} (ZeRO-3 / FSDP2 shard over dp x cp: Rajbhandari et al. 2020); the {m} stage's "
                    "layers by the runtime's split (spec/stages.py, Megatron's --account-for-embedding/loss-in-pipeline-split)"
+                   + (f"; the last stage also holds {options.mtp_layers} multi-token-prediction depth(s): a decoder "
+                      f"layer, a 2h x h projection and three norms each" if options.mtp_layers else "")
                    + ("; the linear weights are FP8 (--fp8-param-gather): the fp8 weight cache row" if fp8w else ""),
         "gradients": f"{lay.grad_dtype} gradients of the held parameters"
                      + (", reduce-scattered to the dp x cp shard (ZeRO-2/3)" if zero >= 2 else ", whole until the reduction"),
@@ -273,7 +275,11 @@ def memory_sources(result: dict, options) -> dict[str, str]:
                              if lay.tp > 1 else
                              "torch's cross entropy on fp32 logits, bf16 logits freed before backward (torchtitan): "
                              "its backward holds the saved log-softmax, the NLL and log-softmax gradients (12 B a "
-                             "logit, measured with torch's MemTracker)")}.get(options.loss, options.loss) if m in ("last", "only") else "not on this stage",
+                             "logit, measured with torch's MemTracker)")}.get(options.loss, options.loss)
+                  + (f"; x {1 + options.mtp_layers}: the {options.mtp_layers} multi-token-prediction depth(s)' logits "
+                     f"held beside the main ones, with each depth's 2h-wide input (--mtp-layers)"
+                     if options.mtp_layers and options.loss != "chunked" else "")
+                  if m in ("last", "only") else "not on this stage",
         "comm_buffers": "pipeline send / receive buffers (2 per direction), the sequence-parallel gather, MoE dispatch "
                         "buffers, " + ("context parallelism's ring buffers (max(cp, 4) K+V chunks of one layer and a dQ "
                                        "buffer: Transformer Engine's p2p ring attention), " if lay.cp > 1 else "")

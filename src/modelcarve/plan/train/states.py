@@ -300,6 +300,9 @@ def stage_row(cost: "TrainCost", kind: str, index: int, nls: int, n_moe: int, tp
         params_dense += cost.final_norm
         if not m.tied_embeddings or pp > 1:
             params_dense += cost.vocab_h / tp
+        # each MTP depth's input projection (2h -> h, column-parallel) and its three norms (hidden,
+        # embedding, and the depth's final one); its decoder layer is counted in nls
+        params_dense += cost.options.mtp_layers * (2.0 * m.hidden_size * m.hidden_size / tp + 3.0 * cost.final_norm)
     layer = (cost.dense_split if n_dense else cost.moe_split) / tp + ((cost.moe_experts / (ep * etp)) if n_moe else 0.0)
     return (kind, index, n_moe, params_dense, params_exp, layer, linear + params_exp, nls)
 
