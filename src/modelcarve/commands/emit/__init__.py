@@ -311,6 +311,10 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
     for arg in t["args"]:
         if "comment" in arg:
             continue
+        if "option" in arg and arg.get("number"):  # a count the plan was priced with, when not 0
+            if priced.get(arg["option"]):
+                out += [arg["flag"], str(priced[arg["option"]])]
+            continue
         if "option" in arg and not _priced_with(arg, priced):  # priced without it
             continue
         if "when" in arg and not _cond(arg["when"], {**c, **priced} if "option" in arg else c):

@@ -134,6 +134,11 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
         if arg is None:
             raise ModelcarveError(f"{title(engine)}: {flag} is not a flag modelcarve reads; it reads "
                                   f"{', '.join(sorted(by_flag))}")
+        if "option" in arg and arg.get("number"):  # a count the planner prices, e.g. Megatron's --mtp-num-layers N
+            value = _number(engine, tokens, flag)
+            notes.append(f"{title(engine)}'s {flag} {value} read as the planner option {arg['option']}={value}")
+            i += 2
+            continue
         if "option" in arg:  # a switch of the planner's options, not the layout (read_options)
             if "word" in arg and i + 1 >= len(tokens):
                 raise ModelcarveError(f"{title(engine)}: {flag} needs a value")
@@ -276,9 +281,20 @@ def read_options(engine: str, text: str) -> dict:
     return _set_options(engine, shlex.split(text))
 
 
+def _number(engine: str, words: list[str], flag: str) -> int:
+    """The whole number after ``flag`` in ``words``, or one line saying what it needs."""
+    at = words.index(flag)
+    word = words[at + 1] if at + 1 < len(words) else ""
+    if not word.isdigit():
+        raise ModelcarveError(f"{title(engine)}: {flag} needs a whole number, e.g. {flag} 1"
+                              + (f" (got {word!r})" if word else ""))
+    return int(word)
+
+
 def _set_options(engine: str, words: list[str]) -> dict:
     """``read_options`` over the words of a command line."""
-    args = [arg for arg in table(engine)["args"] if "option" in arg]
+    counts = [arg for arg in table(engine)["args"] if "option" in arg and arg.get("number")]
+    args = [arg for arg in table(engine)["args"] if "option" in arg and not arg.get("number")]
     said = {arg["flag"]: (arg["flag"] in words and (
         "word" not in arg or words.index(arg["flag"]) + 1 < len(words) and words[words.index(arg["flag"]) + 1] == arg["word"]))
         for arg in args}
@@ -290,6 +306,9 @@ def _set_options(engine: str, words: list[str]) -> dict:
     for arg in args:  # the framework's own default where the flag is not given
         if "absent" in arg and not said[arg["flag"]]:
             options.setdefault(arg["option"], arg["absent"])
+    for arg in counts:  # a count given with its flag (Megatron's --mtp-num-layers N)
+        if arg["flag"] in words:
+            options[arg["option"]] = _number(engine, words, arg["flag"])
     if options.get("tp_overlap") is True:  # Megatron's --tp-comm-overlap: the fraction it hides
         from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
 

@@ -1,0 +1,64 @@
+"""Multi-token prediction in the frameworks' words: Megatron-LM's ``--mtp-num-layers N`` and
+Megatron-Bridge's ``model.mtp_num_layers`` read as the planner's ``mtp_layers``, priced as
+``plan/estimate --mtp-layers`` price it, and written back by ``--emit-launch megatron``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modelcarve.cli import main
+from modelcarve.commands.emit.vocab import read_options
+
+FLAGS = ("--pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --use-distributed-optimizer "
+         "--overlap-grad-reduce --overlap-param-gather --micro-batch-size 1 --global-batch-size 2048 --seq-length 4096 "
+         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+OURS = "pp=4,dp=64,ep=8,zero=1,mbs=1,gbs=2048,seq=4096,recompute=full"
+
+
+def _estimate(capsys, *extra: str) -> dict:
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xB200", "--json", *extra])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    return json.loads(out)
+
+
+def test_megatron_and_bridge_spellings_read_as_mtp_layers():
+    assert read_options("megatron", FLAGS + " --mtp-num-layers 1")["mtp_layers"] == 1
+    assert "mtp_layers" not in read_options("megatron", FLAGS)
+    bridge = read_options("megatron-bridge", "model.pipeline_model_parallel_size=4 model.mtp_num_layers=1 "
+                                             "train.micro_batch_size=1 train.global_batch_size=2048")
+    assert bridge["mtp_layers"] == 1
+
+
+def test_megatron_flag_prices_what_the_cli_option_prices(capsys):
+    """The same estimate from Megatron's flag and from ``--mtp-layers``; the last stage holds more
+    (the depth's layer, projection and second logits) than without it."""
+    plain = _estimate(capsys, "--layout", OURS)
+    cli = _estimate(capsys, "--layout", OURS, "--mtp-layers", "1")
+    megatron = _estimate(capsys, "--framework", "megatron", "--layout", FLAGS + " --mtp-num-layers 1")
+    assert megatron["time"]["step_s"] == pytest.approx(cli["time"]["step_s"], rel=1e-12)
+    assert megatron["memory"]["peak_bytes"] == pytest.approx(cli["memory"]["peak_bytes"], rel=1e-12)
+    assert cli["time"]["step_s"] > plain["time"]["step_s"]  # the runtime's split does not make room for it
+
+
+def test_launch_carries_mtp_back(capsys):
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xB200", "--layout", OURS, "--mtp-layers", "1",
+                 "--emit-launch", "megatron"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    command = out.split("pretrain_gpt.py", 1)[1]
+    assert "--mtp-num-layers 1" in command
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xB200", "--layout", OURS,
+                 "--emit-launch", "megatron"])
+    assert "--mtp-num-layers" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["--mtp-num-layers x", "--mtp-num-layers"])
+def test_bad_mtp_flag_is_one_line(capsys, bad):
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xB200", "--framework", "megatron",
+                 "--layout", FLAGS + " " + bad])
+    err = capsys.readouterr().err
+    assert code == 2 and "--mtp-num-layers needs a whole number" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
