@@ -23,6 +23,7 @@ from modelcarve.spec.catalog import get_model
 from modelcarve.spec.errors import ModelcarveError
 from modelcarve.spec.hardware import parse_cluster
 from modelcarve.spec.layout import Layout
+from modelcarve.spec.stages import megatron_layout
 
 BASE = "gbs=64,mbs=1,seq=4096"
 
@@ -442,7 +443,10 @@ def test_megatron_overlap_flags_carried_back_by_the_launch(capsys):
         out = capsys.readouterr().out
         assert code in (0, 1) and "pretrain_gpt.py" in out, out
         launch = " ".join(shlex.split(out.split("pretrain_gpt.py", 1)[1].replace("\\\n", " ")))
-        assert read_options("megatron", launch) == read_options("megatron", OVERLAP_FLAGS + extra), extra
+        # the launch also states the stages the plan priced (Megatron's layout string of the planner's split)
+        back = read_options("megatron", launch)
+        assert back.pop("pipeline_layout") == megatron_layout(80, 2, 2)
+        assert back == read_options("megatron", OVERLAP_FLAGS + extra), extra
         for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
                      "--no-overlap-p2p-communication"):
             assert (flag in launch.split()) == (flag in extra.split()), (extra, flag)

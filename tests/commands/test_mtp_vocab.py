@@ -62,3 +62,53 @@ def test_bad_mtp_flag_is_one_line(capsys, bad):
     err = capsys.readouterr().err
     assert code == 2 and "--mtp-num-layers needs a whole number" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+BRIDGE_LAYOUT = "Et*4|(t*4|)*14tmL"
+"""Megatron-Bridge's DeepSeek-V3 GB300 preset layout (scripts/performance/configs/deepseek/
+deepseek_workload_base_configs.py at v0.3.1 / v0.4.2: pp=2, 16 stages)."""
+
+
+def test_megatrons_pipeline_layout_read_and_priced_as_stated(capsys):
+    """``--pipeline-model-parallel-layout`` sets the virtual stages (16 stages over pp=2: v=8) and the
+    stages each rank holds; the recipe's string names exactly the split ``--mtp-layers 1
+    --no-split-embedding`` gives, so the two estimates are the same."""
+    flags = ("--pipeline-model-parallel-size 2 --expert-model-parallel-size 32 --use-distributed-optimizer "
+             "--overlap-grad-reduce --overlap-param-gather --micro-batch-size 1 --global-batch-size 4096 "
+             f"--seq-length 4096 --mtp-num-layers 1 --pipeline-model-parallel-layout '{BRIDGE_LAYOUT}'")
+    assert read_options("megatron", flags)["pipeline_layout"] == BRIDGE_LAYOUT
+    def est(*extra):
+        code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xGB300", "--json", *extra])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)
+    megatron = est("--framework", "megatron", "--layout", flags)
+    ours = est("--layout", "pp=2,dp=128,ep=32,zero=1,mbs=1,gbs=4096,seq=4096,schedule=interleaved-1f1b,virtual_stages=8",
+               "--mtp-layers", "1", "--no-split-embedding")
+    assert megatron["layout"]["virtual_stages"] == 8
+    assert megatron["time"]["step_s"] == pytest.approx(ours["time"]["step_s"], rel=1e-12)
+    assert megatron["memory"]["peak_bytes"] == pytest.approx(ours["memory"]["peak_bytes"], rel=1e-12)
+
+
+@pytest.mark.parametrize("layout,match", [
+    ("Et*4|(t*4|)*14tL", "places 0 MTP depth"),       # --mtp-num-layers 1 given, no m
+    ("Et*4|(t*4|)*13tmL", "not a multiple of pp=2"),  # 15 stages
+    ("Ex*4|t", "use E (embedding)"),
+])
+def test_bad_pipeline_layout_is_one_line(capsys, layout, match):
+    flags = ("--pipeline-model-parallel-size 2 --expert-model-parallel-size 32 --micro-batch-size 1 "
+             f"--global-batch-size 4096 --seq-length 4096 --mtp-num-layers 1 --pipeline-model-parallel-layout '{layout}'")
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xGB300", "--framework", "megatron",
+                 "--layout", flags])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_launch_states_the_planned_stages(capsys):
+    """A pipelined plan launches with the layout string of the split it priced (Megatron's own split
+    needs the layers to divide evenly: 61 over 4 does not), read back to the same stages."""
+    code = main(["estimate", "--model", "deepseek-v3", "--cluster", "32x8xB200", "--layout", OURS, "--mtp-layers", "1",
+                 "--no-split-embedding", "--emit-launch", "megatron"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "--pipeline-model-parallel-layout 'Et*16|t*16|t*16|t*13mL'" in out  # Megatron-Bridge's (4, 1) layout

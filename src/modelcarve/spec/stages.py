@@ -42,6 +42,7 @@ from modelcarve.spec.errors import LayoutError
 __all__ = [
     "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
     "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem", "split_costs",
+    "megatron_layout", "parse_megatron_layout", "layout_holdings",
 ]
 
 EMBEDDING_RANK = 0
@@ -181,3 +182,71 @@ def stage_kind(pp_rank: int, pp: int) -> str:
     if pp == 1:
         return "only"
     return "first" if pp_rank == EMBEDDING_RANK else "last" if pp_rank == pp - 1 else "middle"
+
+
+def megatron_layout(num_layers: int, pp: int, v: int = 1, embed_cost: float = 1.0, head_cost: float = 1.0,
+                    mtp_layers: int = 0) -> str:
+    """The split as Megatron-Core's ``--pipeline-model-parallel-layout`` string: one ``|``-separated
+    entry per stage in stage order (``stage = vpp_rank x pp + pp_rank``, as
+    megatron/core/transformer/pipeline_parallel_layer_layout.py indexes it), ``E`` the embedding, ``t``
+    a decoder layer (``t*k`` for k of them), ``m`` an MTP depth, ``L`` the loss: what a launch passes
+    so that Megatron builds the stages the planner priced (its own rules need the layer count to
+    divide evenly; a layout string does not)."""
+    counts = stage_counts(num_layers, pp, v, embed_cost, head_cost)
+    out = []
+    for s, n in enumerate(counts):
+        body = ("E" if s == 0 else "") + ("t" if n == 1 else f"t*{n}" if n else "")
+        if s == len(counts) - 1:
+            body += "m" * mtp_layers + "L"
+        out.append(body)
+    return "|".join(out)
+
+
+def parse_megatron_layout(text: str, pp: int) -> tuple[tuple[int, ...], int]:
+    """(decoder layers per stage, MTP depths) of a Megatron-Core layout string (``E``, ``t``, ``m``,
+    ``L``, ``|`` and ``x*k`` / ``(...)*k`` repetition, as PipelineParallelLayerLayout.parse_str_to_list
+    reads it); ``LayoutError`` in one line for anything else, or when the stages do not divide over ``pp``
+    ranks, the embedding is not first, or MTP and the loss are not last."""
+    import re
+
+    src = text.replace(" ", "").replace(",", "")
+    for _ in range(32):  # unroll (...)*k, innermost first
+        m = re.search(r"\(([^()]*)\)\*(\d+)", src)
+        if m is None:
+            break
+        src = src[:m.start()] + m.group(1) * int(m.group(2)) + src[m.end():]
+    src = re.sub(r"([EtmL])\*(\d+)", lambda g: g.group(1) * int(g.group(2)), src)
+    if not src or set(src) - set("EtmL|"):
+        raise LayoutError(f"pipeline layout {text!r}: use E (embedding), t (a decoder layer), m (an MTP depth), "
+                          f"L (the loss), | between stages and x*k or (...)*k for repeats, e.g. Et*4|t*4|t*3mL")
+    stages = src.split("|")
+    if len(stages) % pp:
+        raise LayoutError(f"pipeline layout {text!r} has {len(stages)} stages, not a multiple of pp={pp}")
+    body = "".join(stages)
+    if body.count("E") != 1 or not stages[0].startswith("E") or body.count("L") != 1 or not stages[-1].endswith("L"):
+        raise LayoutError(f"pipeline layout {text!r}: the embedding E must open the first stage and the loss L "
+                          f"close the last, once each")
+    mtp = stages[-1].count("m")
+    if body.count("m") != mtp or not stages[-1].endswith("m" * mtp + "L"):
+        raise LayoutError(f"pipeline layout {text!r}: MTP depths m belong just before the loss L on the last stage")
+    return tuple(st.count("t") for st in stages), mtp
+
+
+@lru_cache(maxsize=256)
+def layout_holdings(text: str, num_layers: int, pp: int, v: int, moe_layers: frozenset) -> tuple:
+    """``(rank holdings, stage counts, MTP depths)`` of a Megatron-Core layout string for a model of
+    ``num_layers`` on ``pp`` ranks x ``v`` virtual stages: each rank's (layers, MoE layers) over its
+    stages (stage ``s`` on rank ``s % pp``), as :func:`rank_holdings` gives them for the balanced
+    split. ``LayoutError`` in one line when the string names another stage or layer count."""
+    counts, mtp = parse_megatron_layout(text, pp)
+    if len(counts) != pp * v:
+        raise LayoutError(f"pipeline layout {text!r} has {len(counts)} stages; this layout has pp x v = {pp} x {v} = "
+                          f"{pp * v}")
+    if sum(counts) != num_layers:
+        raise LayoutError(f"pipeline layout {text!r} names {sum(counts)} decoder layers; the model has {num_layers}")
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    held = []
+    for r in range(pp):
+        ids = [i for s in rank_stage_ids(pp, v, r) for i in range(starts[s], starts[s] + counts[s])]
+        held.append((len(ids), sum(1 for i in ids if i in moe_layers)))
+    return tuple(held), counts, mtp

@@ -10,7 +10,6 @@ torchrun \
   --context-parallel-size 1 \
   --expert-model-parallel-size 4 \
   --expert-tensor-parallel-size 1 \
-  --num-virtual-stages-per-pipeline-rank 6 \
   --use-distributed-optimizer \
   --num-distributed-optimizer-instances 1 \
   --micro-batch-size 1 \
@@ -18,4 +17,5 @@ torchrun \
   --seq-length 4096 \
   --bf16 \
   --overlap-grad-reduce \
-  --overlap-param-gather
+  --overlap-param-gather \
+  --pipeline-model-parallel-layout 'Et*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4L'

@@ -308,8 +308,19 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
              master_addr=master_addr, master_port=master_port, verb="serve" if serving else "run",
              options_file=options_file, titan_module=_titan_module(model), titan_config=f"{_titan_module(model)}_custom")
     out = [part.format(**c) for part in t["command"]]
+    if layout.pp > 1 and model is not None:  # the stages the plan priced, as Megatron's layout string
+        from modelcarve.spec.stages import megatron_layout, split_costs
+
+        mtp = int(priced.get("mtp_layers") or 0)
+        c["pipeline_layout"] = priced.get("pipeline_layout") or megatron_layout(
+            model.num_layers, layout.pp, layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1,
+            *split_costs(priced.get("split_embedding", True), mtp), mtp_layers=mtp)
     for arg in t["args"]:
-        if "comment" in arg:
+        if "comment" in arg or arg.get("emit") is False:  # e.g. a flag read but superseded in a launch
+            continue
+        if "option" in arg and arg.get("text"):  # a word the plan's stages give (Megatron's pipeline layout)
+            if c.get(arg["option"]) and ("when" not in arg or _cond(arg["when"], c)):
+                out += [arg["flag"], c[arg["option"]]]
             continue
         if "option" in arg and arg.get("number"):  # a count the plan was priced with, when not 0
             if priced.get(arg["option"]):

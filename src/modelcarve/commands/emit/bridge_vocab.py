@@ -101,6 +101,7 @@ _VALUES = {
     "model.recompute_num_layers": "--recompute-num-layers",
     "model.recompute_modules": "--recompute-modules",
     "model.mtp_num_layers": "--mtp-num-layers",
+    "model.pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
     "ddp.num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "ddp.data_parallel_sharding_strategy": "--data-parallel-sharding-strategy",
 }

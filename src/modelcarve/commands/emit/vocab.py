@@ -65,7 +65,7 @@ from __future__ import annotations
 import shlex
 
 from modelcarve.commands.emit import table, title
-from modelcarve.spec.errors import ModelcarveError
+from modelcarve.spec.errors import LayoutError, ModelcarveError
 
 MEANING = {
     "none": "no recomputation",
@@ -134,6 +134,27 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
         if arg is None:
             raise ModelcarveError(f"{title(engine)}: {flag} is not a flag modelcarve reads; it reads "
                                   f"{', '.join(sorted(by_flag))}")
+        if "option" in arg and arg.get("text"):  # Megatron's --pipeline-model-parallel-layout: the stages stated
+            from modelcarve.spec.stages import parse_megatron_layout
+
+            if i + 1 >= len(tokens):
+                raise ModelcarveError(f"{title(engine)}: {flag} needs a layout, e.g. {flag} 'Et*4|t*4|t*3mL'")
+            pp = int(tokens[tokens.index("--pipeline-model-parallel-size") + 1]) \
+                if "--pipeline-model-parallel-size" in tokens[:-1] else 1
+            try:
+                counts, named = parse_megatron_layout(tokens[i + 1], pp)
+            except LayoutError as err:
+                raise ModelcarveError(f"{title(engine)}: {flag}: {err}") from None
+            if len(counts) // pp > 1:  # the layout gives the virtual stages (Megatron refuses both flags)
+                fields["virtual_stages"] = len(counts) // pp
+            said_mtp = _number(engine, tokens, "--mtp-num-layers") if "--mtp-num-layers" in tokens else 0
+            if named != said_mtp:
+                raise ModelcarveError(f"{title(engine)}: {flag} places {named} MTP depth(s) (m) but --mtp-num-layers "
+                                      f"says {said_mtp}; Megatron asserts they match")
+            notes.append(f"{title(engine)}'s {flag} read as the planner option pipeline_layout: each rank holds the "
+                         f"layers its stages name ({len(counts)} stages: {', '.join(map(str, counts))} decoder layers)")
+            i += 2
+            continue
         if "option" in arg and arg.get("number"):  # a count the planner prices, e.g. Megatron's --mtp-num-layers N
             value = _number(engine, tokens, flag)
             notes.append(f"{title(engine)}'s {flag} {value} read as the planner option {arg['option']}={value}")
@@ -294,7 +315,8 @@ def _number(engine: str, words: list[str], flag: str) -> int:
 def _set_options(engine: str, words: list[str]) -> dict:
     """``read_options`` over the words of a command line."""
     counts = [arg for arg in table(engine)["args"] if "option" in arg and arg.get("number")]
-    args = [arg for arg in table(engine)["args"] if "option" in arg and not arg.get("number")]
+    texts = [arg for arg in table(engine)["args"] if "option" in arg and arg.get("text")]
+    args = [arg for arg in table(engine)["args"] if "option" in arg and not arg.get("number") and not arg.get("text")]
     said = {arg["flag"]: (arg["flag"] in words and (
         "word" not in arg or words.index(arg["flag"]) + 1 < len(words) and words[words.index(arg["flag"]) + 1] == arg["word"]))
         for arg in args}
@@ -309,6 +331,10 @@ def _set_options(engine: str, words: list[str]) -> dict:
     for arg in counts:  # a count given with its flag (Megatron's --mtp-num-layers N)
         if arg["flag"] in words:
             options[arg["option"]] = _number(engine, words, arg["flag"])
+    for arg in texts:  # a word given with its flag (Megatron's --pipeline-model-parallel-layout)
+        at = words.index(arg["flag"]) if arg["flag"] in words else -1
+        if 0 <= at < len(words) - 1:
+            options[arg["option"]] = words[at + 1]
     if options.get("tp_overlap") is True:  # Megatron's --tp-comm-overlap: the fraction it hides
         from modelcarve.plan.train.calibration import TP_COMM_OVERLAP
 

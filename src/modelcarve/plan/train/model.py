@@ -80,7 +80,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 )
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
-from modelcarve.spec.stages import rank_holdings, split_costs, stage_kind
+from modelcarve.spec.stages import layout_holdings, rank_holdings, split_costs, stage_kind
 from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
@@ -256,8 +256,15 @@ class TrainCostModel(ProfileMixin):
         depths' decoder layers (of the model's last layer's kind)."""
         held = self._held.get((pp, v))
         if held is None:
-            held = rank_holdings(self.model.num_layers, pp, v, self.moe_set, *self._split)
             mtp = self.options.mtp_layers
+            if self.options.pipeline_layout:  # the stages stated (Megatron's --pipeline-model-parallel-layout)
+                held, _counts, named = layout_holdings(self.options.pipeline_layout, self.model.num_layers, pp, v,
+                                                       self.moe_set)
+                if named != mtp:
+                    raise LayoutError(f"pipeline layout {self.options.pipeline_layout!r} places {named} MTP depth(s) "
+                                      f"(m); mtp_layers is {mtp}: give the same number (Megatron's --mtp-num-layers)")
+            else:
+                held = rank_holdings(self.model.num_layers, pp, v, self.moe_set, *self._split)
             if mtp:
                 n, k = held[-1]
                 held = held[:-1] + ((n + mtp, k + (mtp if self._mtp_moe else 0)),)

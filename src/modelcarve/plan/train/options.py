@@ -111,3 +111,10 @@ class TrainOptions:
     """The pipeline split counts the embedding as one layer on the first stage (Megatron-LM's
     ``--account-for-embedding-in-pipeline-split``; the runtime's split). False: it counts nothing, as
     Megatron-Bridge's DeepSeek-V3 pipeline layouts place it (spec/stages.py ``split_costs``)."""
+    pipeline_layout: str = ""
+    """The stages stated as Megatron-Core's ``--pipeline-model-parallel-layout`` (``E`` the embedding,
+    ``t`` a decoder layer, ``m`` an MTP depth, ``L`` the loss, ``|`` between stages in stage order,
+    ``x*k`` / ``(...)*k`` repeats; e.g. Megatron-Bridge's DeepSeek-V3 ``Et*4|(t*4|)*14tmL``): each
+    pipeline rank holds the layers its stages name instead of the balanced split. Its stage count
+    must be ``pp x v`` and its ``m`` count ``mtp_layers`` (spec/stages.py ``parse_megatron_layout``).
+    Empty: the balanced split (``split_embedding``, ``mtp_layers``)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.spec.stages import split_costs, stage_counts
+from modelcarve.spec.stages import layout_holdings, split_costs, stage_counts
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -54,7 +54,11 @@ def schedule_costs(model: "ModelSpec", cluster: "ClusterSpec", layout: "Layout",
     f, b, start = [], [], 0
     stages = p * v
     mtp = cost.options.mtp_layers
-    for s, count in enumerate(stage_counts(model.num_layers, p, v, *split_costs(cost.options.split_embedding, mtp))):
+    if cost.options.pipeline_layout:  # the stages stated (TrainCostModel.holdings checks them)
+        counts = layout_holdings(cost.options.pipeline_layout, model.num_layers, p, v, moe_ids)[1]
+    else:
+        counts = stage_counts(model.num_layers, p, v, *split_costs(cost.options.split_embedding, mtp))
+    for s, count in enumerate(counts):
         n_moe = sum(1 for i in range(start, start + count) if i in moe_ids)
         start += count
         if s == stages - 1 and mtp:  # the MTP depths' decoder layers (TrainCostModel.holdings)
