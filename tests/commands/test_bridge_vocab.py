@@ -78,7 +78,7 @@ def test_published_bridge_rows_read_as_the_calibration_prices_them():
         assert case.options.fp8_param_gather == BRIDGE_RECIPE["fp8_param_gather"]
         assert any("optimizer.lr, train.train_iters" in n for n in notes)
         read += 1
-    assert read >= 88  # 25.11 (32), 26.02.01 (27) and 26.04.01 (29)
+    assert read >= 114  # 25.11 (32), 26.02.01 (27), 26.04.01 (29), 26.06 (18) and 26.08 (8)
 
 
 def test_the_mixed_precision_config_decides_the_gradients():

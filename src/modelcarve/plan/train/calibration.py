@@ -62,6 +62,9 @@ class Case:
     recompute_inferred: bool = False
     """Whether the layout's recomputation is the least that fits (``least_recompute``: the row's
     ``recompute`` column says 'infer') rather than what the recipe states."""
+    unmodelled: tuple[str, ...] = ()
+    """Recipe features the row states that the cost model does not price (the optional ``cuda_graph``,
+    ``cutedsl_mlp`` and ``fp8_attention`` columns of ``data/training_published.csv``); notes only."""
 
 
 def _rows(name: str) -> list[dict]:
@@ -153,7 +156,8 @@ MODERN = dict(attention="flash", dropout=False, overlap_grad_reduce=True, overla
 flash attention, no dropout, gradient-reduce / parameter-gather / pipeline-send overlap, the fused
 vocab-parallel cross entropy; published runs did run, so they are checked against the whole device."""
 BRIDGE_RECIPE = dict(fp8_param_gather=True, moe_probs_on_combine=False)
-"""What Megatron-Bridge's performance presets (25.11: v0.2.1, 26.02.01: v0.3.1, 26.04.01: v0.4.2) run beyond ``MODERN``,
+"""What Megatron-Bridge's performance presets (25.11: v0.2.1, 26.02.01: v0.3.1, 26.04.01: v0.4.2, 26.06: v0.5.0,
+26.08: v0.6.0) run beyond ``MODERN``,
 and the layout's ``grad_dtype=bf16`` beside it: every FP8 precision preset sets ``fp8_param_gather``
 (src/megatron/bridge/training/mixed_precision.py ``bf16_with_fp8_current_scaling_mixed`` /
 ``bf16_with_mxfp8_mixed``, taken by scripts/performance/utils ``get_precision_config``), every
@@ -230,8 +234,8 @@ _FALLBACK = {
 
 FIT_SOURCE = "MB-25.11"
 """The Megatron-Bridge release the seven NeMo constants are fitted to (benchmarks/calibrate_training.py
-``fit_modern``); every other NeMo / Megatron-Bridge source, the later 26.02.01 and 26.04.01 releases among
-them, is held out of that fit."""
+``fit_modern``); every other NeMo / Megatron-Bridge source, the later 26.02.01, 26.04.01, 26.06 and 26.08
+releases among them, is held out of that fit."""
 
 
 RECOMPUTE_LADDER = ("none", "core_attn", "core_attn+layernorm+mlp_act", "core_attn+layernorm+mlp", "full")
@@ -299,6 +303,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
             name=name, model=model, cluster=cluster, layout=layout, options=options,
             published_tflops=float(row["tflops_per_gpu"]), published_tokens_per_device=float(row["tokens_per_gpu"]),
             source=row["source"], unanswered=unanswered, recompute_inferred=stated == "infer" and layout is not None,
+            unmodelled=_unmodelled(row),
         ))
     # one recipe, one recomputation: the rows of a release that run the same model, precision and
     # layout on different systems use the recompute the tightest of them needed
@@ -307,6 +312,21 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
         for i in members:
             cases[i] = dataclasses.replace(cases[i], layout=cases[i].layout.replace(recompute=heaviest))
     return cases
+
+
+def _unmodelled(row: dict) -> tuple[str, ...]:
+    """The recipe features a row states that are not priced (columns absent or empty: none): CUDA graphs
+    other than none (``cuda_graph``: the preset's ``cuda_graph_impl``), the CuTeDSL fused grouped MLP
+    (``cutedsl_mlp`` 1) and FP8 attention (``fp8_attention`` 1)."""
+    out = []
+    graph = (row.get("cuda_graph") or "").strip()
+    if graph and graph != "none":
+        out.append(f"cuda_graph={graph}")
+    if (row.get("cutedsl_mlp") or "").strip() == "1":
+        out.append("cutedsl_fused_grouped_mlp")
+    if (row.get("fp8_attention") or "").strip() == "1":
+        out.append("fp8_dot_product_attention")
+    return tuple(out)
 
 
 def _recipe_key(row: dict) -> tuple:
