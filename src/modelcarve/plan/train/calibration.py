@@ -163,6 +163,15 @@ and the layout's ``grad_dtype=bf16`` beside it: every FP8 precision preset sets 
 ``bf16_with_mxfp8_mixed``, taken by scripts/performance/utils ``get_precision_config``), every
 model's performance script sets ``grad_reduce_in_fp32 = False`` (scripts/performance/configs/*/
 *_llm_pretrain.py), and their Megatron-Core (0.15+) weighs the expert activation, not the combine."""
+BRIDGE_MODEL_RECIPE = {"deepseek-v3": dict(mtp_layers=1, split_embedding=False)}
+"""What Megatron-Bridge's recipe of a model runs beyond ``BRIDGE_RECIPE``. DeepSeek-V3: one multi-token
+prediction depth (src/megatron/bridge/recipes/deepseek/deepseek_v3.py: ``mtp_num_layers = 1`` at v0.2.1,
+v0.3.1 and v0.4.2; no performance preset turns it off) on the last stage, in the recipe's pipeline layouts
+(``set_deepseek_v3_pipeline_model_parallel_layout``: its layout_map for (pp, vp) = (4, 1), (8, 1), (4, 2),
+(16, 1), (8, 2), (4, 4), and the presets' ``Et*4|(t*4|)*14tmL`` for 16 stages), which put the embedding
+beside a full stage and give the MTP depth and the loss three layers' room: the split
+``split_embedding=False`` with one MTP depth prices, exactly (tests/plan/test_mtp.py). Rows at other (pp, vp)
+(25.11's pp=2 x 4 and pp=8 x 4) ran layouts not established here; the same rule stands for them."""
 BF16_GRAD_SOURCES = ("NEMO-25.04", "NEMO-25.02")
 """NeMo 2 releases whose FP8 performance scripts reduce gradients in bf16 (scripts/performance/llm/*.py: with
 ``--fp8``, ``recipe.trainer.plugins.grad_reduce_in_fp32 = False``; every row of theirs here is FP8). NeMo 24.07's
@@ -293,7 +302,8 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
                                moe_dispatcher=row.get("dispatcher") or "fused",
                                offload_layers=int(row.get("offload_layers") or 0),
                                moe_a2a_overlap=(row.get("a2a_overlap") or "") == "1",
-                               **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN)
+                               **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN,
+                               **(BRIDGE_MODEL_RECIPE.get(row["model"], {}) if bridge else {}))
         stated = row.get("recompute") or "infer"
         if layout is not None:
             layout = least_recompute(model, cluster, layout, options) if stated == "infer" else layout.replace(recompute=stated)
