@@ -264,6 +264,56 @@ def nemo_row(case: Case) -> dict:
     }
 
 
+def release_drift(cases: list[Case], rows: list[dict]) -> list[dict]:
+    """The runs published by more than one release with the same model, precision, system, devices,
+    layout, micro-batch, global batch and sequence: each release's published and predicted tokens/s per
+    GPU. What the software changed between releases on the same layout (kernels, CUDA graphs, fusions,
+    dispatch), which one cost model cannot follow: the spread of the published figures beside the
+    spread of the predictions (which move only where the presets changed something the planner prices:
+    dispatcher, recompute, all-to-all overlap, offload)."""
+    groups: dict[tuple, list] = {}
+    for case, r in zip(cases, rows):
+        if case.unanswered or not case.source.startswith("MB-"):
+            continue
+        lay = case.layout
+        key = (case.model.name, lay.param_dtype, lay.fp8_scaling, case.cluster.device.name, case.cluster.num_devices,
+               lay.short(), lay.mbs, lay.global_batch, lay.seq)
+        groups.setdefault(key, []).append((case.source, r))
+    out = []
+    for key, members in groups.items():
+        if len({src for src, _ in members}) < 2:
+            continue
+        pub = [r["published_tokens_per_gpu"] for _, r in members]
+        pred = [r["predicted_tokens_per_gpu"] for _, r in members]
+        out.append({"run": members[0][1]["case"].rsplit(" (", 1)[0], "layout": key[5], "mbs": key[6], "gbs": key[7],
+                    "releases": [{"source": src, "published": r["published_tokens_per_gpu"],
+                                  "predicted": r["predicted_tokens_per_gpu"], "error": r["error"]} for src, r in members],
+                    "published_spread": round(max(pub) / min(pub) - 1, 4),
+                    "predicted_spread": round(max(pred) / min(pred) - 1, 4)})
+    return sorted(out, key=lambda d: -d["published_spread"])
+
+
+def drift_markdown(drift: list[dict]) -> list[str]:
+    if not drift:
+        return []
+    spreads = sorted(d["published_spread"] for d in drift)
+    median = spreads[len(spreads) // 2]
+    lines = ["", "## The same run across releases", "",
+             f"{len(drift)} runs were published by two or more Megatron-Bridge releases with the same model, precision, "
+             f"system, devices, layout, micro-batch, global batch and sequence. Their published tokens/s per GPU moved by "
+             f"a median {median:.1%} (largest {spreads[-1]:.1%}) between releases: software the planner does not price "
+             "per release (kernels, CUDA graphs, fused MoE MLPs, FP8 attention, library regressions). Its predictions "
+             "move only where a preset changed something it prices (dispatcher, recompute, all-to-all overlap, MTP).", "",
+             "| run | layout | mbs | gbs | release: published / predicted (error) | published spread | predicted spread |",
+             "|---|---|---|---|---|---|---|"]
+    for d in drift:
+        cells = "; ".join(f"{r['source']}: {r['published']:.0f} / {r['predicted']:.0f} ({r['error']:+.1%})"
+                          for r in d["releases"])
+        lines.append(f"| {d['run']} | {d['layout']} | {d['mbs']} | {d['gbs']} | {cells} | "
+                     f"{d['published_spread']:.1%} | {d['predicted_spread']:.1%} |")
+    return lines
+
+
 def summary(rows: list[dict]) -> dict:
     answered = [r for r in rows if "error" in r]
     out = {"rows": len(rows), "answered": len(answered)}
@@ -590,7 +640,7 @@ MODELLING_NOTES = [
 
 def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[dict] = (), nemo: list[dict] = (),
              nemo_stats: dict | None = None, nemo_fit: dict | None = None, memory: list[dict] = (),
-             loso: dict | None = None) -> str:
+             loso: dict | None = None, drift: list[dict] = ()) -> str:
     lines = [
         "# Training cost model: calibration against published runs",
         "",
@@ -636,6 +686,7 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[d
                   "3 virtual stages) are taken from Table 1's 530B run (plan/data/korthikanti2022.csv)."]
     if nemo:
         lines += nemo_markdown(nemo, nemo_stats, nemo_fit)
+    lines += drift_markdown(list(drift))
     if memory:
         lines += memory_markdown(memory)
     if fitted:
@@ -666,15 +717,16 @@ def main() -> None:
     nemo_fit = None if args.no_fit else fit_modern([c for c in modern if not c.unanswered and c.source == FIT_SOURCE])
     nemo = [nemo_row(c) for c in modern]
     stats = summary(nemo)
+    drift = release_drift(modern, nemo)
     memory = memory_rows()
     loso = None if args.no_loso else loso_table(cases + moe_cases() + korthikanti2022() + modern)
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"],
                                            **_modern_constants()},
               "megatron_table1": table, "moe": moe, "korthikanti2022": sp,
               "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "nemo_fit": nemo_fit,
-              "torchtitan_memory": memory, "loso": loso}
+              "torchtitan_memory": memory, "loso": loso, "release_drift": drift}
     for path, text in ((args.json, json.dumps(report, indent=2) + "\n"),
-                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory, loso))):
+                       (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory, loso, drift))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     for r in table + moe:

@@ -120,3 +120,25 @@ def test_serving_joint_fit_restores_the_constants_and_leaves_fp4_unconstrained_w
     assert cs.serve_constants() == before
     assert "FP4_GEMM_FRACTION" in result["unconstrained"] and result["values"]["FP4_GEMM_FRACTION"] == before["FP4_GEMM_FRACTION"]
     assert "DECODE_HBM_EFFICIENCY" not in result["unconstrained"]
+
+
+def test_release_drift_groups_the_same_run_across_releases():
+    """Rows of two releases with the same model, precision, system, devices, layout, micro-batch, global
+    batch and sequence form one run; a run seen in one release, another layout, or a non-Bridge source
+    does not; spreads are max / min - 1 of the published and of the predicted figures."""
+    import dataclasses
+
+    ct = _training()
+    from modelcarve.plan.train.calibration import nemo_cases
+
+    cases = [c for c in nemo_cases() if not c.unanswered]
+    base = [c for c in cases if c.name == "qwen3-30b-a3b mxfp8 8xGB200 (MB-26.04.01)"][0]
+    other = dataclasses.replace(base, source="MB-26.06", name=base.name.replace("26.04.01", "26.06"))
+    moved = dataclasses.replace(base, source="MB-26.08", layout=base.layout.replace(mbs=2))
+    nemo = dataclasses.replace(base, source="NEMO-25.04")
+    rows = [{"case": c.name, "published_tokens_per_gpu": p, "predicted_tokens_per_gpu": q, "error": q / p - 1}
+            for c, p, q in ((base, 100.0, 120.0), (other, 150.0, 120.0), (moved, 90.0, 90.0), (nemo, 80.0, 80.0))]
+    drift = ct.release_drift([base, other, moved, nemo], rows)
+    assert len(drift) == 1
+    assert [r["source"] for r in drift[0]["releases"]] == ["MB-26.04.01", "MB-26.06"]
+    assert drift[0]["published_spread"] == pytest.approx(0.5) and drift[0]["predicted_spread"] == 0.0
