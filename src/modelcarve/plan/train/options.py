@@ -104,7 +104,7 @@ class TrainOptions:
     Megatron-Bridge's ``model.mtp_num_layers``, 1 in its DeepSeek-V3 recipes). Each depth runs on the
     last pipeline stage: one more decoder layer of the model's last kind (MoE for DeepSeek-V3), its
     input projection (the normalised hidden state beside the next token's normalised embedding, 2h ->
-    h, column-parallel) with its two norms, and one more pass of the shared LM head and its loss,
+    h, column-parallel) with its three norms, and one more pass of the shared LM head and its loss,
     whose logits are held beside the main ones until their backward. The split counts each depth as
     two layers (spec/stages.py ``split_costs``). 0: none."""
     split_embedding: bool = True
