@@ -112,3 +112,21 @@ def test_launch_states_the_planned_stages(capsys):
     out = capsys.readouterr().out
     assert code in (0, 1)
     assert "--pipeline-model-parallel-layout 'Et*16|t*16|t*16|t*13mL'" in out  # Megatron-Bridge's (4, 1) layout
+
+
+def test_megatrons_split_flags_are_read_and_the_split_priced_is_said():
+    """``--account-for-embedding/loss-in-pipeline-split`` are Megatron's flags for the split the planner
+    prices by default (read, not refused); without both (or a layout string) Megatron splits evenly, and
+    a note says which split was priced."""
+    from modelcarve.commands.emit.vocab import read_layout
+
+    base = "--pipeline-model-parallel-size 4 --micro-batch-size 1 --global-batch-size 64 --seq-length 4096"
+    both = " --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
+    say = "priced with the planner's balanced split"
+    assert not [n for n in read_layout("megatron", base + both, devices=32)[1] if say in n]
+    assert [n for n in read_layout("megatron", base, devices=32)[1] if say in n and "evenly" in n]
+    only = read_layout("megatron", base + " --account-for-loss-in-pipeline-split", devices=32)[1]
+    assert [n for n in only if say in n and "only --account-for-loss-in-pipeline-split" in n]
+    stated = read_layout("megatron", base + " --pipeline-model-parallel-layout 'Et*2|t*2|t*2|t*2L'", devices=32)[1]
+    assert not [n for n in stated if say in n]
+    assert read_layout("megatron", base + both, devices=32)[0] == read_layout("megatron", base, devices=32)[0]

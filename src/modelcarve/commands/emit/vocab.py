@@ -358,9 +358,30 @@ def read_layout(engine: str, text: str, devices: int | None = None) -> tuple[str
     if text.startswith("--"):
         layout, notes = _flags(engine, text, devices)
         if engine == "megatron":
-            notes += _megatron_overlap(shlex.split(text))
+            notes += _megatron_overlap(shlex.split(text)) + _megatron_split(shlex.split(text))
         return layout, notes
     return _words(engine, text)
+
+
+def _megatron_split(words: list[str]) -> list[str]:
+    """How Megatron-LM splits the layers over the stages (transformer_config.py @ core_v0.15.3), beside
+    the split priced: without ``--pipeline-model-parallel-layout`` the planner prices its balanced split,
+    the embedding and the loss a layer each, which is what the two ``--account-for-*-in-pipeline-split``
+    flags ask for; Megatron without them splits the decoder layers evenly (they must divide), and with
+    one of them counts only that one. Said in a note; a layout string is priced as stated."""
+    pp = words[words.index("--pipeline-model-parallel-size") + 1] if "--pipeline-model-parallel-size" in words[:-1] else "1"
+    if pp == "1" or "--pipeline-model-parallel-layout" in words:
+        return []
+    given = [f for f in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+             if f in words]
+    if len(given) == 2:
+        return []
+    name = title("megatron")
+    what = (f"with only {given[0]} Megatron counts only that end as a layer" if given else
+            "without --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split Megatron "
+            "splits the decoder layers evenly (they must divide by the stages)")
+    return [f"{name}: {what}; priced with the planner's balanced split, the embedding and the loss a layer each "
+            f"(both flags' split); give --pipeline-model-parallel-layout to price a split as stated"]
 
 
 def _megatron_overlap(words: list[str]) -> list[str]:
