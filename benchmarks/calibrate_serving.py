@@ -34,13 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "serving_published.csv"
 SOURCES = {
     "trtllm": "NVIDIA TensorRT-LLM Performance Overview (docs/source/performance/perf-overview.md @ 00f37686), "
-    "trtllm-bench throughput, H100 SXM 80GB, ModelOpt FP8 checkpoints, total output tokens/s at infinite request rate",
+    "trtllm-bench throughput, H100 SXM 80GB and H200 SXM 141GB, ModelOpt FP8 checkpoints (Llama-3.1-8B, Llama-3.3-70B, "
+    "Llama-3.1-405B, Qwen3-235B-A22B, Llama-4-Scout, Llama-4-Maverick), total output tokens/s at infinite request rate",
     "vllm-a100": "J. Musgrave, 'vLLM throughput-latency sweep on NVIDIA A100' (johnmusgrave.com): vLLM 0.23.0, "
     "A100 40GB, Llama-3.1-8B-Instruct bf16, 1024 in / 128 out, concurrency 1: ~75 tokens/s",
     "vllm-h100": "InferenceBench concurrency-sweep recipe (yobitelcomm.github.io/bench): vLLM 0.21.0, H100-80GB, "
     "Llama-3.1-8B-Instruct fp16, concurrency 1, TPOT p50 6.48 ms (prompt lengths not stated; 512/256 assumed)",
     "trtllm-fp4": "TensorRT-LLM Performance Overview (@ 00f37686), Blackwell tables: B200 and GB200 NVL72, ModelOpt NVFP4 "
-    "checkpoints (Llama-3.3-70B, Llama-3.1-405B, Qwen3-235B-A22B, Qwen3-30B-A3B), total output tokens/s at infinite rate",
+    "checkpoints (Llama-3.3-70B, Llama-3.1-405B, Qwen3-235B-A22B, Qwen3-30B-A3B; Llama-4-Scout and -Maverick, whose FP4 checkpoints "
+    "the page does not list), total output tokens/s at infinite rate",
     "sglang-disagg": "SGLang team, 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 "
     "GPUs' (lmsys.org, 2025-05-05): prefill EP32 50,302 input tok/s per node (4K prompts), decode EP72 22,282 output tok/s per node",
     "gpt-fast": "pytorch-labs/gpt-fast README @ 0f925b5d: 8x A100-80GB (330 W, hybrid cube mesh), batch 1, 5-token "
@@ -114,8 +116,8 @@ LOSO_INTRO = [
     "The four fitted constants of `plan/serve/rates.py` fitted jointly on every row not marked `excluded` (roles fit,",
     "fit-fp4 and check alike) of every source but one, by coordinate descent over the grids of `fit_decode_constants`",
     "and `fit_fp4_fraction` on the mean |log(predicted / published)| per row, then the held-out source's rows predicted",
-    "with them. Sources are the CSV's `source` column; `trtllm` and `trtllm-fp4` are two tables (H100 FP8; B200 /",
-    "GB200 NVFP4) of one TensorRT-LLM page, held out separately. Every row is predicted once, by the fold that did",
+    "with them. Sources are the CSV's `source` column; `trtllm` and `trtllm-fp4` are two sets of tables (H100 / H200 FP8;",
+    "B200 / GB200 NVFP4) of one TensorRT-LLM page, held out separately. Every row is predicted once, by the fold that did",
     "not see it. The code's constants were fitted differently (the three decode constants by least",
     "squares on the `fit` rows, the FP4 fraction on the `fit-fp4` rows); the in-sample column is this joint fit on",
     "all sources. The training calibration's GEMM constants (peak fractions, `RAMP_DIM`) are not refitted here.",

@@ -1,6 +1,7 @@
 """The serving planner against published, measured serving results (data/serving_published.csv:
-TensorRT-LLM's H100 FP8 throughput table, vLLM batch-1 latencies on A100 and H100, gpt-fast's
-batch-1 tensor-parallel sweep; every source cited in its header)."""
+TensorRT-LLM's H100 / H200 FP8 and B200 / GB200 NVFP4 throughput tables, vLLM batch-1 latencies on A100
+and H100, gpt-fast's batch-1 tensor-parallel sweep, SGLang's disaggregated DeepSeek; every source cited in
+its header)."""
 
 import statistics
 from pathlib import Path
@@ -21,9 +22,24 @@ def rows():
 ORIGINAL = ("trtllm", "vllm-a100", "vllm-h100", "gpt-fast")
 """The sources of the first calibration (H100/A100, bf16/fp8); the FP4 / Blackwell / disaggregated rows have their own tests."""
 
+MOE_MODELS = ("qwen3-235b-a22b", "llama-4-scout", "llama-4-maverick")
+
+
+def added_perf_overview_row(r: dict) -> bool:
+    """The 110 rows transcribed later from the same TensorRT-LLM page (perf-overview.md @ 00f37686): its H200
+    FP8 columns of Llama-3.1-8B / Llama-3.3-70B / Llama-3.1-405B, the FP8 columns of its MoE tables
+    (Qwen3-235B-A22B, Llama-4-Scout, Llama-4-Maverick on H200 and H100) and the NVFP4 columns of its Llama 4
+    tables (B200, GB200). They have their own tests below; the first calibration's tests keep their rows."""
+    if r["source"] == "trtllm":
+        return r["device"] == "H200" or r["model"] in MOE_MODELS
+    return r["source"] == "trtllm-fp4" and r["model"].startswith("llama-4")
+
 
 def test_independent_checks_from_two_sources_within_tolerance(rows):
-    checks = [r for r in rows if r["role"] == "check" and r["source"] in ORIGINAL]
+    """The first calibration's 31 checks (TensorRT-LLM's H100 dense Llama tables, vLLM H100); the rows added
+    later from the same page (``added_perf_overview_row``) are tested below."""
+    checks = [r for r in rows if r["role"] == "check" and r["source"] in ORIGINAL and not added_perf_overview_row(r)]
+    assert len(checks) == 31
     assert {"trtllm", "vllm-h100"} <= {r["source"] for r in checks}
     errors = [abs(r["error"]) for r in checks]
     # Most within +-20%, the median well inside, none wildly off: the misses (listed in
@@ -65,8 +81,10 @@ def test_fp4_blackwell_checks(rows):
     (median |error| 11.1%, max 26.2%) since the training calibration refitted it to 0.6 (plan/cost/efficiency.py,
     shared by both planners): the misses are the 128/128 rows on GB200 (-22%, -20%) and Qwen3-235B TP8 at
     128/128, 128/2048 and 5000/500 (docs/calibration_serving.md). Asserted: no row beyond the original
-    checks' 30% bound, and most rows within the issue's 20%."""
-    checks = [r for r in rows if r["role"] == "check" and r["source"] == "trtllm-fp4" and r["model"] != "qwen3-30b-a3b"]
+    checks' 30% bound, and most rows within the issue's 20%. The 28 Llama 4 NVFP4 rows added later from the
+    same tables are not among these 40 (test_added_llama4_rows)."""
+    checks = [r for r in rows if r["role"] == "check" and r["source"] == "trtllm-fp4" and r["model"] != "qwen3-30b-a3b"
+              and not added_perf_overview_row(r)]
     assert len(checks) == 40 and {r["device"] for r in checks} == {"B200", "GB200"}
     errors = [abs(r["error"]) for r in checks]
     assert max(errors) <= 0.30
@@ -97,3 +115,67 @@ def test_disaggregated_phases_within_tolerance(rows):
     assert [(r["devices"], r["layout"]) for r in decode] == [(72, "DP72-EP72-EPLB32")]
     assert {r["metric"] for r in disagg} == {"prefill_tokens_per_s_per_device", "decode_tokens_per_s_per_device"}
     assert all(abs(r["error"]) <= TOLERANCE for r in disagg)
+
+
+def test_added_perf_overview_rows_are_all_answered(rows):
+    """Every row added later from TensorRT-LLM's perf-overview tables (``added_perf_overview_row``) is a check
+    the planner answers: 82 FP8 rows (source trtllm) and 28 NVFP4 rows (trtllm-fp4), none refused as not
+    fitting, none erroring."""
+    added = [r for r in rows if added_perf_overview_row(r)]
+    assert sum(r["source"] == "trtllm" for r in added) == 82 and sum(r["source"] == "trtllm-fp4" for r in added) == 28
+    assert all(r["role"] == "check" and r["metric"] == "output_tokens_per_s" and r["concurrency"] == 0 for r in added)
+    assert all(r["predicted"] == r["predicted"] and r["predicted"] > 0 and r["batch"] for r in added)
+    groups = {}
+    for r in added:
+        groups[(r["model"], r["device"], r["layout"])] = groups.get((r["model"], r["device"], r["layout"]), 0) + 1
+    assert groups == {
+        ("llama-3.1-8b", "H200", "DP1"): 10, ("llama-3.1-70b", "H200", "DP1"): 10, ("llama-3.1-405b", "H200", "TP8"): 10,
+        ("qwen3-235b-a22b", "H200", "TP8"): 10, ("qwen3-235b-a22b", "H100", "TP8"): 7,
+        ("llama-4-scout", "H200", "TP4"): 10, ("llama-4-scout", "H100", "TP4"): 8,
+        ("llama-4-maverick", "H200", "TP8"): 10, ("llama-4-maverick", "H100", "TP8"): 7,
+        ("llama-4-scout", "B200", "DP1"): 10, ("llama-4-scout", "GB200", "DP1"): 10, ("llama-4-maverick", "B200", "TP8"): 8,
+    }
+
+
+def test_added_h200_dense_llama_checks(rows):
+    """The 30 H200 FP8 rows of Llama-3.1-8B (TP1), Llama-3.3-70B (TP1) and Llama-3.1-405B (TP8). Measured:
+    29 of 30 within 20%, median |error| 7.9%, worst +20.2% (405B 1000/2000; the 405B rows are all
+    over-predicted, +0.9% to +20.2%, as on H100). Asserted: the original checks' bounds."""
+    checks = [r for r in rows if added_perf_overview_row(r) and r["model"].startswith("llama-3")]
+    assert len(checks) == 30 and {r["device"] for r in checks} == {"H200"}
+    errors = [abs(r["error"]) for r in checks]
+    assert sum(e <= TOLERANCE for e in errors) >= 0.9 * len(errors)
+    assert statistics.median(errors) <= 0.10
+    assert max(errors) <= 0.30
+
+
+def test_added_qwen3_235b_fp8_checks(rows):
+    """The 17 Qwen3-235B-A22B FP8 rows (H200 TP8, ten; H100 TP8, seven), transcribed at TP8 with ep 1 (EP not
+    stated; attention DP per the MoE llm_options). Measured: 14 of 17 within 20%, worst +33.7% (H200 5000/500);
+    the misses are H200 128/2048 (-28.5%: the planner's batch stops at its 1024 cap for the whole TP group),
+    5000/500 (+33.7%) and 20000/2000 (+28.0%); every H100 row within 20% (+3.0% to +19.7%). Asserted: that
+    state, so a regression shows."""
+    qwen = [r for r in rows if added_perf_overview_row(r) and r["model"] == "qwen3-235b-a22b"]
+    assert len(qwen) == 17
+    errors = [abs(r["error"]) for r in qwen]
+    assert sum(e <= TOLERANCE for e in errors) >= 14
+    assert max(errors) <= 0.35
+    assert all(abs(r["error"]) <= TOLERANCE for r in qwen if r["device"] == "H100")
+
+
+def test_added_llama4_rows(rows):
+    """The 63 Llama 4 rows: Scout FP8 H200 TP4 (10) and H100 TP4 (8), Maverick FP8 H200 TP8 (10) and H100 TP8 (7),
+    Scout NVFP4 on one B200 (10) and one GB200 (10), Maverick NVFP4 B200 TP8 (8). Measured: 13 of 63 within
+    20%, median |error| 38.5%, mean 49.0%, worst +149.1% (Maverick H100 128/2048). Not explained here
+    (docs/calibration_serving.md lists them): every H100 row is over-predicted (Scout +39% to +105%, Maverick
+    +50% to +149%: the page's H200 / H100 ratio is 2.5-3.8x for Maverick, the planner's 1.2-2.0x); Scout is
+    over-predicted on every device, all rows but B200 128/128 (-0.9%), up to +130% (GB200 1000/1000);
+    Maverick's short rows on H200/B200 are under-predicted
+    (128/128 -53% / -51%; the planner's batch stops at its 1024 cap for the TP group). Asserted: that state,
+    so a regression (or an improvement to record) shows."""
+    llama4 = [r for r in rows if added_perf_overview_row(r) and r["model"].startswith("llama-4")]
+    assert len(llama4) == 63
+    errors = [abs(r["error"]) for r in llama4]
+    assert sum(errors) / len(errors) < 0.55
+    assert max(errors) <= 1.6
+    assert sum(e <= TOLERANCE for e in errors) >= 12
