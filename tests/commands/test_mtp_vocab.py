@@ -130,3 +130,26 @@ def test_megatrons_split_flags_are_read_and_the_split_priced_is_said():
     stated = read_layout("megatron", base + " --pipeline-model-parallel-layout 'Et*2|t*2|t*2|t*2L'", devices=32)[1]
     assert not [n for n in stated if say in n]
     assert read_layout("megatron", base + both, devices=32)[0] == read_layout("megatron", base, devices=32)[0]
+
+
+def test_megatrons_uneven_split_flags_priced_as_the_layout_they_give(capsys):
+    """``--decoder-first/last-pipeline-num-layers`` (Megatron's uneven split: the first and last ranks' layers,
+    the middle ranks the rest evenly) price the same as the layout string they give; where Megatron raises
+    (the rest does not divide) the estimate says so in one line."""
+    base = ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --sequence-parallel "
+            "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --micro-batch-size 1 "
+            "--global-batch-size 512 --seq-length 8192")
+    def est(flags):
+        code = main(["estimate", "--model", "llama-3.1-405b", "--cluster", "64x8xH100", "--json", "--framework",
+                     "megatron", "--layout", flags])
+        out = capsys.readouterr().out
+        assert code in (0, 1), out
+        return json.loads(out)
+    uneven = est(base + " --decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7")
+    stated = est(base + " --pipeline-model-parallel-layout 'Et*7|(t*8|)*14t*7L'")
+    assert uneven["time"]["step_s"] == pytest.approx(stated["time"]["step_s"], rel=1e-12)
+    assert uneven["memory"]["peak_bytes"] == pytest.approx(stated["memory"]["peak_bytes"], rel=1e-12)
+    code = main(["estimate", "--model", "llama-3.1-405b", "--cluster", "64x8xH100", "--framework", "megatron",
+                 "--layout", base + " --decoder-first-pipeline-num-layers 5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "divide evenly" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

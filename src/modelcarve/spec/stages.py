@@ -42,7 +42,7 @@ from modelcarve.spec.errors import LayoutError
 __all__ = [
     "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
     "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem", "split_costs",
-    "megatron_layout", "parse_megatron_layout", "layout_holdings",
+    "megatron_layout", "parse_megatron_layout", "layout_holdings", "uneven_layout",
 ]
 
 EMBEDDING_RANK = 0
@@ -250,3 +250,32 @@ def layout_holdings(text: str, num_layers: int, pp: int, v: int, moe_layers: fro
         ids = [i for s in rank_stage_ids(pp, v, r) for i in range(starts[s], starts[s] + counts[s])]
         held.append((len(ids), sum(1 for i in ids if i in moe_layers)))
     return tuple(held), counts, mtp
+
+
+def uneven_layout(num_layers: int, pp: int, v: int, first: int = 0, last: int = 0, mtp_layers: int = 0) -> str:
+    """Megatron-LM's uneven split as a layout string: ``--decoder-first-pipeline-num-layers first`` on
+    pipeline rank 0 and ``--decoder-last-pipeline-num-layers last`` on rank ``pp - 1`` (0: that end not
+    given), the other ranks the rest evenly, each rank's layers evenly over its ``v`` virtual stages, as
+    megatron/core/transformer/transformer_config.py (core_v0.15.3) splits them; ``LayoutError`` in one
+    line where Megatron raises (a count that does not divide, an end with no layers, pp < 2)."""
+    if pp < 2:
+        raise LayoutError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size >= 2")
+    ranks = [0] * pp
+    rest, middle = num_layers, pp
+    for rank, count, flag in ((0, first, "first"), (pp - 1, last, "last")):
+        if count:
+            if count % v:
+                raise LayoutError(f"--decoder-{flag}-pipeline-num-layers {count} must divide by the {v} virtual stages")
+            ranks[rank], rest, middle = count, rest - count, middle - 1
+    if rest < 0 or (middle and rest % middle) or (middle and (rest // middle) % v) or (not middle and rest):
+        raise LayoutError(f"{num_layers} layers less the first / last stages' {first} / {last} leave {rest} for "
+                          f"{middle} middle ranks: Megatron needs them to divide evenly (and by the {v} virtual stages)")
+    for r in range(pp):
+        if not ((r == 0 and first) or (r == pp - 1 and last)):
+            ranks[r] = rest // middle if middle else 0
+    counts = [ranks[s % pp] // v for s in range(pp * v)]
+    out = []
+    for s, n in enumerate(counts):
+        body = ("E" if s == 0 else "") + ("t" if n == 1 else f"t*{n}" if n else "")
+        out.append(body + ("m" * mtp_layers + "L" if s == len(counts) - 1 else ""))
+    return "|".join(out)

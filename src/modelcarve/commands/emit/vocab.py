@@ -372,6 +372,8 @@ def _megatron_split(words: list[str]) -> list[str]:
     pp = words[words.index("--pipeline-model-parallel-size") + 1] if "--pipeline-model-parallel-size" in words[:-1] else "1"
     if pp == "1" or "--pipeline-model-parallel-layout" in words:
         return []
+    if "--decoder-first-pipeline-num-layers" in words or "--decoder-last-pipeline-num-layers" in words:
+        return []  # Megatron's uneven split, priced as stated
     given = [f for f in ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
              if f in words]
     if len(given) == 2:

@@ -80,7 +80,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 )
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
-from modelcarve.spec.stages import layout_holdings, rank_holdings, split_costs, stage_kind
+from modelcarve.spec.stages import layout_holdings, rank_holdings, split_costs, stage_kind, uneven_layout
 from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
@@ -257,11 +257,15 @@ class TrainCostModel(ProfileMixin):
         held = self._held.get((pp, v))
         if held is None:
             mtp = self.options.mtp_layers
-            if self.options.pipeline_layout:  # the stages stated (Megatron's --pipeline-model-parallel-layout)
-                held, _counts, named = layout_holdings(self.options.pipeline_layout, self.model.num_layers, pp, v,
-                                                       self.moe_set)
+            stated = self.options.pipeline_layout
+            if not stated and (self.options.first_stage_layers or self.options.last_stage_layers):
+                # Megatron's --decoder-first/last-pipeline-num-layers, as the layout string they give
+                stated = uneven_layout(self.model.num_layers, pp, v, self.options.first_stage_layers,
+                                       self.options.last_stage_layers, mtp)
+            if stated:  # the stages stated (Megatron's --pipeline-model-parallel-layout)
+                held, _counts, named = layout_holdings(stated, self.model.num_layers, pp, v, self.moe_set)
                 if named != mtp:
-                    raise LayoutError(f"pipeline layout {self.options.pipeline_layout!r} places {named} MTP depth(s) "
+                    raise LayoutError(f"pipeline layout {stated!r} places {named} MTP depth(s) "
                                       f"(m); mtp_layers is {mtp}: give the same number (Megatron's --mtp-num-layers)")
             else:
                 held = rank_holdings(self.model.num_layers, pp, v, self.moe_set, *self._split)

@@ -118,3 +118,10 @@ class TrainOptions:
     pipeline rank holds the layers its stages name instead of the balanced split. Its stage count
     must be ``pp x v`` and its ``m`` count ``mtp_layers`` (spec/stages.py ``parse_megatron_layout``).
     Empty: the balanced split (``split_embedding``, ``mtp_layers``)."""
+    first_stage_layers: int = 0
+    """Megatron-LM's ``--decoder-first-pipeline-num-layers``: the decoder layers of pipeline rank 0 (its
+    virtual stages share them evenly); the middle ranks split the rest evenly (spec/stages.py
+    ``uneven_layout``). 0: not given."""
+    last_stage_layers: int = 0
+    """Megatron-LM's ``--decoder-last-pipeline-num-layers``: the decoder layers of the last pipeline
+    rank, as ``first_stage_layers``. 0: not given."""
