@@ -153,3 +153,16 @@ def test_megatrons_uneven_split_flags_priced_as_the_layout_they_give(capsys):
                  "--layout", base + " --decoder-first-pipeline-num-layers 5"])
     err = capsys.readouterr().err
     assert code == 2 and "divide evenly" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_launch_of_an_uneven_megatron_split_states_that_split(capsys):
+    """An estimate of Megatron's uneven split launches with the stages it priced (one rule, spec/stages.py
+    ``planned_layout``, for the planner and the launch), not the balanced split."""
+    base = ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --sequence-parallel "
+            "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --micro-batch-size 1 "
+            "--global-batch-size 512 --seq-length 8192 --decoder-first-pipeline-num-layers 6")
+    code = main(["estimate", "--model", "llama-3.1-405b", "--cluster", "64x8xH100", "--framework", "megatron",
+                 "--layout", base, "--emit-launch", "megatron"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "--pipeline-model-parallel-layout 'Et*6|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8|t*8L'" in out

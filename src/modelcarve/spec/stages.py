@@ -42,7 +42,7 @@ from modelcarve.spec.errors import LayoutError
 __all__ = [
     "balance_layers", "stage_counts", "stage_ranges", "rank_stage_ids", "rank_layer_ids", "rank_layers",
     "rank_holdings", "stage_kind", "EMBEDDING_RANK", "max_stages", "stage_count_problem", "split_costs",
-    "megatron_layout", "parse_megatron_layout", "layout_holdings", "uneven_layout",
+    "megatron_layout", "parse_megatron_layout", "layout_holdings", "uneven_layout", "planned_layout",
 ]
 
 EMBEDDING_RANK = 0
@@ -192,14 +192,30 @@ def megatron_layout(num_layers: int, pp: int, v: int = 1, embed_cost: float = 1.
     a decoder layer (``t*k`` for k of them), ``m`` an MTP depth, ``L`` the loss: what a launch passes
     so that Megatron builds the stages the planner priced (its own rules need the layer count to
     divide evenly; a layout string does not)."""
-    counts = stage_counts(num_layers, pp, v, embed_cost, head_cost)
+    return _layout_string(stage_counts(num_layers, pp, v, embed_cost, head_cost), mtp_layers)
+
+
+def _layout_string(counts, mtp_layers: int) -> str:
+    """Megatron-Core's layout string of decoder layers ``counts`` per stage (stage order), the embedding
+    on the first stage, the MTP depths and the loss on the last."""
     out = []
     for s, n in enumerate(counts):
         body = ("E" if s == 0 else "") + ("t" if n == 1 else f"t*{n}" if n else "")
-        if s == len(counts) - 1:
-            body += "m" * mtp_layers + "L"
-        out.append(body)
+        out.append(body + ("m" * mtp_layers + "L" if s == len(counts) - 1 else ""))
     return "|".join(out)
+
+
+def planned_layout(num_layers: int, pp: int, v: int, *, layout: str = "", first: int = 0, last: int = 0,
+                   split_embedding: bool = True, mtp_layers: int = 0) -> str:
+    """The layout string of the split a training run prices, the one rule the training planner and the
+    Megatron launch share: ``layout`` as stated (``--pipeline-model-parallel-layout``), else Megatron's
+    uneven split when ``first`` / ``last`` are given (:func:`uneven_layout`), else the balanced split of
+    :func:`split_costs`."""
+    if layout:
+        return layout
+    if first or last:
+        return uneven_layout(num_layers, pp, v, first, last, mtp_layers)
+    return megatron_layout(num_layers, pp, v, *split_costs(split_embedding, mtp_layers), mtp_layers=mtp_layers)
 
 
 def parse_megatron_layout(text: str, pp: int) -> tuple[tuple[int, ...], int]:
@@ -273,9 +289,4 @@ def uneven_layout(num_layers: int, pp: int, v: int, first: int = 0, last: int = 
     for r in range(pp):
         if not ((r == 0 and first) or (r == pp - 1 and last)):
             ranks[r] = rest // middle if middle else 0
-    counts = [ranks[s % pp] // v for s in range(pp * v)]
-    out = []
-    for s, n in enumerate(counts):
-        body = ("E" if s == 0 else "") + ("t" if n == 1 else f"t*{n}" if n else "")
-        out.append(body + ("m" * mtp_layers + "L" if s == len(counts) - 1 else ""))
-    return "|".join(out)
+    return _layout_string([ranks[s % pp] // v for s in range(pp * v)], mtp_layers)

@@ -309,12 +309,13 @@ def argv(engine: str, layout: Layout, model, cluster, *, serving: bool, max_batc
              options_file=options_file, titan_module=_titan_module(model), titan_config=f"{_titan_module(model)}_custom")
     out = [part.format(**c) for part in t["command"]]
     if layout.pp > 1 and model is not None:  # the stages the plan priced, as Megatron's layout string
-        from modelcarve.spec.stages import megatron_layout, split_costs
+        from modelcarve.spec.stages import planned_layout
 
-        mtp = int(priced.get("mtp_layers") or 0)
-        c["pipeline_layout"] = priced.get("pipeline_layout") or megatron_layout(
+        c["pipeline_layout"] = planned_layout(
             model.num_layers, layout.pp, layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1,
-            *split_costs(priced.get("split_embedding", True), mtp), mtp_layers=mtp)
+            layout=priced.get("pipeline_layout") or "", first=int(priced.get("first_stage_layers") or 0),
+            last=int(priced.get("last_stage_layers") or 0), split_embedding=priced.get("split_embedding", True),
+            mtp_layers=int(priced.get("mtp_layers") or 0))
     for arg in t["args"]:
         if "comment" in arg or arg.get("emit") is False:  # e.g. a flag read but superseded in a launch
             continue

@@ -80,7 +80,7 @@ from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for calle
 )
 from modelcarve.spec.errors import LayoutError
 from modelcarve.spec.layout import DTYPE_BYTES, Layout
-from modelcarve.spec.stages import layout_holdings, rank_holdings, split_costs, stage_kind, uneven_layout
+from modelcarve.spec.stages import layout_holdings, planned_layout, rank_holdings, split_costs, stage_kind
 from modelcarve.spec.support import fsdp_holds_gradients, fsdp_layer_gathers, fsdp_reshards_after_forward
 
 if TYPE_CHECKING:
@@ -256,13 +256,9 @@ class TrainCostModel(ProfileMixin):
         depths' decoder layers (of the model's last layer's kind)."""
         held = self._held.get((pp, v))
         if held is None:
-            mtp = self.options.mtp_layers
-            stated = self.options.pipeline_layout
-            if not stated and (self.options.first_stage_layers or self.options.last_stage_layers):
-                # Megatron's --decoder-first/last-pipeline-num-layers, as the layout string they give
-                stated = uneven_layout(self.model.num_layers, pp, v, self.options.first_stage_layers,
-                                       self.options.last_stage_layers, mtp)
-            if stated:  # the stages stated (Megatron's --pipeline-model-parallel-layout)
+            o, mtp = self.options, self.options.mtp_layers
+            if o.pipeline_layout or o.first_stage_layers or o.last_stage_layers:  # the stages stated
+                stated = self.layout_string(pp, v)
                 held, _counts, named = layout_holdings(stated, self.model.num_layers, pp, v, self.moe_set)
                 if named != mtp:
                     raise LayoutError(f"pipeline layout {stated!r} places {named} MTP depth(s) "
@@ -274,6 +270,13 @@ class TrainCostModel(ProfileMixin):
                 held = held[:-1] + ((n + mtp, k + (mtp if self._mtp_moe else 0)),)
             self._held[(pp, v)] = held
         return held
+
+    def layout_string(self, pp: int, v: int) -> str:
+        """This run's split over ``pp`` ranks x ``v`` virtual stages as Megatron-Core's layout string
+        (spec/stages.py ``planned_layout``: stated, Megatron's uneven split, or the balanced one)."""
+        o = self.options
+        return planned_layout(self.model.num_layers, pp, v, layout=o.pipeline_layout, first=o.first_stage_layers,
+                              last=o.last_stage_layers, split_embedding=o.split_embedding, mtp_layers=o.mtp_layers)
 
     def split_id(self, pp: int, v: int) -> int:
         """A small id of the runtime's split of the layers over ``pp`` ranks with ``v`` virtual

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelcarve.spec.stages import layout_holdings, split_costs, stage_counts, uneven_layout
+from modelcarve.spec.stages import layout_holdings
 
 if TYPE_CHECKING:
     from modelcarve.spec.hardware import ClusterSpec
@@ -54,13 +54,8 @@ def schedule_costs(model: "ModelSpec", cluster: "ClusterSpec", layout: "Layout",
     f, b, start = [], [], 0
     stages = p * v
     mtp = cost.options.mtp_layers
-    o = cost.options
-    stated = o.pipeline_layout or (uneven_layout(model.num_layers, p, v, o.first_stage_layers, o.last_stage_layers, mtp)
-                                   if o.first_stage_layers or o.last_stage_layers else "")
-    if stated:  # the stages stated (TrainCostModel.holdings checks them)
-        counts = layout_holdings(stated, model.num_layers, p, v, moe_ids)[1]
-    else:
-        counts = stage_counts(model.num_layers, p, v, *split_costs(cost.options.split_embedding, mtp))
+    # the split the cost model prices (TrainCostModel.holdings checks a stated one)
+    counts = layout_holdings(cost.layout_string(p, v), model.num_layers, p, v, moe_ids)[1]
     for s, count in enumerate(counts):
         n_moe = sum(1 for i in range(start, start + count) if i in moe_ids)
         start += count
