@@ -139,8 +139,7 @@ def _flags(engine: str, text: str, devices: int | None) -> tuple[str, list[str]]
 
             if i + 1 >= len(tokens):
                 raise ModelcarveError(f"{title(engine)}: {flag} needs a layout, e.g. {flag} 'Et*4|t*4|t*3mL'")
-            pp = int(tokens[tokens.index("--pipeline-model-parallel-size") + 1]) \
-                if "--pipeline-model-parallel-size" in tokens[:-1] else 1
+            pp = int(_word_after(tokens, "--pipeline-model-parallel-size", "1"))
             try:
                 counts, named = parse_megatron_layout(tokens[i + 1], pp)
             except LayoutError as err:
@@ -302,6 +301,11 @@ def read_options(engine: str, text: str) -> dict:
     return _set_options(engine, shlex.split(text))
 
 
+def _word_after(words: list[str], flag: str, default: str) -> str:
+    """The word after ``flag`` in a command line's ``words``, or ``default`` when the flag is not there."""
+    return words[words.index(flag) + 1] if flag in words[:-1] else default
+
+
 def _number(engine: str, words: list[str], flag: str) -> int:
     """The whole number after ``flag`` in ``words``, or one line saying what it needs."""
     at = words.index(flag)
@@ -369,7 +373,7 @@ def _megatron_split(words: list[str]) -> list[str]:
     the embedding and the loss a layer each, which is what the two ``--account-for-*-in-pipeline-split``
     flags ask for; Megatron without them splits the decoder layers evenly (they must divide), and with
     one of them counts only that one. Said in a note; a layout string is priced as stated."""
-    pp = words[words.index("--pipeline-model-parallel-size") + 1] if "--pipeline-model-parallel-size" in words[:-1] else "1"
+    pp = _word_after(words, "--pipeline-model-parallel-size", "1")
     if pp == "1" or "--pipeline-model-parallel-layout" in words:
         return []
     if "--decoder-first-pipeline-num-layers" in words or "--decoder-last-pipeline-num-layers" in words:
@@ -391,7 +395,7 @@ def _megatron_overlap(words: list[str]) -> list[str]:
     refuses them) and the notes of the ones not given (see the module doc). Megatron-LM's flags only:
     Megatron-Bridge decides these its own way (bridge_vocab.py) and passes them as given flags."""
     name = title("megatron")
-    tp = words[words.index("--tensor-model-parallel-size") + 1] if "--tensor-model-parallel-size" in words[:-1] else "1"
+    tp = _word_after(words, "--tensor-model-parallel-size", "1")
     sharded = "--use-distributed-optimizer" in words or "--use-megatron-fsdp" in words
     if "--tp-comm-overlap" in words and ("--sequence-parallel" not in words or tp == "1"):
         raise ModelcarveError(f"{name}: --tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size "
