@@ -103,15 +103,20 @@ def test_every_row_answered_and_recompute_is_one_per_recipe():
     # 26.04.01 (Megatron-Bridge v0.4.2): Qwen3-235B's B300 config moved to the flex dispatcher, its B200 one did not
     assert dispatch["qwen3-235b-a22b mxfp8 256xB300 (MB-26.04.01)"] == "fused"
     assert dispatch["qwen3-235b-a22b mxfp8 256xB200 (MB-26.04.01)"] == "alltoall"
-    # 26.06 (v0.5.0): gpt-oss runs MXFP8 with HybridEP on GB300 / GB200 / B300; the presets' CUDA graphs, CuTeDSL
-    # fused grouped MLP and FP8 attention are read as notes (unpriced), the H100 Qwen3-30B preset sets none of them
+    # 26.06 (v0.5.0): gpt-oss runs MXFP8 with HybridEP on GB300 / GB200 / B300; the presets' CUDA graphs and FP8
+    # attention are read as notes (unpriced), their CuTeDSL fused grouped MLP is priced (moe_fused_mlp); the H100
+    # Qwen3-30B preset sets none of them
     assert dispatch["gpt-oss-120b mxfp8 64xGB300 (MB-26.06)"] == "fused"
     notes = {c.name: c.unmodelled for c in cases if c.source in ("MB-26.06", "MB-26.08")}
-    assert notes["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] == (
-        "cuda_graph=full_iteration", "cutedsl_fused_grouped_mlp", "fp8_dot_product_attention")
+    fused = {c.name: c.options.moe_fused_mlp for c in cases}
+    assert notes["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] == ("cuda_graph=full_iteration", "fp8_dot_product_attention")
+    assert fused["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] and fused["deepseek-v3 mxfp8 256xGB200 (MB-26.06)"]
     assert notes["deepseek-v3 mxfp8 256xB300 (MB-26.06)"] == ("cuda_graph=transformer_engine",)
+    assert not fused["deepseek-v3 mxfp8 256xB300 (MB-26.06)"]
     assert notes["qwen3-30b-a3b fp8-cs 16xH100 (MB-26.06)"] == ()
+    assert not fused["qwen3-30b-a3b fp8-cs 16xH100 (MB-26.06)"]
     assert all(c.unmodelled == () for c in cases if c.source not in ("MB-26.06", "MB-26.08"))
+    assert not any(c.options.moe_fused_mlp for c in cases if c.source not in ("MB-26.06", "MB-26.08"))
 
 
 def test_the_recipe_feature_columns_are_optional(tmp_path):

@@ -91,6 +91,10 @@ def _common(p) -> None:
     p.add_argument("--moe-a2a-overlap", dest="moe_a2a_overlap", action="store_true", default=None,
                    help="training, MoE: the expert-parallel all-to-all overlapped with another micro-batch's compute "
                         "(Megatron's --overlap-moe-expert-parallel-comm; Megatron-Bridge's moe_a2a_overlap presets)")
+    p.add_argument("--moe-fused-mlp", dest="moe_fused_mlp", action="store_true", default=None,
+                   help="training, MoE: the routed experts' MLP as one fused operation, the activation and its "
+                        "quantisation in the GEMM epilogues (Megatron's --use-transformer-engine-op-fuser; "
+                        "Megatron-Bridge's cutedsl_fused_grouped_mlp presets)")
     p.add_argument("--mtp-layers", dest="mtp_layers", type=int, metavar="N", default=None,
                    help="training: multi-token prediction depths on the last pipeline stage (DeepSeek-V3's MTP: "
                         "Megatron's --mtp-num-layers; its recipes train with 1): a decoder layer, a projection and "
@@ -124,7 +128,7 @@ def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
              "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine",
-             "moe_a2a_overlap", "grad_dtype", "mtp_layers", "split_embedding")
+             "moe_a2a_overlap", "moe_fused_mlp", "grad_dtype", "mtp_layers", "split_embedding")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -112,6 +112,7 @@ _SWITCHES = {
     "optimizer.use_distributed_optimizer": "--use-distributed-optimizer",
     "ddp.use_megatron_fsdp": "--use-megatron-fsdp",
     "dist.use_megatron_fsdp": "--use-megatron-fsdp",
+    "model.use_transformer_engine_op_fuser": "--use-transformer-engine-op-fuser",
 }
 """Boolean overrides that are a Megatron-LM switch when true."""
 PRESETS = {

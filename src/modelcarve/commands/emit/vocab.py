@@ -53,6 +53,11 @@ estimate of Megatron's flags prices what Megatron runs:
   the planner's ``overlap_p2p=True`` (priced with virtual stages only); the flag reads as
   ``overlap_p2p=False``. There is no ``--overlap-p2p-communication`` flag.
 * ``--overlap-moe-expert-parallel-comm``: ``moe_a2a_overlap`` (default off in both).
+* ``--use-transformer-engine-op-fuser`` (``TransformerConfig.use_transformer_engine_op_fuser = False``, a
+  ``store_true`` flag through ``ArgumentGroupFactory``): ``moe_fused_mlp``. The op fuser is Transformer
+  Engine's; of what it fuses the planner prices the MoE grouped MLP (moe/experts.py ``_make_fused_ops``: the
+  activation and its quantisation in the GEMM epilogues), which Megatron-Bridge's ``cutedsl_fused_grouped_mlp``
+  presets turn on (26.06+). Default off in both.
 
 ``--emit-launch megatron`` writes each of them when the plan was priced so (commands/emit ``argv``: an
 option the plan did not state was priced at the planner's default, so a default plan's launch carries

@@ -103,10 +103,11 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         k, fe, E = m.top_k, m.expert_ffn_size, m.num_experts
         n_in = 3 if m.ffn_kind == "swiglu" else 2
         routed = T * k * o.load_imbalance  # elements of expert intermediates per device: routed x fe / tp
-        ew_act = (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
+        # the op fuser runs the activation and its quantisation in the GEMM epilogues (TrainOptions.moe_fused_mlp)
+        ew_act = 0.0 if o.moe_fused_mlp else (6.0 if m.ffn_kind == "swiglu" else 4.0) * routed * fe / tp
         ew_moe = efficiency.MOE_TOKEN_BYTES * routed * h * etp / tp
-        q_in += routed * (h * etp + fe) / tp
-        q_out += routed * ((n_in - 1) * fe + h * etp) / tp
+        q_in += routed * (h * etp + (0.0 if o.moe_fused_mlp else fe)) / tp
+        q_out += routed * ((0.0 if o.moe_fused_mlp else (n_in - 1) * fe) + h * etp) / tp
         if m.num_shared_experts:
             fs = m.num_shared_experts * fe
             ew_act += (6.0 if m.ffn_kind == "swiglu" else 4.0) * T * fs / tp

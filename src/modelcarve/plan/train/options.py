@@ -95,6 +95,18 @@ class TrainOptions:
     windows are: the exchange hidden behind the layer's forward and backward compute, the excess
     exposed, the hidden part slowing compute by ``comm.OVERLAP_COMPUTE_COST``. False: every
     exchange on the critical path."""
+    moe_fused_mlp: bool = False
+    """MoE: the routed experts' grouped MLP runs as one fused operation (Transformer Engine's op fuser:
+    Megatron-Core's ``--use-transformer-engine-op-fuser``, ``model.use_transformer_engine_op_fuser`` in
+    Megatron-Bridge, which its ``cutedsl_fused_grouped_mlp`` performance presets set from 26.06 on,
+    scripts/performance/utils/overrides.py at v0.5.0; megatron/core/transformer/moe/experts.py
+    ``_make_fused_ops``: GroupedLinear, then ScaledSwiGLU / ScaledClampedQGeGLU / ScaledSReLU, then
+    GroupedLinear). The activation, its router-probability scaling and, under an FP8 recipe, the
+    quantisation of its output run in the first GEMM's epilogue, and their backward (the activation's
+    derivative and the quantisation of its input gradient) in the second GEMM's data-gradient epilogue,
+    so none of them makes its own pass over the expert intermediates in HBM: the layer prices neither the
+    routed experts' element-wise activation traffic nor the quantisation of their intermediates
+    (plan/train/layer.py). Shared experts run their own MLP and keep both. False: each is its own kernel."""
     moe_probs_on_combine: bool = False
     """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
     its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
