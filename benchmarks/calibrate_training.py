@@ -643,6 +643,12 @@ MODELLING_NOTES = [
     "  (hidden 2880) are where the model is optimistic; not a transcription gap.",
     "- **Qwen3-30B FP8 on 16 H100 +34%**: the 26.04.01 row of the same layout (8,960 published, 8,826 now) is +32% as",
     "  well (it was -20% when that release was added; the model changed since), so a model gap, not the new data.",
+    "", "### Issue 28 (2026-12-06): a garbled layout cell corrected", "",
+    "- **MB-26.02.01 GB300 Llama 3 70B MXFP8** is published at MBS 2, PP 4, VP n/a and taken as MBS 1, PP 4, VP 5:",
+    "  the release's preset (v0.3.1 `LLAMA3_70B_PRETRAIN_CONFIG_GB300_FP8_MX_V2`), the 26.02 and 26.04.01 tables'",
+    "  rows of that preset, and the same table's GB300 NVFP4 row (MBS 2 at TP 1, PP 1, FSDP 0, which cannot hold the",
+    "  model's weights and gradients in 288 GB) all say so (data/training_published.csv header). As published it needed",
+    "  the heaviest recomputation to fit and came out at -37.0%; as the preset, +3.5% (26.04.01's row of it: +2.1%).",
 ]
 
 
