@@ -146,12 +146,16 @@ def test_calibration_summary_regression_bounds():
     fitted = [abs(e) for e, f in errs.values() if f]
     # measured 15.3% / 13.1% (2026-12-05, second session): 13.2% / 10.1% before the recipes' bf16 gradients,
     # FP8 weights and MCore 0.13+ combine were stated; the memory they free lets rows whose recompute is
-    # inferred fit with less (405B: none, as its recipe states), which had stood in for time the model lacks
-    assert mape <= 0.16, mape
-    assert sum(fitted) / len(fitted) <= 0.14
-    # measured 26.3% over its 27 rows (22.8% over 26 when the release was added); a guard against drifting
+    # inferred fit with less (405B: none, as its recipe states), which had stood in for time the model lacks;
+    # 16.4% / 14.9% (2026-12-06) once MB-25.11's H100 gpt-oss-120b row ran at its preset's MBS 1 (the table's MBS 4
+    # is another row's cell, data/training_published.csv header): +1.3% -> +47%, like every other gpt-oss row
+    assert mape <= 0.17, mape
+    assert sum(fitted) / len(fitted) <= 0.155
+    # measured 26.3% over its 27 rows (22.8% over 26 when the release was added); 20.6% (2026-12-06) with three of
+    # its layout cells taken from the release's presets (the 70B GB300 MXFP8, 405B GB300 FP8 and Qwen3-30B H100
+    # rows); a guard against drifting
     rows = later["MB-26.02.01"]
-    assert len(rows) == 27 and sum(rows) / len(rows) <= 0.28, sum(rows) / len(rows)
+    assert len(rows) == 27 and sum(rows) / len(rows) <= 0.22, sum(rows) / len(rows)
     # measured 18.9% over its 29 rows when the release was added (worst +67%, gpt-oss-120b on 64 B300; DeepSeek-V3
     # on 256 B200 at EP32 -58%)
     rows = later["MB-26.04.01"]
