@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from modelcarve.plan.cost import efficiency
 from modelcarve.plan.cost.efficiency import memory_bound_time_s
 from modelcarve.plan.train.calibration import _published_model
 from modelcarve.plan.train.layer import layer_cost, quantise_bytes
@@ -20,12 +21,19 @@ from modelcarve.spec.hardware import parse_cluster
 SEQ, MBS, EP = 4096, 1, 8
 
 
-def _layer(model, dtype: str, fused: bool, recompute: str = "none") -> dict:
+def _layer(model, dtype: str, fused: bool, recompute: str = "none", per_launch: float = 0.0) -> dict:
+    """One MoE layer's cost; the host's time to issue expert kernels is 0 unless ``per_launch`` says (the
+    traffic tests compare GPU work alone; the host-issue bound is tested on its own below)."""
     cluster = parse_cluster("1x8xB200")
-    cost = TrainCostModel(model, cluster, TrainOptions(global_batch=64, seq=SEQ, load_imbalance=1.0,
-                                                       moe_dispatcher="fused", moe_fused_mlp=fused))
-    cost._dtype = dtype
-    return layer_cost(cost, True, 1, 1, EP, MBS, False, recompute, SEQ)
+    saved = efficiency.MOE_HOST_S_PER_LAUNCH
+    efficiency.MOE_HOST_S_PER_LAUNCH = per_launch
+    try:
+        cost = TrainCostModel(model, cluster, TrainOptions(global_batch=64, seq=SEQ, load_imbalance=1.0,
+                                                           moe_dispatcher="fused", moe_fused_mlp=fused))
+        cost._dtype = dtype
+        return layer_cost(cost, True, 1, 1, EP, MBS, False, recompute, SEQ)
+    finally:
+        efficiency.MOE_HOST_S_PER_LAUNCH = saved
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "mxfp8", "fp8cs"])
@@ -74,3 +82,14 @@ def test_dense_layers_and_the_default_are_unchanged():
         cost._dtype = "bf16"
     assert layer_cost(a, False, 1, 1, 1, 1, False, "none", SEQ) == layer_cost(b, False, 1, 1, 1, 1, False, "none", SEQ)
     assert TrainOptions().moe_fused_mlp is False
+
+
+def test_fused_mlp_issues_one_set_of_expert_kernels_from_the_host():
+    # a device-initiated fused grouped MLP: the host issues one set of kernels for all 16 local experts, the
+    # per-expert GroupedLinear one per expert: at 1 ms a launch, bf16's 2 forward launches are 2 ms of host
+    # against 32 ms, each the layer's forward where its GPU work is shorter
+    qwen = _published_model("qwen3-30b-a3b")
+    gpu = _layer(qwen, "bf16", True)
+    assert gpu["fwd_s"] < 2e-3
+    assert _layer(qwen, "bf16", False, per_launch=1e-3)["fwd_s"] == pytest.approx(32e-3, rel=1e-12)
+    assert _layer(qwen, "bf16", True, per_launch=1e-3)["fwd_s"] == pytest.approx(2e-3, rel=1e-12)

@@ -48,14 +48,14 @@ def test_alltoall_host_stall_is_bounded_by_the_host_launch_time():
     n_fwd, n_bwd = expert_launches("bf16")
     host_fwd = efficiency.MOE_HOST_S_PER_LAUNCH * n_fwd * 128 / 8  # 16 local experts
     host_bwd = efficiency.MOE_HOST_S_PER_LAUNCH * n_bwd * 128 / 8
-    fused = _moe_layer(qwen, b200, "fused", 8, 1)
+    fused = _moe_layer(qwen, b200, "fused", 8, 1, per_launch=0.0)  # the GPU's work alone: no host to wait for
     a2a = _moe_layer(qwen, b200, "alltoall", 8, 1)
     extra = a2a["compute_s"] - fused["compute_s"]
     assert 0.0 < extra <= host_fwd + host_bwd + 1e-12  # forward and backward, each at most its host time
     # the forward stall is host minus the forward's MoE GPU time: positive, less than host
     assert 0.0 < a2a["fwd_s"] - fused["fwd_s"] <= host_fwd
     # MLP recomputation re-runs the MoE forward: its stall once more
-    rc_fused = _moe_layer(qwen, b200, "fused", 8, 1, "core_attn+layernorm+mlp")
+    rc_fused = _moe_layer(qwen, b200, "fused", 8, 1, "core_attn+layernorm+mlp", per_launch=0.0)
     rc_a2a = _moe_layer(qwen, b200, "alltoall", 8, 1, "core_attn+layernorm+mlp")
     assert rc_a2a["recompute_s"] - rc_fused["recompute_s"] == pytest.approx(a2a["fwd_s"] - fused["fwd_s"], rel=1e-9)
     # no host cost, no stall
@@ -103,15 +103,20 @@ def test_every_row_answered_and_recompute_is_one_per_recipe():
     # 26.04.01 (Megatron-Bridge v0.4.2): Qwen3-235B's B300 config moved to the flex dispatcher, its B200 one did not
     assert dispatch["qwen3-235b-a22b mxfp8 256xB300 (MB-26.04.01)"] == "fused"
     assert dispatch["qwen3-235b-a22b mxfp8 256xB200 (MB-26.04.01)"] == "alltoall"
-    # 26.06 (v0.5.0): gpt-oss runs MXFP8 with HybridEP on GB300 / GB200 / B300; the presets' CUDA graphs and FP8
-    # attention are read as notes (unpriced), their CuTeDSL fused grouped MLP is priced (moe_fused_mlp); the H100
+    # 26.06 (v0.5.0): gpt-oss runs MXFP8 with HybridEP on GB300 / GB200 / B300; the presets' partial CUDA graphs and
+    # FP8 attention are read as notes (unpriced), their full-iteration CUDA graphs and CuTeDSL fused grouped MLP are
+    # priced (cuda_graph, moe_fused_mlp); the H100
     # Qwen3-30B preset sets none of them
     assert dispatch["gpt-oss-120b mxfp8 64xGB300 (MB-26.06)"] == "fused"
     notes = {c.name: c.unmodelled for c in cases if c.source in ("MB-26.06", "MB-26.08")}
     fused = {c.name: c.options.moe_fused_mlp for c in cases}
-    assert notes["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] == ("cuda_graph=full_iteration", "fp8_dot_product_attention")
+    graphs = {c.name: c.options.cuda_graph for c in cases}
+    assert notes["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] == ("fp8_dot_product_attention",)
+    assert graphs["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] == "full_iteration"
     assert fused["gpt-oss-120b mxfp8 64xGB300 (MB-26.08)"] and fused["deepseek-v3 mxfp8 256xGB200 (MB-26.06)"]
     assert notes["deepseek-v3 mxfp8 256xB300 (MB-26.06)"] == ("cuda_graph=transformer_engine",)
+    assert graphs["deepseek-v3 mxfp8 256xB300 (MB-26.06)"] == "partial"
+    assert graphs["qwen3-30b-a3b fp8-cs 16xH100 (MB-26.06)"] == "none"
     assert not fused["deepseek-v3 mxfp8 256xB300 (MB-26.06)"]
     assert notes["qwen3-30b-a3b fp8-cs 16xH100 (MB-26.06)"] == ()
     assert not fused["qwen3-30b-a3b fp8-cs 16xH100 (MB-26.06)"]

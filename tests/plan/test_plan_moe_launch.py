@@ -52,7 +52,7 @@ def test_fp8_current_scaling_stall_by_hand():
     # 50 us per launch, 16 local experts: forward 8 x 16 x 50 us = 6.4 ms of host, backward 10 x 16 x
     # 50 us = 8.0 ms; the stall is what the host takes beyond the MoE GPU work (forward g, backward 2 g)
     a2a = _base("fp8cs", "alltoall", 50e-6)
-    fused = _base("fp8cs", "fused", 50e-6)
+    fused = _base("fp8cs", "fused", 0.0)  # the GPU's work alone
     moe_fwd = a2a["g_ffn"] + efficiency.memory_bound_time_s(parse_cluster("2x8xH100").device,
                                                              a2a["ew_act"] + a2a["ew_moe"])
     assert moe_fwd < 6.4e-3  # these small expert GEMMs finish before the host has issued them all
@@ -72,3 +72,28 @@ def test_precision_sets_the_launch_count():
     # no launch cost, no stall, whatever the precision
     for dtype in ("bf16", "fp8", "fp8cs", "mxfp8"):
         assert _base(dtype, "alltoall", 0.0)["fwd"] == pytest.approx(_base(dtype, "fused", 0.0)["fwd"], rel=1e-12)
+
+
+def test_without_the_sync_the_layer_lasts_at_least_the_host_issue_time():
+    # the flex dispatcher (DeepEP / HybridEP) sends no counts to the host, which issues ahead: the layer's pass
+    # lasts max(its GPU work, the host's 6.4 ms / 8.0 ms of expert kernels), not the MoE block's stall on top
+    gpu = _base("fp8cs", "fused", 0.0)
+    fused = _base("fp8cs", "fused", 50e-6)
+    assert gpu["fwd"] < 6.4e-3  # this layer's whole forward is shorter than the host's issue time
+    assert fused["fwd"] == pytest.approx(6.4e-3, rel=1e-12)
+    assert fused["bwd"] == pytest.approx(max(gpu["bwd"], 8.0e-3), rel=1e-12)
+    assert fused["stall_fwd"] == pytest.approx(6.4e-3 - gpu["fwd"], rel=1e-9)
+    # an all-to-all layer waits for the host after the counts (its MoE block), the flex one for its whole pass
+    assert _base("fp8cs", "alltoall", 50e-6)["fwd"] > fused["fwd"]
+
+
+@pytest.mark.parametrize("options, sets", [({}, 16), ({"moe_expert_kernels": "grouped"}, 1),
+                                           ({"moe_fused_mlp": True}, 1), ({"cuda_graph": "full_iteration"}, 0),
+                                           ({"cuda_graph": "partial"}, 16)])
+def test_who_issues_the_expert_kernels(options, sets):
+    # TE's GroupedLinear: each of 16 local experts its kernels; one grouped GEMM (torchtitan's _grouped_mm) or the
+    # device-initiated fused MLP: one set; a full-iteration CUDA graph: the host issues none; layer-wise graphs leave
+    # dropless experts eager
+    from modelcarve.plan.train.layer import expert_kernel_sets
+
+    assert expert_kernel_sets(TrainOptions(**options), 16.0) == sets

@@ -22,6 +22,7 @@ from modelcarve.spec.errors import ModelcarveError
 
 from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
 from modelcarve.commands.planning.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
+from modelcarve.plan.train.options import CUDA_GRAPHS, MOE_EXPERT_KERNELS
 from modelcarve.plan.train.profile import LOSS_KINDS  # the one list of losses the planner prices
 
 
@@ -95,6 +96,15 @@ def _common(p) -> None:
                    help="training, MoE: the routed experts' MLP as one fused operation, the activation and its "
                         "quantisation in the GEMM epilogues (Megatron's --use-transformer-engine-op-fuser; "
                         "Megatron-Bridge's cutedsl_fused_grouped_mlp presets)")
+    p.add_argument("--moe-expert-kernels", dest="moe_expert_kernels", choices=MOE_EXPERT_KERNELS, default=None,
+                   help="training, MoE: per_expert (default: each local expert's GEMMs and casts their own kernels, "
+                        "Transformer Engine's GroupedLinear as Megatron-Core runs it; the host's time to issue them "
+                        "bounds small expert layers) or grouped (one grouped GEMM for all local experts, torch's "
+                        "_grouped_mm as torchtitan runs it)")
+    p.add_argument("--cuda-graph", dest="cuda_graph", choices=CUDA_GRAPHS, default=None,
+                   help="training: CUDA graphs (Megatron's --cuda-graph-impl / --cuda-graph-scope): none (default), "
+                        "partial (layer-wise scopes; dropless experts stay eager) or full_iteration (the whole step "
+                        "replayed: the host issues no expert kernel)")
     p.add_argument("--mtp-layers", dest="mtp_layers", type=int, metavar="N", default=None,
                    help="training: multi-token prediction depths on the last pipeline stage (DeepSeek-V3's MTP: "
                         "Megatron's --mtp-num-layers; its recipes train with 1): a decoder layer, a projection and "
@@ -128,7 +138,8 @@ def _options(args) -> dict:
     """Goal options from the flags that were given (a goal ignores the ones it does not know)."""
     names = ("global_batch", "seq", "attention", "dropout", "overlap_grad_reduce", "overlap_p2p", "load_imbalance",
              "precision", "loss", "memory_headroom", "offload_layers", "fp8_param_gather", "moe_probs_on_combine",
-             "moe_a2a_overlap", "moe_fused_mlp", "grad_dtype", "mtp_layers", "split_embedding")
+             "moe_a2a_overlap", "moe_fused_mlp", "moe_expert_kernels", "cuda_graph", "grad_dtype", "mtp_layers",
+             "split_embedding")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -139,7 +150,8 @@ def _planner_options(engine: str) -> dict:
     ``moe_probs_on_combine`` (torchtitan's score-before-experts and modelcarve's runtime, which
     weighs the experts' outputs, keep one more copy of the routed tokens; Megatron-Core 0.13+ does not)
     and ``loss`` / ``loss_chunks`` (torchtitan 0.3.0's recipes compute the loss with its
-    ``ChunkedLossWrapper``, 8 chunks). They are defaults: an option the user states wins."""
+    ``ChunkedLossWrapper``, 8 chunks) and ``moe_expert_kernels`` (torchtitan's GroupedExperts run one
+    ``torch._grouped_mm`` for all local experts). They are defaults: an option the user states wins."""
     if engine in ("deepspeed", "megatron-bridge"):  # read-only vocabularies (no launch table)
         return {"param_policy": "megatron"}
     from modelcarve.commands.emit import table

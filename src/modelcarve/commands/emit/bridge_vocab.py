@@ -101,6 +101,7 @@ _VALUES = {
     "model.recompute_num_layers": "--recompute-num-layers",
     "model.recompute_modules": "--recompute-modules",
     "model.mtp_num_layers": "--mtp-num-layers",
+    "model.cuda_graph_impl": "--cuda-graph-impl",
     "model.pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
     "ddp.num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "ddp.data_parallel_sharding_strategy": "--data-parallel-sharding-strategy",
@@ -134,11 +135,13 @@ size their own buffers; Megatron's allgather dispatcher is not modelled)."""
 _KERNEL_FIELDS = frozenset({
     "moe_router_padding_for_fp8", "moe_router_padding_for_quantization", "moe_flex_dispatcher_backend",
     "moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm", "bias_activation_fusion", "bias_dropout_fusion",
-    "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm", "attention_backend", "cuda_graph_impl", "cuda_graph_scope",
+    "apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm", "attention_backend", "cuda_graph_scope",
     "cuda_graph_warmup_steps",
 })
 """``model`` fields that choose kernels, fusions or CUDA graphs: the planner prices none of them per field
-(its efficiency is one profile), so they are skipped with a note rather than refused."""
+(its efficiency is one profile), so they are skipped with a note rather than refused. ``model.cuda_graph_impl``
+is read (``_VALUES``: Megatron's ``--cuda-graph-impl``; ``full_iteration``, as the v0.5.0 presets spell it, lifts the
+experts' host-issue bound), ``model.cuda_graph_scope`` skipped: layer-wise scopes leave dropless experts eager."""
 _OVERLAPS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather", "overlap_p2p_comm",
              "overlap_moe_expert_parallel_comm")
 """``CommOverlapConfig`` fields the planner prices (comm_overlap.py @ v0.3.1)."""

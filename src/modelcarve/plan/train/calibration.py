@@ -303,6 +303,7 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
                                offload_layers=int(row.get("offload_layers") or 0),
                                moe_a2a_overlap=(row.get("a2a_overlap") or "") == "1",
                                moe_fused_mlp=(row.get("cutedsl_mlp") or "").strip() == "1",
+                               cuda_graph=_cuda_graph(row),
                                **(BRIDGE_RECIPE if bridge else NEMO2_RECIPE), **MODERN,
                                **(BRIDGE_MODEL_RECIPE.get(row["model"], {}) if bridge else {}))
         stated = row.get("recompute") or "infer"
@@ -325,16 +326,24 @@ def nemo_cases(path: Path | str | None = None, tp_comm_overlap: float | None = N
     return cases
 
 
+def _cuda_graph(row: dict) -> str:
+    """``TrainOptions.cuda_graph`` of a row: its ``cuda_graph`` column, the preset's ``cuda_graph_impl``
+    ('full_iteration' where the preset captures the whole iteration; 'transformer_engine' / 'local' with
+    layer-wise scopes are 'partial'); absent or empty: none."""
+    graph = (row.get("cuda_graph") or "").strip()
+    return "none" if graph in ("", "none") else "full_iteration" if graph == "full_iteration" else "partial"
+
+
 def _unmodelled(row: dict) -> tuple[str, ...]:
-    """The recipe features a row states that are not priced (columns absent or empty: none): CUDA graphs
-    other than none (``cuda_graph``: the preset's ``cuda_graph_impl``; the planner prices no kernel-launch
-    time but the MoE all-to-all dispatcher's host stall, which these rows' fused dispatcher does not
-    have) and FP8 attention (``fp8_attention`` 1: the flash core is priced at its HBM roofline, the same
-    in either precision). The CuTeDSL fused grouped MLP (``cutedsl_mlp`` 1) is priced:
-    ``TrainOptions.moe_fused_mlp``."""
+    """The recipe features a row states that are not all priced (columns absent or empty: none): partial
+    CUDA graphs (``cuda_graph`` 'transformer_engine' / 'local': the layer-wise scopes' own launch time is not
+    priced, the experts' host-issue bound is, ``TrainOptions.cuda_graph``) and FP8 attention
+    (``fp8_attention`` 1: the flash core is priced at its HBM roofline, the same in either precision).
+    Full-iteration CUDA graphs and the CuTeDSL fused grouped MLP (``cutedsl_mlp`` 1) are priced:
+    ``TrainOptions.cuda_graph`` and ``moe_fused_mlp``."""
     out = []
     graph = (row.get("cuda_graph") or "").strip()
-    if graph and graph != "none":
+    if graph and graph not in ("none", "full_iteration"):
         out.append(f"cuda_graph={graph}")
     if (row.get("fp8_attention") or "").strip() == "1":
         out.append("fp8_dot_product_attention")

@@ -131,14 +131,20 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     fwd = g + core + ew_s + core_ew_s + q_fwd_s
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
     stall_fwd = stall_bwd = 0.0
-    if moe and o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
+    launching = expert_kernel_sets(o, m.num_experts / ep) if moe else 0.0
+    if launching:
         n_fwd, n_bwd = expert_launches(cost._dtype)
-        host_fwd = efficiency.moe_host_launch_s(m.num_experts / ep, n_fwd)
-        host_bwd = efficiency.moe_host_launch_s(m.num_experts / ep, n_bwd)
-        moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
-        stall_fwd, stall_bwd = max(0.0, host_fwd - moe_fwd), max(0.0, host_bwd - 2.0 * moe_fwd)
-    fwd += stall_fwd
-    bwd += stall_bwd
+        host_fwd = efficiency.moe_host_launch_s(launching, n_fwd)
+        host_bwd = efficiency.moe_host_launch_s(launching, n_bwd)
+        if o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
+            moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
+            stall_fwd, stall_bwd = max(0.0, host_fwd - moe_fwd), max(0.0, host_bwd - 2.0 * moe_fwd)
+            fwd += stall_fwd
+            bwd += stall_bwd
+        else:  # no sync: the host issues ahead, and the layer lasts at least the time to issue its expert kernels
+            # (the max itself, not fwd + (host - fwd): a bound the host sets is the same number whatever else moved)
+            stall_fwd, stall_bwd = max(0.0, host_fwd - fwd), max(0.0, host_bwd - bwd)
+            fwd, bwd = max(fwd, host_fwd), max(bwd, host_bwd)
     # communication per layer (seconds; bytes each device sends)
     act = 2.0 * T * h
     tp_tier = cost.tier(tp, 1)
@@ -347,6 +353,21 @@ def quantise_bytes(compute: str) -> tuple[float, float]:
     first (5); MXFP8 writes row- and column-wise copies with their 1 x 32 block scales (2 + 2 +
     2/32). 0 for 16/32-bit compute."""
     return {"fp8": (3.0, 3.0), "fp8cs": (5.0, 5.0), "mxfp8": (4.0625, 4.0625)}.get(compute, (0.0, 0.0))
+
+
+def expert_kernel_sets(options, local_experts: float) -> float:
+    """How many times the host issues ``expert_launches``' kernels per MoE pass: once per local expert
+    where each expert's GEMMs and casts are their own kernels (``moe_expert_kernels='per_expert'``,
+    Transformer Engine's GroupedLinear as Megatron-Core runs it), once where one grouped kernel serves
+    every local expert (``'grouped'``: torch's ``_grouped_mm`` in torchtitan; the fused grouped MLP,
+    ``moe_fused_mlp``, whose device-initiated grouped GEMMs read the experts' shapes from GPU memory,
+    Megatron-Bridge docs/training/moe-optimization.md at v0.5.0), and never where the host issues nothing
+    per step (``cuda_graph='full_iteration'``). The host then bounds the layer (plan/cost/efficiency.py
+    ``MOE_HOST_S_PER_LAUNCH``): with the all-to-all dispatcher's count synchronisation, the MoE block
+    after it; without, the whole layer's pass, as the host runs ahead of the GPU elsewhere."""
+    if options.cuda_graph == "full_iteration":
+        return 0.0
+    return 1.0 if options.moe_expert_kernels == "grouped" or options.moe_fused_mlp else local_experts
 
 
 def expert_launches(compute: str) -> tuple[int, int]:

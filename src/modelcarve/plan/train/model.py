@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm
 from modelcarve.plan.cost.schedule import bubble_time_units, in_flight_microbatches
 from modelcarve.plan.train.profile import LOGITS_BYTES_PER_ELEM, LOSS_KINDS, ProfileMixin  # noqa: F401 - re-exported
-from modelcarve.plan.train.options import TrainOptions  # noqa: F401 - re-exported for callers of this module
+from modelcarve.plan.train.options import CUDA_GRAPHS, MOE_EXPERT_KERNELS, TrainOptions  # noqa: F401 - TrainOptions re-exported
 from modelcarve.plan.train.report import build_report
 from modelcarve.plan.train.candidate import FIELDS, Candidate
 from modelcarve.plan.train.states import (  # noqa: F401 - re-exported for callers of this module
@@ -110,6 +110,11 @@ class TrainCostModel(ProfileMixin):
             raise LayoutError(f"attention={self.options.attention!r} must be 'flash' or 'materialized'")
         if self.options.loss not in LOSS_KINDS:
             raise LayoutError(f"loss={self.options.loss!r} must be one of: {', '.join(LOSS_KINDS)}")
+        if self.options.cuda_graph not in CUDA_GRAPHS:
+            raise LayoutError(f"cuda_graph={self.options.cuda_graph!r} must be one of: {', '.join(CUDA_GRAPHS)}")
+        if self.options.moe_expert_kernels not in MOE_EXPERT_KERNELS:
+            raise LayoutError(f"moe_expert_kernels={self.options.moe_expert_kernels!r} must be one of: "
+                              f"{', '.join(MOE_EXPERT_KERNELS)}")
         if not 0.0 <= self.options.memory_headroom < 0.5:
             raise LayoutError(f"memory headroom {self.options.memory_headroom} must be a fraction in [0, 0.5), e.g. 0.05")
         if self.options.param_policy not in PARAM_POLICIES:

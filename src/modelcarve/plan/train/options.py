@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from modelcarve.plan.train.states import FRAGMENTATION, MEMORY_HEADROOM
 
 
+CUDA_GRAPHS = ("none", "partial", "full_iteration")
+"""``TrainOptions.cuda_graph``'s values."""
+MOE_EXPERT_KERNELS = ("per_expert", "grouped")
+"""``TrainOptions.moe_expert_kernels``' values."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     """Workload and system facts a layout does not carry."""
@@ -107,6 +113,20 @@ class TrainOptions:
     so none of them makes its own pass over the expert intermediates in HBM: the layer prices neither the
     routed experts' element-wise activation traffic nor the quantisation of their intermediates
     (plan/train/layer.py). Shared experts run their own MLP and keep both. False: each is its own kernel."""
+    moe_expert_kernels: str = "per_expert"
+    """MoE: how the local experts' GEMMs are launched. 'per_expert': each expert's GEMMs and FP8 casts are
+    kernels of their own (Transformer Engine's GroupedLinear, Megatron-Core's TEGroupedMLP), so the host
+    issues ``layer.expert_launches`` kernels per local expert each pass; 'grouped': one grouped-GEMM
+    kernel for all local experts (torch's ``_grouped_mm``, as torchtitan runs MoE). The host time to issue
+    them bounds the layer (plan/train/layer.py ``expert_kernel_sets``)."""
+    cuda_graph: str = "none"
+    """CUDA graphs (Megatron-Core's ``--cuda-graph-impl`` / ``--cuda-graph-scope``, Megatron-Bridge's
+    ``model.cuda_graph_impl`` / ``cuda_graph_scope``): 'none'; 'partial' (layer-wise scopes: attention,
+    router, MoE preprocessing; for dropless MoE the expert GEMMs stay eager, Megatron-Bridge
+    docs/training/moe-optimization.md at v0.5.0, so the experts' host-issue bound stays; the captured
+    parts' launch time is not priced, as no launch time is outside the experts); 'full_iteration' (the
+    whole forward and backward replayed as one graph: the host issues nothing per kernel, so no expert
+    host-issue bound or stall; for dropless MoE it needs device-initiated grouped GEMMs)."""
     moe_probs_on_combine: bool = False
     """MoE: the router's weights multiply the experts' outputs at the combine, which keeps them for
     its backward (Megatron-Core before 0.13; plan/cost/activations.py). False: Megatron-Core 0.13+
