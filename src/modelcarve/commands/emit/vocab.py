@@ -58,6 +58,10 @@ estimate of Megatron's flags prices what Megatron runs:
   Engine's; of what it fuses the planner prices the MoE grouped MLP (moe/experts.py ``_make_fused_ops``: the
   activation and its quantisation in the GEMM epilogues), which Megatron-Bridge's ``cutedsl_fused_grouped_mlp``
   presets turn on (26.06+). Default off in both.
+* ``--cuda-graph-impl full_iteration`` (``TransformerConfig.cuda_graph_impl``, a Literal of none / local /
+  transformer_engine / full_iteration at core_v0.19.0): ``cuda_graph="full_iteration"``, the whole step replayed, so
+  the host issues no expert kernel (plan/train/layer.py ``expert_kernel_sets``). The layer-wise impls read as the
+  planner's default: for dropless MoE their scopes leave the experts eager, which is what the planner prices.
 
 ``--emit-launch megatron`` writes each of them when the plan was priced so (commands/emit ``argv``: an
 option the plan did not state was priced at the planner's default, so a default plan's launch carries
