@@ -673,7 +673,7 @@ MODELLING_NOTES = [
     "  move, every one towards the published figure: Qwen3-30B FP8-CS on 16 H100 at EP16 (8 local experts, MBS 1; 10",
     "  kernels an expert backward) +31..+34% -> +1..+3% in 26.02.01 / 26.04.01 / 26.06; DeepSeek-V3 MXFP8 on 256",
     "  B300 / B200 at EP8 (32 local experts) +28% / +39% -> +2% / +11%; Qwen3-30B MXFP8 on 8 B200 / GB200 at MBS 4",
-    "  +8..+24% -> +4..+19%. NeMo / Megatron-Bridge rows within 20%: 95 -> 101 of 135; MAPE 17.3% -> 16.0%.",
+    "  +8..+24% -> +4..+19%. NeMo / Megatron-Bridge rows within 20%: 96 -> 102 of 135; MAPE 17.2% -> 15.9%.",
     "- **What moved in the searches**: the planner now prefers fewer local experts where the host binds (Qwen3-235B on",
     "  128 H100: EP8 -> EP16; the Megatron launch golden's Qwen3-30B on 16 H100: EP4 -> EP8); the DeepSeek-V3 and",
     "  Kimi-K2 goldens keep their top 10.",
