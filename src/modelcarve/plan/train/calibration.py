@@ -342,9 +342,8 @@ def _unmodelled(row: dict) -> tuple[str, ...]:
     Full-iteration CUDA graphs and the CuTeDSL fused grouped MLP (``cutedsl_mlp`` 1) are priced:
     ``TrainOptions.cuda_graph`` and ``moe_fused_mlp``."""
     out = []
-    graph = (row.get("cuda_graph") or "").strip()
-    if graph and graph not in ("none", "full_iteration"):
-        out.append(f"cuda_graph={graph}")
+    if _cuda_graph(row) == "partial":
+        out.append(f"cuda_graph={row['cuda_graph'].strip()}")
     if (row.get("fp8_attention") or "").strip() == "1":
         out.append("fp8_dot_product_attention")
     return tuple(out)

@@ -130,7 +130,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     core_ew_s = memory_bound_time_s(dev, core_ew)
     fwd = g + core + ew_s + core_ew_s + q_fwd_s
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
-    stall_fwd = stall_bwd = 0.0
+    stall_fwd = 0.0  # kept for the recomputed MoE forward (_layer_finish)
     launching = expert_kernel_sets(o, m.num_experts / ep) if moe else 0.0
     if launching:
         n_fwd, n_bwd = expert_launches(cost._dtype)
@@ -138,12 +138,12 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         host_bwd = efficiency.moe_host_launch_s(launching, n_bwd)
         if o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
             moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
-            stall_fwd, stall_bwd = max(0.0, host_fwd - moe_fwd), max(0.0, host_bwd - 2.0 * moe_fwd)
+            stall_fwd = max(0.0, host_fwd - moe_fwd)
             fwd += stall_fwd
-            bwd += stall_bwd
+            bwd += max(0.0, host_bwd - 2.0 * moe_fwd)
         else:  # no sync: the host issues ahead, and the layer lasts at least the time to issue its expert kernels
             # (the max itself, not fwd + (host - fwd): a bound the host sets is the same number whatever else moved)
-            stall_fwd, stall_bwd = max(0.0, host_fwd - fwd), max(0.0, host_bwd - bwd)
+            stall_fwd = max(0.0, host_fwd - fwd)
             fwd, bwd = max(fwd, host_fwd), max(bwd, host_bwd)
     # communication per layer (seconds; bytes each device sends)
     act = 2.0 * T * h
