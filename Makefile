@@ -24,7 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	# the layers and the runtime's independent parallelisms (pyproject.toml, ARCHITECTURE.md)
 	$(BIN)/lint-imports
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	# two pytest-xdist workers, a whole test file each at a time (its module-scoped worlds start once),
+	# then the `serial` tests (a wall-clock bound is what they check) alone. A plain `pytest` runs all of
+	# them in one process.
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m serial
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

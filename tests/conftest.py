@@ -17,6 +17,8 @@ FULL_SCALE = "MODELCARVE_FULL_SCALE"
 def pytest_configure(config):
     config.addinivalue_line("markers", f"full_scale: a check played at a planner layout's full world size that takes "
                                        f"minutes on one core; runs when {FULL_SCALE}=1, reported as skipped otherwise")
+    config.addinivalue_line("markers", "serial: a wall-clock bound that is the requirement itself; `make test` runs "
+                                       "these alone, after the two-worker part, with nothing beside them")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ ranks, then checks that every process it saw is gone at the end.
 * SIGSTOP one rank (stalled): every rank and torchrun are gone within 1.2 x --timeout of the stall. This is the one
   wall-clock assertion, because the bound IS the requirement (issue 16): the peers fail at the
   collective timeout, the launcher then kills the stalled rank after 0.5 s; 1.2 x 20 s leaves
-  3.5 s for the machine's load.
+  3.5 s for the machine's load (marked ``serial``: `make test` runs it with nothing beside it).
 * --max-restarts 2 and SIGKILL of one rank after a save: torchrun restarts the ranks, they resume
   from the newest intact step, and the final loss equals the uninterrupted run's.
 """
@@ -199,6 +199,7 @@ def test_sigkill_of_torchrun_ends_the_ranks():
     assert not run.leftovers()
 
 
+@pytest.mark.serial  # the bound is wall-clock: `make test` runs it alone, after the parallel part
 def test_stalled_rank_ends_the_run_within_1_2x_timeout():
     timeout = 20
     run = Run(steps=100_000, timeout=timeout)
