@@ -97,3 +97,38 @@ def test_who_issues_the_expert_kernels(options, sets):
     from modelcarve.plan.train.layer import expert_kernel_sets
 
     assert expert_kernel_sets(TrainOptions(**options), 16.0) == sets
+
+
+def _finish(dtype: str, dispatcher: str, per_launch: float, recompute: str):
+    from modelcarve.plan.train.layer import _layer_finish
+
+    base = _base(dtype, dispatcher, per_launch)
+    qwen, h100 = _published_model("qwen3-30b-a3b"), parse_cluster("2x8xH100")
+    cost = TrainCostModel(qwen, h100, TrainOptions(global_batch=512, seq=4096, load_imbalance=1.0,
+                                                    moe_dispatcher=dispatcher))
+    cost._dtype = dtype
+    return base, _layer_finish(cost, base, recompute)
+
+
+def test_recomputation_under_the_flex_dispatcher_by_hand():
+    # The host issues the backward's expert kernels (FP8-CS: 10 x 16 x 50 us = 8.0 ms) and, when the MoE block is
+    # recomputed, its forward's again (8 x 16 x 50 us = 6.4 ms), ahead of the GPU: backward + recomputation last
+    # max(GPU work, 14.4 ms of host), whatever share of it the recomputation is charged.
+    gpu, host = 8.0e-3, 6.4e-3
+    for recompute, rc_gpu in (("full", lambda b: b["fwd_gpu"]), ("mlp", None)):
+        base, out = _finish("fp8cs", "fused", 50e-6, recompute)
+        _, free = _finish("fp8cs", "fused", 0.0, recompute)  # no launch cost: the GPU's recomputation alone
+        assert base["host_bwd"] == pytest.approx(gpu, rel=1e-12) and base["host_fwd"] == pytest.approx(host, rel=1e-12)
+        rc = base["fwd_gpu"] if rc_gpu else free["recompute_s"]
+        assert out["recompute_s"] + out["bwd_s"] == pytest.approx(max(base["bwd_gpu"] + rc, gpu + host), rel=1e-12)
+        assert out["compute_s"] == pytest.approx(out["fwd_s"] + out["bwd_s"] + out["recompute_s"], rel=1e-12)
+    # the host's 8 ms bound the backward, so a recomputation that issues no expert kernel (the attention core:
+    # GPU work alone) runs in the host's shadow while it fits there
+    base, core = _finish("fp8cs", "fused", 50e-6, "core_attn")
+    _, alone = _finish("fp8cs", "fused", 0.0, "core_attn")
+    assert base["bwd_gpu"] + alone["recompute_s"] < gpu
+    assert core["recompute_s"] == 0.0 and alone["recompute_s"] > 0.0
+    # the all-to-all dispatcher syncs on the counts: its recomputed MoE block stalls again, on top of the GPU work
+    base, a2a = _finish("fp8cs", "alltoall", 50e-6, "mlp")
+    _, a2a_free = _finish("fp8cs", "alltoall", 0.0, "mlp")
+    assert a2a["recompute_s"] == pytest.approx(a2a_free["recompute_s"] + base["stall_fwd"], rel=1e-12)

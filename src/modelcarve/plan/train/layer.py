@@ -131,6 +131,9 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     fwd = g + core + ew_s + core_ew_s + q_fwd_s
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
     stall_fwd = 0.0  # kept for the recomputed MoE forward (_layer_finish)
+    fwd_gpu, bwd_gpu = fwd, bwd
+    host_fwd = host_bwd = 0.0
+    host_ahead = False  # the host issues ahead of the GPU (no count sync): passes last max(GPU work, host issue time)
     launching = expert_kernel_sets(o, m.num_experts / ep) if moe else 0.0
     if launching:
         n_fwd, n_bwd = expert_launches(cost._dtype)
@@ -145,6 +148,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
             # (the max itself, not fwd + (host - fwd): a bound the host sets is the same number whatever else moved)
             stall_fwd = max(0.0, host_fwd - fwd)
             fwd, bwd = max(fwd, host_fwd), max(bwd, host_bwd)
+            host_ahead = True
     # communication per layer (seconds; bytes each device sends)
     act = 2.0 * T * h
     tp_tier = cost.tier(tp, 1)
@@ -175,7 +179,8 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         "T": T, "moe": moe, "tp": tp, "sp": sp, "etp": etp, "seq": seq, "g_k": g_k, "g_o": g_o, "g_up2": g_up2,
         "g_ffn": g_ffn, "core": core, "core_ew_s": core_ew_s, "ew_norm": ew_norm, "ew_act": ew_act,
         "ew_moe": ew_moe if moe else 0.0, "ew_s": ew_s, "q_fwd_s": q_fwd_s, "stall_fwd": stall_fwd, "fwd": fwd,
-        "bwd": bwd, "tp_one": tp_one, "tp_all_reduce": comm.all_reduce_s(act, tp, tp_tier),
+        "bwd": bwd, "fwd_gpu": fwd_gpu, "bwd_gpu": bwd_gpu, "host_fwd": host_fwd, "host_bwd": host_bwd,
+        "host_ahead": host_ahead, "tp_one": tp_one, "tp_all_reduce": comm.all_reduce_s(act, tp, tp_tier),
         "tp_bytes_one": tp_bytes_one, "tp_nic_one": comm.nic_bytes(tp_bytes_one, tp_tier), "cp_exposed": cp_exposed,
         "cp_fwd": cp_fwd, "cp_fwd_bytes": cp_fwd_bytes,
         "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
@@ -207,11 +212,23 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
             rc += memory_bound_time_s(dev, b["ew_norm"])
         if "mlp" in mods:
             rc += g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
-            rc += stall_fwd
+            if not b["host_ahead"]:
+                rc += stall_fwd  # all-to-all: the recomputed MoE block waits for the host after its counts again
         elif "mlp_act" in mods:
             rc += memory_bound_time_s(dev, ew_act)
         if "mla_up_proj" in mods and m.attention_kind == "mla":
             rc += _mla_up_proj_s(cost, T, tp)
+    if b["host_ahead"]:
+        # No count sync (flex dispatchers): the host issues the backward's kernels, and a recomputed MoE block's
+        # (full, or Megatron's "mlp" module) forward expert kernels again, ahead of the GPU, which runs the backward
+        # and the recomputation: the pair lasts max(GPU work, host issue time), so what the recomputation adds is
+        # that max less the backward's own max(bwd_gpu, host_bwd).
+        rc_gpu = b["fwd_gpu"] if recompute == "full" else rc
+        rc_host = b["host_fwd"] if recompute == "full" or "mlp" in mods else 0.0
+        if b["host_bwd"] + rc_host > b["bwd_gpu"] + rc_gpu or bwd > b["bwd_gpu"]:  # the host binds somewhere
+            rc = max(b["bwd_gpu"] + rc_gpu, b["host_bwd"] + rc_host) - bwd
+        else:
+            rc = rc_gpu  # the GPU binds throughout: its recomputation as it stands (no rounding of x + rc - x)
     # the activation terms read tokens, tp, sp, the layer kind, expert TP and the dtype, not cp or ep
     # alone: kept by the cost model per that shape (the same call, the same numbers)
     kept = getattr(cost, "_act_terms", None)
