@@ -7,6 +7,7 @@ hand from the bytes plan/train/layer.py names, at the planner's HBM rate."""
 from __future__ import annotations
 
 import dataclasses
+from unittest.mock import patch
 
 import pytest
 
@@ -25,15 +26,11 @@ def _layer(model, dtype: str, fused: bool, recompute: str = "none", per_launch: 
     """One MoE layer's cost; the host's time to issue expert kernels is 0 unless ``per_launch`` says (the
     traffic tests compare GPU work alone; the host-issue bound is tested on its own below)."""
     cluster = parse_cluster("1x8xB200")
-    saved = efficiency.MOE_HOST_S_PER_LAUNCH
-    efficiency.MOE_HOST_S_PER_LAUNCH = per_launch
-    try:
+    with patch.object(efficiency, "MOE_HOST_S_PER_LAUNCH", per_launch):
         cost = TrainCostModel(model, cluster, TrainOptions(global_batch=64, seq=SEQ, load_imbalance=1.0,
                                                            moe_dispatcher="fused", moe_fused_mlp=fused))
         cost._dtype = dtype
         return layer_cost(cost, True, 1, 1, EP, MBS, False, recompute, SEQ)
-    finally:
-        efficiency.MOE_HOST_S_PER_LAUNCH = saved
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "mxfp8", "fp8cs"])

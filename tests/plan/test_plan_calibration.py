@@ -19,6 +19,7 @@ figure, and the published rows as the planner reads them (data/training_publishe
 from __future__ import annotations
 
 import dataclasses
+from unittest.mock import patch
 
 import pytest
 
@@ -31,16 +32,12 @@ from modelcarve.spec.hardware import parse_cluster
 
 
 def _moe_layer(model, cluster, dispatcher, ep, mbs, recompute="none", per_launch=None):
-    saved = efficiency.MOE_HOST_S_PER_LAUNCH
-    if per_launch is not None:
-        efficiency.MOE_HOST_S_PER_LAUNCH = per_launch
-    try:
+    value = efficiency.MOE_HOST_S_PER_LAUNCH if per_launch is None else per_launch
+    with patch.object(efficiency, "MOE_HOST_S_PER_LAUNCH", value):
         cost = TrainCostModel(model, cluster, TrainOptions(global_batch=64, seq=4096, load_imbalance=1.0,
                                                             moe_dispatcher=dispatcher))
         cost._dtype = "bf16"
         return layer_cost(cost, True, 1, 1, ep, mbs, False, recompute, 4096)
-    finally:
-        efficiency.MOE_HOST_S_PER_LAUNCH = saved
 
 
 def test_alltoall_host_stall_is_bounded_by_the_host_launch_time():

@@ -16,6 +16,8 @@ So bf16 (2, 4), FP8 delayed / MXFP8 (4, 6), FP8 current scaling (8, 10) launches
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 
 from modelcarve.plan.cost import efficiency
@@ -37,15 +39,11 @@ def _base(dtype: str, dispatcher: str, per_launch: float):
     # Qwen3-30B-A3B (128 experts, top-8, expert FFN 768) on H100 with EP8: 16 local experts,
     # micro-batch 2 of 4096 tokens, as the Megatron-Bridge 25.11 H100 FP8-CS row runs it
     qwen, h100 = _published_model("qwen3-30b-a3b"), parse_cluster("2x8xH100")
-    saved = efficiency.MOE_HOST_S_PER_LAUNCH
-    efficiency.MOE_HOST_S_PER_LAUNCH = per_launch
-    try:
+    with patch.object(efficiency, "MOE_HOST_S_PER_LAUNCH", per_launch):
         cost = TrainCostModel(qwen, h100, TrainOptions(global_batch=512, seq=4096, load_imbalance=1.0,
                                                         moe_dispatcher=dispatcher))
         cost._dtype = dtype
         return layer_base(cost, True, 1, 1, 8, 2, False, 4096)
-    finally:
-        efficiency.MOE_HOST_S_PER_LAUNCH = saved
 
 
 def test_fp8_current_scaling_stall_by_hand():
