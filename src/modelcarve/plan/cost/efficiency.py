@@ -82,22 +82,24 @@ router top-k / probability kernels, grouped-GEMM padding). The held-out Megatron
 MOE_HOST_S_PER_LAUNCH = 5.0e-5
 """Host seconds per kernel a local expert launches in one MoE pass (plan/train/layer.py
 ``expert_kernel_sets``: Transformer Engine's GroupedLinear issues each local expert's kernels one by
-one; a grouped GEMM or the device-initiated fused MLP once; a full-iteration CUDA graph never). Under
-the dropless all-to-all dispatcher (``TrainOptions.moe_dispatcher = 'alltoall'``) the per-expert token
-counts are copied to the host each pass to size the all-to-all and the grouped GEMMs, which drains the
-stream, and the MoE block then runs no faster than the host issues its kernels; under the flex
-dispatchers (DeepEP / HybridEP: no count synchronisation) the host issues ahead, and the bound is the
-layer's whole pass (the 26.02.01+ flex rows of Qwen3-30B on 16 H100, +31..+34% before this bound, and
-DeepSeek-V3 on 256 B200 / B300 at 32 local experts, +39% / +28%, are where it binds). The kernels: per local expert, each of
-the two expert linears' GEMMs (a forward, a data- and a weight-gradient GEMM backward) and, under
-an FP8 recipe, the quantisation kernels of each GEMM input (plan/train/layer.py
-``expert_launches``). plan/train/layer.py charges max(0, host - GPU) per pass (forward, backward,
-recomputed forward). It matters only where the layer's GPU work is small against it: many small
-local experts and few tokens (Qwen3-30B-A3B: 16 local experts on B200 at micro-batch 1, on H100
-under FP8 current scaling, whose every quantisation is three kernels); Mixtral's one large local
-expert hides it. HybridEP / DeepEP dispatchers ('fused') size their buffers on the device and do not
-stall after a synchronisation, but their layers still last the host's issue time. Fitted to the Megatron-Bridge 25.11 rows (grid 0-80 us, benchmarks/calibrate_training.py):
-tens of microseconds per eager PyTorch / Transformer Engine op, the order of its Python dispatch."""
+one; a grouped GEMM or the device-initiated fused MLP once; a full-iteration CUDA graph never). The
+kernels: per local expert, each of the two expert linears' GEMMs (a forward, a data- and a
+weight-gradient GEMM backward) and, under an FP8 recipe, the quantisation kernels of each GEMM input
+(plan/train/layer.py ``expert_launches``).
+
+How the host's issue time bounds the layer (plan/train/layer.py ``layer_base`` / ``_layer_finish``):
+under the dropless all-to-all dispatcher (``TrainOptions.moe_dispatcher = 'alltoall'``) the per-expert
+token counts are copied to the host each pass to size the all-to-all and the grouped GEMMs, which
+drains the stream, so the MoE block then runs no faster than the host issues its kernels: max(0,
+host - GPU) is charged per pass (forward, backward, recomputed forward). Under the flex dispatchers
+(DeepEP / HybridEP: buffers sized on the device, no count synchronisation) the host issues ahead and
+the bound is the layer's whole pass: the forward lasts max(GPU, host), the backward with its
+recomputation max(GPU, host) together. It binds on the 26.02.01+ flex rows of Qwen3-30B on 16 H100
+and of DeepSeek-V3 on 256 B200 / B300 at 32 local experts (+31..+34% and +39% / +28% without it). It matters only where the layer's GPU work is small against it: many small local experts and
+few tokens (Qwen3-30B-A3B: 16 local experts on B200 at micro-batch 1, on H100 under FP8 current
+scaling, whose every quantisation is three kernels); Mixtral's one large local expert hides it.
+Fitted to the Megatron-Bridge 25.11 rows (grid 0-80 us, benchmarks/calibrate_training.py): tens of
+microseconds per eager PyTorch / Transformer Engine op, the order of its Python dispatch."""
 
 
 def moe_host_launch_s(local_experts: float, launches_per_expert: float) -> float:
