@@ -152,7 +152,9 @@ def markdown(rows: list[dict], fit: dict | None, loso: dict | None = None) -> st
         "Each row is a published, measured serving result beside the planner's prediction for the same model, device,",
         "layout (TP, weight and KV dtype) and request shape. Offline throughput rows (concurrency `max`) use the",
         "`serve-throughput` goal on the publisher's layout with no latency bounds, so the planner picks the batch",
-        "(the largest that fits, at most 1024); latency rows use `serve-latency` at the stated concurrency.",
+        "(the largest that fits, at most 1024); latency rows use `serve-latency` at the stated concurrency. Each row's",
+        "KV cache is sized by its engine's rule (`plan/serve/memory.py` `ENGINE_MEMORY_RULES`): TensorRT-LLM's 0.9 of",
+        "the memory the weights leave for the trtllm rows, vLLM's 0.9 of the device otherwise.",
         "",
         "Three constants of `plan/serve/rates.py` are fitted to the rows marked **fit** (batch-1 latencies:",
         f"`DECODE_HBM_EFFICIENCY` = {serve_rates.DECODE_HBM_EFFICIENCY:.2f}, `LAYER_OVERHEAD_S` = "

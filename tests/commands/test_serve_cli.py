@@ -79,3 +79,53 @@ def test_piped_plan_table_keeps_its_width(capsys, monkeypatch):
     header = next(line for line in out.splitlines() if "layout w/kv" in line)
     assert "crosses nodes" in header and "tok/s/dev" in header and len(header) > 80
     assert any("TP2 int4/fp8" in line and "noticeable" in line for line in out.splitlines())
+
+
+
+def _estimate_memory(capsys, *extra):
+    code = main(["estimate", "--goal", "serve-throughput", "--model", "llama-3.1-70b", "--cluster", "2xH100",
+                 "--layout", "tp=2,weight_dtype=fp8,kv_dtype=bf16", "--input-len", "2048", "--output-len", "2048",
+                 "--json", *extra])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)["memory"]
+
+
+def test_the_kv_memory_rule_flags(capsys):
+    """vLLM's rule by default (0.9 of the device holds weights, workspace and KV); ``--kv-memory free`` prices
+    TensorRT-LLM's (0.9 of what the weights, runtime and workspace leave), so the same layout holds more
+    sequences, and ``--memory-fraction`` moves either."""
+    device = _estimate_memory(capsys)
+    free = _estimate_memory(capsys, "--kv-memory", "free")
+    free95 = _estimate_memory(capsys, "--kv-memory", "free", "--memory-fraction", "0.95")
+    assert device["budget_gib"] == pytest.approx(0.9 * 80)
+    # budget = fixed + 0.9 (80 GiB - fixed), so fixed = (budget - 72) / 0.1, and the 0.95 budget follows from it
+    fixed = (free["budget_gib"] - 0.9 * 80) / 0.1
+    assert fixed > device["weights_gib"] + device["runtime_gib"]  # weights, runtime and one chunk's activations
+    assert free95["budget_gib"] == pytest.approx(fixed + 0.95 * (80 - fixed))
+    assert device["max_sequences"] < free["max_sequences"] < free95["max_sequences"]
+
+
+def test_the_engine_names_its_kv_memory_rule():
+    """``--engine`` / ``--framework`` / ``--emit-launch`` trtllm price TensorRT-LLM's rule unless a flag states one."""
+    import argparse
+
+    from modelcarve.commands.planning.serving_plan import serve_options_from_args
+
+    def opts(**flags):
+        return serve_options_from_args(argparse.Namespace(**flags))
+
+    assert opts(engine="trtllm") == {"kv_memory": "free", "memory_fraction": 0.9}
+    assert opts(emit_launch="trtllm", memory_fraction=0.95) == {"kv_memory": "free", "memory_fraction": 0.95}
+    assert opts(framework="trtllm", kv_memory="device") == {"kv_memory": "device", "memory_fraction": 0.9}
+    assert opts(engine="vllm") == {"kv_memory": "device", "memory_fraction": 0.9}
+    assert opts(engine="sglang") == {} and opts() == {}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-memory", "half"], "invalid choice"),
+    (["--memory-fraction", "1.5"], "--memory-fraction 1.5 must be in (0, 1]"),
+])
+def test_bad_kv_memory_flags_are_one_line(capsys, flags, words):
+    code = main(["plan", "--goal", "serve-throughput", "--model", "qwen3-32b", "--cluster", "H100", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err

@@ -37,16 +37,17 @@ def added_perf_overview_row(r: dict) -> bool:
 
 def test_independent_checks_from_two_sources_within_tolerance(rows):
     """The first calibration's 31 checks (TensorRT-LLM's H100 dense Llama tables, vLLM H100); the rows added
-    later from the same page (``added_perf_overview_row``) are tested below. Measured: 27 of 31 within 20%,
-    median |error| 8.2%, worst -24.5%. The four misses are Llama-3.1-405B on H100 at TP8 with long outputs,
-    under-predicted by 21-25% since its KV cache is priced in bf16, as its checkpoint states
-    (data/serving_published.csv header); priced in fp8 they were two misses, over-predicted (+26%, +29%)."""
+    later from the same page (``added_perf_overview_row``) are tested below. Measured: 31 of 31 within 20%,
+    median |error| 7.2%, worst +13.7%, with Llama-3.1-405B's KV cache in bf16 as its checkpoint states
+    (data/serving_published.csv header) and TensorRT-LLM's own KV memory rule (``memory.ENGINE_MEMORY_RULES``).
+    Before: fp8 KV and vLLM's rule, 29 of 31 (405B +26%, +29%); bf16 KV under vLLM's rule, 27 of 31 (405B -21% to
+    -25%: 0.9 of the device left its KV 4.9 GiB a device short of what TensorRT-LLM gives it)."""
     checks = [r for r in rows if r["role"] == "check" and r["source"] in ORIGINAL and not added_perf_overview_row(r)]
     assert len(checks) == 31
     assert {"trtllm", "vllm-h100"} <= {r["source"] for r in checks}
     errors = [abs(r["error"]) for r in checks]
     # Most within +-20%, the median well inside, none wildly off (the misses: docs/calibration_serving.md).
-    assert sum(e <= TOLERANCE for e in errors) >= 27
+    assert sum(e <= TOLERANCE for e in errors) >= 0.9 * len(errors)
     assert statistics.median(errors) <= 0.10
     assert max(errors) <= 0.30
     for r in checks:
@@ -141,7 +142,7 @@ def test_added_perf_overview_rows_are_all_answered(rows):
 
 def test_added_h200_dense_llama_checks(rows):
     """The 30 H200 FP8 rows of Llama-3.1-8B (TP1), Llama-3.3-70B (TP1) and Llama-3.1-405B (TP8). Measured:
-    30 of 30 within 20%, median |error| 5.2%, worst +17.2% (8B 2048/128); the 405B rows -9.3% to +5.8% with
+    30 of 30 within 20%, median |error| 5.2%, worst +17.3% (8B 2048/128); the 405B rows -8.2% to +6.1% with
     their KV cache in bf16 as the checkpoint states (in fp8 they were all over-predicted, +0.9% to +20.2%).
     Asserted: the original checks' bounds."""
     checks = [r for r in rows if added_perf_overview_row(r) and r["model"].startswith("llama-3")]
@@ -154,16 +155,17 @@ def test_added_h200_dense_llama_checks(rows):
 
 def test_added_qwen3_235b_fp8_checks(rows):
     """The 17 Qwen3-235B-A22B FP8 rows (H200 TP8, ten; H100 TP8, seven), transcribed at TP8 with ep 1 (EP not
-    stated; attention DP per the MoE llm_options). Measured: 14 of 17 within 20%, worst +33.7% (H200 5000/500);
+    stated; attention DP per the MoE llm_options). Measured: 12 of 17 within 20%, worst +34.1% (H200 5000/500);
     the misses are H200 128/2048 (-28.5%: the planner's batch stops at its 1024 cap for the whole TP group),
-    5000/500 (+33.7%) and 20000/2000 (+28.0%); every H100 row within 20% (+3.0% to +19.7%). Asserted: that
-    state, so a regression shows."""
+    5000/500 (+34.1%) and 20000/2000 (+28.7%), H100 128/2048 (+21.9%) and 5000/500 (+21.3%): the H100 rows are
+    +5.8% to +21.9% with TensorRT-LLM's KV memory rule (+3.0% to +19.7% under vLLM's, which gave them 10% of
+    the weights less KV cache). Asserted: that state, so a regression shows."""
     qwen = [r for r in rows if added_perf_overview_row(r) and r["model"] == "qwen3-235b-a22b"]
     assert len(qwen) == 17
     errors = [abs(r["error"]) for r in qwen]
-    assert sum(e <= TOLERANCE for e in errors) >= 14
+    assert sum(e <= TOLERANCE for e in errors) >= 12
     assert max(errors) <= 0.35
-    assert all(abs(r["error"]) <= TOLERANCE for r in qwen if r["device"] == "H100")
+    assert all(abs(r["error"]) <= 0.25 for r in qwen if r["device"] == "H100")
 
 
 def test_added_llama4_rows(rows):
@@ -171,16 +173,35 @@ def test_added_llama4_rows(rows):
     Scout NVFP4 on one B200 (10) and one GB200 (10), Maverick NVFP4 B200 TP8 (8). Scout's KV cache is priced
     in bf16, inferred from its rows (the page names no Scout checkpoint; data/serving_published.csv header):
     with fp8 its 38 rows had 3 within 20%, all over-predicted (+24% to +130%). Measured: 38 of 63 within 20%
-    (Scout 28 of 38, -32% to +33%), median |error| 16.6%, mean 28.3%, worst +149.1% (Maverick H100 128/2048).
+    (Scout 28 of 38, -30% to +33%), median |error| 16.5%, mean 29.9%, worst +167.9% (Maverick H100 128/4096).
     Not explained here (docs/calibration_serving.md lists them): every Maverick H100 row is over-predicted
-    (+50% to +149%: the page's H200 / H100 ratio is 2.5-3.8x, the planner's 1.2-2.0x); Maverick's short rows
+    (+57% to +168% with TensorRT-LLM's KV memory rule, +50% to +149% under vLLM's: the page's H200 / H100 ratio
+    is 2.5-3.8x, the planner's 1.2-2.0x); Maverick's short rows
     on H200/B200 are under-predicted (128/128 -53% / -51%; the planner's batch stops at its 1024 cap for the TP
     group). Asserted: that state, so a regression (or an improvement to record) shows."""
     llama4 = [r for r in rows if added_perf_overview_row(r) and r["model"].startswith("llama-4")]
     assert len(llama4) == 63
     errors = [abs(r["error"]) for r in llama4]
-    assert sum(errors) / len(errors) < 0.30
-    assert max(errors) <= 1.6
+    assert sum(errors) / len(errors) < 0.31
+    assert max(errors) <= 1.7
     assert sum(e <= TOLERANCE for e in errors) >= 38
     scout = [r for r in llama4 if r["model"] == "llama-4-scout"]
     assert all(r["kv_dtype"] == "bf16" for r in scout) and sum(abs(r["error"]) <= TOLERANCE for r in scout) >= 28
+
+
+def test_tensorrt_llm_rows_are_priced_with_its_kv_memory_rule(rows):
+    """Every TensorRT-LLM row is priced with TensorRT-LLM's own KV-cache rule (``free_gpu_memory_fraction`` 0.9 of
+    what the weights leave, ``memory.ENGINE_MEMORY_RULES``), not vLLM's 0.9 of the device: Llama-3.1-405B FP8 on 8 H100
+    (bf16 KV, 128/4096) runs at the largest batch the free rule fits, which the device rule does not."""
+    from modelcarve.plan.serve.calibration import ENGINE_OF_SOURCE
+    from modelcarve.plan.serve.memory import ENGINE_MEMORY_RULES, max_sequences, shard_facts
+    from modelcarve.spec.catalog import get_model
+    from modelcarve.spec.hardware import get_device
+
+    assert {ENGINE_OF_SOURCE[s] for s in ("trtllm", "trtllm-fp4")} == {"trtllm"}
+    row = next(r for r in rows if r["source"] == "trtllm" and r["model"] == "llama-3.1-405b" and r["device"] == "H100"
+               and (r["input_len"], r["output_len"]) == (128, 4096))
+    f = shard_facts(get_model("llama-3.1-405b"), tp=8, weight_dtype="fp8", kv_dtype="bf16")
+    memory = get_device("H100").memory_bytes
+    free = max_sequences(f, memory, 128 + 4096, rule=ENGINE_MEMORY_RULES["trtllm"])
+    assert row["kv_dtype"] == "bf16" and row["batch"] == free > max_sequences(f, memory, 128 + 4096)

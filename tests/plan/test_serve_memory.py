@@ -7,7 +7,8 @@ import math
 import pytest
 
 from modelcarve.plan.cost.quant import WEIGHT_FORMATS, quality_note
-from modelcarve.plan.serve.memory import GiB, MEMORY_FRACTION, min_devices, serve_memory, shard_facts
+from modelcarve.plan.serve.memory import (ENGINE_MEMORY_RULES, GiB, MEMORY_FRACTION, MemoryRule, RUNTIME_BYTES, max_sequences,
+                                           min_devices, serve_memory, shard_facts)
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import get_device
 
@@ -84,6 +85,31 @@ def test_max_sequences_is_the_largest_batch_that_fits():
     free = MEMORY_FRACTION * H100 - mem.weights_bytes - mem.runtime_bytes - 4096 * shard_facts(model, tp=1).act_bytes_per_token
     per_seq = 32 * 2 * 8 * 128 * 2 * 4096 + 4 * 128256
     assert mem.max_sequences == math.floor(free / per_seq)
+
+
+def test_tensorrt_llm_sizes_the_kv_cache_from_the_memory_the_weights_leave():
+    """TensorRT-LLM's rule (``free_gpu_memory_fraction`` 0.9 of what is free after the weights, runtime and
+    activations) against vLLM's (``gpu_memory_utilization`` 0.9 of the device), by hand: Llama-3.1-70B, fp8
+    weights, bf16 KV, TP2 on an H100, 4096-token sequences. The device rule leaves 0.9 x 80 GiB minus the fixed
+    part for KV; the free rule 0.9 x (80 GiB minus the fixed part): 0.1 x the fixed part more."""
+    model = get_model("llama-3.1-70b")
+    f = shard_facts(model, tp=2, weight_dtype="fp8", kv_dtype="bf16")
+    context = 4096
+    fixed = f.weights_bytes + RUNTIME_BYTES + context * f.act_bytes_per_token  # chunk = min(8192, 4096)
+    # 80 layers x 4 local KV heads (8 / tp 2) x 128 x k and v x 2 bytes, per token; fp32 logits of the local vocabulary
+    per_seq = 80 * 4 * 128 * 2 * 2 * context + 4 * 128256 / 2
+    assert f.kv_bytes_per_token == 80 * 4 * 128 * 2 * 2
+    device = math.floor((0.9 * H100 - fixed) / per_seq)
+    free = math.floor(0.9 * (H100 - fixed) / per_seq)
+    trtllm = ENGINE_MEMORY_RULES["trtllm"]
+    assert (trtllm.fraction, trtllm.of) == (0.9, "free") and ENGINE_MEMORY_RULES["vllm"] == MemoryRule(0.9, "device")
+    assert max_sequences(f, H100, context) == device
+    assert max_sequences(f, H100, context, rule=trtllm) == free
+    assert free > device  # ~35 GiB of weights: 3.5 GiB more KV
+    mem = serve_memory(model, H100, tp=2, weight_dtype="fp8", kv_dtype="bf16", context=context, batch=free, rule=trtllm)
+    assert mem.fits and mem.max_sequences == free
+    assert mem.budget_bytes == pytest.approx(fixed + 0.9 * (H100 - fixed), rel=1e-12)
+    assert not serve_memory(model, H100, tp=2, weight_dtype="fp8", kv_dtype="bf16", context=context, batch=free + 1, rule=trtllm).fits
 
 
 def test_qwen3_32b_quantised_fits_one_h100_bf16_long_context_needs_two():

@@ -41,14 +41,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
                        help="request rate over the cluster: layouts must sustain it, TPOT is that of the batch it keeps in flight "
                             "(Little's law), TTFT adds the queue wait (M/D/1, plan/serve/queue.py); serve-disagg sizes its pools for it")
+    group.add_argument("--kv-memory", choices=["device", "free"], default=None,
+                       help="how the engine sizes its KV cache: device = --memory-fraction of the whole device holds weights and KV "
+                            "(vLLM's --gpu-memory-utilization, the default), free = that fraction of what the weights leave "
+                            "(TensorRT-LLM's free_gpu_memory_fraction; the default under --engine/--emit-launch trtllm)")
+    group.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                       help="the fraction --kv-memory applies (default 0.9, both engines' default)")
     group.add_argument("--pareto", action="store_true",
                        help="plan: print the Pareto front of tok/s/device vs tok/s/user (with --plot PNG: draw it)")
 
 
 def serve_options_from_args(args: argparse.Namespace) -> dict:
+    """The serving options the flags state, over the defaults of the engine the plan is for
+    (``--engine`` / ``--framework`` / ``--emit-launch``: its KV-cache memory rule,
+    ``plan.serve.memory.ENGINE_MEMORY_RULES``); what the user states wins."""
     keys = ("input_len", "output_len", "ttft_ms", "tpot_ms", "batch", "weight_dtypes", "kv_dtypes", "max_batch", "load_imbalance",
-            "rate", "redundant_experts")
-    return {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+            "rate", "redundant_experts", "kv_memory", "memory_fraction")
+    stated = {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+    engine = getattr(args, "engine", None) or getattr(args, "framework", None) or getattr(args, "emit_launch", None)
+    from modelcarve.plan.serve.memory import ENGINE_MEMORY_RULES
+
+    rule = ENGINE_MEMORY_RULES.get(engine)
+    defaults = {"kv_memory": rule.of, "memory_fraction": rule.fraction} if rule else {}
+    return {**defaults, **stated}
 
 
 def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) -> int:

@@ -45,9 +45,16 @@ def load_published(path: str | Path) -> list[dict]:
     return list(csv.DictReader(lines))
 
 
+ENGINE_OF_SOURCE = {"trtllm": "trtllm", "trtllm-fp4": "trtllm", "vllm-a100": "vllm", "vllm-h100": "vllm"}
+"""The engine each source's runs used, whose KV-cache memory rule prices them
+(``memory.ENGINE_MEMORY_RULES``); a source not named here (gpt-fast at batch 1, SGLang's disaggregated
+units) is priced with the default rule."""
+
+
 def predict(row: dict) -> dict:
     """The planner's figure for one published row, with the batch and bound behind it."""
     from modelcarve.plan.serve.goal import SERVE_LATENCY, SERVE_THROUGHPUT
+    from modelcarve.plan.serve.memory import ENGINE_MEMORY_RULES
 
     model = get_model(row["model"])
     devices = int(row["devices"])
@@ -60,6 +67,9 @@ def predict(row: dict) -> dict:
         seq=int(row["input_len"]) + int(row["output_len"]),
     )
     options = {"input_len": int(row["input_len"]), "output_len": int(row["output_len"])}
+    rule = ENGINE_MEMORY_RULES.get(ENGINE_OF_SOURCE.get(row["source"], ""))
+    if rule is not None:
+        options.update(kv_memory=rule.of, memory_fraction=rule.fraction)
     concurrency = int(row["concurrency"])
     if row["metric"] in PHASE_METRICS:
         # One disaggregated unit running one phase (plan/serve/disagg.py), per device.

@@ -69,7 +69,7 @@ def _ctx(model, cluster, layout: Layout, opts):
 def prefill_unit(model, cluster, layout: Layout, opts) -> dict | None:
     """A prefill unit's figures, or None when one prompt's KV does not fit beside the weights."""
     f, c = _ctx(model, cluster, layout, opts)
-    if max_sequences(f, cluster.device.memory_bytes, opts.input_len) < 1:
+    if max_sequences(f, cluster.device.memory_bytes, opts.input_len, rule=opts.memory_rule) < 1:
         return None
     _ensure_prefill(c)
     group_rps = 1.0 / (opts.input_len * c.prefill_token_s)
@@ -85,7 +85,7 @@ def decode_unit(model, cluster, layout: Layout, opts) -> dict | None:
     """A decode unit at the largest batch that fits and meets the TPOT bound (batch 1 if none does;
     ``tpot_ok`` says), or None when one sequence does not fit."""
     f, c = _ctx(model, cluster, layout, opts)
-    fit = min(max_sequences(f, cluster.device.memory_bytes, opts.context), opts.max_batch)
+    fit = min(max_sequences(f, cluster.device.memory_bytes, opts.context, rule=opts.memory_rule), opts.max_batch)
     if fit < 1:
         return None
     bound = opts.tpot_s if opts.tpot_s is not None else float("inf")

@@ -161,7 +161,7 @@ class _ServeGoal:
                         expert_dtype=ed, redundant_experts=layout.redundant_experts)
         memory_bytes = cluster.device.memory_bytes
         ctx_len = opts.context
-        mem = memory_from_facts(f, memory_bytes, batch=1, context=ctx_len)
+        mem = memory_from_facts(f, memory_bytes, batch=1, context=ctx_len, rule=opts.memory_rule)
         max_b = min(mem.max_sequences, opts.max_batch)
         if max_b < 1:
             reason = (
@@ -175,7 +175,7 @@ class _ServeGoal:
         if opts.batch is not None or self.latency:
             batch = opts.batch or 1
             if batch > mem.max_sequences:
-                mem = memory_from_facts(f, memory_bytes, batch=batch, context=ctx_len)
+                mem = memory_from_facts(f, memory_bytes, batch=batch, context=ctx_len, rule=opts.memory_rule)
                 reason = (
                     f"{_name(layout)}: {batch} sequences of {ctx_len} tokens need {mem.kv_bytes / GiB:.1f} GiB of KV cache; "
                     f"only {mem.max_sequences} fit beside {mem.weights_bytes / GiB:.1f} GiB of weights"
@@ -193,7 +193,7 @@ class _ServeGoal:
         if opts.rate_rps is not None:
             t, queue = self._at_rate(c, max_b, layout.dp, opts.rate_rps)
         category, reason = self._check_bounds(layout, t, opts, queue)
-        mem = memory_from_facts(f, memory_bytes, batch=t.batch, context=ctx_len)
+        mem = memory_from_facts(f, memory_bytes, batch=t.batch, context=ctx_len, rule=opts.memory_rule)
         return t, mem, category, reason, queue
 
     @staticmethod
@@ -255,14 +255,14 @@ class _ServeGoal:
             ed = served_expert_dtype(model, layout.weight_dtype, released)
             f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
                             expert_dtype=ed, redundant_experts=layout.redundant_experts)
-            fit = max_sequences(f, memory_bytes, ctx_len)
+            fit = max_sequences(f, memory_bytes, ctx_len, rule=opts.memory_rule)
             fixed = opts.batch or (1 if latency else None)
             # Rejections carry a short reason: the search evaluates the best rejected candidate
             # of each category in full, which writes the sentence with its figures.
             if fit < 1 or (fixed is not None and fixed > fit):
                 # The closest to fitting ranks first (the no-fit error names it): the smallest
                 # need per device over the usable memory, below every other category's score.
-                need = memory_from_facts(f, memory_bytes, batch=fixed or 1, context=ctx_len)
+                need = memory_from_facts(f, memory_bytes, batch=fixed or 1, context=ctx_len, rule=opts.memory_rule)
                 return -1e6 - need.total_bytes / need.budget_bytes, FIT, f"{_name(layout)}: {FIT}"
             c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype, opts.input_len, opts.output_len, opts.load_imbalance, f,
                              expert_dtype=ed, redundant_experts=layout.redundant_experts)
@@ -414,7 +414,7 @@ class _ServeGoal:
             one = memory_from_facts(
                 shard_facts(model, tp=1, pp=1, ep=1, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
                             expert_dtype=_expert_dtype(model, layout, opts)),
-                cluster.device.memory_bytes, batch=1, context=opts.context,
+                cluster.device.memory_bytes, batch=1, context=opts.context, rule=opts.memory_rule,
             )
             if not one.fits:
                 out.append(

@@ -28,8 +28,13 @@ Per device (the heaviest pipeline stage):
   seq x seq scores; for MoE also the permuted per-expert copies of each token's hidden state,
   in and out) plus fp32 logits for every sequence in the batch.
 * runtime: a fixed 1 GiB for the CUDA context, cuBLAS/NCCL buffers and captured graphs.
-* budget: ``memory_fraction`` (0.90, vLLM's default ``gpu_memory_utilization``) of the device;
-  the remaining 10% is the allocator margin.
+* budget: the engine's rule (``MemoryRule``). ``device`` (the default; vLLM's
+  ``gpu_memory_utilization``, 0.90): the server may use that fraction of the device, weights,
+  workspace and runtime included, so the KV cache gets what is left of it. ``free``
+  (TensorRT-LLM's ``KvCacheConfig.free_gpu_memory_fraction``, 0.90): the KV cache gets that
+  fraction of the memory still free once the weights are loaded and the activations profiled,
+  so the margin is 10% of that remainder, not of the device. With the same fraction ``free``
+  gives the KV cache ``(1 - fraction) x (weights + runtime + workspace)`` more.
 """
 
 from __future__ import annotations
@@ -47,6 +52,43 @@ RUNTIME_BYTES = 1 * GiB
 order serving engines report at startup, not a measurement."""
 MEMORY_FRACTION = 0.90
 """Share of device memory the server may use (vLLM's default gpu_memory_utilization)."""
+KV_MEMORY_RULES = ("device", "free")
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """How a serving engine sizes its KV cache: ``fraction`` of the whole ``device`` (vLLM's
+    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``: weights and KV together within
+    it), or of the memory ``free`` after the weights, runtime and profiled activations
+    (TensorRT-LLM's ``kv_cache_config.free_gpu_memory_fraction``, default 0.90; trtllm-bench's
+    ``--kv_cache_free_gpu_mem_fraction``)."""
+
+    fraction: float = MEMORY_FRACTION
+    of: str = "device"
+
+    def budget(self, memory_bytes: float, fixed_bytes: float) -> float:
+        """Bytes the server may use on a device of ``memory_bytes`` whose weights, runtime and
+        workspace take ``fixed_bytes``: all of it the engine's KV cache may grow into, plus the fixed part."""
+        if self.of == "free":
+            return fixed_bytes + self.fraction * max(0.0, memory_bytes - fixed_bytes)
+        return self.fraction * memory_bytes
+
+
+DEVICE_RULE = MemoryRule()
+"""The default rule: 90% of the device (vLLM's default)."""
+ENGINE_MEMORY_RULES = {
+    "vllm": DEVICE_RULE,
+    "trtllm": MemoryRule(0.90, "free"),
+}
+"""Each engine's own rule at its defaults. vLLM: ``--gpu-memory-utilization`` 0.9 of the whole device
+(EngineArgs). TensorRT-LLM: ``KvCacheConfig.free_gpu_memory_fraction`` 0.9 of the memory free after the
+model is loaded and its activations profiled ("TensorRT LLM will try to allocate 90% of free GPU memory for
+KV cache": nvidia.github.io/TensorRT-LLM/examples/kvcacheconfig.html; trtllm-bench's
+``--kv_cache_free_gpu_mem_fraction``; its
+perf-overview page used 0.9 by default and 0.95 in many runs). ``plan --engine`` / ``--emit-launch`` and
+the calibration against published runs (plan/serve/calibration.py) price each engine with its own.
+SGLang's ``mem_fraction_static`` is a share of the device too, but its default depends on the GPU's
+memory; it is not listed (the device rule at 0.9 applies)."""
 PREFILL_CHUNK = 8192
 """Tokens per prefill chunk (chunked prefill; TensorRT-LLM's default max_num_tokens per step)."""
 MOE_IMBALANCE = 1.25
@@ -70,7 +112,7 @@ class ServeMemory:
     workspace_bytes: float
     runtime_bytes: float
     budget_bytes: float
-    """What the server may use: memory_fraction x device memory."""
+    """What the server may use (``MemoryRule.budget``): by default 0.90 x device memory."""
     batch: int
     context: int
     max_sequences: int
@@ -399,14 +441,14 @@ def serve_memory(
     batch: int = 1,
     context: int = 2048,
     prefill_chunk: int = PREFILL_CHUNK,
-    memory_fraction: float = MEMORY_FRACTION,
+    rule: MemoryRule = DEVICE_RULE,
     expert_dtype: str = "",
     redundant_experts: int = 0,
 ) -> ServeMemory:
     """Memory of the fullest device for ``batch`` sequences of ``context`` tokens each."""
     f = shard_facts(model, tp=tp, pp=pp, ep=ep, weight_dtype=weight_dtype, kv_dtype=kv_dtype, expert_dtype=expert_dtype,
                     redundant_experts=redundant_experts)
-    return memory_from_facts(f, memory_bytes, batch=batch, context=context, prefill_chunk=prefill_chunk, memory_fraction=memory_fraction)
+    return memory_from_facts(f, memory_bytes, batch=batch, context=context, prefill_chunk=prefill_chunk, rule=rule)
 
 
 def memory_from_facts(
@@ -416,13 +458,14 @@ def memory_from_facts(
     batch: int,
     context: int,
     prefill_chunk: int = PREFILL_CHUNK,
-    memory_fraction: float = MEMORY_FRACTION,
+    rule: MemoryRule = DEVICE_RULE,
 ) -> ServeMemory:
     chunk = min(prefill_chunk, context)
     workspace = chunk * f.act_bytes_per_token + batch * f.logits_bytes_per_seq
-    budget = memory_fraction * memory_bytes
+    fixed = f.weights_bytes + RUNTIME_BYTES + chunk * f.act_bytes_per_token
+    budget = rule.budget(memory_bytes, fixed)
     per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
-    free = budget - f.weights_bytes - RUNTIME_BYTES - chunk * f.act_bytes_per_token
+    free = budget - fixed
     max_seqs = max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
     return ServeMemory(
         weights_bytes=f.weights_bytes,
@@ -438,11 +481,12 @@ def memory_from_facts(
 
 
 def max_sequences(f: ShardFacts, memory_bytes: float, context: int, prefill_chunk: int = PREFILL_CHUNK,
-                  memory_fraction: float = MEMORY_FRACTION) -> int:
+                  rule: MemoryRule = DEVICE_RULE) -> int:
     """Sequences of ``context`` tokens that fit (``memory_from_facts(...).max_sequences``, without
     building the record: the search calls this for every candidate)."""
     per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
-    free = memory_fraction * memory_bytes - f.weights_bytes - RUNTIME_BYTES - min(prefill_chunk, context) * f.act_bytes_per_token
+    fixed = f.weights_bytes + RUNTIME_BYTES + min(prefill_chunk, context) * f.act_bytes_per_token
+    free = rule.budget(memory_bytes, fixed) - fixed
     return max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
 
 

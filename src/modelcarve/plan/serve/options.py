@@ -2,15 +2,15 @@
 
 ``serve_options(**options)`` turns the keyword options of ``search`` / ``evaluate`` (``input_len``,
 ``output_len``, ``ttft_ms``, ``tpot_ms``, ``batch``, ``weight_dtypes``, ``kv_dtypes``,
-``max_batch``, ``load_imbalance``, ``rate``; the CLI's flags) into one ``ServeOptions``, refusing a bad
-value in one line that names the flag.
+``max_batch``, ``load_imbalance``, ``rate``, ``kv_memory``, ``memory_fraction``; the CLI's flags) into one
+``ServeOptions``, refusing a bad value in one line that names the flag.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelcarve.plan.serve.memory import MOE_IMBALANCE
+from modelcarve.plan.serve.memory import KV_MEMORY_RULES, MEMORY_FRACTION, MOE_IMBALANCE, MemoryRule
 from modelcarve.spec.errors import ModelcarveError
 
 WEIGHT_DTYPES = ("bf16", "fp8")
@@ -44,6 +44,10 @@ class ServeOptions:
     """EPLB replicas the search may add to an expert-parallel layout (``--redundant-experts``): with R > 0
     it also tries every ep dividing experts + R but not the experts (``Layout.redundant_experts``); 0: only ep
     dividing the experts."""
+    kv_memory: str = "device"
+    """How the engine sizes its KV cache (``memory.MemoryRule``): ``device`` (vLLM, SGLang: ``memory_fraction``
+    of the device holds weights and KV) or ``free`` (TensorRT-LLM: that fraction of what the weights leave)."""
+    memory_fraction: float = MEMORY_FRACTION
     rate_rps: float | None = None
     """Requests/s the cluster is asked to serve (``--rate``); None: each layout at its own batch.
     With a rate, a layout must sustain it, TTFT carries the queue and TPOT is that of the batch
@@ -52,6 +56,10 @@ class ServeOptions:
     @property
     def context(self) -> int:
         return self.input_len + self.output_len
+
+    @property
+    def memory_rule(self) -> MemoryRule:
+        return MemoryRule(self.memory_fraction, self.kv_memory)
 
 
 def _split(value, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -85,6 +93,12 @@ def serve_options(**options) -> ServeOptions:
     rate = num("rate", float, 0.0)
     if rate is not None and not 0.0 < rate < float("inf"):
         raise ModelcarveError(f"--rate {rate:g} must be a positive, finite number of requests/s")
+    kv_memory = options.get("kv_memory") or "device"
+    if kv_memory not in KV_MEMORY_RULES:
+        raise ModelcarveError(f"--kv-memory {kv_memory!r} unknown; choose device (vLLM, SGLang) or free (TensorRT-LLM)")
+    fraction = num("memory_fraction", float, 0.0)
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise ModelcarveError(f"--memory-fraction {fraction:g} must be in (0, 1], e.g. 0.9")
     opts = ServeOptions(
         input_len=input_len,
         output_len=output_len,
@@ -98,6 +112,8 @@ def serve_options(**options) -> ServeOptions:
         rate_rps=rate,
         redundant_experts=num("redundant_experts", int, 0) or 0,
         released_experts=options.get("weight_dtypes") is None,
+        kv_memory=kv_memory,
+        memory_fraction=fraction or MEMORY_FRACTION,
     )
     from modelcarve.plan.cost.quant import KV_FORMATS, WEIGHT_FORMATS
 

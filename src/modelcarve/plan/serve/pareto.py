@@ -55,7 +55,7 @@ def pareto_front(model, cluster, **options) -> dict:
         ed = served_expert_dtype(model, layout.weight_dtype, opts.released_experts)
         f = shard_facts(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, weight_dtype=layout.weight_dtype, kv_dtype=layout.kv_dtype,
                         expert_dtype=ed, redundant_experts=layout.redundant_experts)
-        fit = min(max_sequences(f, memory, opts.context), opts.max_batch)
+        fit = min(max_sequences(f, memory, opts.context, rule=opts.memory_rule), opts.max_batch)
         if fit < 1:
             continue
         c = layout_costs(model, cluster, layout.tp, layout.pp, layout.ep, layout.dp, layout.weight_dtype, layout.kv_dtype,
