@@ -128,8 +128,9 @@ def test_serving_engines_without_a_cpu_build_parse_back(tmp_path, capsys, case, 
         else:
             tp_flag, seq_flag, batch_flag = "--tp_size", "--max_seq_len", "--max_batch_size"
             assert len(cmds) == (1 if c["dp_attention"] else layout.dp)
-            opts = (out / "extra_llm_api_options.yaml")
-            assert ("dtype: \"fp8\"" in opts.read_text()) == (layout.kv_dtype == "fp8") if opts.exists() else layout.kv_dtype == "bf16"
+            opts = (out / "extra_llm_api_options.yaml").read_text()
+            assert "free_gpu_memory_fraction: 0.9" in opts  # the KV-cache rule the plan priced (memory.ENGINE_MEMORY_RULES)
+            assert ("dtype: \"fp8\"" in opts) == (layout.kv_dtype == "fp8")
         assert int(f[tp_flag][0]) == c["engine_tp"]
         assert int(f[seq_flag][0]) == layout.seq
         assert int(f[batch_flag][0]) == batch
@@ -159,7 +160,8 @@ def test_vllm_own_parser_reads_every_serving_winner(tmp_path, capsys, vllm_pytho
         "    p = FlexibleArgumentParser(); AsyncEngineArgs.add_cli_args(p)\n"
         "    e = EngineArgs.from_cli_args(p.parse_args(argv))\n"
         "    out.append(dict(model=e.model, tp=e.tensor_parallel_size, pp=e.pipeline_parallel_size, dp=e.data_parallel_size,\n"
-        "        ep=e.enable_expert_parallel, q=e.quantization, kv=e.kv_cache_dtype, seq=e.max_model_len, batch=e.max_num_seqs))\n"
+        "        ep=e.enable_expert_parallel, q=e.quantization, kv=e.kv_cache_dtype, seq=e.max_model_len, batch=e.max_num_seqs,\n"
+        "        mem=e.gpu_memory_utilization))\n"
         "print('RESULT' + json.dumps(out))\n"
     )
     argvs = [["--model", cmd[2], *cmd[3:]] for _, _, cmd in cases]  # vllm serve MODEL ... -> the engine args
@@ -172,6 +174,7 @@ def test_vllm_own_parser_reads_every_serving_winner(tmp_path, capsys, vllm_pytho
         assert got["q"] == ("fp8" if layout.weight_dtype == "fp8" else None)
         assert got["kv"] == KV_NAMES["vllm"][layout.kv_dtype]
         assert (got["seq"], got["batch"]) == (layout.seq, batch)
+        assert got["mem"] == 0.9  # the plan priced vLLM's KV cache at 0.9 of the device (memory.ENGINE_MEMORY_RULES)
 
 
 def test_sglang_own_server_args_read_every_serving_winner(tmp_path, capsys):

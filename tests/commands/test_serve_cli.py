@@ -5,6 +5,7 @@ import json
 import pytest
 
 from modelcarve.cli import main
+from modelcarve.spec.errors import ModelcarveError
 
 
 def test_plan_serve_latency_json(capsys):
@@ -116,9 +117,35 @@ def test_the_engine_names_its_kv_memory_rule():
 
     assert opts(engine="trtllm") == {"kv_memory": "free", "memory_fraction": 0.9}
     assert opts(emit_launch="trtllm", memory_fraction=0.95) == {"kv_memory": "free", "memory_fraction": 0.95}
-    assert opts(framework="trtllm", kv_memory="device") == {"kv_memory": "device", "memory_fraction": 0.9}
     assert opts(engine="vllm") == {"kv_memory": "device", "memory_fraction": 0.9}
-    assert opts(engine="sglang") == {} and opts() == {}
+    assert opts(engine="sglang") == {} and opts() == {} and opts(kv_memory="free") == {"kv_memory": "free"}
+    # a rule the engine does not have is refused in one line rather than priced and launched otherwise
+    for engine, rule in (("trtllm", "device"), ("vllm", "free"), ("sglang", "free")):
+        with pytest.raises(ModelcarveError, match=f"--kv-memory {rule} is not how {engine} sizes its KV cache"):
+            opts(engine=engine, kv_memory=rule)
+
+
+def test_the_launch_runs_at_the_memory_fraction_the_plan_priced(tmp_path, capsys):
+    """``--emit-launch`` writes the memory fraction the plan was priced with: vLLM's --gpu-memory-utilization,
+    SGLang's --mem-fraction-static (only when stated: its default depends on the GPU), TensorRT-LLM's
+    kv_cache_config.free_gpu_memory_fraction."""
+    def emit(engine, *extra):
+        out = tmp_path / engine
+        code = main(["estimate", "--goal", "serve-throughput", "--model", "qwen3-32b", "--cluster", "2xH100",
+                     "--layout", "tp=2,weight_dtype=fp8,kv_dtype=fp8", "--emit-launch", engine, "--out", str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        capsys.readouterr()
+        return out
+
+    def flag(out, name):
+        words = (out / "launch.sh").read_text().split()
+        return words[words.index(name) + 1] if name in words else None
+
+    assert flag(emit("vllm"), "--gpu-memory-utilization") == "0.9"
+    assert flag(emit("sglang"), "--mem-fraction-static") is None
+    assert flag(emit("sglang", "--memory-fraction", "0.85"), "--mem-fraction-static") == "0.85"
+    yaml = (emit("trtllm", "--memory-fraction", "0.95") / "extra_llm_api_options.yaml").read_text()
+    assert "kv_cache_config:" in yaml and "free_gpu_memory_fraction: 0.95" in yaml
 
 
 @pytest.mark.parametrize("flags, words", [

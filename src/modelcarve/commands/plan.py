@@ -218,8 +218,10 @@ def _estimate(args) -> int:
             check_launch(args, model, cluster, layout)
         code = run_serve_estimate(args, model, cluster, layout)
         if args.emit_launch:
+            from modelcarve.commands.planning.serving_plan import serve_options_from_args
+
             emit_launch(args, model, cluster, args._launch_layout,
-                        max_batch=args.launch_batch or args.batch or args.max_batch)
+                        max_batch=args.launch_batch or args.batch or args.max_batch, priced=serve_options_from_args(args))
         return code
     options = _options(args)
     if args.goal == "train" and args.framework:

@@ -7,4 +7,5 @@ trtllm-serve meta-llama/Llama-3.1-8B \
   --tp_size 2 \
   --pp_size 1 \
   --max_seq_len 2304 \
-  --max_batch_size 1
+  --max_batch_size 1 \
+  --extra_llm_api_options extra_llm_api_options.yaml

@@ -373,19 +373,26 @@ def _titan_module(model) -> str:
             "gpt_oss": "gpt_oss"}.get(family, family)
 
 
-def options(engine: str, layout: Layout, model=None, *, serving: bool) -> dict:
-    """The engine's options file (TensorRT-LLM's --extra_llm_api_options YAML), as nested keys."""
+def options(engine: str, layout: Layout, model=None, *, serving: bool, planner_options: dict | None = None) -> dict:
+    """The engine's options file (TensorRT-LLM's --extra_llm_api_options YAML), as nested keys; a key
+    naming a planner ``option`` (the KV-cache memory fraction) is written when the plan was priced with one."""
     t = table(engine)
     c = context(layout, model, serving=serving)
     out: dict = {}
     for item in t.get("options", []):
         if "when" in item and not _cond(item["when"], c):
             continue
+        if "option" in item:
+            value = (planner_options or {}).get(item["option"])
+            if value is None:
+                continue
+        else:
+            value = _value(item, c, t)
         node = out
         *parents, leaf = item["key"].split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = _value(item, c, t)
+        node[leaf] = value
     return out
 
 
@@ -431,7 +438,7 @@ def render(engine: str, layout: Layout, model, cluster, *, serving: bool, max_ba
         files["launch.sh"] = "\n".join(head + body) + "\n"
         files["launch.slurm"] = _slurm(engine, layout, model, cluster, serving=serving, max_batch=max_batch, nodes=nodes)
         return files
-    extra = options(engine, layout, model, serving=serving)
+    extra = options(engine, layout, model, serving=serving, planner_options=planner_options)
     opts = "extra_llm_api_options.yaml" if extra else None
     if extra:
         files[opts] = f"# {title(engine)} --extra_llm_api_options\n" + _yaml(extra) + "\n"

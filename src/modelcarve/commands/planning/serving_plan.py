@@ -60,8 +60,17 @@ def serve_options_from_args(args: argparse.Namespace) -> dict:
     stated = {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
     engine = getattr(args, "engine", None) or getattr(args, "framework", None) or getattr(args, "emit_launch", None)
     from modelcarve.plan.serve.memory import ENGINE_MEMORY_RULES
+    from modelcarve.spec.errors import ModelcarveError
 
     rule = ENGINE_MEMORY_RULES.get(engine)
+    if rule is None and engine == "sglang":
+        rule_of = "device"  # mem_fraction_static: a share of the whole device (its default fraction depends on the GPU)
+    else:
+        rule_of = rule.of if rule else None
+    if rule_of and stated.get("kv_memory", rule_of) != rule_of:
+        raise ModelcarveError(f"--kv-memory {stated['kv_memory']} is not how {engine} sizes its KV cache ({rule_of}: "
+                              f"{'a share of the whole device' if rule_of == 'device' else 'a share of what the weights leave'}); "
+                              f"drop --kv-memory, or set --memory-fraction")
     defaults = {"kv_memory": rule.of, "memory_fraction": rule.fraction} if rule else {}
     return {**defaults, **stated}
 
@@ -115,7 +124,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         from modelcarve.commands.planning.launch_emit import emit_launch
 
         layout, batch, label = args._launch
-        emit_launch(args, model, cluster, layout, max_batch=batch, label=label)
+        emit_launch(args, model, cluster, layout, max_batch=batch, label=label, priced=options)  # its memory fraction too
     return 0 if plan["layouts"] else 1
 
 
