@@ -7,7 +7,7 @@ import math
 import pytest
 
 from modelcarve.plan.cost.quant import WEIGHT_FORMATS, quality_note
-from modelcarve.plan.serve.memory import (ENGINE_MEMORY_RULES, GiB, MEMORY_FRACTION, MemoryRule, RUNTIME_BYTES, max_sequences,
+from modelcarve.plan.serve.memory import (ENGINE_KV_MEMORY, ENGINE_MEMORY_RULES, GiB, MEMORY_FRACTION, MemoryRule, RUNTIME_BYTES, max_sequences,
                                            min_devices, serve_memory, shard_facts)
 from modelcarve.spec.catalog import get_model, model_names
 from modelcarve.spec.hardware import get_device
@@ -103,6 +103,7 @@ def test_tensorrt_llm_sizes_the_kv_cache_from_the_memory_the_weights_leave():
     free = math.floor(0.9 * (H100 - fixed) / per_seq)
     trtllm = ENGINE_MEMORY_RULES["trtllm"]
     assert (trtllm.fraction, trtllm.of) == (0.9, "free") and ENGINE_MEMORY_RULES["vllm"] == MemoryRule(0.9, "device")
+    assert all(ENGINE_KV_MEMORY[engine] == rule.of for engine, rule in ENGINE_MEMORY_RULES.items())
     assert max_sequences(f, H100, context) == device
     assert max_sequences(f, H100, context, rule=trtllm) == free
     assert free > device  # ~35 GiB of weights: 3.5 GiB more KV

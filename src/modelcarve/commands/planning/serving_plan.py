@@ -59,14 +59,11 @@ def serve_options_from_args(args: argparse.Namespace) -> dict:
             "rate", "redundant_experts", "kv_memory", "memory_fraction")
     stated = {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
     engine = getattr(args, "engine", None) or getattr(args, "framework", None) or getattr(args, "emit_launch", None)
-    from modelcarve.plan.serve.memory import ENGINE_MEMORY_RULES
+    from modelcarve.plan.serve.memory import ENGINE_KV_MEMORY, ENGINE_MEMORY_RULES
     from modelcarve.spec.errors import ModelcarveError
 
     rule = ENGINE_MEMORY_RULES.get(engine)
-    if rule is None and engine == "sglang":
-        rule_of = "device"  # mem_fraction_static: a share of the whole device (its default fraction depends on the GPU)
-    else:
-        rule_of = rule.of if rule else None
+    rule_of = ENGINE_KV_MEMORY.get(engine)
     if rule_of and stated.get("kv_memory", rule_of) != rule_of:
         raise ModelcarveError(f"--kv-memory {stated['kv_memory']} is not how {engine} sizes its KV cache ({rule_of}: "
                               f"{'a share of the whole device' if rule_of == 'device' else 'a share of what the weights leave'}); "

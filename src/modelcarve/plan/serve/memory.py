@@ -89,6 +89,9 @@ perf-overview page used 0.9 by default and 0.95 in many runs). ``plan --engine``
 the calibration against published runs (plan/serve/calibration.py) price each engine with its own.
 SGLang's ``mem_fraction_static`` is a share of the device too, but its default depends on the GPU's
 memory; it is not listed (the device rule at 0.9 applies)."""
+ENGINE_KV_MEMORY = {"vllm": "device", "sglang": "device", "trtllm": "free"}
+"""The kind of rule each serving engine implements, whatever its fraction (a plan for one of them is not
+priced with the other kind)."""
 PREFILL_CHUNK = 8192
 """Tokens per prefill chunk (chunked prefill; TensorRT-LLM's default max_num_tokens per step)."""
 MOE_IMBALANCE = 1.25
