@@ -68,8 +68,7 @@ def serve_options_from_args(args: argparse.Namespace) -> dict:
         raise ModelcarveError(f"--kv-memory {stated['kv_memory']} is not how {engine} sizes its KV cache ({rule_of}: "
                               f"{'a share of the whole device' if rule_of == 'device' else 'a share of what the weights leave'}); "
                               f"drop --kv-memory, or set --memory-fraction")
-    defaults = {"kv_memory": rule.of, "memory_fraction": rule.fraction} if rule else {}
-    return {**defaults, **stated}
+    return {**(rule.options() if rule else {}), **stated}
 
 
 def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) -> int:

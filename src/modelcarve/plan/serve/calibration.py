@@ -69,7 +69,7 @@ def predict(row: dict) -> dict:
     options = {"input_len": int(row["input_len"]), "output_len": int(row["output_len"])}
     rule = ENGINE_MEMORY_RULES.get(ENGINE_OF_SOURCE.get(row["source"], ""))
     if rule is not None:
-        options.update(kv_memory=rule.of, memory_fraction=rule.fraction)
+        options.update(rule.options())
     concurrency = int(row["concurrency"])
     if row["metric"] in PHASE_METRICS:
         # One disaggregated unit running one phase (plan/serve/disagg.py), per device.

@@ -73,6 +73,10 @@ class MemoryRule:
             return fixed_bytes + self.fraction * max(0.0, memory_bytes - fixed_bytes)
         return self.fraction * memory_bytes
 
+    def options(self) -> dict:
+        """The serving options that select this rule (``ServeOptions.kv_memory`` / ``memory_fraction``)."""
+        return {"kv_memory": self.of, "memory_fraction": self.fraction}
+
 
 DEVICE_RULE = MemoryRule()
 """The default rule: 90% of the device (vLLM's default)."""
@@ -89,9 +93,9 @@ perf-overview page used 0.9 by default and 0.95 in many runs). ``plan --engine``
 the calibration against published runs (plan/serve/calibration.py) price each engine with its own.
 SGLang's ``mem_fraction_static`` is a share of the device too, but its default depends on the GPU's
 memory; it is not listed (the device rule at 0.9 applies)."""
-ENGINE_KV_MEMORY = {"vllm": "device", "sglang": "device", "trtllm": "free"}
+ENGINE_KV_MEMORY = {**{engine: rule.of for engine, rule in ENGINE_MEMORY_RULES.items()}, "sglang": "device"}
 """The kind of rule each serving engine implements, whatever its fraction (a plan for one of them is not
-priced with the other kind)."""
+priced with the other kind): the listed engines' own, and SGLang's share of the device."""
 PREFILL_CHUNK = 8192
 """Tokens per prefill chunk (chunked prefill; TensorRT-LLM's default max_num_tokens per step)."""
 MOE_IMBALANCE = 1.25
@@ -465,11 +469,9 @@ def memory_from_facts(
 ) -> ServeMemory:
     chunk = min(prefill_chunk, context)
     workspace = chunk * f.act_bytes_per_token + batch * f.logits_bytes_per_seq
-    fixed = f.weights_bytes + RUNTIME_BYTES + chunk * f.act_bytes_per_token
+    fixed = _fixed_bytes(f, chunk)
     budget = rule.budget(memory_bytes, fixed)
-    per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
-    free = budget - fixed
-    max_seqs = max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
+    max_seqs = _sequences_in(f, budget - fixed, context)
     return ServeMemory(
         weights_bytes=f.weights_bytes,
         kv_bytes_per_token=f.kv_bytes_per_token,
@@ -487,10 +489,19 @@ def max_sequences(f: ShardFacts, memory_bytes: float, context: int, prefill_chun
                   rule: MemoryRule = DEVICE_RULE) -> int:
     """Sequences of ``context`` tokens that fit (``memory_from_facts(...).max_sequences``, without
     building the record: the search calls this for every candidate)."""
+    fixed = _fixed_bytes(f, min(prefill_chunk, context))
+    return _sequences_in(f, rule.budget(memory_bytes, fixed) - fixed, context)
+
+
+def _fixed_bytes(f: ShardFacts, chunk: int) -> float:
+    """What a device holds whatever the batch: the weights, the runtime, one prefill chunk's activations."""
+    return f.weights_bytes + RUNTIME_BYTES + chunk * f.act_bytes_per_token
+
+
+def _sequences_in(f: ShardFacts, free_bytes: float, context: int) -> int:
+    """Sequences of ``context`` tokens (KV cache and logits each) that fit in ``free_bytes``."""
     per_seq = kv_seq_bytes(f, context) + f.logits_bytes_per_seq
-    fixed = f.weights_bytes + RUNTIME_BYTES + min(prefill_chunk, context) * f.act_bytes_per_token
-    free = rule.budget(memory_bytes, fixed) - fixed
-    return max(0, math.floor(free / per_seq)) if per_seq > 0 else 0
+    return max(0, math.floor(free_bytes / per_seq)) if per_seq > 0 else 0
 
 
 def min_devices(

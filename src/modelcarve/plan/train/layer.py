@@ -130,7 +130,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     core_ew_s = memory_bound_time_s(dev, core_ew)
     fwd = g + core + ew_s + core_ew_s + q_fwd_s
     bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
-    stall_fwd = 0.0  # kept for the recomputed MoE forward (_layer_finish)
+    stall_fwd = 0.0  # the forward's wait on the host; a recomputed MoE forward waits again under all-to-all (_layer_finish)
     fwd_gpu, bwd_gpu = fwd, bwd
     host_fwd = host_bwd = 0.0
     host_ahead = False  # the host issues ahead of the GPU (no count sync): passes last max(GPU work, host issue time)
