@@ -35,15 +35,18 @@ def test_launch_counts_per_expert_and_pass():
     assert expert_launches("fp8cs") == (8, 10)  # current scaling: amax, scale, cast per quantisation
 
 
-def _base(dtype: str, dispatcher: str, per_launch: float):
+def _cost(dtype: str, dispatcher: str) -> TrainCostModel:
     # Qwen3-30B-A3B (128 experts, top-8, expert FFN 768) on H100 with EP8: 16 local experts,
     # micro-batch 2 of 4096 tokens, as the Megatron-Bridge 25.11 H100 FP8-CS row runs it
     qwen, h100 = _published_model("qwen3-30b-a3b"), parse_cluster("2x8xH100")
+    cost = TrainCostModel(qwen, h100, TrainOptions(global_batch=512, seq=4096, load_imbalance=1.0, moe_dispatcher=dispatcher))
+    cost._dtype = dtype
+    return cost
+
+
+def _base(dtype: str, dispatcher: str, per_launch: float):
     with patch.object(efficiency, "MOE_HOST_S_PER_LAUNCH", per_launch):
-        cost = TrainCostModel(qwen, h100, TrainOptions(global_batch=512, seq=4096, load_imbalance=1.0,
-                                                        moe_dispatcher=dispatcher))
-        cost._dtype = dtype
-        return layer_base(cost, True, 1, 1, 8, 2, False, 4096)
+        return layer_base(_cost(dtype, dispatcher), True, 1, 1, 8, 2, False, 4096)
 
 
 def test_fp8_current_scaling_stall_by_hand():
@@ -101,11 +104,7 @@ def _finish(dtype: str, dispatcher: str, per_launch: float, recompute: str):
     from modelcarve.plan.train.layer import _layer_finish
 
     base = _base(dtype, dispatcher, per_launch)
-    qwen, h100 = _published_model("qwen3-30b-a3b"), parse_cluster("2x8xH100")
-    cost = TrainCostModel(qwen, h100, TrainOptions(global_batch=512, seq=4096, load_imbalance=1.0,
-                                                    moe_dispatcher=dispatcher))
-    cost._dtype = dtype
-    return base, _layer_finish(cost, base, recompute)
+    return base, _layer_finish(_cost(dtype, dispatcher), base, recompute)
 
 
 def test_recomputation_under_the_flex_dispatcher_by_hand():
