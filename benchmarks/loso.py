@@ -10,7 +10,8 @@ Usage (benchmarks/ is on ``sys.path`` when a script in it runs; tests insert it)
 ``fit(rows)`` returns what ``coordinate_descent`` returns (the chosen ``values``, the names no row
 of ``rows`` constrains in ``unconstrained``); ``errors(rows, values)`` returns each row's relative
 error ``predicted / published - 1`` with those constants (and must leave the code's constants as
-it found them). For every source the rows name, the constants are fitted on every *other*
+it found them). ``per_row``: each answered row's out-of-sample, in-sample and code-constant error.
+For every source the rows name, the constants are fitted on every *other*
 source's rows and the held-out source's rows are predicted with them: each row is predicted by
 the one fold that did not see it, so the pooled figure is out-of-sample. The in-sample figure
 (all sources fitted at once) and the code's own constants are reported beside it.
@@ -89,7 +90,7 @@ def leave_one_source_out(rows: list, *, source: Callable, name: Callable, fit: C
     full_s = time.perf_counter() - t
     in_sample = dict(zip(map(id, rows), errors(rows, full["values"])))
     with_code = dict(zip(map(id, rows), errors(rows, code)))
-    folds, pooled = [], []
+    folds, pooled, per_row = [], [], []
     for held_source in sources:
         train = [r for r in rows if source(r) != held_source]
         held = [r for r in rows if source(r) == held_source]
@@ -99,6 +100,8 @@ def leave_one_source_out(rows: list, *, source: Callable, name: Callable, fit: C
         fit_s = time.perf_counter() - t
         named = list(zip(map(name, held), errors(held, fold["values"]))) if held else []
         pooled += named
+        per_row += [{"case": n, "source": held_source, "out_of_sample": round(e, 4), "in_sample": round(in_sample[id(r)], 4),
+                     "code_constants": round(with_code[id(r)], 4)} for r, (n, e) in zip(held, named)]
         excluded_errors = errors([r for r, _ in held_excluded], fold["values"]) if held_excluded else []
         folds.append({
             "held_out": held_source, **stats(named), "fitted_on_rows": len(train),
@@ -120,6 +123,7 @@ def leave_one_source_out(rows: list, *, source: Callable, name: Callable, fit: C
         "code_constants": stats([(name(r), with_code[id(r)]) for r in rows]),
         "excluded_rows": len(excluded),
         "folds": folds,
+        "per_row": per_row,
         "runtime_s": round(time.perf_counter() - start, 1),
     }
 
