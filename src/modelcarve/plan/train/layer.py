@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm, efficiency
 from modelcarve.plan.cost.activations import ACT_BYTES, kv_heads_per_rank, layer_activation_terms
 from modelcarve.plan.cost.efficiency import memory_bound_time_s
+from modelcarve.plan.train.unfused import unfused_bytes
 from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
@@ -128,8 +129,15 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     q_bwd_s = memory_bound_time_s(dev, qb * q_out)
     ew_s = memory_bound_time_s(dev, ew)
     core_ew_s = memory_bound_time_s(dev, core_ew)
-    fwd = g + core + ew_s + core_ew_s + q_fwd_s
-    bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s
+    # Megatron-Core's unfused paths for YaRN rotary, a clamped GLU and expert biases (plan/train/unfused.py)
+    rot = m.qk_rope_head_dim if m.attention_kind == "mla" else dqk
+    xu = unfused_bytes(m, q_kv_elems=T * (heads + kvl) * rot, fc1_elems=2.0 * routed * fe / tp if moe else 0.0,
+                       fc2_elems=routed * h * etp / tp if moe else 0.0, fused_mlp=o.moe_fused_mlp,
+                       fp32_probs=o.moe_dispatcher == "fused")
+    x_moe_s, x_act_s = memory_bound_time_s(dev, xu.moe_fwd), memory_bound_time_s(dev, xu.act_fwd)
+    x_fwd_s = memory_bound_time_s(dev, xu.fwd)
+    fwd = g + core + ew_s + core_ew_s + q_fwd_s + x_fwd_s
+    bwd = 2.0 * g + core_bwd + 2.0 * (ew_s + core_ew_s) + q_bwd_s + memory_bound_time_s(dev, xu.bwd)
     stall_fwd = 0.0  # the forward's wait on the host; a recomputed MoE forward waits again under all-to-all (_layer_finish)
     fwd_gpu, bwd_gpu = fwd, bwd
     host_fwd = host_bwd = 0.0
@@ -140,7 +148,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         host_fwd = efficiency.moe_host_launch_s(launching, n_fwd)
         host_bwd = efficiency.moe_host_launch_s(launching, n_bwd)
         if o.moe_dispatcher == "alltoall":  # the host waits for the counts, then the GPU for the host
-            moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
+            moe_fwd = g_ffn + memory_bound_time_s(dev, ew_act + ew_moe) + x_moe_s
             stall_fwd = max(0.0, host_fwd - moe_fwd)
             fwd += stall_fwd
             bwd += max(0.0, host_bwd - 2.0 * moe_fwd)
@@ -185,6 +193,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
         "cp_fwd": cp_fwd, "cp_fwd_bytes": cp_fwd_bytes,
         "cp_nic": 3.0 * comm.nic_bytes(cp_fwd_bytes, cp_tier) if cp_tier.members_per_node else 0.0,
         "ep_one": ep_one, "ep_bytes_one": ep_bytes_one, "ep_nic_one": ep_nic_one,
+        "x_fwd_s": x_fwd_s, "x_moe_s": x_moe_s, "x_act_s": x_act_s,
     }
 
 
@@ -203,7 +212,7 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         rc = fwd
     elif recompute == "ops":
         # matmuls not saved (k, o, the second MLP input projection) and every element-wise op
-        rc = b["g_k"] + b["g_o"] + b["g_up2"] + ew_s + q_fwd_s
+        rc = b["g_k"] + b["g_o"] + b["g_up2"] + ew_s + q_fwd_s + b["x_fwd_s"]
     else:
         rc = 0.0
         if "core_attn" in mods:
@@ -211,11 +220,11 @@ def _layer_finish(cost: "TrainCost", b: dict, recompute: str) -> dict:
         if "layernorm" in mods:
             rc += memory_bound_time_s(dev, b["ew_norm"])
         if "mlp" in mods:
-            rc += g_ffn + memory_bound_time_s(dev, ew_act + ew_moe)
+            rc += g_ffn + memory_bound_time_s(dev, ew_act + ew_moe) + b["x_moe_s"]
             if not b["host_ahead"]:
                 rc += stall_fwd  # all-to-all: the recomputed MoE block waits for the host after its counts again
         elif "mlp_act" in mods:
-            rc += memory_bound_time_s(dev, ew_act)
+            rc += memory_bound_time_s(dev, ew_act) + b["x_act_s"]
         if "mla_up_proj" in mods and m.attention_kind == "mla":
             rc += _mla_up_proj_s(cost, T, tp)
     if b["host_ahead"]:
