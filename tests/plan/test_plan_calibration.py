@@ -151,7 +151,7 @@ def test_calibration_summary_regression_bounds():
     # inferred fit with less (405B: none, as its recipe states), which had stood in for time the model lacks;
     # 16.4% / 14.9% (2026-12-06) once MB-25.11's H100 gpt-oss-120b row ran at its preset's MBS 1 (the table's MBS 4
     # is another row's cell, data/training_published.csv header): +1.3% -> +47%, like every other gpt-oss row;
-    # 15.3% / 13.1% (2026-12-06, later session) with Megatron-Core's unfused gpt-oss paths priced (plan/train/unfused.py)
+    # 15.3% / 13.1% (2026-12-06, later session) with Megatron-Core's unfused gpt-oss paths priced (plan/cost/unfused.py)
     assert mape <= 0.16, mape
     assert sum(fitted) / len(fitted) <= 0.14
     # measured 26.3% over its 27 rows (22.8% over 26 when the release was added); 20.6% (2026-12-06) with three of

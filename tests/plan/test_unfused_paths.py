@@ -1,4 +1,4 @@
-"""plan/train/unfused.py: the element-wise work Megatron-Core runs outside its fused kernels for YaRN
+"""plan/cost/unfused.py: the element-wise work Megatron-Core runs outside its fused kernels for YaRN
 rotary with an attention scale, a clamped GLU and expert output biases (gpt-oss has all three).
 
 Hand-derived: the bytes per element counted from Megatron-LM's code (the module doc), the concentration
@@ -17,7 +17,7 @@ from modelcarve.plan.cost.efficiency import memory_bound_time_s
 from modelcarve.plan.train.calibration import _published_model
 from modelcarve.plan.train.layer import _layer_finish, layer_base
 from modelcarve.plan.train.model import TrainCostModel, TrainOptions
-from modelcarve.plan.train.unfused import NONE, features, unfused_bytes, yarn_mscale
+from modelcarve.plan.cost.unfused import NONE, features, unfused_bytes, yarn_mscale
 from modelcarve.spec.catalog import get_model
 from modelcarve.spec.hardware import parse_cluster
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm, efficiency
 from modelcarve.plan.cost.activations import ACT_BYTES, kv_heads_per_rank, layer_activation_terms
 from modelcarve.plan.cost.efficiency import memory_bound_time_s
-from modelcarve.plan.train.unfused import unfused_bytes
+from modelcarve.plan.cost.unfused import unfused_bytes
 from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     q_bwd_s = memory_bound_time_s(dev, qb * q_out)
     ew_s = memory_bound_time_s(dev, ew)
     core_ew_s = memory_bound_time_s(dev, core_ew)
-    # Megatron-Core's unfused paths for YaRN rotary, a clamped GLU and expert biases (plan/train/unfused.py)
+    # Megatron-Core's unfused paths for YaRN rotary, a clamped GLU and expert biases (plan/cost/unfused.py)
     rot = m.qk_rope_head_dim if m.attention_kind == "mla" else dqk
     xu = unfused_bytes(m, q_kv_elems=T * (heads + kvl) * rot, fc1_elems=2.0 * routed * fe / tp if moe else 0.0,
                        fc2_elems=routed * h * etp / tp if moe else 0.0, fused_mlp=o.moe_fused_mlp,
