@@ -77,3 +77,16 @@ def test_one_gpt_oss_layer_gains_exactly_those_bytes():
     extra = out["compute_s"] - plain_out["compute_s"]
     assert extra == pytest.approx(memory_bound_time_s(dev, fwd_b + bwd_b + 8 * fc1), rel=1e-9)
     assert extra == pytest.approx(2.64e-3, abs=0.005e-3)
+
+
+def test_only_megatrons_code_takes_them():
+    # torchtitan (param_policy torch) and this project's runtime run their own ops: none of Megatron-Core's paths
+    oss = _published_model("gpt-oss-120b")
+    cluster = parse_cluster("16x4xGB200")
+    for policy in ("torch", "modelcarve"):
+        cost = TrainCostModel(oss, cluster, TrainOptions(global_batch=1280, seq=4096, moe_dispatcher="alltoall",
+                                                         load_imbalance=1.0, param_policy=policy))
+        base = layer_base(cost, True, 1, 1, 64, 4, False, 4096)
+        assert base["x_fwd_s"] == base["x_moe_s"] == base["x_act_s"] == 0.0
+    _, megatron, _ = _layer(oss, "none")
+    assert megatron["x_fwd_s"] > 0.0

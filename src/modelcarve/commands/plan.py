@@ -352,7 +352,7 @@ def _plan(args) -> int:
 
 def _published(result: dict, model, cluster) -> None:
     """Into a training ``result`` (an estimate or a plan): how the planner fared on the published runs of this
-    model (plan/accuracy.py), and a warning when one was off by more than ACCURACY_WARN out of sample."""
+    model (plan/accuracy.py), and a warning when the shipped planner was off one by more than ACCURACY_WARN."""
     from modelcarve.plan.accuracy import accuracy_warning, published_accuracy
 
     seen = published_accuracy(model.name, cluster.device.name)

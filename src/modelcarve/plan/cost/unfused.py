@@ -36,6 +36,8 @@ run; counted per element from the code, 2-byte bf16 and 4-byte fp32 accesses):
 
 The device-initiated fused grouped MLP (``TrainOptions.moe_fused_mlp``: Transformer Engine's op fuser /
 CuTeDSL kernel, which runs the GLU and its bias gradient in its epilogues) takes none of the two MoE paths.
+They are Megatron-Core's: layer.py charges them to runs held the Megatron way (``TrainOptions.param_policy``
+'megatron', the default); torchtitan and this project's runtime run their own ops.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from modelcarve.plan.cost import comm, efficiency
 from modelcarve.plan.cost.activations import ACT_BYTES, kv_heads_per_rank, layer_activation_terms
 from modelcarve.plan.cost.efficiency import memory_bound_time_s
-from modelcarve.plan.cost.unfused import unfused_bytes
+from modelcarve.plan.cost.unfused import NONE, unfused_bytes
 from modelcarve.spec.layout import recompute_modules
 
 if TYPE_CHECKING:
@@ -129,11 +129,14 @@ def layer_base(cost: "TrainCost", moe: bool, tp: int, cp: int, ep: int, mbs: int
     q_bwd_s = memory_bound_time_s(dev, qb * q_out)
     ew_s = memory_bound_time_s(dev, ew)
     core_ew_s = memory_bound_time_s(dev, core_ew)
-    # Megatron-Core's unfused paths for YaRN rotary, a clamped GLU and expert biases (plan/cost/unfused.py)
-    rot = m.qk_rope_head_dim if m.attention_kind == "mla" else dqk
-    xu = unfused_bytes(m, q_kv_elems=T * (heads + kvl) * rot, fc1_elems=2.0 * routed * fe / tp if moe else 0.0,
-                       fc2_elems=routed * h * etp / tp if moe else 0.0, fused_mlp=o.moe_fused_mlp,
-                       fp32_probs=o.moe_dispatcher == "fused")
+    # Megatron-Core's unfused paths for YaRN rotary, a clamped GLU and expert biases (plan/cost/unfused.py); a run
+    # held the Megatron way (param_policy, the default) is Megatron's code: torchtitan and this runtime run their own
+    xu = NONE
+    if o.param_policy == "megatron":
+        rot = m.qk_rope_head_dim if m.attention_kind == "mla" else dqk
+        xu = unfused_bytes(m, q_kv_elems=T * (heads + kvl) * rot, fc1_elems=2.0 * routed * fe / tp if moe else 0.0,
+                           fc2_elems=routed * h * etp / tp if moe else 0.0, fused_mlp=o.moe_fused_mlp,
+                           fp32_probs=o.moe_dispatcher == "fused")
     x_moe_s, x_act_s = memory_bound_time_s(dev, xu.moe_fwd), memory_bound_time_s(dev, xu.act_fwd)
     x_fwd_s = memory_bound_time_s(dev, xu.fwd)
     fwd = g + core + ew_s + core_ew_s + q_fwd_s + x_fwd_s
