@@ -92,3 +92,36 @@ def test_estimate_and_plan_say_it(capsys):
     assert main(["plan", "--model", "qwen2.5-72b", "--cluster", "4x8xH100", "--global-batch", "64", "--seq", "4096",
                  "--top", "1"]) == 0
     assert "accuracy: no published run of qwen2.5-72b was checked" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_shipped_serving_table_is_the_planner_as_it_is():
+    import calibrate_serving as cs
+    from modelcarve.plan.serve.calibration import load_published
+
+    rows = _rows("serve")
+    used = [r for r in load_published(cs.DATA) if (r.get("role") or "check") != "excluded"]
+    assert len(rows) == len(used)  # every published serving run the calibration uses, once
+    errors: dict[tuple, list] = {}
+    for r, e in zip(used, cs.serve_errors(used, cs.serve_constants())):
+        errors.setdefault((r["source"], cs._row_name(r)), []).append(e)
+    for r in rows:
+        e = errors[(r["source"].split(" (")[0], r["case"])].pop(0)
+        tol = 5.1e-5  # the table's 4 decimals
+        if r["metric"] == "tpot_ms":  # the table states a time's error as the rate it implies, from a rounded one
+            e, tol = 1.0 / (1.0 + e) - 1.0, 1.1e-4
+        assert float(r["code_error"]) == pytest.approx(e, abs=tol), (
+            f"{r['case']}: the table says {r['code_error']}, the planner now {e:+.4f}: run python benchmarks/calibrate_serving.py")
+
+
+def test_serving_estimate_and_plan_say_it(capsys):
+    from modelcarve.cli import main
+
+    assert main(["estimate", "--model", "llama-4-maverick", "--cluster", "8xH100", "--goal", "serve-throughput",
+                 "--layout", "tp=8,weight_dtype=fp8,kv_dtype=fp8", "--input-len", "1000", "--output-len", "1000",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    seen = result["published"]
+    assert seen["kind"] == "serve" and seen["same_device"] and seen["code_constants"]["high"] > ACCURACY_WARN
+    assert any(w.startswith("published runs of llama-4-maverick on H100") for w in result["warnings"])
+    assert main(["plan", "--model", "qwen2.5-72b", "--cluster", "8xH100", "--goal", "serve-throughput", "--top", "1"]) == 0
+    assert "accuracy: no published run of qwen2.5-72b was checked" in " ".join(capsys.readouterr().out.split())

@@ -22,6 +22,7 @@ from modelcarve.spec.errors import ModelcarveError
 
 from modelcarve.commands.emit import ENGINES  # --emit-launch / --engine: one mapping table each
 from modelcarve.commands.planning.launch_emit import check_launch, emit_launch, launch_winner, ranked_search
+from modelcarve.commands.planning.published import attach_published, print_published
 from modelcarve.plan.train.options import CUDA_GRAPHS, MOE_EXPERT_KERNELS
 from modelcarve.plan.train.profile import LOSS_KINDS  # the one list of losses the planner prices
 
@@ -254,7 +255,7 @@ def _estimate(args) -> int:
         from modelcarve.plan.train.report import memory_sources
 
         result["memory"]["sources"] = memory_sources(result, goal.cost_model(model, cluster, **options).options)
-        _published(result, model, cluster)
+        attach_published(result, model, cluster, "train")
     if notes:
         result["read_as"] = notes
     from modelcarve.commands.timeline import draw_estimate
@@ -273,7 +274,7 @@ def _estimate(args) -> int:
         out.print(table)
     for warning in result.get("warnings", []):
         out.print(f"[yellow]warning:[/] {warning}")
-    _print_published(out, result, model)
+    print_published(out, result, model, "train")
     if not result["fits"]:
         out.print(f"[red]does not fit:[/] {result.get('reject_reason')}")
     print_costs(costs, serving=False)
@@ -325,7 +326,7 @@ def _plan(args) -> int:
 
     costs = attach_costs(args, cluster, result["layouts"], serving=False)
     if goal.name == "train":
-        _published(result, model, cluster)
+        attach_published(result, model, cluster, "train")
     if args.json:
         print(json.dumps(result, indent=2))
         if args.emit_launch:
@@ -338,7 +339,7 @@ def _plan(args) -> int:
     for table in plan_tables(result, model, cluster):
         out.print(table)
     print_costs(costs, serving=False)
-    _print_published(out, result, model, warned=False)
+    print_published(out, result, model, "train", warned=False)
     out.print(
         f"{result['evaluated']:,} layouts evaluated in {result['elapsed_s']:.2f} s"
         + (f"; wrote {args.emit}" if args.emit else "")
@@ -349,28 +350,3 @@ def _plan(args) -> int:
         emit_launch(args, model, cluster, layout, max_batch=batch, label=label, priced=options)
     return 0
 
-
-def _published(result: dict, model, cluster) -> None:
-    """Into a training ``result`` (an estimate or a plan): how the planner fared on the published runs of this
-    model (plan/accuracy.py), and a warning when the shipped planner was off one by more than ACCURACY_WARN."""
-    from modelcarve.plan.accuracy import accuracy_warning, published_accuracy
-
-    seen = published_accuracy(model.name, cluster.device.name)
-    result["published"] = seen
-    warning = accuracy_warning(seen)
-    if warning:
-        result["warnings"] = [*result.get("warnings", []), warning]
-
-
-def _print_published(out, result: dict, model, warned: bool = True) -> None:
-    """The accuracy sentence of a training result: as its warning when it has one (unless ``warned``: the
-    estimate's warnings, printed already, hold it), else as a note."""
-    from modelcarve.plan.accuracy import accuracy_warning, accuracy_words
-
-    if "published" not in result:
-        return
-    warning = accuracy_warning(result["published"])
-    if warning and not warned:
-        out.print(f"[yellow]warning:[/] {warning}")
-    elif not warning:
-        out.print(f"[dim]accuracy:[/] {accuracy_words(result['published'], model.name)}")

@@ -1,4 +1,4 @@
-"""How the training planner fared on the published runs of the model it is asked about.
+"""How the planner fared on the published runs of the model it is asked about, training or serving.
 
 Usage::
 
@@ -7,8 +7,8 @@ Usage::
     seen["out_of_sample"]["low"], seen["out_of_sample"]["high"], seen["runs"]
     accuracy_warning(seen)                                # a sentence when the shipped planner's errors pass ACCURACY_WARN
 
-This module owns the reading of ``plan/data/published_accuracy.csv`` (written by
-``python benchmarks/calibrate_training.py``: every published training run the planner answers, with
+This module owns the reading of ``plan/data/published_accuracy.csv`` and ``serving_accuracy.csv`` (written by
+``python benchmarks/calibrate_training.py`` / ``calibrate_serving.py``: every published run the planner answers, with
 its relative error ``predicted / published - 1`` under the code's constants and out of sample, the
 constants fitted on every other source) and the choice of the runs quoted beside an estimate: those
 of the same model on the same device when there are any, else those of the same model on any device.
@@ -30,9 +30,14 @@ ACCURACY_WARN = 0.20
 28's serving tolerance, the band a user can plan within)."""
 
 
-@functools.lru_cache(maxsize=1)
-def _rows() -> tuple[dict, ...]:
-    text = resources.files("modelcarve.plan").joinpath("data", "published_accuracy.csv").read_text()
+TABLES = {"train": "published_accuracy.csv", "serve": "serving_accuracy.csv"}
+"""The table of each kind of goal: the training runs (``python benchmarks/calibrate_training.py``) and the
+serving runs (``python benchmarks/calibrate_serving.py``), one shape of row."""
+
+
+@functools.lru_cache(maxsize=2)
+def _rows(kind: str = "train") -> tuple[dict, ...]:
+    text = resources.files("modelcarve.plan").joinpath("data", TABLES[kind]).read_text()
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     return tuple(csv.DictReader(io.StringIO("\n".join(lines))))
 
@@ -42,12 +47,12 @@ def _family(device: str) -> str:
     return device.split("-")[0].upper()
 
 
-def published_accuracy(model: str, device: str, rows: tuple[dict, ...] | None = None) -> dict | None:
+def published_accuracy(model: str, device: str, rows: tuple[dict, ...] | None = None, kind: str = "train") -> dict | None:
     """The published runs of ``model`` the planner was checked on, and its errors on them: those on
     ``device`` (its family: the name before any ``-``) when there are any (``same_device``), else those on
     every device; None when no published run of ``model`` was checked. ``rows``: the table's rows (default
-    the shipped ``published_accuracy.csv``)."""
-    rows = _rows() if rows is None else rows
+    the shipped table of ``kind``, 'train' or 'serve': ``TABLES``)."""
+    rows = _rows(kind) if rows is None else rows
     of_model = [r for r in rows if r["model"] == model]
     if not of_model:
         return None
@@ -67,15 +72,21 @@ def published_accuracy(model: str, device: str, rows: tuple[dict, ...] | None = 
         "metric": sorted({r["metric"] for r in chosen}),
         "out_of_sample": span("out_of_sample_error"),
         "code_constants": span("code_error"),
-        "table": "plan/data/published_accuracy.csv (python benchmarks/calibrate_training.py)",
+        "kind": kind,
+        "table": f"plan/data/{TABLES[kind]}",
     }
 
 
-def accuracy_words(seen: dict | None, model: str) -> str:
-    """One sentence on ``seen`` (``published_accuracy``'s answer) for a person reading an estimate."""
+DOCS = {"train": "docs/calibration_training.md", "serve": "docs/calibration_serving.md"}
+"""Where each kind's published runs and the planner's errors on them are listed."""
+
+
+def accuracy_words(seen: dict | None, model: str, kind: str = "train") -> str:
+    """One sentence on ``seen`` (``published_accuracy``'s answer for a ``kind`` of goal) for a person
+    reading an estimate."""
     if seen is None:
         return (f"no published run of {model} was checked: this estimate rests on the cost model alone "
-                "(docs/calibration_training.md lists the runs that were)")
+                f"({DOCS[kind]} lists the runs that were)")
     c, o = seen["code_constants"], seen["out_of_sample"]
     where = f"on {seen['device']}" if seen["same_device"] else "(none on this device; every device)"
     return (f"published runs of {seen['model']} {where}: {seen['runs']} checked, this planner {c['low']:+.0%} to "
@@ -84,11 +95,11 @@ def accuracy_words(seen: dict | None, model: str) -> str:
 
 
 def accuracy_warning(seen: dict | None) -> str | None:
-    """A warning sentence when a published run like this one was off by more than ``ACCURACY_WARN`` out
-    of sample; None otherwise (or when no run was checked: ``accuracy_words`` says that)."""
+    """A warning sentence when the shipped planner was off a published run like this one by more than
+    ``ACCURACY_WARN``; None otherwise (or when no run was checked: ``accuracy_words`` says that)."""
     if seen is None:
         return None
     c = seen["code_constants"]
     if max(abs(c["low"]), abs(c["high"])) <= ACCURACY_WARN:
         return None
-    return accuracy_words(seen, seen["model"]) + "; read this estimate's time with that error (docs/planner_training.md)"
+    return accuracy_words(seen, seen["model"]) + f"; read this estimate with that error ({DOCS[seen['kind']]})"

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from modelcarve.commands.planning.published import attach_published, print_published
 from modelcarve.commands.planning.serve_goals import SERVE_GOALS, engine_dtypes, fill_replicas, is_serve_goal  # noqa: F401 (re-exported)
 
 
@@ -88,6 +89,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
     from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, plan["layouts"], serving=True)
+    attach_published(plan, model, cluster, "serve")
     why = contrasts(model, cluster, args.goal, plan["layouts"][0], **options) if plan["layouts"] else []
     if getattr(args, "json", False):
         print(json.dumps(dict(plan, why=why), indent=2, default=str))
@@ -101,6 +103,7 @@ def run_serve_plan(args: argparse.Namespace, model, cluster, *, top: int = 5) ->
         console.print(f"{model.name} on {cluster.describe()}")
         print_serve_plan(plan, goal_name=args.goal, why=why, console=console)
         print_costs(costs, serving=True)
+        print_published(console, plan, model, "serve", warned=False)
         console.print(f"{plan['evaluated']:,} layouts evaluated in {plan['elapsed_s']:.3f} s")
     emit = getattr(args, "emit", None)
     if emit and plan["layouts"]:
@@ -153,12 +156,15 @@ def run_serve_estimate(args: argparse.Namespace, model, cluster, layout) -> int:
     from modelcarve.commands.planning.pricing import attach_costs, print_costs
 
     costs = attach_costs(args, cluster, [result], serving=True) if result["fits"] else []
+    attach_published(result, model, cluster, "serve")
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2, default=str))
     else:
         from modelcarve.report.serving import print_serve_estimate
         from modelcarve.report.tables import console as make_console
 
-        print_serve_estimate(result, make_console())
+        console = make_console()
+        print_serve_estimate(result, console)
         print_costs(costs, serving=True)
+        print_published(console, result, model, "serve")  # a warning is among the estimate's, printed above
     return 0 if result["fits"] and not result["reject_reason"] else 1
