@@ -23,6 +23,8 @@ unconstrained for that fold: it was not fitted.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import time
 from typing import Callable, Iterable
@@ -73,6 +75,22 @@ def stats(named: list[tuple[str, float]]) -> dict:
         out.update(mape=round(sum(abs(e) for _, e in finite) / len(finite), 4), worst=round(worst[1], 4),
                    worst_case=worst[0])
     return out
+
+
+ACCURACY_COLUMNS = ("case", "source", "model", "device", "gpus", "layout", "metric", "code_error", "out_of_sample_error")
+"""The columns of the per-run error tables the planner quotes beside its estimates (plan/accuracy.py)."""
+
+
+def accuracy_table(comment: list[str], records: Iterable[tuple]) -> str:
+    """A per-run error table as plan/accuracy.py reads it: ``comment`` as ``#`` lines, the ``ACCURACY_COLUMNS``
+    header, one line per record (the columns' values in order, the two errors as floats, written to 4 decimals)."""
+    out = io.StringIO()
+    out.write("".join(f"# {line}\n" for line in comment))
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(ACCURACY_COLUMNS)
+    for *fields, code, oos in records:
+        writer.writerow([*map(str, fields), f"{code:.4f}", f"{oos:.4f}"])
+    return out.getvalue()
 
 
 def _rounded(values: dict) -> dict:
