@@ -59,6 +59,10 @@ def build_checkpoint(path, *, chat_template: bool = True, vocab: int = 300, seed
     return str(path)
 
 
+PORT_RETRIES = 3
+"""Times a server whose port was taken between ``free_port`` and its bind starts again on another."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,9 +107,20 @@ class Server:
         import httpx
 
         deadline = time.monotonic() + self.ready_s
+        rebinds = PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()[-3000:]}")
+                out = self.output()
+                if "is already in use" in out and rebinds:
+                    # free_port() released its port before the server bound it, and another process (a second
+                    # server's gloo pairs listen on ephemeral ports) took it meanwhile: a new port, the same server
+                    rebinds -= 1
+                    self.stop()  # whatever of the first try is left (and its log)
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    self.launch()
+                    continue
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {out[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     self.tree = descendants(self.proc.pid)
