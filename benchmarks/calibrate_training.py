@@ -22,15 +22,17 @@ Usage::
    estimated with its published layout and the least recomputation the memory model says it
    needed (the summaries do not state it; one recompute per recipe across systems) unless the
    recipe states it, and the recipe's MoE dispatcher, compared in tokens/s per GPU. Seven
-   constants are fitted to the 32 Megatron-Bridge 25.11 rows by coordinate descent on the mean
-   |log error| (``fit_modern``): the bf16 peak fractions of B200, GB200 and GB300, the FP8 peak
-   ratio, the TP comm-overlap fraction, the MoE per-token bytes and the all-to-all dispatcher's
-   host time per expert kernel launch; the 21 NeMo 24.07-25.04 rows are held out.
+   constants are fitted to all of these rows, every release, by coordinate descent on the mean
+   |log error| (``shipped_fit``'s second stage): the bf16 peak fractions of B200, GB200 and GB300,
+   the FP8 peak ratio, the TP comm-overlap fraction, the MoE per-token bytes and the all-to-all
+   dispatcher's host time per expert kernel launch. (Until 2026-12-06 they were fitted to the 32
+   Megatron-Bridge 25.11 rows alone.)
 4. Memory: torchtitan's published peak memory (data/training_memory_published.csv), one
    allocator constant fitted on one row.
-5. Out-of-sample accuracy (``--no-loso`` skips it): the nine constants of steps 1 and 3 fitted jointly
+5. Out-of-sample accuracy (``--no-loso`` skips it): the nine constants fitted by the code's own procedure
+   (``shipped_fit``: the two A100 constants on the A100 papers' rows, then the seven on the framework rows)
    on every source's rows but one, the held-out source predicted with them, for each source in turn
-   (benchmarks/loso.py), beside the same joint fit on all sources (in-sample).
+   (benchmarks/loso.py), beside the same fit on all sources (in-sample: the code's constants).
 6. Write the table as JSON and as Markdown (docs/calibration_training.md).
 """
 
@@ -47,7 +49,7 @@ from loso import accuracy_table, coordinate_descent, leave_one_source_out, mean_
 from loso import markdown as loso_markdown
 from modelcarve.plan.cost import efficiency
 from modelcarve.plan.train import calibration
-from modelcarve.plan.train.calibration import (FIT_SOURCE, Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases,
+from modelcarve.plan.train.calibration import (Case, korthikanti2022, megatron_table1, moe_cases, nemo_cases,
                                                torchtitan_memory_cases)
 from modelcarve.plan.search import search
 from modelcarve.plan.train.model import TrainCostModel
@@ -113,7 +115,7 @@ def row(case: Case, plan: bool) -> dict:
 
 
 MODERN_GRID = {
-    "b200_peak_fraction": [0.60 + 0.025 * i for i in range(9)],
+    "b200_peak_fraction": [0.50 + 0.025 * i for i in range(13)],
     "gb200_peak_fraction": [0.55 + 0.025 * i for i in range(11)],
     "gb300_peak_fraction": [0.60 + 0.025 * i for i in range(11)],
     "fp8_peak_ratio": [0.80, 0.85, 0.90, 0.95, 1.00],
@@ -121,8 +123,9 @@ MODERN_GRID = {
     "moe_token_bytes": [8.0, 16.0, 24.0, 32.0, 40.0],
     "moe_host_s_per_launch": [0.0, 1.0e-5, 2.0e-5, 3.0e-5, 3.5e-5, 4.0e-5, 4.5e-5, 5.0e-5, 5.5e-5, 6.0e-5, 7.0e-5, 8.0e-5],
 }
-"""The grid of ``fit_modern``. MoE token bytes stop at 40: above it the Megatron-Core Mixtral 8x7B
-row (held out, tests/plan/test_plan_train.py) leaves its +-10% (48 is the unconstrained optimum)."""
+"""The grid of the seven framework constants (``shipped_fit``'s second stage). B200's starts at 0.50 so that
+the fit on every release (0.55) is not at its edge. MoE token bytes stop at 40: above it the Megatron-Core
+Mixtral 8x7B row (held out, tests/plan/test_plan_train.py) leaves its +-10% (48 is the unconstrained optimum)."""
 
 
 def _modern_constants() -> dict:
@@ -150,34 +153,10 @@ def _tokens_error(case: Case, tp_overlap: float | None = None) -> float:
     return est["time"]["tokens_per_s"] / case.cluster.num_devices / case.published_tokens_per_device - 1
 
 
-def fit_modern(cases: list[Case], rounds: int = 2) -> dict:
-    """Coordinate descent over ``MODERN_GRID`` minimising the mean |log(predicted / published)|
-    tokens/s per GPU over ``cases``; the module constants are restored afterwards."""
-    saved = _modern_constants()
-    current = dict(saved)
-
-    def objective(values: dict) -> float:
-        _set_modern(values)
-        errs = [_tokens_error(c, values["tp_comm_overlap"]) for c in cases]
-        return sum(abs(math.log1p(e)) for e in errs) / len(errs)
-
-    try:
-        best = objective(current)
-        for _ in range(rounds):
-            for name, grid in MODERN_GRID.items():
-                for value in grid:
-                    trial = dict(current, **{name: value})
-                    score = objective(trial)
-                    if score < best - 1e-12:
-                        best, current = score, trial
-    finally:
-        _set_modern(saved)
-    return {**{k: round(v, 6) for k, v in current.items()}, "mean_abs_log_error": round(best, 4), "rows": len(cases)}
-
-
 JOINT_GRID = {"ramp_dim": [32.0, 48.0, 64.0, 80.0, 96.0, 112.0, 128.0, 160.0, 192.0, 256.0],
               "a100_peak_fraction": [0.70 + 0.01 * i for i in range(21)], **MODERN_GRID}
-"""The nine constants of the joint fit (LOSO): ``fit``'s grid for the two Table 1 constants, ``MODERN_GRID``'s for the seven."""
+"""The nine constants ``shipped_fit`` sets: ``fit``'s grid for the two A100 constants, ``MODERN_GRID``'s for the seven."""
+A100_CONSTANTS = ("ramp_dim", "a100_peak_fraction")
 
 
 def joint_constants() -> dict:
@@ -211,26 +190,59 @@ def joint_errors(cases: list[Case], values: dict) -> list[float]:
         _set_joint(saved)
 
 
-def joint_fit(cases: list[Case], rounds: int = 8) -> dict:
-    """All nine constants at once over ``cases`` from any sources, coordinate descent over
-    ``JOINT_GRID`` on the mean |log(predicted / published)| per row (loso.coordinate_descent);
-    the module constants are restored afterwards."""
+def shipped_fit(cases: list[Case], rounds: int = 8) -> dict:
+    """The procedure the constants in the code come from, over ``cases`` from any sources (the LOSO table
+    runs it once per held-out source, and once on every row for the in-sample column, whose values are the
+    code's: ``tests/plan/test_loso.py`` checks that). Both stages minimise the mean
+    |log(predicted / published)| per row; the module constants are restored afterwards.
+
+    1. ``RAMP_DIM`` and the A100 peak fraction: every pair of ``JOINT_GRID``'s two grids over the A100 papers'
+       rows (Narayanan et al. 2021 Table 1 in TFLOP/s, Korthikanti et al. 2022 in MFU): the only rows whose
+       device no other constant prices.
+    2. The seven framework constants (``MODERN_GRID``: the Blackwell peak fractions, the FP8 ratio, TP
+       comm overlap, MoE bytes per token, the all-to-all host time per expert launch) by coordinate descent
+       over the NeMo / Megatron-Bridge rows (tokens/s per GPU), with stage 1's values set. The Megatron-Core
+       MoE README row is in neither stage: a check.
+    A stage with no rows leaves its constants at the code's values and lists them as unconstrained."""
     saved = joint_constants()
-
-    def objective(values: dict) -> float:
-        _set_joint(values)
-        return mean_abs_log(_joint_error(c, values) for c in cases)
-
+    a100 = [c for c in cases if not c.published_tokens_per_device and c.cluster.device.name.startswith("A100")]
+    framework = [c for c in cases if c.published_tokens_per_device]
+    values, unconstrained, rounds_done, converged = dict(saved), [], 0, True
     try:
-        return coordinate_descent(objective, JOINT_GRID, saved, rounds=rounds)
+        if a100:
+            def stage1(pair: dict) -> float:
+                trial = dict(values, **pair)
+                _set_joint(trial)
+                return mean_abs_log(_joint_error(c, trial) for c in a100)
+
+            scored = [(stage1({"ramp_dim": r, "a100_peak_fraction": a}), r, a)
+                      for r in JOINT_GRID["ramp_dim"] for a in JOINT_GRID["a100_peak_fraction"]]
+            best = min(scored, key=lambda t: t[0])
+            if all(abs(t[0] - best[0]) <= 1e-12 for t in scored):
+                unconstrained += list(A100_CONSTANTS)
+            else:
+                values.update(ramp_dim=best[1], a100_peak_fraction=best[2])
+        else:
+            unconstrained += list(A100_CONSTANTS)
+        if framework:
+            def stage2(trial: dict) -> float:
+                _set_joint(trial)
+                return mean_abs_log(_joint_error(c, trial) for c in framework)
+
+            result = coordinate_descent(stage2, MODERN_GRID, values, rounds=rounds)
+            values, rounds_done, converged = result["values"], result["rounds"], result["converged"]
+            unconstrained += result["unconstrained"]
+        else:
+            unconstrained += list(MODERN_GRID)
     finally:
         _set_joint(saved)
+    return {"values": values, "unconstrained": unconstrained, "rounds": rounds_done, "converged": converged}
 
 
 def loso_table(cases: list[Case]) -> dict:
     """Leave-one-source-out over the answered rows of every source (loso.py)."""
     answered = [c for c in cases if not c.unanswered]
-    return leave_one_source_out(answered, source=lambda c: c.source, name=lambda c: c.name, fit=joint_fit,
+    return leave_one_source_out(answered, source=lambda c: c.source, name=lambda c: c.name, fit=shipped_fit,
                                 errors=joint_errors, code=joint_constants(),
                                 excluded=[(c, f"unanswered: {c.unanswered}") for c in cases if c.unanswered])
 
@@ -265,13 +277,13 @@ def accuracy_csv(cases: list[Case], loso: dict) -> str:
 
 
 LOSO_INTRO = [
-    "The nine fitted constants (`RAMP_DIM`, the A100 peak fraction and the seven of the NeMo section) fitted jointly",
-    "on the rows of every source but one, by coordinate descent over the fits' grids on the mean |log(predicted /",
-    "published)| per row (TFLOP/s per GPU for Table 1 and the MoE README, MFU for Korthikanti, tokens/s per GPU for",
-    "the NeMo / Megatron-Bridge rows), then the held-out source's rows predicted with them. Sources are the rows'",
-    "`source` (the NeMo / Megatron-Bridge rows by release). Every row is predicted once, by the fold that did not see",
-    "it. The code's constants were fitted by the two separate fits above (Table 1; the MB-25.11 rows), not by this",
-    "joint fit; its in-sample column fits all sources at once. Unanswered rows, if any, are listed, not fitted.",
+    "The nine fitted constants fitted on the rows of every source but one by the procedure the code's constants come",
+    "from (`shipped_fit`): `RAMP_DIM` and the A100 peak fraction over the A100 papers' rows (Table 1 in TFLOP/s per GPU,",
+    "Korthikanti in MFU), then the seven of the NeMo section by coordinate descent over the NeMo / Megatron-Bridge rows",
+    "(tokens/s per GPU), each stage on the mean |log(predicted / published)| per row; then the held-out source's rows",
+    "predicted with them. Sources are the rows' `source` (the NeMo / Megatron-Bridge rows by release). Every row is",
+    "predicted once, by the fold that did not see it. The in-sample column fits all sources at once: its constants are",
+    "the code's (a test checks it). The MoE README row is in neither stage. Unanswered rows, if any, are listed, not fitted.",
 ]
 
 
@@ -289,7 +301,7 @@ def nemo_row(case: Case) -> dict:
         "error": round(pred / case.published_tokens_per_device - 1, 4),
         "published_tflops": case.published_tflops, "fits": est["fits"],
         "peak_gib": round(est["memory"]["peak_bytes"] / GIB, 1),
-        "fitted_on": case.source == FIT_SOURCE, "unmodelled": list(case.unmodelled),
+        "unmodelled": list(case.unmodelled),
     }
 
 
@@ -346,8 +358,7 @@ def drift_markdown(drift: list[dict]) -> list[str]:
 def summary(rows: list[dict]) -> dict:
     answered = [r for r in rows if "error" in r]
     out = {"rows": len(rows), "answered": len(answered)}
-    for name, subset in (("all", answered), ("fitted", [r for r in answered if r["fitted_on"]]),
-                         ("held_out", [r for r in answered if not r["fitted_on"]])):
+    for name, subset in (("all", answered),):
         if subset:
             errs = [abs(r["error"]) for r in subset]
             worst = max(subset, key=lambda r: abs(r["error"]))
@@ -424,36 +435,33 @@ def nemo_markdown(rows: list[dict], stats: dict, fitted: dict | None) -> list[st
         "",
         f"**All {stats['answered']} of {stats['rows']} rows answered. MAPE {stats['all']['mape']:.1%}, worst "
         f"{stats['all']['worst']:.1%} ({stats['all']['worst_case']}); {stats['all']['within_20pct']} rows within 20%.** "
-        f"Fitted rows (Megatron-Bridge 25.11, {stats['fitted']['rows']}): MAPE {stats['fitted']['mape']:.1%}, "
-        f"worst {stats['fitted']['worst']:.1%}; "
-        f"held out (NeMo 24.07-25.04 and Megatron-Bridge 26.02.01 / 26.04.01 / 26.06 / 26.08, "
-        f"{stats['held_out']['rows']}): "
-        f"MAPE {stats['held_out']['mape']:.1%}, "
-        f"worst {stats['held_out']['worst']:.1%}.",
+        "These are the code's constants, fitted on every row here (``shipped_fit``); the same error out of sample,",
+        "each source predicted by constants fitted without it, is the leave-one-source-out table at the end.",
         "",
-        "| run | layout | recompute | MoE dispatcher | published tokens/s/GPU | predicted | error | fits (peak GiB) | fitted on |"
+        "| run | layout | recompute | MoE dispatcher | published tokens/s/GPU | predicted | error | fits (peak GiB) |"
         " recipe features not priced |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" not in r:
-            lines.append(f"| {r['case']} | UNANSWERED: {r['unanswered']} | | | {r['published_tokens_per_gpu']:.0f} | | | | | |")
+            lines.append(f"| {r['case']} | UNANSWERED: {r['unanswered']} | | | {r['published_tokens_per_gpu']:.0f} | | | | |")
             continue
         lines.append(
             f"| {r['case']} | {r['layout']} mbs={r['mbs']} | {r['recompute']} | {r['dispatcher']} | {r['published_tokens_per_gpu']:.0f} | "
             f"{r['predicted_tokens_per_gpu']:.0f} | {r['error']:+.1%} | {'yes' if r['fits'] else 'NO'} ({r['peak_gib']}) | "
-            f"{'yes' if r['fitted_on'] else 'held out'} | {', '.join(r['unmodelled'])} |"
+            f"{', '.join(r['unmodelled'])} |"
         )
     c = _modern_constants()
-    lines += ["", f"Seven constants fitted to the {stats['fitted']['rows']} Megatron-Bridge 25.11 rows (coordinate descent "
-              "over a grid, mean |log error|; the NeMo rows and the later 26.02.01 / 26.04.01 / 26.06 / 26.08 releases are "
-              "held out):",
+    lines += ["", f"Seven constants fitted to all {stats['all']['rows']} NeMo / Megatron-Bridge rows, every release "
+              "(``shipped_fit``'s second stage: coordinate descent over a grid, mean |log error|; until 2026-12-06 they "
+              "were fitted to the 32 MB-25.11 rows alone, and the later releases were forward-in-time checks):",
               f"bf16 peak fraction B200 {c['b200_peak_fraction']}, GB200 {c['gb200_peak_fraction']}, GB300 "
               f"{c['gb300_peak_fraction']}, FP8 peak ratio {c['fp8_peak_ratio']}, "
               f"TP comm overlap {c['tp_comm_overlap']}, MoE bytes per routed token-element {c['moe_token_bytes']:g}, "
               f"all-to-all dispatcher host time per expert kernel launch {c['moe_host_s_per_launch'] * 1e6:g} us."]
     if fitted:
-        lines.append(f"This run's grid optimum: {fitted}.")
+        same = "the code's constants" if fitted["matches_code"] else "NOT the code's constants: set them from it"
+        lines.append(f"This run's fit on every row (both stages): {fitted['values']} ({same}).")
     lines += MODELLING_NOTES
     return lines
 
@@ -710,7 +718,7 @@ MODELLING_NOTES = [
 
 
 def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[dict] = (), nemo: list[dict] = (),
-             nemo_stats: dict | None = None, nemo_fit: dict | None = None, memory: list[dict] = (),
+             nemo_stats: dict | None = None, shipped: dict | None = None, memory: list[dict] = (),
              loso: dict | None = None, drift: list[dict] = ()) -> str:
     lines = [
         "# Training cost model: calibration against published runs",
@@ -756,7 +764,7 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[d
                       f"{ratio:.2f}x. Layout details the abstract does not state (TP8 PP35, batch 2240, micro-batch 1,",
                   "3 virtual stages) are taken from Table 1's 530B run (plan/data/korthikanti2022.csv)."]
     if nemo:
-        lines += nemo_markdown(nemo, nemo_stats, nemo_fit)
+        lines += nemo_markdown(nemo, nemo_stats, shipped)
     lines += drift_markdown(list(drift))
     if memory:
         lines += memory_markdown(memory)
@@ -787,20 +795,23 @@ def main() -> None:
     moe = [row(c, plan=False) for c in moe_cases()]
     sp = [mfu_row(c) for c in korthikanti2022()]
     modern = nemo_cases()
-    nemo_fit = None if args.no_fit else fit_modern([c for c in modern if not c.unanswered and c.source == FIT_SOURCE])
     nemo = [nemo_row(c) for c in modern]
     stats = summary(nemo)
     drift = release_drift(modern, nemo)
     memory = memory_rows()
     every = cases + moe_cases() + korthikanti2022() + modern
     loso = None if args.no_loso else loso_table(every)
+    shipped = None
+    if not args.no_fit:  # the procedure the code's constants come from, on every answered row (= LOSO's in-sample)
+        result = shipped_fit([c for c in every if not c.unanswered])
+        shipped = {**result, "matches_code": result["values"] == joint_constants()}
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"],
                                            **_modern_constants()},
               "megatron_table1": table, "moe": moe, "korthikanti2022": sp,
-              "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "nemo_fit": nemo_fit,
+              "nemo_megatron_bridge": nemo, "nemo_megatron_bridge_summary": stats, "shipped_fit": shipped,
               "torchtitan_memory": memory, "loso": loso, "release_drift": drift}
     outputs = [(args.json, json.dumps(report, indent=2) + "\n"),
-               (args.doc, markdown(table, moe, fitted, sp, nemo, stats, nemo_fit, memory, loso, drift))]
+               (args.doc, markdown(table, moe, fitted, sp, nemo, stats, shipped, memory, loso, drift))]
     if loso:
         outputs.append((args.accuracy, accuracy_csv(every, loso)))
     for path, text in outputs:
@@ -823,8 +834,8 @@ def main() -> None:
         print(f"{r['case']:>45}: published {r['published_gib']} GiB, predicted {r['predicted_gib']} GiB ({r['error']:+.1%})")
     if fitted:
         print("fit:", fitted)
-    if nemo_fit:
-        print("modern fit:", nemo_fit)
+    if shipped:
+        print("shipped fit:", shipped)
     if loso:
         print("\n".join(loso_markdown(loso, "Leave one source out", [])))
         print(f"LOSO runtime {loso['runtime_s']} s (in-sample fit {loso['in_sample']['fit_s']} s; folds "

@@ -159,7 +159,7 @@ def markdown(report: dict, title: str, intro: list[str]) -> list[str]:
     ov, ins, code = report["overall"], report["in_sample"], report["code_constants"]
     lines = ["", f"## {title}", "", *intro, "",
              f"**Leave-one-source-out: MAPE {_pct(ov, 'mape')} over {ov['rows']} rows, worst {_pct(ov, 'worst')} "
-             f"({ov.get('worst_case', '-')}).** In-sample ({report['n_constants']} constants fitted jointly on all "
+             f"({ov.get('worst_case', '-')}).** In-sample ({report['n_constants']} constants fitted on all "
              f"{ins['fitted_on_rows']} rows of {len(report['sources'])} sources): MAPE {_pct(ins, 'mape')}, worst "
              f"{_pct(ins, 'worst')} ({ins.get('worst_case', '-')}). The code's constants on the same rows: MAPE "
              f"{_pct(code, 'mape')}, worst {_pct(code, 'worst')}.",

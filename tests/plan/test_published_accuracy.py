@@ -87,7 +87,8 @@ def test_estimate_and_plan_say_it(capsys):
     result = json.loads(capsys.readouterr().out)
     seen = result["published"]
     assert seen["model"] == "gpt-oss-120b" and seen["same_device"] and seen["runs"] >= 5
-    assert seen["code_constants"]["low"] > ACCURACY_WARN  # every GB200 run of it was predicted too fast
+    # every GB200 run of it was predicted too fast (+19% to +45%), the worst past the warning threshold
+    assert seen["code_constants"]["low"] > 0 and seen["code_constants"]["high"] > ACCURACY_WARN
     assert any(w.startswith("published runs of gpt-oss-120b on GB200") for w in result["warnings"])
     assert main(["plan", "--model", "qwen2.5-72b", "--cluster", "4x8xH100", "--global-batch", "64", "--seq", "4096",
                  "--top", "1"]) == 0

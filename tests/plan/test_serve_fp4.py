@@ -43,7 +43,7 @@ def test_fp4_kv_cache_bytes_per_token():
 
 def test_fp4_gemms_run_at_the_fp4_peak_on_blackwell_and_bf16_elsewhere():
     model = get_model("llama-3.1-8b")
-    # the FP4 dense peak times the one fitted FP4 fraction (serve_rates.FP4_GEMM_FRACTION, 0.54)
+    # the FP4 dense peak times the one fitted FP4 fraction (serve_rates.FP4_GEMM_FRACTION)
     frac = serve_rates.FP4_GEMM_FRACTION
     for cluster, dtype, peak in (("B200", "fp4", 9.0e15 * frac), ("GB200", "fp4", 1.0e16 * frac), ("H100", "bf16", 989.4e12)):
         c = layout_costs(model, parse_cluster(cluster), 1, 1, 1, 1, "nvfp4", "fp4", 2048, 256)
@@ -57,7 +57,7 @@ def test_fp4_gemms_run_at_the_fp4_peak_on_blackwell_and_bf16_elsewhere():
 
 
 def test_fp4_prefill_is_faster_than_fp8_by_at_most_the_peak_ratio():
-    """Compute-bound prefill: FP4's dense peak is twice FP8's on B200 (0.54 of it reached), so it takes at
+    """Compute-bound prefill: FP4's dense peak is twice FP8's on B200 (FP4_GEMM_FRACTION of it reached), so it takes at
     least half as long (the GEMM efficiency model is shared; attention and collectives do not speed up)."""
     from modelcarve.plan.serve.time import serve_time
 

@@ -33,14 +33,14 @@ a 7B model, not the 1 ms its weight read alone would take."""
 ALLREDUCE_FLOOR_S = 10.5e-6
 """Least time of one all-reduce however small (NCCL and custom all-reduce kernels: launch,
 flag exchange, completion), seconds. Fitted with the other two decode constants (see above)."""
-FP4_GEMM_FRACTION = 0.49
+FP4_GEMM_FRACTION = 0.68
 """Share of the FP4 (NVFP4/MXFP4 W4A4) dense peak the serving GEMMs reach relative to what the GEMM
 efficiency model gives other dtypes: block-scale handling and the bf16 epilogue. Fitted to the
 ``fit-fp4`` rows of data/serving_published.csv (TensorRT-LLM's Llama-3.1-405B NVFP4 on 4 B200, ten request
-shapes; ``serve_calibration.fit_fp4_fraction``: 0.49, rms log error 0.09 with TensorRT-LLM's own KV memory
-rule, 0.08 under vLLM's (the optimum did not move); it multiplies B200's GEMM peak
-fraction, so it was refitted from 0.54 when the training calibration moved that from 0.675 to 0.75: the
-product, what the rows see, is unchanged); every other FP4 row is a check."""
+shapes; ``serve_calibration.fit_fp4_fraction``: 0.68, rms log error 0.09 with TensorRT-LLM's own KV memory
+rule); it multiplies B200's GEMM peak fraction, so it is refitted whenever the training calibration moves
+that: 0.54 at B200 0.675, 0.49 at 0.75, 0.68 at 0.55 (2026-12-06, the training constants fitted to every
+release); the product, what the rows see, stays about 0.37); every other FP4 row is a check."""
 
 ENGINE_SEQ_HOST_S = 45.11e-3 / 1536
 """Host seconds the serving engine spends per sequence in flight per engine step (its executor loop:
