@@ -8,14 +8,15 @@ Usage::
 1. Fit: the two free constants of the GEMM-efficiency model (``RAMP_DIM`` and the A100's
    ``PEAK_FRACTION``, plan/cost/efficiency.py) by grid search, minimising the RMS of
    log(predicted / published) TFLOP/s per GPU over the ten rows of Table 1 of Narayanan et al.
-   2021, each run with its published layout. The fitted values are printed; the constants in
-   plan/cost/efficiency.py are set from them by hand (and this script shows the errors of the values
-   in the code, which are what the tests check).
+   2021, each run with its published layout, printed for reference. The code's values come from
+   ``shipped_fit`` (step 5), whose first stage fits the same two on Table 1 and Korthikanti et al.
+   2022's two 530B runs (mean |log error|; the same 64 / 0.75); this script shows the errors of the
+   values in the code, which are what the tests check.
 2. Check, with the constants as they are in the code: every Table 1 row predicted to fit in
    80 GB and within +-10% of its published TFLOP/s per GPU; the planner's own best layout for the
    row (same model, cluster, batch, sequence and 2021 software options) predicted at least as
-   fast in tokens/s; the published MoE runs (plan/data/moe_training.csv) and Korthikanti et al.
-   2022's 530B runs (plan/data/korthikanti2022.csv), neither fitted.
+   fast in tokens/s; the published MoE runs (plan/data/moe_training.csv, not fitted) and Korthikanti
+   et al. 2022's 530B runs (plan/data/korthikanti2022.csv).
 3. NeMo / Megatron-Bridge performance-summary rows (data/training_published.csv: Llama 3
    8B/70B/405B, Nemotron-4 15B/340B, Mixtral 8x7B, DeepSeek-V3, Qwen3 30B-A3B/235B-A22B,
    gpt-oss-120b on H100, B200, GB200, GB300; bf16, FP8 delayed / current scaling, MXFP8), each
@@ -157,6 +158,12 @@ JOINT_GRID = {"ramp_dim": [32.0, 48.0, 64.0, 80.0, 96.0, 112.0, 128.0, 160.0, 19
               "a100_peak_fraction": [0.70 + 0.01 * i for i in range(21)], **MODERN_GRID}
 """The nine constants ``shipped_fit`` sets: ``fit``'s grid for the two A100 constants, ``MODERN_GRID``'s for the seven."""
 A100_CONSTANTS = ("ramp_dim", "a100_peak_fraction")
+STAGE2_STARTS = tuple({name: grid[len(grid) * q // 4] for name, grid in MODERN_GRID.items()} for q in (1, 2, 3))
+"""Where ``shipped_fit``'s coordinate descent over the seven starts: each grid's lower-quartile, middle and
+upper-quartile value, the best of the three runs kept. Fixed, so no fit starts from constants that saw the rows
+it is fitted without (the LOSO folds); three, because coordinate descent is local: from the middle alone the
+fit on every row stops at mean |log error| 0.0928 (GB200 0.625, GB300 0.85, FP8 0.9, TP overlap 0.5) where
+the quartile starts reach 0.0913 (2026-12-06)."""
 
 
 def joint_constants() -> dict:
@@ -201,9 +208,9 @@ def shipped_fit(cases: list[Case], rounds: int = 8) -> dict:
        device no other constant prices.
     2. The seven framework constants (``MODERN_GRID``: the Blackwell peak fractions, the FP8 ratio, TP
        comm overlap, MoE bytes per token, the all-to-all host time per expert launch) by coordinate descent
-       over the NeMo / Megatron-Bridge rows (tokens/s per GPU), with stage 1's values set. The Megatron-Core
-       MoE README row is in neither stage: a check.
-    A stage with no rows leaves its constants at the code's values and lists them as unconstrained."""
+       over the NeMo / Megatron-Bridge rows (tokens/s per GPU), with stage 1's values set, from each of the
+       fixed ``STAGE2_STARTS``, the best run kept. The Megatron-Core MoE README row is in neither stage: a check.
+    A stage with no rows, or a constant no row moves, keeps the code's value and is listed as unconstrained."""
     saved = joint_constants()
     a100 = [c for c in cases if not c.published_tokens_per_device and c.cluster.device.name.startswith("A100")]
     framework = [c for c in cases if c.published_tokens_per_device]
@@ -229,9 +236,12 @@ def shipped_fit(cases: list[Case], rounds: int = 8) -> dict:
                 _set_joint(trial)
                 return mean_abs_log(_joint_error(c, trial) for c in framework)
 
-            result = coordinate_descent(stage2, MODERN_GRID, values, rounds=rounds)
-            values, rounds_done, converged = result["values"], result["rounds"], result["converged"]
-            unconstrained += result["unconstrained"]
+            runs = [coordinate_descent(stage2, MODERN_GRID, dict(values, **start), rounds=rounds) for start in STAGE2_STARTS]
+            result = min(runs, key=lambda r: r["score"])  # the first of equals: the starts' order decides ties
+            loose = [n for n in MODERN_GRID if all(n in r["unconstrained"] for r in runs)]
+            values = dict(result["values"], **{n: saved[n] for n in loose})  # no row moves it: the code's value stays
+            rounds_done, converged = result["rounds"], result["converged"]
+            unconstrained += loose
         else:
             unconstrained += list(MODERN_GRID)
     finally:
@@ -754,7 +764,7 @@ def markdown(table: list[dict], moe: list[dict], fitted: dict | None, sp: list[d
               "TP1 EP8 PP4 VP8, MBS 1, GBS 256, seq 4096 on 64 H100 (8x400 Gb/s IB per node). The load-imbalance",
               "factor is the planner's default (1.25), not tuned to this run."]
     if sp:
-        lines += ["", "## Korthikanti et al. 2022: 530B GPT on 2240 A100 (held out)", "",
+        lines += ["", "## Korthikanti et al. 2022: 530B GPT on 2240 A100 (fitted with Table 1 since 2026-12-06)", "",
                   "| run | layout | published MFU | predicted | error | fits (peak GiB) |", "|---|---|---|---|---|---|"]
         for r in sp:
             lines.append(f"| {r['case']} | {r['layout']} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | "
@@ -804,7 +814,8 @@ def main() -> None:
     shipped = None
     if not args.no_fit:  # the procedure the code's constants come from, on every answered row (= LOSO's in-sample)
         result = shipped_fit([c for c in every if not c.unanswered])
-        shipped = {**result, "matches_code": result["values"] == joint_constants()}
+        code = joint_constants()
+        shipped = {**result, "matches_code": all(abs(result["values"][n] - code[n]) <= 1e-9 for n in code)}
     report = {"fit": fitted, "constants": {"ramp_dim": efficiency.RAMP_DIM, "a100_peak_fraction": efficiency.PEAK_FRACTION["A100"],
                                            **_modern_constants()},
               "megatron_table1": table, "moe": moe, "korthikanti2022": sp,
