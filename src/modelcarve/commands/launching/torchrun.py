@@ -11,7 +11,8 @@ commands/launching/supervise.py, which forwards this process's signals (to torch
 ``rank0_pidfile`` to rank 0 alone: serve's drain), passes our ranks' ``modelcarve:`` lines through
 live, brings the ranks down after a rank failure and reaps them. When torchrun exits non-zero and
 no rank printed its own error (a rank crashed in C++, was killed, torchrun itself failed), one
-line says so, followed by torchrun's last output.
+line says so, followed by what the ranks printed last and the end of torchrun's report (its root
+cause: which rank, which exit code or signal).
 
 Exit code: torchrun's; without ``rank0_pidfile`` a signal makes it 128 + the signal number, as a
 shell reports one (``modelcarve: stopped by SIGTERM``).
@@ -20,6 +21,7 @@ shell reports one (``modelcarve: stopped by SIGTERM``).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -133,9 +135,29 @@ def launch(ranks: Torchrun, module: str, argv: list[str], *, timeout_s: float, r
     return code
 
 
+TORCHRUN_BLOCK = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/elastic/")
+"""The first line of torchrun's own failure report (its logger's ``E1206 20:21:57.644000 6850 .../elastic/...``)."""
+
+
 def report_failure(code: int, tail: list[str]) -> None:
-    """No rank said why (a crash in C++, a killed rank, torchrun itself): one line, then torchrun's last output."""
+    """No rank said why (a crash in C++, a killed rank, torchrun itself): one line, then the ranks' last
+    output (what a rank printed before it died: ``terminate called ...``, ``Fatal Python error ...``)
+    and the end of torchrun's report (its root cause: which rank, which exit code or signal).
+
+    torchrun's report follows the ranks' output and is about 40 lines of its own traceback, so a
+    plain tail would show only that."""
     sys.stderr.write(f"modelcarve: the ranks' launcher (torchrun) exited with code {code}; its last output:\n")
-    text = "\n".join(line for line in tail[-40:] if not line.startswith("modelcarve:"))[-3000:]
-    if text:
-        sys.stderr.write(text + "\n")
+    sys.stderr.write(failure_text(tail))
+
+
+def failure_text(tail: list[str]) -> str:
+    """The ranks' last 30 lines before torchrun's report, then the report's last 12 (see ``report_failure``)."""
+    lines = [line for line in tail if not line.startswith("modelcarve:")]
+    start = next((i for i, line in enumerate(lines) if TORCHRUN_BLOCK.match(line)), len(lines))
+    ranks, torchrun = lines[:start][-30:], lines[start:][-12:]
+    parts = []
+    if ranks:
+        parts.append("\n".join(ranks)[-3000:])
+    if torchrun:
+        parts.append(("...\n" if len(lines) - start > 12 else "") + "\n".join(torchrun)[-2000:])
+    return "".join(part + "\n" for part in parts)
