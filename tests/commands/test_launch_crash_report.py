@@ -34,3 +34,30 @@ def test_a_rank_that_aborts_is_reported_with_its_last_words_and_the_root_cause(t
     assert "Connection closed by peer" in err, err  # the rank's own last words
     assert "exitcode  : -6" in err and "SIGABRT" in err, err  # torchrun's root cause
     assert "Traceback (most recent call last)" not in err, err  # and not torchrun's traceback
+
+
+WORKER = """
+import os, sys
+import torch.distributed as dist
+from modelcarve.runtime.train.launch import main
+
+def crash_in_native_code(args):
+    if os.environ["RANK"] == "0":
+        os.abort()  # what a C++ std::terminate ends in
+    dist.barrier()  # the peer, in a collective: it loses contact and says so
+
+sys.exit(main(None, {"crash": crash_in_native_code}))
+"""
+
+
+def test_a_modelcarve_rank_that_aborts_shows_its_python_stacks(tmp_path, monkeypatch, capsys):
+    """A rank under launch.main (gloo world up, signals.install run) prints every thread's stack on a fatal
+    signal (faulthandler), and the report keeps them: the frame that died is named."""
+    (tmp_path / "crashing_worker.py").write_text(WORKER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = launch(Torchrun(nproc_per_node=2), "crashing_worker", ["crash", "{}"], timeout_s=30)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "Fatal Python error: Aborted" in err, err
+    assert "in crash_in_native_code" in err, err  # the Python frame the abort came from
+    assert "exitcode  : -6" in err, err

@@ -10,9 +10,10 @@ own failure summary off unless the caller's environment says otherwise). ``launc
 commands/launching/supervise.py, which forwards this process's signals (to torchrun, or with
 ``rank0_pidfile`` to rank 0 alone: serve's drain), passes our ranks' ``modelcarve:`` lines through
 live, brings the ranks down after a rank failure and reaps them. When torchrun exits non-zero and
-no rank printed its own error (a rank crashed in C++, was killed, torchrun itself failed), one
-line says so, followed by what the ranks printed last and the end of torchrun's report (its root
-cause: which rank, which exit code or signal).
+no rank printed its own error (a rank crashed in C++, was killed, torchrun itself failed) or a rank
+crashed (its peers then print only that they lost contact), one line says so, followed by what
+the ranks printed last (a crash's stacks from the first line of it) and the end of torchrun's
+report (its root cause: which rank, which exit code or signal).
 
 Exit code: torchrun's; without ``rank0_pidfile`` a signal makes it 128 + the signal number, as a
 shell reports one (``modelcarve: stopped by SIGTERM``).
@@ -130,7 +131,8 @@ def launch(ranks: Torchrun, module: str, argv: list[str], *, timeout_s: float, r
     if signals and rank0_pidfile is None:
         sys.stderr.write(f"modelcarve: stopped by {signal.Signals(signals[0]).name}\n")
         return 128 + signals[0]
-    if code and not any(line.startswith("modelcarve: rank") for line in ours) and (not signals or rank0_pidfile):
+    crashed = any(line.lstrip().startswith(CRASH_START) for line in tail)  # its peers' "lost contact" lines are not why
+    if code and (crashed or not any(line.startswith("modelcarve: rank") for line in ours)) and (not signals or rank0_pidfile):
         report_failure(code, tail)  # serve: a drain that ended in a failed rank says so too
     return code
 
@@ -150,14 +152,25 @@ def report_failure(code: int, tail: list[str]) -> None:
     sys.stderr.write(failure_text(tail))
 
 
+CRASH_START = ("terminate called", "Fatal Python error")
+"""How a rank's own crash report begins (C++'s std::terminate, Python's fatal error; the latter followed by
+faulthandler's stacks of every thread, which signals.install enables on every rank)."""
+
+
 def failure_text(tail: list[str]) -> str:
-    """The ranks' last 30 lines before torchrun's report, then the report's last 12 (see ``report_failure``)."""
+    """The ranks' last output before torchrun's report, then the report's last 12 lines (see ``report_failure``).
+
+    The ranks' part starts at the first crash line (``CRASH_START``) of their last 120 lines, so every
+    thread's stack that faulthandler printed is kept (at most 120 lines, 8,000 characters); without one,
+    their last 30 lines."""
     lines = [line for line in tail if not line.startswith("modelcarve:")]
     start = next((i for i, line in enumerate(lines) if TORCHRUN_BLOCK.match(line)), len(lines))
-    ranks, torchrun = lines[:start][-30:], lines[start:][-12:]
+    ranks, torchrun = lines[:start][-120:], lines[start:][-12:]
+    crash = next((i for i, line in enumerate(ranks) if line.lstrip().startswith(CRASH_START)), None)
+    ranks = ranks[crash:] if crash is not None else ranks[-30:]
     parts = []
     if ranks:
-        parts.append("\n".join(ranks)[-3000:])
+        parts.append("\n".join(ranks)[-8000:])
     if torchrun:
         parts.append(("...\n" if len(lines) - start > 12 else "") + "\n".join(torchrun)[-2000:])
     return "".join(part + "\n" for part in parts)

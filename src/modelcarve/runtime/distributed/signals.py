@@ -15,6 +15,9 @@
   (``MODELCARVE_LAUNCHER_PID``, set by commands/launching/supervise.py), so killing the launcher with
   SIGKILL ends the ranks too (and torchrun, which then sees them fail).
 * Exit codes: 128 + the signal number, as a shell reports a signal.
+* A fatal signal (SIGABRT from a C++ ``std::terminate``, SIGSEGV, ...) prints every thread's Python
+  stack (``faulthandler``) before the rank dies: the launcher's failure report
+  (commands/launching/torchrun.py ``failure_text``) keeps it.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ def install(grace_s: float, watch_parent: bool = True) -> None:
     """Handle SIGTERM/SIGINT and watch the parent (main thread only; once per process)."""
     if _state["installed"] or threading.current_thread() is not threading.main_thread():
         return
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a fatal signal (SIGABRT of a C++ terminate, SIGSEGV) prints every thread's stack
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     for signum in (signal.SIGTERM, signal.SIGINT):
