@@ -142,7 +142,8 @@ TORCHRUN_BLOCK = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distr
 
 
 def report_failure(code: int, tail: list[str]) -> None:
-    """No rank said why (a crash in C++, a killed rank, torchrun itself): one line, then the ranks' last
+    """No rank said why (a crash in C++, a killed rank, torchrun itself), or a rank crashed (its peers said only
+    that they lost contact): one line, then the ranks' last
     output (what a rank printed before it died: ``terminate called ...``, ``Fatal Python error ...``)
     and the end of torchrun's report (its root cause: which rank, which exit code or signal).
 

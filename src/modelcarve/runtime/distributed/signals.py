@@ -103,7 +103,10 @@ def install(grace_s: float, watch_parent: bool = True) -> None:
         return
     import faulthandler
 
-    faulthandler.enable(all_threads=True)  # a fatal signal (SIGABRT of a C++ terminate, SIGSEGV) prints every thread's stack
+    try:  # a fatal signal (SIGABRT of a C++ terminate, SIGSEGV) prints every thread's stack
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, RuntimeError, ValueError, OSError):  # no stderr file descriptor to write it to
+        pass
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     for signum in (signal.SIGTERM, signal.SIGINT):
