@@ -116,3 +116,16 @@ def test_serve_refuses_a_port_in_use_before_any_rank():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], proc.stderr
+
+
+def test_a_probe_server_that_dies_says_why():
+    """A served probe model that dies before answering is refused in one line that quotes the server's
+    own last words (its output goes to a log the probe reads), and the log is removed."""
+    from modelcarve.commands.probe.served import _Served
+    from modelcarve.spec.errors import ModelcarveError
+
+    served = _Served("/nonexistent/tiny-1.json", 1, tp=1)
+    with pytest.raises(ModelcarveError, match=r"\(tp=1\) failed \(exit code 1\): .*no such config file"):
+        with served:
+            pass
+    assert served.log is None

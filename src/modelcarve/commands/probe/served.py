@@ -11,9 +11,12 @@ says how each figure is fitted and where the cluster file takes it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 
 ENGINE_LAYERS = (1, 8)
@@ -43,10 +46,12 @@ def overhead_from_steps(t1: float, t2: float, l1: int, l2: int) -> dict:
     return dict(step_overhead_s=step, layer_overhead_s=layer, decode_step_s={str(l1): t1, str(l2): t2})
 
 
-def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
+def _serve_tiny(config: str, port: int, threads: int, tp: int = 1, log: str = os.devnull) -> None:
     """A spawned process: ``modelcarve serve`` of ``config`` at ``tp`` (fp32), real uvicorn on
     127.0.0.1:``port``, started as ``commands/serve.py`` starts it: one rank in this process, more
-    through torchrun (``serve.server`` on every rank; the first signal goes to rank 0, which drains)."""
+    through torchrun (``serve.server`` on every rank; the first signal goes to rank 0, which drains).
+    Its output goes to ``log`` (``_Served.ready`` quotes its end if the server dies); its exit code is
+    the server's (torchrun's at tp > 1)."""
     import json
     import tempfile
 
@@ -55,7 +60,7 @@ def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
     torch.set_num_threads(threads)
     quiet = os.open(os.devnull, os.O_WRONLY)  # its banner and drain notes would land in --json's stdout
     os.dup2(quiet, 1)
-    os.dup2(quiet, 2)
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     payload = dict(model=config, layout=f"tp={tp},param_dtype=fp32", port=port, served_model_name="probe",
                    kv_cache_bytes=4 << 20)
     if tp == 1:
@@ -67,8 +72,10 @@ def _serve_tiny(config: str, port: int, threads: int, tp: int = 1) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         payload["pidfile"] = pidfile = os.path.join(tmp, "rank0.pid")
-        launch(Torchrun(nproc_per_node=tp), "modelcarve.serve.server", ["serve", json.dumps(payload)], timeout_s=120,
-               rank0_pidfile=pidfile, stop_within_s=30)
+        code = launch(Torchrun(nproc_per_node=tp), "modelcarve.serve.server", ["serve", json.dumps(payload)],
+                      timeout_s=120, rank0_pidfile=pidfile, stop_within_s=30)
+    if code:
+        sys.exit(code)
 
 
 class _Served:
@@ -78,7 +85,7 @@ class _Served:
 
     def __init__(self, config: str, threads: int, tp: int = 1):
         self.config, self.threads, self.tp = config, threads, tp
-        self.proc, self.url, self.sent = None, None, 0
+        self.proc, self.url, self.sent, self.log = None, None, 0, None
 
     def start(self) -> "_Served":
         """Spawn the server (it imports and loads on its own: several start side by side)."""
@@ -87,7 +94,10 @@ class _Served:
         from modelcarve.commands.launching.torchrun import free_port
 
         port = free_port()
-        self.proc = mp.get_context("spawn").Process(target=_serve_tiny, args=(self.config, port, self.threads, self.tp))
+        fd, self.log = tempfile.mkstemp(prefix="modelcarve-probe-serve-", suffix=".log")
+        os.close(fd)
+        self.proc = mp.get_context("spawn").Process(target=_serve_tiny,
+                                                     args=(self.config, port, self.threads, self.tp, self.log))
         self.proc.start()
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -101,7 +111,8 @@ class _Served:
         deadline = time.monotonic() + 180
         while True:
             if not self.proc.is_alive():
-                raise ModelcarveError(f"hardware --probe: serving the probe model failed (exit code {self.proc.exitcode})")
+                raise ModelcarveError(f"hardware --probe: serving the probe model (tp={self.tp}) failed (exit code "
+                                      f"{self.proc.exitcode}){self._last_words()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
@@ -128,6 +139,19 @@ class _Served:
             self.proc.kill()
             self.proc.join()
         self.proc = None
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log)
+            self.log = None
+
+    def _last_words(self) -> str:
+        """``: <the server's last lines>`` (its ``modelcarve:`` errors and the launcher's report), or ``""``."""
+        try:
+            with open(self.log, errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except (OSError, TypeError):
+            return ""
+        return (": " + " | ".join(lines[-6:]))[-1500:] if lines else ""
 
     def times(self, warm: int, requests: int = SERVED_REQUESTS) -> tuple[list[float], list[float], float | None]:
         """(TTFT, TPOT) seconds per request and the pass's HTTP share, as ``bench-serve``'s client sees
