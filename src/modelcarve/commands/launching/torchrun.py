@@ -131,7 +131,7 @@ def launch(ranks: Torchrun, module: str, argv: list[str], *, timeout_s: float, r
     if signals and rank0_pidfile is None:
         sys.stderr.write(f"modelcarve: stopped by {signal.Signals(signals[0]).name}\n")
         return 128 + signals[0]
-    crashed = any(line.lstrip().startswith(CRASH_START) for line in tail)  # its peers' "lost contact" lines are not why
+    crashed = any(map(is_crash_line, tail))  # its peers' "lost contact" lines are not why
     if code and (crashed or not any(line.startswith("modelcarve: rank") for line in ours)) and (not signals or rank0_pidfile):
         report_failure(code, tail)  # serve: a drain that ended in a failed rank says so too
     return code
@@ -142,10 +142,10 @@ TORCHRUN_BLOCK = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distr
 
 
 def report_failure(code: int, tail: list[str]) -> None:
-    """No rank said why (a crash in C++, a killed rank, torchrun itself), or a rank crashed (its peers said only
-    that they lost contact): one line, then the ranks' last
-    output (what a rank printed before it died: ``terminate called ...``, ``Fatal Python error ...``)
-    and the end of torchrun's report (its root cause: which rank, which exit code or signal).
+    """No rank said why (a crash in C++, a killed rank, torchrun itself), or a rank crashed (its peers said
+    only that they lost contact): one line, then the ranks' last output (what a rank printed before it
+    died: ``terminate called ...``, ``Fatal Python error ...``) and the end of torchrun's report (its
+    root cause: which rank, which exit code or signal).
 
     torchrun's report follows the ranks' output and is about 40 lines of its own traceback, so a
     plain tail would show only that."""
@@ -158,6 +158,10 @@ CRASH_START = ("terminate called", "Fatal Python error")
 faulthandler's stacks of every thread, which signals.install enables on every rank)."""
 
 
+def is_crash_line(line: str) -> bool:
+    return line.lstrip().startswith(CRASH_START)
+
+
 def failure_text(tail: list[str]) -> str:
     """The ranks' last output before torchrun's report, then the report's last 12 lines (see ``report_failure``).
 
@@ -167,7 +171,7 @@ def failure_text(tail: list[str]) -> str:
     lines = [line for line in tail if not line.startswith("modelcarve:")]
     start = next((i for i, line in enumerate(lines) if TORCHRUN_BLOCK.match(line)), len(lines))
     ranks, torchrun = lines[:start][-120:], lines[start:][-12:]
-    crash = next((i for i, line in enumerate(ranks) if line.lstrip().startswith(CRASH_START)), None)
+    crash = next((i for i, line in enumerate(ranks) if is_crash_line(line)), None)
     ranks = ranks[crash:] if crash is not None else ranks[-30:]
     parts = []
     if ranks:

@@ -52,9 +52,6 @@ def _serve_tiny(config: str, port: int, threads: int, tp: int = 1, log: str = os
     through torchrun (``serve.server`` on every rank; the first signal goes to rank 0, which drains).
     Its output goes to ``log`` (``_Served.ready`` quotes its end if the server dies); its exit code is
     the server's (torchrun's at tp > 1)."""
-    import json
-    import tempfile
-
     import torch
 
     torch.set_num_threads(threads)
@@ -215,9 +212,6 @@ def served_overhead(threads: int, tp_ranks: int = 2, quick: bool = False) -> dic
     ``quick`` (``hardware --probe --probe-quick``, for smoke tests): one pass of ``QUICK_REQUESTS``
     requests after one warm-up per server instead of two passes of ``SERVED_REQUESTS``; the same
     servers and fits, from fewer samples."""
-    import contextlib
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         l1, l2 = ENGINE_LAYERS
         models = (_tiny_config(tmp, l1), _tiny_config(tmp, l2))
